@@ -1,0 +1,1 @@
+"""mlpair: a gRPC serving pair that splits inference (raw logits) from prediction (decisions)."""

@@ -1,0 +1,70 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECISION_UNSPECIFIED: _ClassVar[Decision]
+    DECISION_APPROVE: _ClassVar[Decision]
+    DECISION_REVIEW: _ClassVar[Decision]
+    DECISION_DECLINE: _ClassVar[Decision]
+DECISION_UNSPECIFIED: Decision
+DECISION_APPROVE: Decision
+DECISION_REVIEW: Decision
+DECISION_DECLINE: Decision
+
+class AttributeValue(_message.Message):
+    __slots__ = ("number_value", "string_value", "bool_value")
+    NUMBER_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    number_value: float
+    string_value: str
+    bool_value: bool
+    def __init__(self, number_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ...) -> None: ...
+
+class PredictRequest(_message.Message):
+    __slots__ = ("request_id", "entity_id", "attributes", "model_name")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: AttributeValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[AttributeValue, _Mapping]] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTITY_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    entity_id: str
+    attributes: _containers.MessageMap[str, AttributeValue]
+    model_name: str
+    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, AttributeValue]] = ..., model_name: _Optional[str] = ...) -> None: ...
+
+class PredictResponse(_message.Message):
+    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_CODES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    decision_id: str
+    probability: float
+    decision: Decision
+    reason_codes: _containers.RepeatedScalarFieldContainer[str]
+    model_version: str
+    feature_schema_version: str
+    from_cache: bool
+    policy_version: str
+    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Training: real data → feature preprocessing → PyTorch model → ONNX → model repository entry."""

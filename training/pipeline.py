@@ -1,0 +1,152 @@
+"""``mlpair train``: one model family from its schema file to a verified repository entry.
+
+Steps: load the real data → seeded stratified split → fit the preprocessing on the train
+split → assemble features with the serving code path → train → export ONNX and check parity
+→ fit temperature on the calibration split → evaluate on the holdout → write
+``<root>/<model_name>/<version>/`` atomically. If the latest entry was trained from the same
+data, schema and config (same fingerprint), it is reused instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from mlpair.contracts import calibration, metrics
+from mlpair.contracts.assembly import FeatureAssembler
+from mlpair.contracts.manifest import (
+    PREPROCESSING_FILE, Calibration, Manifest, ManifestError, ModelEntry, TensorSpec, VersionTriple,
+    file_sha256, list_versions, load_entry, write_manifest,
+)
+from mlpair.contracts.schema import FeatureSchema, Preprocessing
+from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
+from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx
+from mlpair.training.model import TrainConfig, predict_logits, train_classifier
+
+logger = logging.getLogger(__name__)
+
+# Bump when a change to this package changes the trained model for the same inputs.
+TRAINING_CODE_VERSION = "1"
+BASELINE_QUANTILES = 101
+
+
+def fingerprint(schema: FeatureSchema, data_sha256: str, config: TrainConfig) -> str:
+    """Hash of everything that determines the trained model; equal → the entry can be reused."""
+    payload = json.dumps({
+        "schema": schema.model_dump(mode="json"), "data": data_sha256,
+        "config": dataclasses.asdict(config), "code": TRAINING_CODE_VERSION,
+    }, sort_keys=True)
+    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+def find_reusable(root: Path, model_name: str, print_: str) -> ModelEntry | None:
+    """The latest verified entry of ``model_name`` whose training fingerprint is ``print_``."""
+    versions = list_versions(root, model_name)
+    if not versions:
+        return None
+    try:
+        entry = load_entry(root / model_name / str(versions[-1]))
+    except ManifestError as exc:
+        logger.warning("latest entry is not reusable: %s", exc)
+        return None
+    return entry if entry.manifest.training.get("fingerprint") == print_ else None
+
+
+def baselines(preprocessing: Preprocessing, train: Dataset) -> dict[str, dict]:
+    """Training distribution per feature for drift checks: quantiles of guarded numeric
+    values, category frequencies (unknown and missing folded into the default)."""
+    assembler = FeatureAssembler(preprocessing)
+    x = assembler.assemble_many(train.records)
+    out: dict[str, dict] = {}
+    qs = np.linspace(0, 1, BASELINE_QUANTILES)
+    for i, feat in enumerate(preprocessing.feature_schema.numeric):
+        out[feat.name] = {"kind": "numeric", "space": "standardised", "quantiles": np.quantile(x[:, i], qs).round(6).tolist()}
+    names = preprocessing.feature_names
+    for feat in preprocessing.feature_schema.categorical:
+        cols = [j for j, n in enumerate(names) if n.startswith(feat.name + "=")]
+        freq = x[:, cols].mean(axis=0)
+        out[feat.name] = {"kind": "categorical", "frequencies": {names[j].split("=", 1)[1]: round(float(f), 6) for j, f in zip(cols, freq)}}
+    return out
+
+
+def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfig(), *,
+                 force: bool = False, show_progress: bool = True) -> tuple[ModelEntry, bool]:
+    """Trains (or reuses) the model family described by ``schema_path`` into ``root``.
+
+    Returns:
+        The verified entry and whether it was newly trained (False = reused).
+
+    Raises:
+        ExportParityError: ONNX Runtime and PyTorch disagree by more than 1e-4 on the holdout.
+        ValueError: the schema or data set is unusable.
+    """
+    schema = FeatureSchema.from_toml(schema_path)
+    data = load_dataset(schema)
+    print_ = fingerprint(schema, data.sha256, config)
+    if not force and (entry := find_reusable(root, schema.name, print_)) is not None:
+        logger.info("reusing %s version %s (same fingerprint)", schema.name, entry.manifest.model_version)
+        return entry, False
+
+    splits = {name: data.subset(idx) for name, idx in stratified_split(data.labels, config.seed).items()}
+    preprocessing = Preprocessing.fit(schema, splits["train"].records)
+    assembler = FeatureAssembler(preprocessing)
+    x = {name: assembler.assemble_many(s.records) for name, s in splits.items()}
+
+    model = _train_with_progress(x["train"], splits["train"].labels, config, show_progress)
+    version = str((list_versions(root, schema.name) or [0])[-1] + 1)
+    target = root / schema.name / version
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{version}-"))
+    try:
+        export_onnx(model, preprocessing.n_features, staging / "model.onnx")
+        parity = check_parity(model, staging / "model.onnx", x["holdout"])
+        preprocessing.save(staging / PREPROCESSING_FILE)
+
+        positive = 1
+        temperature = calibration.fit_temperature(predict_logits(model, x["calibration"]), splits["calibration"].labels, positive)
+        holdout_logits = predict_logits(model, x["holdout"])
+        y_holdout = splits["holdout"].labels
+        manifest = Manifest(
+            model_name=schema.name,
+            versions=VersionTriple(model_version=version, feature_schema_version=schema.version,
+                                   preprocessing_hash=preprocessing.hash),
+            model_sha256=file_sha256(staging / "model.onnx"),
+            inputs=[TensorSpec(name=INPUT_NAME, shape=[-1, preprocessing.n_features])],
+            outputs=[TensorSpec(name=OUTPUT_NAME, shape=[-1, 2])],
+            class_names=[f"not {schema.target.positive}", schema.target.positive],
+            positive_index=positive,
+            calibration=Calibration(temperature=temperature),
+            baselines=baselines(preprocessing, splits["train"]),
+            metrics={
+                "holdout_uncalibrated": metrics.summary(y_holdout, calibration.temperature_probability(holdout_logits, 1.0, positive)),
+                "holdout_calibrated": metrics.summary(y_holdout, calibration.temperature_probability(holdout_logits, temperature, positive)),
+            },
+            data_source={"source": schema.source, "sha256": data.sha256, "rows": len(data.records),
+                         "target": f"{schema.target.column} == {schema.target.positive!r}",
+                         "split": {**{k: len(v.records) for k, v in splits.items()}, "fractions": SPLIT_FRACTIONS, "seed": config.seed}},
+            training={"fingerprint": print_, "config": dataclasses.asdict(config), "onnx_parity_max_abs_diff": parity},
+        )
+        write_manifest(staging, manifest)
+        staging.rename(target)  # atomic: a half-written entry is never visible
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    entry = load_entry(target)
+    logger.info("wrote %s version %s to %s", schema.name, version, target)
+    return entry, True
+
+
+def _train_with_progress(x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("training"), BarColumn(), TextColumn("epoch {task.completed}/{task.total}"),
+                  TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not show) as bar:
+        task = bar.add_task("train", total=config.epochs, loss=float("nan"))
+        return train_classifier(x, y, config, progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss))
