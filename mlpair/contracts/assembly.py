@@ -75,7 +75,16 @@ def _to_float(value: Any) -> float:
             return float(value.strip())
         except ValueError:
             raise ValueError("expected a number, got a string that is not one") from None
-    raise TypeError(f"expected a number, got {type(value).__name__}")
+    raise TypeError(f"expected a number, got {_kind(value)}")
+
+
+def _kind(value: Any) -> str:
+    """Plain-language type of a raw value, for error messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return "a number"
+    return "a string" if isinstance(value, str) else type(value).__name__
 
 
 class FeatureAssembler:
@@ -150,7 +159,7 @@ class FeatureAssembler:
         for name, rule, index, unknown, default in self._categorical:
             raw = attributes.get(name)
             if not is_missing(raw) and not isinstance(raw, str):
-                problems[name] = f"expected a category string, got {type(raw).__name__}"
+                problems[name] = f"expected a category string, got {_kind(raw)}"
                 continue
             value = "" if is_missing(raw) else normalize_category(raw, rule)
             if not value:

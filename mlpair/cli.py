@@ -1,0 +1,154 @@
+"""The ``mlpair`` command: train, serve inference, serve prediction, demo, health.
+
+Every server setting is a flag and an environment variable (``INFERENCE_*`` /
+``PREDICTION_*``); a flag wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import typing
+from pathlib import Path
+
+from pydantic_settings import BaseSettings
+
+DEFAULT_SCHEMAS = [Path("config/credit-risk/feature-schema.toml")]
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings], prefix: str) -> None:
+    """One ``--flag`` per settings field, documented by the field's docstring."""
+    for name, field in settings_cls.model_fields.items():
+        env = f"{prefix}{name.upper()}"
+        flag = "--" + name.replace("_", "-")
+        is_list = typing.get_origin(field.annotation) is list
+        parser.add_argument(flag, dest=name, default=None, nargs="*" if is_list else None,
+                            help=f"{field.description} [env {env}; default {field.default!r}]")
+
+
+def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> BaseSettings:
+    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
+    return settings_cls(**given)
+
+
+def _serve_inference(args: argparse.Namespace) -> int:
+    from mlpair.inference.server import serve
+    from mlpair.inference.settings import InferenceSettings
+
+    settings = _settings(InferenceSettings, args)
+    return _run_server("inference", settings, serve)
+
+
+def _serve_prediction(args: argparse.Namespace) -> int:
+    from mlpair.prediction.server import serve
+    from mlpair.prediction.settings import PredictionSettings
+
+    settings = _settings(PredictionSettings, args)
+    return _run_server("prediction", settings, serve)
+
+
+def _run_server(layer: str, settings, serve) -> int:
+    import logging
+
+    from prometheus_client import start_http_server
+
+    from mlpair.logs import configure_logging
+
+    configure_logging(layer, settings.log_level, settings.log_format)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
+    try:
+        asyncio.run(serve(settings))
+    except Exception as exc:  # start-up refusals: say why in one line, full detail in the log
+        logging.getLogger("mlpair").error("%s service failed: %s", layer, exc, exc_info=True)
+        print(f"mlpair: {layer} service failed to start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import logging
+
+    from mlpair.logs import configure_logging
+    from mlpair.training.pipeline import train_family
+
+    configure_logging("training", "INFO")
+    for schema in args.schema or DEFAULT_SCHEMAS:
+        entry, fresh = train_family(Path(schema), Path(args.model_repository), force=args.force)
+        m = entry.manifest
+        cal = m.metrics["holdout_calibrated"]
+        logging.getLogger("mlpair").info(
+            "%s version %s %s: holdout ROC AUC %.4f, Brier %.4f, ECE %.4f (temperature %.3f)",
+            m.model_name, m.model_version, "trained" if fresh else "reused (up to date)",
+            cal["roc_auc"], cal["brier"], cal["ece_15"], m.calibration.temperature)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from mlpair.demo import run_demo
+
+    return run_demo(Path(args.model_repository), Path(args.workdir), Path(args.config_dir),
+                    concurrency=args.concurrency)
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s)
+        except grpc.RpcError as exc:
+            print(f"{args.target}: {exc.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlpair.inference.settings import InferenceSettings
+    from mlpair.prediction.settings import PredictionSettings
+
+    parser = argparse.ArgumentParser(prog="mlpair", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train model families on real data into the model repository")
+    train.add_argument("--schema", action="append", help="feature schema file (repeatable) [default: credit-risk]")
+    train.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
+    train.add_argument("--force", action="store_true", help="train a new version even if the latest is up to date")
+    train.set_defaults(func=_train)
+
+    serve = sub.add_parser("serve", help="run one of the two services")
+    roles = serve.add_subparsers(dest="role", required=True)
+    inference = roles.add_parser("inference", help="InferenceService: raw logits over gRPC")
+    _add_settings_flags(inference, InferenceSettings, "INFERENCE_")
+    inference.set_defaults(func=_serve_inference)
+    prediction = roles.add_parser("prediction", help="PredictionService: decisions over gRPC")
+    _add_settings_flags(prediction, PredictionSettings, "PREDICTION_")
+    prediction.set_defaults(func=_serve_prediction)
+
+    demo = sub.add_parser("demo", help="train, start both services, score every holdout applicant, summarise, stop")
+    demo.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
+    demo.add_argument("--workdir", default="var/demo", help="CRM database and service logs [default: var/demo]")
+    demo.add_argument("--config-dir", default="config", help="schemas and policies [default: config]")
+    demo.add_argument("--concurrency", type=int, default=32, help="Predict calls in flight [default: 32]")
+    demo.set_defaults(func=_demo)
+
+    health = sub.add_parser("health", help="grpc.health.v1 check; exit 0 only when SERVING")
+    health.add_argument("--target", default="127.0.0.1:8001", help="host:port [default: 127.0.0.1:8001]")
+    health.add_argument("--service", default="", help="service name; empty = overall")
+    health.add_argument("--timeout-s", type=float, default=2.0, help="seconds to wait [default: 2]")
+    health.set_defaults(func=_health)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""gRPC plumbing shared by both servers: error mapping, message limits, health helpers.
+
+One server interceptor maps :class:`~mlpair.errors.ServiceError` to a ``google.rpc.Status``
+with one ``ErrorInfo(reason, domain, metadata)`` (grpcio-status); anything else becomes
+INTERNAL with a generic message and is logged with its traceback, so internal exception text
+never reaches a client and servicers need no try/except.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from mlpair.errors import ServiceError
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel/server options that cap both directions at ``max_message_bytes``."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def to_status(code: str, message: str, reason: str, domain: str, metadata: dict[str, str]) -> grpc.Status:
+    """Builds the rich status for an error: code, message and one ErrorInfo detail."""
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=getattr(code_pb2, code), message=message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo detail of a failed call, if the server sent one."""
+    status = rpc_status.from_call(error)
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions escaping unary-unary handlers to rich gRPC statuses."""
+
+    def __init__(self, domain: str) -> None:
+        self.domain = domain
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = handler_call_details.method
+        domain = self.domain
+
+        async def guarded(request, context: grpc.aio.ServicerContext):
+            try:
+                return await inner(request, context)
+            except ServiceError as exc:
+                status = to_status(exc.code, exc.message, exc.reason, domain, exc.metadata)
+            except grpc.aio.AbortError:
+                raise  # the handler already chose its status
+            except Exception:
+                logger.exception("unexpected error in %s", method)
+                status = to_status("INTERNAL", "internal error", "INTERNAL", domain, {})
+            await context.abort(status.code, status.details, status.trailing_metadata)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class Health:
+    """The standard ``grpc.health.v1`` service for a server, overall ("") and per service name.
+
+    Starts NOT_SERVING; :meth:`set_serving` flips every name at once.
+    """
+
+    def __init__(self, service_names: list[str]) -> None:
+        from grpc_health.v1 import health
+
+        self.servicer = health.aio.HealthServicer()
+        self.names = ["", *service_names]
+
+    async def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            await self.servicer.set(name, status)
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        from grpc_health.v1 import health_pb2_grpc
+
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+
+async def wait_for_termination_signal() -> None:
+    """Returns when the process gets SIGTERM or SIGINT (Kubernetes sends SIGTERM on pod stop)."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("termination signal received; draining")
+
+
+async def drain(server: grpc.aio.Server, health: Health, grace_s: float) -> None:
+    """Graceful stop: report NOT_SERVING at once so load balancers stop routing here, refuse new
+    calls, let in-flight calls finish for up to ``grace_s`` seconds, then cancel the rest."""
+    await health.set_serving(False)
+    await server.stop(grace_s)

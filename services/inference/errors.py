@@ -1,0 +1,46 @@
+"""InferenceService errors, each with its gRPC code and AIP-193 reason."""
+
+from __future__ import annotations
+
+from mlpair.errors import ServiceError
+
+DOMAIN = "inference.mlpair"
+
+
+class InferenceError(ServiceError):
+    """Root of InferenceService errors."""
+
+
+class InvalidInput(InferenceError):
+    """The input tensor is malformed: dtype, shape, byte size or values."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_INPUT"
+
+
+class FeatureVersionMismatch(InferenceError):
+    """``x-feature-version`` is missing or differs from the model's feature schema version."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "FEATURE_VERSION_MISMATCH"
+
+
+class ModelNotFound(InferenceError):
+    """No such model, or no such version of it."""
+
+    code = "NOT_FOUND"
+    reason = "MODEL_NOT_FOUND"
+
+
+class ModelNotReady(InferenceError):
+    """The model is still loading or warming up, or the server is draining."""
+
+    code = "UNAVAILABLE"
+    reason = "MODEL_NOT_READY"
+
+
+class ModelFailure(InferenceError):
+    """The model itself failed or produced unusable output (never the caller's fault)."""
+
+    code = "INTERNAL"
+    reason = "MODEL_FAILURE"

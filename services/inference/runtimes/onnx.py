@@ -1,0 +1,53 @@
+"""ONNX Runtime backend: one InferenceSession per model version."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+
+def choose_providers(requested: str, available: list[str]) -> list[str]:
+    """Execution providers to use for ``requested`` ("auto", "cuda" or "cpu").
+
+    "auto" and "cuda" take CUDA when this ONNX Runtime build has it; otherwise they fall
+    back to CPU and say so in the log (a GPU pod without CUDA is worth noticing).
+    """
+    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if requested == "cuda":
+        logger.warning("CUDA execution provider requested but not available (%s); using CPU", available)
+    return ["CPUExecutionProvider"]
+
+
+class OnnxRuntime:
+    """Runs an ONNX model: ``[batch, n_features] float32`` → logits ``[batch, n_classes] float32``."""
+
+    def __init__(self, model_path: Path, *, provider: str = "auto", intra_op_threads: int = 1,
+                 graph_optimization: str = "all") -> None:
+        import onnxruntime as ort  # imported here so importing the service never needs it
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _OPT_LEVELS[graph_optimization])
+        providers = choose_providers(provider, ort.get_available_providers())
+        self._session = ort.InferenceSession(str(model_path), options, providers=providers)
+        self._input = self._session.get_inputs()[0].name
+        self._output = self._session.get_outputs()[0].name
+        self.provider = self._session.get_providers()[0]
+        logger.info("loaded %s with %s", model_path, self.provider)
+
+    @property
+    def description(self) -> str:
+        return f"onnxruntime:{self.provider}"
+
+    def run(self, features: np.ndarray) -> np.ndarray:
+        """Logits for ``features`` ``[batch, n_features] float32`` (blocking; call from an executor)."""
+        return self._session.run([self._output], {self._input: features})[0]

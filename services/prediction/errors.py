@@ -1,0 +1,53 @@
+"""PredictionService errors, each with its gRPC code and AIP-193 reason."""
+
+from __future__ import annotations
+
+from mlpair.errors import ServiceError
+
+DOMAIN = "prediction.mlpair"
+
+
+class PredictionError(ServiceError):
+    """Root of PredictionService errors."""
+
+
+class InvalidRequest(PredictionError):
+    """The request is malformed: ids, or attribute values no conversion rule accepts."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_REQUEST"
+
+
+class UnknownModel(PredictionError):
+    """The request names a model family this service does not serve."""
+
+    code = "NOT_FOUND"
+    reason = "UNKNOWN_MODEL"
+
+
+class InferenceUnavailable(PredictionError):
+    """InferenceService could not answer in time (down, overloaded, deadline passed)."""
+
+    code = "UNAVAILABLE"
+    reason = "INFERENCE_UNAVAILABLE"
+
+
+class InferenceContractError(PredictionError):
+    """InferenceService refused the version contract; no decision is made on this vector."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "VERSION_CONTRACT_BROKEN"
+
+
+class InferenceFailed(PredictionError):
+    """InferenceService failed for another reason (a model failure, an invalid tensor)."""
+
+    code = "INTERNAL"
+    reason = "INFERENCE_FAILED"
+
+
+class CrmUnavailable(PredictionError):
+    """The decision could not be recorded in the CRM, so it is not returned."""
+
+    code = "UNAVAILABLE"
+    reason = "CRM_UNAVAILABLE"

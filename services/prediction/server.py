@@ -1,0 +1,77 @@
+"""PredictionService process: wiring, start-up checks, readiness and graceful drain.
+
+Start-up refuses to run when the configured feature schema is not the one the model was
+trained on, or the CRM cannot be reached. Readiness (``grpc.health.v1`` SERVING) follows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.errors import DOMAIN
+from mlpair.prediction.inference_client import InferenceClient
+from mlpair.prediction.pipeline import ModelFamily, Predictor
+from mlpair.prediction.servicer import PredictionServicer
+from mlpair.prediction.settings import PredictionSettings
+from mlpair.rpc import ErrorInterceptor, Health, drain, message_size_options, wait_for_termination_signal
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "mlpair.prediction.v1.PredictionService"
+
+
+def build_predictor(settings: PredictionSettings) -> Predictor:
+    """Loads the model family and connects its dependencies (no network I/O yet).
+
+    Raises:
+        ConfigurationError: schema, policy and model repository disagree.
+    """
+    family = ModelFamily.load(settings.model_name, settings.config_dir, settings.model_repository)
+    inference = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
+                                max_message_bytes=settings.max_message_bytes)
+    return Predictor({family.name: family}, settings.model_name, inference, CrmStore(settings.crm_url))
+
+
+def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[grpc.aio.Server, int, Health]:
+    """Builds the server with PredictionService and health and binds its port (0 = free port)."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
+                             options=message_size_options(settings.max_message_bytes))
+    pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
+    health = Health([SERVICE_NAME])
+    health.add_to(server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    return server, port, health
+
+
+async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Health, Predictor]:
+    """Creates CRM tables, starts the server and reports SERVING.
+
+    Raises:
+        ConfigurationError: inconsistent configuration. sqlalchemy.exc.SQLAlchemyError: CRM unreachable.
+    """
+    predictor = build_predictor(settings)
+    await predictor.crm.create_schema()
+    server, port, health = create_server(settings, predictor)
+    await server.start()
+    await health.set_serving(True)
+    logger.info("PredictionService serving on port %d (inference at %s)", port, settings.inference_target)
+    return server, port, health, predictor
+
+
+async def stop(server: grpc.aio.Server, health: Health, predictor: Predictor, grace_s: float) -> None:
+    """Drains in-flight calls, then closes the inference channel and the CRM pool."""
+    await drain(server, health, grace_s)
+    await predictor.inference.close()
+    await predictor.crm.close()
+
+
+async def serve(settings: PredictionSettings) -> None:
+    """Runs until SIGTERM/SIGINT, then drains."""
+    server, _, health, predictor = await start(settings)
+    await wait_for_termination_signal()
+    await stop(server, health, predictor, settings.shutdown_grace_s)
+    logger.info("PredictionService stopped")

@@ -1,0 +1,42 @@
+"""PredictionService settings, from ``PREDICTION_*`` environment variables or CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PredictionSettings(BaseSettings):
+    """Everything the prediction server reads; built once in ``main()`` and passed down."""
+
+    model_config = SettingsConfigDict(env_prefix="PREDICTION_", extra="ignore", protected_namespaces=(),
+                                      use_attribute_docstrings=True)
+
+    host: str = "0.0.0.0"
+    """Interface the gRPC server binds to."""
+    port: int = 9001
+    """gRPC port (0 picks a free one)."""
+    metrics_port: int = 9002
+    """Prometheus HTTP port; 0 disables the exporter."""
+    inference_target: str = "127.0.0.1:8001"
+    """host:port of InferenceService."""
+    inference_timeout_ms: int = 1000
+    """Deadline of each Infer call, in milliseconds."""
+    crm_url: str = "sqlite+aiosqlite:///var/crm.sqlite"
+    """SQLAlchemy async URL of the CRM database (e.g. postgresql+asyncpg://…)."""
+    model_repository: Path = Path("var/models")
+    """Model repository root; the fitted preprocessing and calibration are read from it."""
+    config_dir: Path = Path("config")
+    """Folder with ``<model_name>/feature-schema.toml`` and ``<model_name>/policy.toml``."""
+    model_name: str = "credit-risk"
+    """Model family served when a request names none."""
+    max_message_bytes: int = 4 * 1024 * 1024
+    """gRPC message size limit, both directions, in bytes."""
+    shutdown_grace_s: float = 20.0
+    """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
+    log_level: str = "INFO"
+    """Root log level."""
+    log_format: Literal["text", "json"] = "text"
+    """Log line format: readable text locally, JSON lines in production."""
