@@ -1,0 +1,70 @@
+"""Fixtures shared by the whole suite: one real model trained once per session on real data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlpair.contracts.manifest import ModelEntry
+from mlpair.contracts.schema import FeatureSchema
+from mlpair.training.data import Dataset, load_dataset, stratified_split
+from mlpair.training.pipeline import train_family
+
+from tests.support import CREDIT_SCHEMA
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory) -> Path:
+    """A model repository holding credit-risk version 1, trained on the real data."""
+    root = tmp_path_factory.mktemp("models")
+    train_family(CREDIT_SCHEMA, root, show_progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def credit_entry(model_repository) -> ModelEntry:
+    from mlpair.contracts.manifest import load_latest
+
+    return load_latest(model_repository, "credit-risk")
+
+
+@pytest.fixture(scope="session")
+def credit_schema() -> FeatureSchema:
+    return FeatureSchema.from_toml(CREDIT_SCHEMA)
+
+
+@pytest.fixture(scope="session")
+def credit_data(credit_schema) -> Dataset:
+    return load_dataset(credit_schema)
+
+
+@pytest.fixture(scope="session")
+def credit_holdout(credit_data, credit_entry) -> Dataset:
+    """The real holdout applicants the model never saw (same split as training)."""
+    seed = int(credit_entry.manifest.data_source["split"]["seed"])
+    return credit_data.subset(stratified_split(credit_data.labels, seed)["holdout"])
+
+
+@pytest.fixture(scope="session")
+async def inference_server(model_repository):
+    """A real InferenceService on a free port, serving the session's model."""
+    from mlpair.inference.server import start
+    from mlpair.inference.settings import InferenceSettings
+
+    settings = InferenceSettings(host="127.0.0.1", port=0, metrics_port=0, model_repository=model_repository,
+                                 max_batch_size=64)
+    server, port, _, engine = await start(settings)
+    yield f"127.0.0.1:{port}"
+    await server.stop(0)
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+async def inference_stub(inference_server):
+    import grpc
+
+    from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(inference_server) as channel:
+        yield pb_grpc.InferenceServiceStub(channel)

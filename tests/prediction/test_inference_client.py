@@ -1,0 +1,66 @@
+"""The project's own inference client: lower-case metadata keys (C25) and typed errors."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from mlpair.api.inference.v1 import inference_service_pb2 as pb
+from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from mlpair.prediction.errors import InferenceContractError, InferenceUnavailable
+from mlpair.prediction.inference_client import InferenceClient
+
+
+class RecordingServicer(pb_grpc.InferenceServiceServicer):
+    """Answers with zero logits and remembers the metadata keys it received."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    async def Infer(self, request, context):
+        self.keys += [k for k, _ in context.invocation_metadata()]
+        rows = request.inputs.shape[0]
+        return pb.InferResponse(model_name=request.model_name, model_version="7", logits=pb.Tensor(
+            data_type=pb.DATA_TYPE_FP32, shape=[rows, 2], content=np.zeros((rows, 2), np.float32).tobytes()))
+
+
+@pytest.fixture
+async def recording_server():
+    servicer = RecordingServicer()
+    server = grpc.aio.server()
+    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}", servicer
+    await server.stop(0)
+
+
+async def test_c25_client_emits_only_lower_case_metadata_keys(recording_server):
+    target, servicer = recording_server
+    client = InferenceClient(target, timeout_ms=2000, max_message_bytes=1 << 20)
+    try:
+        logits, version = await client.infer("m", "", "schema/v1", np.zeros((3, 5), np.float32))
+    finally:
+        await client.close()
+    assert logits.shape == (3, 2) and version == "7"
+    assert "x-feature-version" in servicer.keys
+    assert all(k == k.lower() for k in servicer.keys)
+
+
+async def test_unreachable_inference_is_unavailable():
+    client = InferenceClient("127.0.0.1:1", timeout_ms=300, max_message_bytes=1 << 20)
+    try:
+        with pytest.raises(InferenceUnavailable):
+            await client.infer("m", "", "v", np.zeros((1, 5), np.float32))
+    finally:
+        await client.close()
+
+
+async def test_missing_header_at_the_real_server_is_a_contract_error(inference_server, credit_entry):
+    client = InferenceClient(inference_server, timeout_ms=2000, max_message_bytes=1 << 20)
+    try:
+        with pytest.raises(InferenceContractError):
+            await client.infer("credit-risk", "", "credit-risk/v0", np.zeros((1, credit_entry.manifest.n_features), np.float32))
+    finally:
+        await client.close()

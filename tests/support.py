@@ -1,0 +1,27 @@
+"""Paths and small helpers shared by tests (fixtures live in conftest.py files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "config"
+CREDIT_SCHEMA = CONFIG_DIR / "credit-risk" / "feature-schema.toml"
+
+import os
+import socket
+
+POSTGRES_URL = os.environ.get("MLPAIR_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Skips the calling test when a local service is down; under CI=true that is a failure."""
+    import pytest
+
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        message = f"{name} is not reachable at {host}:{port}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message}; CI must run against the real service")
+        pytest.skip(f"{message}; start it to run this test")
