@@ -9,9 +9,14 @@ broken install and fails.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# The helper module beside this file, importable from every test module whatever pytest's import
+# mode (the project runs --import-mode=importlib, which adds no test folder to sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import deploy_checks as dc
 
@@ -52,7 +57,9 @@ def kubernetes_validate_installed() -> None:
 @pytest.fixture(scope="session")
 def rendered(kubectl: Path) -> dict[str, list[dict]]:
     """Objects of each overlay, as `kubectl apply -k deploy/k8s/overlays/<name>` would send them."""
-    return {overlay: dc.render(kubectl, dc.K8S_DIR / "overlays" / overlay) for overlay in dc.OVERLAYS}
+    return {
+        overlay: dc.render(kubectl, dc.K8S_DIR / "overlays" / overlay) for overlay in dc.OVERLAYS
+    }
 
 
 @pytest.fixture(scope="session")

@@ -175,7 +175,11 @@ _METADATA_SCHEMA = {
     "required": ["name"],
     "additionalProperties": False,
     "properties": {
-        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253},
+        "name": {
+            "type": "string",
+            "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+            "maxLength": 253,
+        },
         "namespace": {"type": "string"},
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -228,7 +232,7 @@ class IstioSchemas:
         return problems
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cel_program(rule: str) -> Any:
     import celpy
 
@@ -280,11 +284,22 @@ _QUANTITY = re.compile(
     r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
 )
 _SUFFIX = {
-    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
-    "P": Decimal("1e15"), "E": Decimal("1e18"),
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal("1e3"),
+    "M": Decimal("1e6"),
+    "G": Decimal("1e9"),
+    "T": Decimal("1e12"),
+    "P": Decimal("1e15"),
+    "E": Decimal("1e18"),
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
 }
 
 
@@ -300,7 +315,15 @@ def parse_quantity(value: Any) -> Decimal:
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)")
-_DURATION_UNIT_MS = {"h": 3_600_000, "m": 60_000, "s": 1000, "ms": 1, "us": 1e-3, "µs": 1e-3, "ns": 1e-6}
+_DURATION_UNIT_MS = {
+    "h": 3_600_000,
+    "m": 60_000,
+    "s": 1000,
+    "ms": 1,
+    "us": 1e-3,
+    "µs": 1e-3,
+    "ns": 1e-6,
+}
 
 
 def duration_ms(value: str) -> float:
@@ -324,7 +347,11 @@ def selector_matches(selector: dict | None, labels: dict) -> bool:
         if labels.get(key) != value:
             return False
     for expression in selector.get("matchExpressions") or ():
-        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        key, operator, values = (
+            expression["key"],
+            expression["operator"],
+            expression.get("values", []),
+        )
         if operator == "In" and labels.get(key) not in values:
             return False
         if operator == "NotIn" and labels.get(key) in values:
@@ -400,8 +427,13 @@ def lint_workload(workload: Obj) -> list[str]:
     if pod_security.get("runAsNonRoot") is not True:
         problems.append(f"{where}: securityContext.runAsNonRoot is not true")
     if int(pod_security.get("runAsUser", 0)) < 1000:
-        problems.append(f"{where}: securityContext.runAsUser is not a numeric non-system UID (>= 1000)")
-    if (pod_security.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        problems.append(
+            f"{where}: securityContext.runAsUser is not a numeric non-system UID (>= 1000)"
+        )
+    if (pod_security.get("seccompProfile") or {}).get("type") not in (
+        "RuntimeDefault",
+        "Localhost",
+    ):
         problems.append(f"{where}: securityContext.seccompProfile is not RuntimeDefault")
     if "terminationGracePeriodSeconds" not in spec:
         problems.append(f"{where}: terminationGracePeriodSeconds is not set")
@@ -443,13 +475,19 @@ def _lint_container(where: str, container: Obj) -> list[str]:
         elif "grpc" not in probe:
             problems.append(f"{where}: {probe_name} is not a native gRPC probe")
         elif port is not None and probe["grpc"].get("port") != port:
-            problems.append(f"{where}: {probe_name} checks port {probe['grpc'].get('port')}, gRPC is on {port}")
+            problems.append(
+                f"{where}: {probe_name} checks port {probe['grpc'].get('port')}, gRPC is on {port}"
+            )
     for probe_name in ("startupProbe", "readinessProbe"):
         probe = container.get(probe_name) or {}
         if "grpc" in probe and not probe["grpc"].get("service"):
-            problems.append(f"{where}: {probe_name} does not name the service whose health it checks")
+            problems.append(
+                f"{where}: {probe_name} does not name the service whose health it checks"
+            )
     if not (container.get("lifecycle") or {}).get("preStop"):
-        problems.append(f"{where}: lifecycle.preStop missing (endpoint removal needs time before SIGTERM)")
+        problems.append(
+            f"{where}: lifecycle.preStop missing (endpoint removal needs time before SIGTERM)"
+        )
     security = container.get("securityContext") or {}
     if security.get("allowPrivilegeEscalation") is not False:
         problems.append(f"{where}: securityContext.allowPrivilegeEscalation is not false")
@@ -499,7 +537,9 @@ def route_problems(objects: list[Obj]) -> list[str]:
             problems.append(f"{where}: port {port} is not a port of Service {host}")
         subset = destination.get("subset")
         if subset is not None and subset not in subsets.get(host, set()):
-            problems.append(f"{where}: subset {subset!r} is not defined by a DestinationRule for {host}")
+            problems.append(
+                f"{where}: subset {subset!r} is not defined by a DestinationRule for {host}"
+            )
 
     for virtual_service in of_kind(objects, "VirtualService"):
         http = virtual_service["spec"].get("http") or []
@@ -521,7 +561,9 @@ def route_problems(objects: list[Obj]) -> list[str]:
                     problems.append(f"{where}: mirror percentage {percent} outside 0..100")
             problems.extend(_retry_problems(where, route))
         if http and http[-1].get("match"):
-            problems.append(f"{name_of(virtual_service)}: last route has a match; unmatched calls would fail")
+            problems.append(
+                f"{name_of(virtual_service)}: last route has a match; unmatched calls would fail"
+            )
     return problems
 
 
@@ -536,10 +578,14 @@ def _retry_problems(where: str, route: Obj) -> list[str]:
     if "unavailable" not in retry_on:
         problems.append(f"{where}: retryOn does not include unavailable")
     if retry_on - ALLOWED_RETRY_ON:
-        problems.append(f"{where}: retryOn has {sorted(retry_on - ALLOWED_RETRY_ON)}; only UNAVAILABLE may be retried")
+        extra = sorted(retry_on - ALLOWED_RETRY_ON)
+        problems.append(f"{where}: retryOn has {extra}; only UNAVAILABLE may be retried")
     if int(retries.get("attempts", 0)) < 1:
         problems.append(f"{where}: retries.attempts < 1")
-    if "timeout" in route and "perTryTimeout" in retries:
-        if duration_ms(retries["perTryTimeout"]) > duration_ms(route["timeout"]):
-            problems.append(f"{where}: perTryTimeout exceeds the route timeout")
+    if (
+        "timeout" in route
+        and "perTryTimeout" in retries
+        and duration_ms(retries["perTryTimeout"]) > duration_ms(route["timeout"])
+    ):
+        problems.append(f"{where}: perTryTimeout exceeds the route timeout")
     return problems

@@ -4,13 +4,13 @@ on a deliberately broken fixture."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import deploy_checks as dc
+import pytest
 
 
 @pytest.mark.parametrize("overlay", dc.OVERLAYS)
@@ -46,11 +46,7 @@ def test_lint_rejects_the_unhardened_fixture(fixtures_dir: Path) -> None:
 
 def test_lint_catches_a_request_above_its_limit(rendered: dict) -> None:
     # A single-field change to a good workload must be caught on its own.
-    deployment = dc.by_name(rendered["prod"], "Deployment", "prediction")
-    broken = {**deployment, "spec": {**deployment["spec"]}}
-    import copy
-
-    broken = copy.deepcopy(deployment)
+    broken = copy.deepcopy(dc.by_name(rendered["prod"], "Deployment", "prediction"))
     broken["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "2Gi"
     assert dc.lint_workload(broken) == [
         "Deployment/prediction container prediction: request memory=2Gi exceeds limit 1Gi"
@@ -59,7 +55,14 @@ def test_lint_catches_a_request_above_its_limit(rendered: dict) -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("500m", "0.5"), ("2", "2"), (4, "4"), ("8Gi", str(8 * 2**30)), ("1e3", "1000"), ("128Mi", str(128 * 2**20))],
+    [
+        ("500m", "0.5"),
+        ("2", "2"),
+        (4, "4"),
+        ("8Gi", str(8 * 2**30)),
+        ("1e3", "1000"),
+        ("128Mi", str(128 * 2**20)),
+    ],
 )
 def test_quantities_parse_like_kubernetes(value: object, expected: str) -> None:
     assert dc.parse_quantity(value) == dc.Decimal(expected)
@@ -74,9 +77,21 @@ def test_malformed_quantities_are_refused(value: str) -> None:
 def _yamllint(*paths: Path) -> subprocess.CompletedProcess:
     pytest.importorskip("yamllint", reason="yamllint is not installed (pip install -e '.[deploy]')")
     return subprocess.run(
-        [sys.executable, "-m", "yamllint", "--strict", "-f", "parsable",
-         "-c", str(dc.DEPLOY_DIR / "yamllint.yaml"), *map(str, paths)],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "yamllint",
+            "--strict",
+            "-f",
+            "parsable",
+            "-c",
+            str(dc.DEPLOY_DIR / "yamllint.yaml"),
+            *map(str, paths),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import deploy_checks as dc
+import pytest
 
 # What `kubectl apply -k` must create for the two SLAs to operate (issue 7, "Deliver").
 REQUIRED_KINDS = {
-    "Namespace", "ServiceAccount", "ConfigMap", "PersistentVolumeClaim", "Service", "Deployment",
-    "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy",
-    "PeerAuthentication", "AuthorizationPolicy", "DestinationRule", "VirtualService",
-    "EnvoyFilter", "Telemetry",
+    "Namespace",
+    "ServiceAccount",
+    "ConfigMap",
+    "PersistentVolumeClaim",
+    "Service",
+    "Deployment",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "PeerAuthentication",
+    "AuthorizationPolicy",
+    "DestinationRule",
+    "VirtualService",
+    "EnvoyFilter",
+    "Telemetry",
 }
 
 
@@ -26,7 +36,10 @@ def test_overlay_renders_every_required_kind(rendered: dict, overlay: str) -> No
 @pytest.mark.parametrize("overlay", dc.OVERLAYS)
 def test_object_names_are_unique(rendered: dict, overlay: str) -> None:
     # Two objects of one kind and name would make `kubectl apply` keep only the last one.
-    names = [(obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"]) for obj in rendered[overlay]]
+    names = [
+        (obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        for obj in rendered[overlay]
+    ]
     duplicates = {name for name in names if names.count(name) > 1}
     assert not duplicates
 
@@ -35,7 +48,9 @@ def test_object_names_are_unique(rendered: dict, overlay: str) -> None:
 def test_everything_lands_in_the_mlpair_namespace(rendered: dict, overlay: str) -> None:
     # AuthorizationPolicy principals spell the namespace out (cluster.local/ns/mlpair/...), so
     # the objects must live exactly there.
-    namespaces = {obj["metadata"].get("namespace") for obj in rendered[overlay] if obj["kind"] != "Namespace"}
+    namespaces = {
+        obj["metadata"].get("namespace") for obj in rendered[overlay] if obj["kind"] != "Namespace"
+    }
     assert namespaces == {dc.NAMESPACE}
     (namespace,) = dc.of_kind(rendered[overlay], "Namespace")
     assert namespace["metadata"]["name"] == dc.NAMESPACE
@@ -43,8 +58,14 @@ def test_everything_lands_in_the_mlpair_namespace(rendered: dict, overlay: str) 
 
 def test_istio_folder_renders_on_its_own(rendered_istio: list) -> None:
     kinds = {obj["kind"] for obj in rendered_istio}
-    assert kinds == {"PeerAuthentication", "AuthorizationPolicy", "DestinationRule", "VirtualService",
-                     "EnvoyFilter", "Telemetry"}
+    assert kinds == {
+        "PeerAuthentication",
+        "AuthorizationPolicy",
+        "DestinationRule",
+        "VirtualService",
+        "EnvoyFilter",
+        "Telemetry",
+    }
     assert all(obj["metadata"]["namespace"] == dc.NAMESPACE for obj in rendered_istio)
 
 
@@ -59,7 +80,10 @@ def test_model_version_folder_instantiates_the_template(kubectl: Path, version: 
     deployment = dc.by_name(objects, "Deployment", f"inference-v{version}")
     assert deployment["spec"]["selector"]["matchLabels"]["mlpair.io/model-version"] == version
     mount = dc.pod_spec(deployment)["containers"][0]["volumeMounts"][0]
-    assert (mount["subPath"], mount["mountPath"]) == (f"credit-risk/{version}", f"/models/credit-risk/{version}")
+    assert (mount["subPath"], mount["mountPath"]) == (
+        f"credit-risk/{version}",
+        f"/models/credit-risk/{version}",
+    )
 
 
 def test_broken_overlay_is_refused(kubectl: Path, fixtures_dir: Path) -> None:
