@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_REPOSITORY ?= var/models
 
-.PHONY: venv protos train demo test clean
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+
+.PHONY: venv tools protos protos-baseline train demo test clean
 
 venv: $(STAMP)
 
@@ -17,9 +20,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# buf (proto lint and breaking-change checks) from the npm registry; skipped if npm is absent.
+tools: $(BUF)
+$(BUF):
+	@if command -v npm >/dev/null; then npm install --silent --prefix .tools @bufbuild/buf@$(BUF_VERSION); \
+	else echo "npm not found: buf checks will be skipped"; fi
+
 # Regenerate the gRPC/protobuf modules into mlpair/api (never edit those by hand).
 protos: $(STAMP)
 	$(PY) -m mlpair.protogen
+
+# Record the released wire contract that `buf breaking` compares against (run on a release).
+protos-baseline: $(BUF)
+	$(BUF) build -o protos/baseline.binpb
 
 train: $(STAMP)
 	$(VENV)/bin/mlpair train --model-repository $(MODEL_REPOSITORY)
@@ -27,8 +40,8 @@ train: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mlpair demo --model-repository $(MODEL_REPOSITORY)
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) var .pytest_cache
+	rm -rf $(VENV) var .pytest_cache .tools
