@@ -50,19 +50,30 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: Path) -> TrainConfig:
-        """Reads a family's ``training.toml``; missing keys keep their defaults.
+        """Reads a family's ``training.toml``; missing keys keep their defaults. Its optional
+        ``[targets]`` table (see :func:`quality_targets`) is not a hyper-parameter and is skipped.
 
         Raises:
             OSError: unreadable. ValueError: unknown keys or invalid values.
         """
         with open(path, "rb") as f:
             data = tomllib.load(f)
+        data.pop("targets", None)
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := set(data) - known:
             raise ValueError(f"{path}: unknown training settings {', '.join(sorted(unknown))}")
         if "hidden" in data:
             data["hidden"] = tuple(data["hidden"])
         return cls(**data)
+
+
+def quality_targets(path: Path) -> dict[str, float]:
+    """The ``[targets]`` table of a ``training.toml`` (e.g. ``min_roc_auc``, ``max_ece``): the
+    holdout quality a family's model is expected to reach; empty when the file has none."""
+    if not path.is_file():
+        return {}
+    with open(path, "rb") as f:
+        return {k: float(v) for k, v in tomllib.load(f).get("targets", {}).items()}
 
 
 class MLPClassifier(nn.Module):
