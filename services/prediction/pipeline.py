@@ -93,7 +93,9 @@ class Predictor:
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
                  inference: InferenceClient, crm: CrmStore, *, max_inference_rows: int = 1024,
                  max_batch_items: int = 1000, explain_top_k: int = 3) -> None:
-        """Raises:
+        """Wires the served families to their clients.
+
+        Raises:
             ConfigurationError: an explanation of some family would not fit in one inference call.
         """
         self.families = dict(families)
@@ -172,8 +174,11 @@ class Predictor:
         for it in fresh:
             if it.error is not None:
                 outcomes[it.index] = it.error
-            else:
+                continue
+            try:
                 decided.append((it, self._decide(it)))
+            except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
+                outcomes[it.index] = _as_item_error(exc)
         stored = await asyncio.gather(*(self._record(it.family, d) for it, (d, _) in decided), return_exceptions=True)
         for (it, (_, result)), record in zip(decided, stored):
             if isinstance(record, BaseException):

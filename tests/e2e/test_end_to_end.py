@@ -134,6 +134,19 @@ async def test_c28_guard_counter_per_feature_and_action(prediction, credit_holdo
     assert REGISTRY.get_sample_value("prediction_feature_guard_total", labels) == before + 1
 
 
+async def test_c31_unknown_attributes_are_ignored_and_counted(prediction, churn_holdout):
+    from prometheus_client import REGISTRY
+
+    stub, _ = prediction
+    before = REGISTRY.get_sample_value("prediction_unknown_attributes_total", {"model": "churn"}) or 0.0
+    source = churn_holdout.records[2]  # the source row carries `female`, which the schema leaves out
+    record = {**source, "female": 1 - source["female"], "shoe_size": 44}
+    plain = await stub.Predict(predict_request("unknown-attr-0", "u", source, "churn"))
+    extra = await stub.Predict(predict_request("unknown-attr-1", "u", record, "churn"))
+    assert extra.probability == plain.probability  # ignored: the same vector
+    assert REGISTRY.get_sample_value("prediction_unknown_attributes_total", {"model": "churn"}) == before + 1 + 2
+
+
 @pytest.mark.parametrize("request_id,entity_id,attributes,model_name", [
     ("", "e", {}, ""), ("r-bad-entity", "", {}, ""), ("x" * 129, "e", {}, ""),
     ("r-bad-types", "e", {"Age": "thirty", "Home": 4.0}, ""),
