@@ -29,13 +29,13 @@ from mlpair.prediction.errors import CrmUnavailable, InvalidRequest, PredictionE
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.inference_client import InferenceClient
+from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
 __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor"]
 
 logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
-MAX_SHADOW_IN_FLIGHT = 64  # background shadow calls; beyond this a shadow comparison is skipped
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Predictor:
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k
-        self._background: set[asyncio.Task] = set()
+        self.shadows = ShadowComparison(self._infer, max_inference_rows)
         for family in self.families.values():
             if len(family.schema.features) + 1 > max_inference_rows:
                 raise ConfigurationError(
@@ -143,8 +143,7 @@ class Predictor:
 
     async def drain_background(self) -> None:
         """Waits for background shadow comparisons still running (call before closing clients)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.shadows.drain()
 
     # -- the stages ------------------------------------------------------------------------
 
@@ -188,7 +187,7 @@ class Predictor:
                                                       calibration_method=result.calibration_method,
                                                       explanation=result.explanation)
                 metrics.DECISIONS.labels(it.family.name, record.decision).inc()
-        self._start_shadow([it for it, _ in decided])
+        self._start_shadows([it for it, _ in decided])
 
         for request, outcome in zip(requests, outcomes):
             name = request.model_name or self.default_model
@@ -300,6 +299,13 @@ class Predictor:
         methods = "+".join(dict.fromkeys(m.calibrator.method for m in family.members))
         return stored, PredictionResult(stored, spread=spread, calibration_method=methods, explanation=explanation)
 
+    def _start_shadows(self, items: list[_Item]) -> None:
+        by_family: dict[str, list[ServedRow]] = {}
+        for it in items:
+            by_family.setdefault(it.family.name, []).append(ServedRow(it.row.vector, it.primary_margin, it.decision))
+        for name, rows in by_family.items():
+            self.shadows.start(self.families[name], rows)
+
     async def _record(self, family: ModelFamily, decision: StoredDecision) -> StoredDecision:
         """The one CRM write site: records ``decision`` once per request id.
 
@@ -324,44 +330,6 @@ class Predictor:
         if found is not None:
             metrics.IDEMPOTENT_REPLAYS.labels(family.name).inc()
         return found
-
-    # -- shadow comparison -----------------------------------------------------------------
-
-    def _start_shadow(self, items: list[_Item]) -> None:
-        """Sends the decided rows to each family's shadow version in the background."""
-        by_family: dict[str, list[_Item]] = {}
-        for it in items:
-            if it.family.shadow is not None:
-                by_family.setdefault(it.family.name, []).append(it)
-        for name, family_items in by_family.items():
-            family = self.families[name]
-            if len(self._background) >= MAX_SHADOW_IN_FLIGHT:
-                metrics.SHADOW_FAILURES.labels(name, family.shadow.version, "skipped_busy").inc()
-                continue
-            task = asyncio.create_task(self._shadow(family, family_items))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _shadow(self, family: ModelFamily, items: list[_Item]) -> None:
-        """Records |logit difference| and decision agreement between the shadow and the served decision."""
-        shadow = family.shadow
-        primary_version = family.members[0].version
-        for chunk_start in range(0, len(items), self.max_inference_rows):
-            chunk = items[chunk_start:chunk_start + self.max_inference_rows]
-            try:
-                logits, served = await self._infer(family, shadow, np.stack([it.row.vector for it in chunk]))
-                margins = shadow.calibrator.margins(logits)
-                probabilities = shadow.calibrator.probabilities(logits)
-            except Exception as exc:  # noqa: BLE001  (the shadow never affects serving)
-                cause = exc.reason if isinstance(exc, ServiceError) else "unexpected"
-                logger.warning("shadow version %s of %s failed: %s", shadow.version, family.name, cause)
-                metrics.SHADOW_FAILURES.labels(family.name, shadow.version, cause).inc()
-                continue
-            for it, m, p in zip(chunk, margins, probabilities):
-                metrics.SHADOW_LOGIT_DIFFERENCE.labels(family.name, primary_version, served).observe(
-                    abs(float(m) - it.primary_margin))
-                agreement = "agree" if family.policy.band(float(p)).decision == it.decision else "disagree"
-                metrics.SHADOW_DECISIONS.labels(family.name, primary_version, served, agreement).inc()
 
 
 def pack(items: Sequence[_Item], max_rows: int) -> list[list[_Item]]:
