@@ -128,3 +128,14 @@ def test_inconsistent_triple_is_refused(credit_entry, tmp_path):
     (broken / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="preprocessing hash"):
         load_entry(broken)
+
+
+def test_label_smoothing_is_recorded_for_calibration_to_undo():
+    rng = np.random.default_rng(1)
+    margin = rng.normal(0, 2, 2000)
+    labels = (rng.random(2000) < 1 / (1 + np.exp(-margin))).astype(int)
+    logits = np.stack([np.zeros_like(margin), margin], axis=1).astype(np.float32)
+    fitted = fit_calibration(logits, labels, 1, TrainConfig(label_smoothing=0.1))
+    assert fitted.label_smoothing == 0.1
+    p = fitted.probabilities(logits, 1)
+    assert p.min() == 0.0 and p.max() == 1.0  # the inverse reaches what a smoothed softmax cannot
