@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import typing
 from pathlib import Path
 
 from pydantic_settings import BaseSettings
 
-DEFAULT_SCHEMAS = [Path("config/credit-risk/feature-schema.toml")]
+DEFAULT_SCHEMAS = [Path("config/credit-risk/feature-schema.toml"), Path("config/churn/feature-schema.toml")]
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings], prefix: str) -> None:
@@ -23,7 +24,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[Base
         env = f"{prefix}{name.upper()}"
         flag = "--" + name.replace("_", "-")
         is_list = typing.get_origin(field.annotation) is list
+        is_dict = typing.get_origin(field.annotation) is dict
         parser.add_argument(flag, dest=name, default=None, nargs="*" if is_list else None,
+                            type=json.loads if is_dict else None,
                             help=f"{field.description} [env {env}; default {field.default!r}]")
 
 
@@ -70,18 +73,23 @@ def _run_server(layer: str, settings, serve) -> int:
 def _train(args: argparse.Namespace) -> int:
     import logging
 
+    import dataclasses
+
     from mlpair.logs import configure_logging
-    from mlpair.training.pipeline import train_family
+    from mlpair.training.pipeline import load_train_config, train_family
 
     configure_logging("training", "INFO")
     for schema in args.schema or DEFAULT_SCHEMAS:
-        entry, fresh = train_family(Path(schema), Path(args.model_repository), force=args.force)
+        config = load_train_config(Path(schema))
+        if args.seed is not None:
+            config = dataclasses.replace(config, seed=args.seed)
+        entry, fresh = train_family(Path(schema), Path(args.model_repository), config, force=args.force)
         m = entry.manifest
         cal = m.metrics["holdout_calibrated"]
         logging.getLogger("mlpair").info(
-            "%s version %s %s: holdout ROC AUC %.4f, Brier %.4f, ECE %.4f (temperature %.3f)",
+            "%s version %s %s: holdout ROC AUC %.4f, Brier %.4f, ECE %.4f (calibration %s)",
             m.model_name, m.model_version, "trained" if fresh else "reused (up to date)",
-            cal["roc_auc"], cal["brier"], cal["ece_15"], m.calibration.temperature)
+            cal["roc_auc"], cal["brier"], cal["ece_15"], m.calibration.method)
     return 0
 
 
@@ -116,9 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train model families on real data into the model repository")
-    train.add_argument("--schema", action="append", help="feature schema file (repeatable) [default: credit-risk]")
+    train.add_argument("--schema", action="append", help="feature schema file (repeatable) [default: credit-risk and churn]")
     train.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
     train.add_argument("--force", action="store_true", help="train a new version even if the latest is up to date")
+    train.add_argument("--seed", type=int, default=None,
+                       help="weight-initialisation seed instead of the family's training.toml one (an ensemble member; "
+                            "the data split stays the same)")
     train.set_defaults(func=_train)
 
     serve = sub.add_parser("serve", help="run one of the two services")

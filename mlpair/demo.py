@@ -1,15 +1,20 @@
-"""``mlpair demo``: the main job end to end on real data.
+"""``mlpair demo``: the main job end to end on real data, for every model family in ``config/``.
 
-Trains (or reuses) the credit-risk model, starts InferenceService and PredictionService as
-separate processes on free local ports, waits for readiness, replays every holdout
-applicant's raw record through ``PredictionService.Predict`` concurrently as a business
-system would, retries a sample with the same request ids to show idempotency, prints a
-summary and stops both services with SIGTERM. Exits non-zero if anything failed.
+Trains (or reuses) each family's model, starts InferenceService and PredictionService as
+separate processes on free local ports (one pair serving every family), waits for readiness,
+replays every holdout entity's raw record through ``PredictionService.Predict`` concurrently
+as a business system would, retries a sample with the same request ids to show idempotency,
+asks ``BatchPredict`` to explain a few decisions, reads the raw logits of the holdout from
+InferenceService to show calibration before and after, prints a summary per family (ROC AUC,
+Brier score, ECE before and after calibration against the family's targets), writes a report
+picture and stops both services with SIGTERM. Exits non-zero if anything failed or a target
+was missed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -22,17 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from mlpair.contracts.metrics import roc_auc
-from mlpair.contracts.schema import FeatureSchema
+from mlpair.contracts.metrics import brier_score, expected_calibration_error, roc_auc
 
-MODEL_NAME = "credit-risk"
 READY_TIMEOUT_S = 60.0
 RETRY_SAMPLE = 50
+EXPLAIN_SAMPLE = 3
+INFER_CHUNK_ROWS = 512  # raw-logit reads stay well below InferenceService's max batch size
 
 
 @dataclass
 class Replay:
-    """What the business-system side saw."""
+    """What the business-system side saw for one family."""
 
     probabilities: dict[str, float] = field(default_factory=dict)
     decisions: dict[str, str] = field(default_factory=dict)
@@ -43,10 +48,32 @@ class Replay:
     wall_s: float = 0.0
 
 
+@dataclass
+class FamilyRun:
+    """One family's holdout, its requests and everything measured about them."""
+
+    name: str
+    entry: object  # mlpair.contracts.manifest.ModelEntry
+    fresh: bool
+    holdout: object  # mlpair.training.data.Dataset
+    requests: list[tuple[str, str, dict]]
+    targets: dict[str, float]
+    result: Replay = field(default_factory=Replay)
+    retry: Replay = field(default_factory=Replay)
+    explained: list = field(default_factory=list)  # PredictResponse with contributions
+    explain_failures: int = 0
+    uncalibrated: np.ndarray | None = None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def discover_families(config_dir: Path) -> list[str]:
+    """Every ``config_dir/<name>/`` holding a feature schema, sorted."""
+    return sorted(p.parent.name for p in config_dir.glob("*/feature-schema.toml"))
 
 
 def start_service(role: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
@@ -93,7 +120,8 @@ def stop_service(process: subprocess.Popen, grace_s: float = 30.0) -> int:
     return process.returncode
 
 
-async def replay(target: str, requests: list[tuple[str, str, dict]], concurrency: int, progress: bool) -> Replay:
+async def replay(target: str, model_name: str, requests: list[tuple[str, str, dict]], concurrency: int,
+                 progress: bool) -> Replay:
     """Sends every ``(request_id, entity_id, attributes)`` through Predict, ``concurrency`` at a time."""
     import grpc
     from rich.progress import Progress
@@ -107,21 +135,21 @@ async def replay(target: str, requests: list[tuple[str, str, dict]], concurrency
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.PredictionServiceStub(channel)
         with Progress(disable=not progress) as bar:
-            task = bar.add_task("Predict", total=len(requests))
+            task = bar.add_task(f"Predict {model_name}", total=len(requests))
 
             async def one(request_id: str, entity_id: str, attributes: dict) -> None:
                 async with gate:
                     t0 = time.perf_counter()
                     try:
                         reply = await stub.Predict(pb.PredictRequest(
-                            request_id=request_id, entity_id=entity_id, model_name=MODEL_NAME,
+                            request_id=request_id, entity_id=entity_id, model_name=model_name,
                             attributes=to_attributes(attributes)), timeout=10)
                     except grpc.RpcError as exc:
                         out.failures[exc.code().name] += 1
                     else:
                         out.latencies_ms.append((time.perf_counter() - t0) * 1000)
                         out.probabilities[request_id] = reply.probability
-                        out.decisions[request_id] = pb.Decision.Name(reply.decision).removeprefix("DECISION_")
+                        out.decisions[request_id] = reply.decision_label
                         out.decision_ids[request_id] = reply.decision_id
                         out.reasons.update(reply.reason_codes)
                     bar.advance(task)
@@ -130,6 +158,39 @@ async def replay(target: str, requests: list[tuple[str, str, dict]], concurrency
             await asyncio.gather(*(one(*r) for r in requests))
             out.wall_s = time.perf_counter() - started
     return out
+
+
+async def explain_sample(target: str, run: FamilyRun, run_id: str) -> None:
+    """Asks BatchPredict to explain the first few holdout entities (new request ids)."""
+    import grpc
+
+    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+    from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+    from mlpair.prediction.converters import to_attributes
+
+    items = [pb.PredictRequest(request_id=f"demo-{run_id}-{run.name}-explain-{eid}", entity_id=eid,
+                               model_name=run.name, attributes=to_attributes(rec), explain=True)
+             for eid, rec in zip(run.holdout.entity_ids[:EXPLAIN_SAMPLE], run.holdout.records)]
+    async with grpc.aio.insecure_channel(target) as channel:
+        reply = await pb_grpc.PredictionServiceStub(channel).BatchPredict(pb.BatchPredictRequest(requests=items), timeout=10)
+    run.explained = [r.prediction for r in reply.results if r.WhichOneof("outcome") == "prediction"]
+    run.explain_failures = len(items) - len(run.explained)
+
+
+async def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
+    """Softmax of the raw holdout logits, read straight from InferenceService (as an internal caller)."""
+    from mlpair.contracts.assembly import FeatureAssembler
+    from mlpair.prediction.inference_client import InferenceClient
+
+    manifest = run.entry.manifest
+    x = FeatureAssembler(run.entry.preprocessing).assemble_many(run.holdout.records)
+    client = InferenceClient(target, timeout_ms=10_000, max_message_bytes=16 * 1024 * 1024)
+    try:
+        logits = [(await client.infer(run.name, manifest.model_version, manifest.versions.feature_schema_version,
+                                      x[i:i + INFER_CHUNK_ROWS]))[0] for i in range(0, len(x), INFER_CHUNK_ROWS)]
+    finally:
+        await client.close()
+    return manifest.calibration.probabilities(np.concatenate(logits), manifest.positive_index, "none")
 
 
 async def crm_rows(crm_url: str, request_ids: list[str]) -> int:
@@ -148,89 +209,144 @@ async def crm_rows(crm_url: str, request_ids: list[str]) -> int:
         await engine.dispose()
 
 
+def prepare(config_dir: Path, model_repository: Path, name: str, run_id: str, progress: bool) -> FamilyRun:
+    """Trains (or reuses) one family and lists its holdout requests."""
+    from mlpair.contracts.schema import FeatureSchema
+    from mlpair.training.data import load_dataset, stratified_split
+    from mlpair.training.model import quality_targets
+    from mlpair.training.pipeline import TRAINING_CONFIG_FILE, train_family
+
+    schema_path = config_dir / name / "feature-schema.toml"
+    entry, fresh = train_family(schema_path, model_repository, show_progress=progress)
+    data = load_dataset(FeatureSchema.from_toml(schema_path))
+    holdout = data.subset(stratified_split(data.labels, int(entry.manifest.data_source["split"]["seed"]))["holdout"])
+    requests = [(f"demo-{run_id}-{name}-{eid}", eid, rec) for eid, rec in zip(holdout.entity_ids, holdout.records)]
+    return FamilyRun(name, entry, fresh, holdout, requests, quality_targets(config_dir / name / TRAINING_CONFIG_FILE))
+
+
 def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurrency: int = 32,
              progress: bool = True) -> int:
     """Runs the whole job; returns the process exit code (0 only if everything succeeded)."""
     from rich.console import Console
 
-    from mlpair.training.data import load_dataset, stratified_split
-    from mlpair.training.pipeline import train_family
-
     console = Console()
     workdir.mkdir(parents=True, exist_ok=True)
-    schema_path = config_dir / MODEL_NAME / "feature-schema.toml"
-    console.rule("[bold]1. Train (or reuse) on real data")
-    entry, fresh = train_family(schema_path, model_repository, show_progress=progress)
-    manifest = entry.manifest
-    console.print(f"{MODEL_NAME} version {manifest.model_version}: {'trained' if fresh else 'reused (up to date)'}; "
-                  f"source {manifest.data_source['source']}, {manifest.data_source['rows']} rows")
-
-    schema = FeatureSchema.from_toml(schema_path)
-    data = load_dataset(schema)
-    holdout = data.subset(stratified_split(data.labels, int(manifest.data_source["split"]["seed"]))["holdout"])
     run_id = time.strftime("%Y%m%dT%H%M%S")
-    requests = [(f"demo-{run_id}-{eid}", eid, rec) for eid, rec in zip(holdout.entity_ids, holdout.records)]
+    names = discover_families(config_dir)
+    console.rule("[bold]1. Train (or reuse) on real data")
+    runs = [prepare(config_dir, model_repository, name, run_id, progress) for name in names]
+    for run in runs:
+        m = run.entry.manifest
+        console.print(f"{run.name} version {m.model_version}: {'trained' if run.fresh else 'reused (up to date)'}; "
+                      f"source {m.data_source['source']}, {m.data_source['rows']} rows, holdout {len(run.requests)}")
 
-    crm_path = workdir / "crm.sqlite"
-    crm_url = f"sqlite+aiosqlite:///{crm_path.resolve()}"
+    crm_url = f"sqlite+aiosqlite:///{(workdir / 'crm.sqlite').resolve()}"
     ports = {name: free_port() for name in ("inference", "inference_metrics", "prediction", "prediction_metrics")}
     console.rule("[bold]2. Start both services")
     inference = start_service("inference", {
         "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(ports["inference"]),
         "INFERENCE_METRICS_PORT": str(ports["inference_metrics"]),
-        "INFERENCE_MODEL_REPOSITORY": str(model_repository.resolve()), "INFERENCE_MODELS": f'["{MODEL_NAME}"]',
+        "INFERENCE_MODEL_REPOSITORY": str(model_repository.resolve()), "INFERENCE_MODELS": json.dumps(names),
     }, workdir / "inference.log")
     prediction = None
+    rows = 0
     try:
-        wait_ready(f"127.0.0.1:{ports['inference']}", inference, workdir / "inference.log")
+        inference_target = f"127.0.0.1:{ports['inference']}"
+        wait_ready(inference_target, inference, workdir / "inference.log")
         prediction = start_service("prediction", {
             "PREDICTION_HOST": "127.0.0.1", "PREDICTION_PORT": str(ports["prediction"]),
             "PREDICTION_METRICS_PORT": str(ports["prediction_metrics"]),
-            "PREDICTION_INFERENCE_TARGET": f"127.0.0.1:{ports['inference']}", "PREDICTION_CRM_URL": crm_url,
+            "PREDICTION_INFERENCE_TARGET": inference_target, "PREDICTION_CRM_URL": crm_url,
             "PREDICTION_MODEL_REPOSITORY": str(model_repository.resolve()),
-            "PREDICTION_CONFIG_DIR": str(config_dir.resolve()), "PREDICTION_MODEL_NAME": MODEL_NAME,
+            "PREDICTION_CONFIG_DIR": str(config_dir.resolve()), "PREDICTION_MODELS": json.dumps(names),
+            "PREDICTION_MODEL_NAME": names[0],
         }, workdir / "prediction.log")
-        wait_ready(f"127.0.0.1:{ports['prediction']}", prediction, workdir / "prediction.log")
-        console.print(f"InferenceService on :{ports['inference']} (metrics :{ports['inference_metrics']}), "
-                      f"PredictionService on :{ports['prediction']} (metrics :{ports['prediction_metrics']})")
-
-        console.rule(f"[bold]3. Replay {len(requests)} holdout applicants through Predict")
         target = f"127.0.0.1:{ports['prediction']}"
-        result = asyncio.run(replay(target, requests, concurrency, progress))
-        retry = asyncio.run(replay(target, requests[:RETRY_SAMPLE], concurrency, progress=False))
-        rows = asyncio.run(crm_rows(crm_url, [r[0] for r in requests]))
+        wait_ready(target, prediction, workdir / "prediction.log")
+        console.print(f"InferenceService on :{ports['inference']} (metrics :{ports['inference_metrics']}), "
+                      f"PredictionService on :{ports['prediction']} (metrics :{ports['prediction_metrics']}), "
+                      f"serving {', '.join(names)}")
+
+        console.rule(f"[bold]3. Replay {sum(len(r.requests) for r in runs)} holdout records through Predict")
+        for run in runs:
+            run.result = asyncio.run(replay(target, run.name, run.requests, concurrency, progress))
+            run.retry = asyncio.run(replay(target, run.name, run.requests[:RETRY_SAMPLE], concurrency, False))
+            asyncio.run(explain_sample(target, run, run_id))
+            run.uncalibrated = asyncio.run(uncalibrated_probabilities(inference_target, run))
+        expected_ids = [r[0] for run in runs for r in run.requests] + \
+                       [p.request_id for run in runs for p in run.explained]
+        rows = asyncio.run(crm_rows(crm_url, expected_ids))
     finally:
         codes = {"prediction": stop_service(prediction) if prediction else None,
                  "inference": stop_service(inference)}
-    return _summarise(console, result, retry, holdout, requests, rows, codes)
+    return _summarise(console, runs, rows, codes, workdir)
 
 
-def _summarise(console, result: Replay, retry: Replay, holdout, requests, rows: int, codes: dict) -> int:
+def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
+    """The summary lines of one family and whether everything in them is as it must be."""
+    result = run.result
+    ids = [r[0] for r in run.requests if r[0] in result.probabilities]
+    labels = np.array([run.holdout.labels[i] for i, r in enumerate(run.requests) if r[0] in result.probabilities])
+    after = np.array([result.probabilities[i] for i in ids])
+    before = np.array([p for p, r in zip(run.uncalibrated, run.requests) if r[0] in result.probabilities])
+    lat = np.array(result.latencies_ms or [float("nan")])
+    auc = roc_auc(labels, after) if ids and 0 < labels.sum() < len(labels) else float("nan")
+    ece_before, ece_after = expected_calibration_error(labels, before), expected_calibration_error(labels, after)
+    min_auc, max_ece = run.targets.get("min_roc_auc", 0.0), run.targets.get("max_ece", 1.0)
+    auc_ok, ece_ok = auc >= min_auc, ece_after <= max_ece
+    same_ids = all(run.retry.decision_ids.get(r[0]) == result.decision_ids.get(r[0]) for r in run.requests[:RETRY_SAMPLE])
+    mark = {True: "[green]met[/]", False: "[bold red]MISSED[/]"}
+    example = run.explained[0] if run.explained else None
+    lines = [
+        ("holdout records", str(len(run.requests))),
+        ("decisions returned", f"{len(ids)} ({sum(result.failures.values())} failed {dict(result.failures) or ''})"),
+        ("holdout ROC AUC (returned probabilities)", f"{auc:.4f}  (target ≥ {min_auc:.2f}: {mark[auc_ok]})"),
+        ("Brier score before → after calibration", f"{brier_score(labels, before):.4f} → {brier_score(labels, after):.4f}"),
+        ("ECE (15 bins) before → after calibration",
+         f"{ece_before:.4f} → {ece_after:.4f}  (target ≤ {max_ece:.2f}: {mark[ece_ok]})"),
+        ("calibration", f"{run.entry.manifest.calibration.method} (fitted on {run.entry.manifest.calibration.n_samples} "
+                        "calibration-split rows)"),
+        ("decisions", ", ".join(f"{d} {n}" for d, n in Counter(result.decisions.values()).most_common())),
+        ("top reason codes", ", ".join(f"{c} {n}" for c, n in result.reasons.most_common(4))),
+        ("client latency p50 / p99", f"{np.percentile(lat, 50):.1f} ms / {np.percentile(lat, 99):.1f} ms"),
+        ("throughput", f"{len(ids) / result.wall_s:.0f} predictions/s" if result.wall_s else "-"),
+        (f"retried {RETRY_SAMPLE} request ids", f"same decision ids: {'yes' if same_ids else 'NO'}; "
+                                                f"{sum(run.retry.failures.values())} failed"),
+        (f"explained (entity {example.request_id.rsplit('-', 1)[-1]})" if example else "explained",
+         f"{example.decision_label} p={example.probability:.3f}: " + "; ".join(example.top_reasons) if example else "FAILED"),
+    ]
+    ok = (not result.failures and not run.retry.failures and len(ids) == len(run.requests) and same_ids
+          and auc_ok and ece_ok and run.explain_failures == 0)
+    return lines, ok
+
+
+def _summarise(console, runs: list[FamilyRun], rows: int, codes: dict, workdir: Path) -> int:
     from rich.table import Table
 
+    from mlpair.report import FamilyReport, write_report
+
     console.rule("[bold]4. Summary")
-    ok = len(result.probabilities)
-    labels = np.array([holdout.labels[i] for i, r in enumerate(requests) if r[0] in result.probabilities])
-    scores = np.array([result.probabilities[r[0]] for r in requests if r[0] in result.probabilities])
-    auc = roc_auc(labels, scores) if ok and 0 < labels.sum() < len(labels) else float("nan")
-    lat = np.array(result.latencies_ms) if result.latencies_ms else np.array([float("nan")])
-    same_ids = all(retry.decision_ids.get(r[0]) == result.decision_ids.get(r[0]) for r in requests[:RETRY_SAMPLE])
-
-    table = Table(show_header=False)
-    table.add_row("holdout applicants", str(len(requests)))
-    table.add_row("decisions returned", f"{ok} ({sum(result.failures.values())} failed {dict(result.failures)})")
-    table.add_row("holdout ROC AUC (returned probabilities)", f"{auc:.4f}")
-    table.add_row("decisions", ", ".join(f"{d} {n}" for d, n in Counter(result.decisions.values()).most_common()))
-    table.add_row("top reason codes", ", ".join(f"{c} {n}" for c, n in result.reasons.most_common(5)))
-    table.add_row("client latency p50 / p99", f"{np.percentile(lat, 50):.1f} ms / {np.percentile(lat, 99):.1f} ms")
-    table.add_row("throughput", f"{ok / result.wall_s:.0f} predictions/s" if result.wall_s else "-")
-    table.add_row("CRM rows written", f"{rows} (one per applicant: {'yes' if rows == len(requests) else 'NO'})")
-    table.add_row(f"retried {RETRY_SAMPLE} request ids", f"same decision ids: {'yes' if same_ids else 'NO'}; "
-                  f"{sum(retry.failures.values())} failed")
-    table.add_row("service exit codes", ", ".join(f"{k} {v}" for k, v in codes.items()))
-    console.print(table)
-
-    failed = (result.failures or retry.failures or ok != len(requests) or rows != len(requests)
-              or not same_ids or any(c != 0 for c in codes.values()))
+    all_ok = True
+    for run in runs:
+        table = Table(title=f"{run.name} (model version {run.entry.manifest.model_version})", show_header=False,
+                      title_justify="left")
+        lines, ok = _family_rows(run)
+        for key, value in lines:
+            table.add_row(key, value)
+        console.print(table)
+        all_ok &= ok
+    expected_rows = sum(len(r.requests) + len(r.explained) for r in runs)
+    console.print(f"CRM rows written: {rows} (one per request id: {'yes' if rows == expected_rows else 'NO'}); "
+                  f"service exit codes: {', '.join(f'{k} {v}' for k, v in codes.items())}")
+    if all(run.result.probabilities for run in runs):
+        report = write_report([FamilyReport(
+            run.name,
+            np.array([run.holdout.labels[i] for i, r in enumerate(run.requests) if r[0] in run.result.probabilities]),
+            np.array([p for p, r in zip(run.uncalibrated, run.requests) if r[0] in run.result.probabilities]),
+            np.array([run.result.probabilities[r[0]] for r in run.requests if r[0] in run.result.probabilities]),
+            dict(Counter(run.result.decisions.values()).most_common()), np.array(run.result.latencies_ms),
+        ) for run in runs], workdir / "report.png")
+        console.print(f"report: {report}")
+    failed = not all_ok or rows != expected_rows or any(c != 0 for c in codes.values())
     console.print("[bold red]demo FAILED[/]" if failed else "[bold green]demo OK[/]")
     return 1 if failed else 0

@@ -22,6 +22,14 @@ PROTO_ROOT = REPO_ROOT / "protos" / "mlpair"
 API_PACKAGE = Path("mlpair") / "api"
 
 
+def _googleapis_include() -> str:
+    """Folder holding ``google/rpc/*.proto`` (shipped by googleapis-common-protos, a grpcio-status
+    dependency); the generated code imports ``google.rpc`` from that package, never from mlpair.api."""
+    from google.rpc import status_pb2
+
+    return str(Path(status_pb2.__file__).resolve().parents[2])
+
+
 def generate(out_root: Path) -> list[Path]:
     """Writes generated modules under ``out_root/mlpair/api`` and returns their paths.
 
@@ -35,6 +43,7 @@ def generate(out_root: Path) -> list[Path]:
         "protoc",
         f"-I{API_PACKAGE}={PROTO_ROOT}",
         f"-I{include}",
+        f"-I{_googleapis_include()}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",

@@ -11,14 +11,15 @@ from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import Dataset, load_dataset, stratified_split
 from mlpair.training.pipeline import train_family
 
-from tests.support import CREDIT_SCHEMA
+from tests.support import CHURN_SCHEMA, CREDIT_SCHEMA
 
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory) -> Path:
-    """A model repository holding credit-risk version 1, trained on the real data."""
+    """A model repository holding credit-risk and churn version 1, trained on the real data."""
     root = tmp_path_factory.mktemp("models")
     train_family(CREDIT_SCHEMA, root, show_progress=False)
+    train_family(CHURN_SCHEMA, root, show_progress=False)
     return root
 
 
@@ -47,8 +48,32 @@ def credit_holdout(credit_data, credit_entry) -> Dataset:
 
 
 @pytest.fixture(scope="session")
+def churn_entry(model_repository) -> ModelEntry:
+    from mlpair.contracts.manifest import load_latest
+
+    return load_latest(model_repository, "churn")
+
+
+@pytest.fixture(scope="session")
+def churn_schema() -> FeatureSchema:
+    return FeatureSchema.from_toml(CHURN_SCHEMA)
+
+
+@pytest.fixture(scope="session")
+def churn_data(churn_schema) -> Dataset:
+    return load_dataset(churn_schema)
+
+
+@pytest.fixture(scope="session")
+def churn_holdout(churn_data, churn_entry) -> Dataset:
+    """The real holdout customers the churn model never saw (same split as training)."""
+    seed = int(churn_entry.manifest.data_source["split"]["seed"])
+    return churn_data.subset(stratified_split(churn_data.labels, seed)["holdout"])
+
+
+@pytest.fixture(scope="session")
 async def inference_server(model_repository):
-    """A real InferenceService on a free port, serving the session's model."""
+    """A real InferenceService on a free port, serving the session's models (both families)."""
     from mlpair.inference.server import start
     from mlpair.inference.settings import InferenceSettings
 

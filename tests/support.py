@@ -7,6 +7,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "config"
 CREDIT_SCHEMA = CONFIG_DIR / "credit-risk" / "feature-schema.toml"
+CHURN_SCHEMA = CONFIG_DIR / "churn" / "feature-schema.toml"
 
 import os
 import socket

@@ -1,10 +1,13 @@
 """``mlpair train``: one model family from its schema file to a verified repository entry.
 
+Any model family: its schema file names the data source, target and features; its optional
+``training.toml`` beside the schema holds the hyper-parameters (:class:`TrainConfig`).
 Steps: load the real data → seeded stratified split → fit the preprocessing on the train
 split → assemble features with the serving code path → train → export ONNX and check parity
-→ fit temperature on the calibration split → evaluate on the holdout → write
+→ fit the calibrations on the calibration split → evaluate on the holdout → write
 ``<root>/<model_name>/<version>/`` atomically. If the latest entry was trained from the same
-data, schema and config (same fingerprint), it is reused instead.
+data, schema and config (same fingerprint), it is reused instead; ``force`` always writes a
+new version (e.g. another seed for an ensemble).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import numpy as np
 from mlpair.contracts import calibration, metrics
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import (
-    PREPROCESSING_FILE, Calibration, Manifest, ManifestError, ModelEntry, TensorSpec, VersionTriple,
-    file_sha256, list_versions, load_entry, write_manifest,
+    PREPROCESSING_FILE, Calibration, IsotonicParams, Manifest, ManifestError, ModelEntry, PlattParams,
+    TensorSpec, VersionTriple, file_sha256, list_versions, load_entry, write_manifest,
 )
 from mlpair.contracts.schema import FeatureSchema, Preprocessing
 from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
@@ -33,7 +36,8 @@ from mlpair.training.model import TrainConfig, predict_logits, train_classifier
 logger = logging.getLogger(__name__)
 
 # Bump when a change to this package changes the trained model for the same inputs.
-TRAINING_CODE_VERSION = "1"
+TRAINING_CODE_VERSION = "2"
+TRAINING_CONFIG_FILE = "training.toml"  # beside the feature schema, optional
 BASELINE_QUANTILES = 101
 
 
@@ -76,9 +80,52 @@ def baselines(preprocessing: Preprocessing, train: Dataset) -> dict[str, dict]:
     return out
 
 
-def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfig(), *,
+def load_train_config(schema_path: Path) -> TrainConfig:
+    """The family's ``training.toml`` beside its schema, or the defaults when there is none.
+
+    Raises:
+        ValueError: the file holds unknown keys or invalid values.
+    """
+    path = schema_path.parent / TRAINING_CONFIG_FILE
+    return TrainConfig.from_toml(path) if path.is_file() else TrainConfig()
+
+
+def fit_calibration(logits: np.ndarray, labels: np.ndarray, positive: int, config: TrainConfig) -> Calibration:
+    """Fits every applicable calibration on the calibration split; ``config.calibration`` is served.
+
+    Temperature and Platt are always fitted; isotonic only with at least
+    ``MIN_ISOTONIC_SAMPLES`` samples.
+
+    Raises:
+        ValueError: the configured method cannot be fitted (e.g. isotonic on too few samples).
+    """
+    margins = calibration.margin(logits, positive)
+    temperature = calibration.fit_temperature(logits, labels, positive, config.label_smoothing)
+    a, b = calibration.fit_platt(margins, labels)
+    isotonic = None
+    if len(labels) >= calibration.MIN_ISOTONIC_SAMPLES or config.calibration == "isotonic":
+        knots, values = calibration.fit_isotonic(margins, labels)  # refuses too few samples
+        isotonic = IsotonicParams(knots=knots, values=values)
+    return Calibration(method=config.calibration, temperature=temperature, label_smoothing=config.label_smoothing,
+                       platt=PlattParams(a=a, b=b), isotonic=isotonic, n_samples=len(labels))
+
+
+def holdout_metrics(cal: Calibration, logits: np.ndarray, labels: np.ndarray, positive: int) -> dict[str, dict]:
+    """ROC AUC, Brier and ECE on the holdout: uncalibrated, as served, and per fitted method."""
+    out = {"holdout_uncalibrated": metrics.summary(labels, cal.probabilities(logits, positive, "none")),
+           "holdout_calibrated": metrics.summary(labels, cal.probabilities(logits, positive))}
+    for method in ("temperature", "platt", "isotonic"):
+        if method == "temperature" or getattr(cal, method) is not None:
+            out[f"holdout_{method}"] = metrics.summary(labels, cal.probabilities(logits, positive, method))
+    return out
+
+
+def train_family(schema_path: Path, root: Path, config: TrainConfig | None = None, *,
                  force: bool = False, show_progress: bool = True) -> tuple[ModelEntry, bool]:
     """Trains (or reuses) the model family described by ``schema_path`` into ``root``.
+
+    Args:
+        config: hyper-parameters; None reads the family's ``training.toml`` (or the defaults).
 
     Returns:
         The verified entry and whether it was newly trained (False = reused).
@@ -88,18 +135,20 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfi
         ValueError: the schema or data set is unusable.
     """
     schema = FeatureSchema.from_toml(schema_path)
+    config = config or load_train_config(schema_path)
     data = load_dataset(schema)
     print_ = fingerprint(schema, data.sha256, config)
     if not force and (entry := find_reusable(root, schema.name, print_)) is not None:
         logger.info("reusing %s version %s (same fingerprint)", schema.name, entry.manifest.model_version)
         return entry, False
 
-    splits = {name: data.subset(idx) for name, idx in stratified_split(data.labels, config.seed).items()}
+    splits = {name: data.subset(idx) for name, idx in stratified_split(data.labels, config.split_seed).items()}
     preprocessing = Preprocessing.fit(schema, splits["train"].records)
     assembler = FeatureAssembler(preprocessing)
     x = {name: assembler.assemble_many(s.records) for name, s in splits.items()}
 
-    model = _train_with_progress(x["train"], splits["train"].labels, config, show_progress)
+    model = _train_with_progress(x["train"], splits["train"].labels, config, show_progress,
+                                 validation=(x["calibration"], splits["calibration"].labels))
     version = str((list_versions(root, schema.name) or [0])[-1] + 1)
     target = root / schema.name / version
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,9 +159,7 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfi
         preprocessing.save(staging / PREPROCESSING_FILE)
 
         positive = 1
-        temperature = calibration.fit_temperature(predict_logits(model, x["calibration"]), splits["calibration"].labels, positive)
-        holdout_logits = predict_logits(model, x["holdout"])
-        y_holdout = splits["holdout"].labels
+        cal = fit_calibration(predict_logits(model, x["calibration"]), splits["calibration"].labels, positive, config)
         manifest = Manifest(
             model_name=schema.name,
             versions=VersionTriple(model_version=version, feature_schema_version=schema.version,
@@ -122,15 +169,12 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfi
             outputs=[TensorSpec(name=OUTPUT_NAME, shape=[-1, 2])],
             class_names=[f"not {schema.target.positive}", schema.target.positive],
             positive_index=positive,
-            calibration=Calibration(temperature=temperature),
+            calibration=cal,
             baselines=baselines(preprocessing, splits["train"]),
-            metrics={
-                "holdout_uncalibrated": metrics.summary(y_holdout, calibration.temperature_probability(holdout_logits, 1.0, positive)),
-                "holdout_calibrated": metrics.summary(y_holdout, calibration.temperature_probability(holdout_logits, temperature, positive)),
-            },
+            metrics=holdout_metrics(cal, predict_logits(model, x["holdout"]), splits["holdout"].labels, positive),
             data_source={"source": schema.source, "sha256": data.sha256, "rows": len(data.records),
                          "target": f"{schema.target.column} == {schema.target.positive!r}",
-                         "split": {**{k: len(v.records) for k, v in splits.items()}, "fractions": SPLIT_FRACTIONS, "seed": config.seed}},
+                         "split": {**{k: len(v.records) for k, v in splits.items()}, "fractions": SPLIT_FRACTIONS, "seed": config.split_seed}},
             training={"fingerprint": print_, "config": dataclasses.asdict(config), "onnx_parity_max_abs_diff": parity},
         )
         write_manifest(staging, manifest)
@@ -143,10 +187,11 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfi
     return entry, True
 
 
-def _train_with_progress(x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool):
+def _train_with_progress(x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool, validation):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("training"), BarColumn(), TextColumn("epoch {task.completed}/{task.total}"),
                   TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not show) as bar:
         task = bar.add_task("train", total=config.epochs, loss=float("nan"))
-        return train_classifier(x, y, config, progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss))
+        return train_classifier(x, y, config, progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss),
+                                validation=validation)

@@ -1,12 +1,13 @@
 """Feature assembly: raw business attributes → guarded ``[n_features] float32`` vectors.
 
 The one code path used by training (on the training split) and by PredictionService (on
-live requests), so there is no training/serving skew. Guards never raise for a value of the
-right type: missing and sentinel values take the schema default, out-of-range values are
-clamped, unknown categories go to the unknown slot, and every such action is reported as a
-:class:`GuardEvent` with a stable reason code. A value of a type no rule converts (a word
-for a number, a number for a category) is a :class:`ConversionError` and the whole request
-is refused with every such attribute named at once.
+live requests), so there is no training/serving skew. Each value is first converted by its
+feature's explicit rules (:mod:`mlpair.contracts.conversion`); a value no rule converts is a
+:class:`ConversionError` and the whole request is refused with every such attribute named at
+once. Guards never raise for a convertible value: missing and sentinel values take the schema
+default, out-of-range values (huge, negative, infinite) are clamped before the float32 cast,
+unknown categories go to the unknown slot, and every such action is reported as a
+:class:`GuardEvent` with a stable reason code.
 """
 
 from __future__ import annotations
@@ -18,14 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from mlpair.contracts.schema import Preprocessing, is_missing, normalize_category
-
-# Guard actions; together with the feature name they form the stable reason code.
-MISSING_DEFAULTED = "MISSING_DEFAULTED"
-SENTINEL_DEFAULTED = "SENTINEL_DEFAULTED"
-CLAMPED_MIN = "CLAMPED_MIN"
-CLAMPED_MAX = "CLAMPED_MAX"
-UNKNOWN_CATEGORY = "UNKNOWN_CATEGORY"
+from mlpair.contracts.conversion import (  # noqa: F401  (actions re-exported for callers)
+    CLAMPED_MAX, CLAMPED_MIN, MISSING_DEFAULTED, SENTINEL_DEFAULTED, UNKNOWN_CATEGORY,
+    ConversionProblem, guard_number, to_category, to_number,
+)
+from mlpair.contracts.schema import Preprocessing, reason_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +36,7 @@ class GuardEvent:
     @property
     def reason_code(self) -> str:
         """Stable machine-readable code, e.g. ``INCOME_SENTINEL_DEFAULTED``."""
-        return f"{self.feature.upper()}_{self.action}"
+        return f"{reason_prefix(self.feature)}_{self.action}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,39 +50,12 @@ class AssembledRow:
 
 @dataclass
 class ConversionError(ValueError):
-    """Attribute values whose type no rule converts; ``problems`` maps attribute → message."""
+    """Attribute values that no conversion rule accepts; ``problems`` maps attribute → message."""
 
     problems: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return "; ".join(f"{name}: {msg}" for name, msg in sorted(self.problems.items()))
-
-
-def _to_float(value: Any) -> float:
-    """Explicit numeric conversion rule: numbers as they are; decimal strings parsed.
-
-    Raises:
-        TypeError: booleans and other types. ValueError: a string that is not a number.
-    """
-    if isinstance(value, bool):
-        raise TypeError("expected a number, got a boolean")
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            raise ValueError("expected a number, got a string that is not one") from None
-    raise TypeError(f"expected a number, got {_kind(value)}")
-
-
-def _kind(value: Any) -> str:
-    """Plain-language type of a raw value, for error messages."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return "a number"
-    return "a string" if isinstance(value, str) else type(value).__name__
 
 
 class FeatureAssembler:
@@ -99,21 +70,23 @@ class FeatureAssembler:
         self.preprocessing = preprocessing
         self.n_features = preprocessing.n_features
         schema = preprocessing.feature_schema
-        self._numeric = [
-            (f.name, f.min, f.max, frozenset(f.sentinels), f.transform == "log1p",
-             preprocessing.numeric[f.name].default, preprocessing.numeric[f.name].mean,
-             1.0 / preprocessing.numeric[f.name].std)
-            for f in schema.numeric
-        ]
+        self._numeric = [(f, preprocessing.numeric[f.name], 1.0 / preprocessing.numeric[f.name].std)
+                         for f in schema.numeric]
         self._categorical = []
+        slices: dict[str, slice] = {f.name: slice(i, i + 1) for i, f in enumerate(schema.numeric)}
         offset = len(self._numeric)
         for f in schema.categorical:
             params = preprocessing.categorical[f.name]
             index = {v: offset + i for i, v in enumerate(params.vocabulary)}
             unknown = offset + len(params.vocabulary)
-            self._categorical.append((f.name, f.normalize, index, unknown, params.default))
+            self._categorical.append((f, index, unknown, params.default))
+            slices[f.name] = slice(offset, unknown + 1)
             offset = unknown + 1
+        self.feature_slices: dict[str, slice] = slices
+        """Schema feature name → the columns it occupies in the vector (in schema order)."""
         self._known = frozenset(schema.attribute_names)
+        self.default_vector = self.assemble({}).vector
+        """``[n_features] float32``: every feature at its schema default (the occlusion baseline)."""
 
     def assemble(self, attributes: Mapping[str, Any]) -> AssembledRow:
         """Assembles one raw record; attribute order never matters.
@@ -125,50 +98,36 @@ class FeatureAssembler:
             The ``[n_features] float32`` vector, guard events and ignored attribute names.
 
         Raises:
-            ConversionError: naming every attribute whose value has an unconvertible type.
+            ConversionError: naming every attribute whose value no conversion rule accepts.
         """
         out = np.zeros(self.n_features, dtype=np.float32)
         guards: list[GuardEvent] = []
         problems: dict[str, str] = {}
-        for i, (name, lo, hi, sentinels, log1p, default, mean, inv_std) in enumerate(self._numeric):
-            raw = attributes.get(name)
-            if is_missing(raw):
-                x = default
-                guards.append(GuardEvent(name, MISSING_DEFAULTED))
-            else:
-                try:
-                    x = _to_float(raw)
-                except (TypeError, ValueError) as exc:
-                    problems[name] = str(exc)
-                    continue
-                if math.isnan(x):
-                    x = default
-                    guards.append(GuardEvent(name, MISSING_DEFAULTED))
-                elif x in sentinels:
-                    x = default
-                    guards.append(GuardEvent(name, SENTINEL_DEFAULTED))
-                elif x < lo:
-                    x = lo
-                    guards.append(GuardEvent(name, CLAMPED_MIN))
-                elif x > hi:
-                    x = hi
-                    guards.append(GuardEvent(name, CLAMPED_MAX))
-            if log1p:
-                x = math.log1p(x)
-            out[i] = (x - mean) * inv_std
-        for name, rule, index, unknown, default in self._categorical:
-            raw = attributes.get(name)
-            if not is_missing(raw) and not isinstance(raw, str):
-                problems[name] = f"expected a category string, got {_kind(raw)}"
+        for i, (feat, params, inv_std) in enumerate(self._numeric):
+            try:
+                raw = to_number(attributes.get(feat.name), feat)
+            except ConversionProblem as exc:
+                problems[feat.name] = str(exc)
                 continue
-            value = "" if is_missing(raw) else normalize_category(raw, rule)
-            if not value:
+            x, action = guard_number(raw, feat, params.default)
+            if action is not None:
+                guards.append(GuardEvent(feat.name, action))
+            if feat.transform == "log1p":
+                x = math.log1p(x)
+            out[i] = (x - params.mean) * inv_std
+        for feat, index, unknown, default in self._categorical:
+            try:
+                value = to_category(attributes.get(feat.name), feat)
+            except ConversionProblem as exc:
+                problems[feat.name] = str(exc)
+                continue
+            if value is None:
                 value = default
-                guards.append(GuardEvent(name, MISSING_DEFAULTED))
+                guards.append(GuardEvent(feat.name, MISSING_DEFAULTED))
             slot = index.get(value)
             if slot is None:
                 slot = unknown
-                guards.append(GuardEvent(name, UNKNOWN_CATEGORY))
+                guards.append(GuardEvent(feat.name, UNKNOWN_CATEGORY))
             out[slot] = 1.0
         if problems:
             raise ConversionError(problems)
@@ -185,3 +144,17 @@ class FeatureAssembler:
         for k, row in enumerate(rows):
             matrix[k] = self.assemble(row).vector
         return matrix
+
+    def occlusions(self, vector: np.ndarray) -> np.ndarray:
+        """One copy of ``vector`` per schema feature with that feature set to its schema default.
+
+        Args:
+            vector: ``[n_features] float32``, an assembled row.
+
+        Returns:
+            ``[n_schema_features, n_features] float32``, rows in schema order (numeric first).
+        """
+        rows = np.repeat(vector[None, :], len(self.feature_slices), axis=0)
+        for k, cols in enumerate(self.feature_slices.values()):
+            rows[k, cols] = self.default_vector[cols]
+        return rows

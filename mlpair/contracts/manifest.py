@@ -12,9 +12,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mlpair.contracts import calibration
 from mlpair.contracts.schema import Preprocessing
 
 MANIFEST_FILE = "manifest.json"
@@ -41,15 +44,83 @@ class TensorSpec(_Model):
     shape: list[int]
 
 
-class Calibration(_Model):
-    """Maps logits to a probability: ``p = softmax(logits / temperature)[positive_index]``.
+class PlattParams(_Model):
+    """Platt scaling: ``p = sigmoid(a * margin + b)``."""
 
-    Temperature scaling: Guo et al., "On Calibration of Modern Neural Networks", ICML 2017.
+    a: float = Field(gt=0)
+    b: float
+
+
+class IsotonicParams(_Model):
+    """Isotonic calibration: piecewise-linear through ``(knots, values)``, constant beyond the ends."""
+
+    knots: list[float] = Field(min_length=1)
+    values: list[float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _monotone(self) -> IsotonicParams:
+        k, v = np.asarray(self.knots), np.asarray(self.values)
+        if len(k) != len(v) or not np.isfinite(k).all() or (np.diff(k) <= 0).any():
+            raise ValueError("isotonic knots must be finite, strictly increasing and as many as values")
+        if (v < 0).any() or (v > 1).any() or (np.diff(v) < 0).any():
+            raise ValueError("isotonic values must be non-decreasing and in [0, 1]")
+        return self
+
+
+CalibrationMethod = Literal["temperature", "platt", "isotonic"]
+
+
+class Calibration(_Model):
+    """Maps logits to a probability of the positive class (formulas and sources in
+    :mod:`mlpair.contracts.calibration`).
+
+    ``method`` is the one PredictionService applies; the parameters of every method fitted
+    are kept so their holdout metrics can be compared. ``label_smoothing`` is the epsilon the
+    model was trained with (0 = none); temperature scaling undoes it.
     """
 
-    method: str = "temperature"
+    method: CalibrationMethod = "temperature"
     temperature: float = Field(gt=0)
+    label_smoothing: float = Field(default=0.0, ge=0, lt=1)
+    platt: PlattParams | None = None
+    isotonic: IsotonicParams | None = None
     fitted_on: str = "calibration split"
+    n_samples: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _method_is_fitted(self) -> Calibration:
+        if self.method == "platt" and self.platt is None:
+            raise ValueError("calibration method platt needs platt parameters")
+        if self.method == "isotonic":
+            if self.isotonic is None:
+                raise ValueError("calibration method isotonic needs isotonic parameters")
+            if self.n_samples < calibration.MIN_ISOTONIC_SAMPLES:
+                raise ValueError(f"isotonic calibration needs at least {calibration.MIN_ISOTONIC_SAMPLES} "
+                                 f"calibration samples, got {self.n_samples}")
+        return self
+
+    def probabilities(self, logits: np.ndarray, positive_index: int,
+                      method: CalibrationMethod | Literal["none"] | None = None) -> np.ndarray:
+        """Positive-class probabilities ``[batch]`` float64 in [0, 1] for logits ``[batch, n_classes]``.
+
+        Args:
+            method: override of ``self.method``; "none" is the plain softmax (T = 1, no correction).
+
+        Raises:
+            ValueError: non-finite logits, or the method was not fitted.
+        """
+        method = method or self.method
+        if method == "none":
+            return calibration.temperature_probability(logits, 1.0, positive_index)
+        if method == "temperature":
+            return calibration.temperature_probability(logits, self.temperature, positive_index, self.label_smoothing)
+        params = getattr(self, method)
+        if params is None:
+            raise ValueError(f"calibration method {method} was not fitted")
+        m = calibration.margin(logits, positive_index)
+        if method == "platt":
+            return calibration.platt_probability(m, params.a, params.b)
+        return calibration.isotonic_probability(m, np.asarray(params.knots), np.asarray(params.values))
 
 
 class Manifest(_Model):

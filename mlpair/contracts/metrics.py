@@ -52,3 +52,37 @@ def summary(labels: np.ndarray, probabilities: np.ndarray) -> dict[str, float]:
         "ece_15": expected_calibration_error(labels, probabilities),
         "n": float(len(labels)),
     }
+
+
+def reliability_curve(labels: np.ndarray, probabilities: np.ndarray, n_bins: int = 15) -> dict[str, np.ndarray]:
+    """Per equal-width bin (the ECE's bins): mean probability, observed frequency and count.
+
+    Returns:
+        ``{"mean_probability", "frequency", "count"}``, each ``[n_bins]``; empty bins hold NaN and 0.
+    """
+    y = np.asarray(labels, dtype=np.float64)
+    p = np.asarray(probabilities, dtype=np.float64)
+    bins = np.minimum((p * n_bins).astype(int), n_bins - 1)
+    count = np.bincount(bins, minlength=n_bins).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_p = np.bincount(bins, weights=p, minlength=n_bins) / count
+        freq = np.bincount(bins, weights=y, minlength=n_bins) / count
+    return {"mean_probability": mean_p, "frequency": freq, "count": count}
+
+
+def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """False and true positive rates at every distinct score threshold, from (0, 0) to (1, 1).
+
+    Raises:
+        ValueError: ``labels`` holds only one class.
+    """
+    y = np.asarray(labels).astype(bool)
+    s = np.asarray(scores, dtype=np.float64)
+    if y.all() or not y.any():
+        raise ValueError("a ROC curve needs both classes")
+    order = np.argsort(-s, kind="mergesort")
+    s, y = s[order], y[order]
+    last_of_tie = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
+    tp = np.cumsum(y)[last_of_tie]
+    fp = np.cumsum(~y)[last_of_tie]
+    return np.r_[0.0, fp / fp[-1]], np.r_[0.0, tp / tp[-1]]

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.errors import ServiceError
+from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.pipeline import PredictInput, PredictionResult
+
+# Decision labels that the wire enum also names; any other label travels only as decision_label.
+_DECISION_ENUM = {name.removeprefix("DECISION_"): number for name, number in pb.Decision.items()
+                  if number != pb.DECISION_UNSPECIFIED}
 
 
 def attribute_value(value: pb.AttributeValue) -> Any:
@@ -18,17 +28,44 @@ def predict_input(request: pb.PredictRequest) -> PredictInput:
     return PredictInput(
         request_id=request.request_id, entity_id=request.entity_id, model_name=request.model_name,
         attributes={name: attribute_value(v) for name, v in request.attributes.items()},
+        explain=request.explain,
     )
+
+
+def batch_inputs(request: pb.BatchPredictRequest) -> list[PredictInput]:
+    return [predict_input(item) for item in request.requests]
 
 
 def predict_response(result: PredictionResult) -> pb.PredictResponse:
     s = result.stored
-    return pb.PredictResponse(
+    response = pb.PredictResponse(
         request_id=s.request_id, decision_id=s.decision_id, probability=s.probability,
-        decision=pb.Decision.Value(f"DECISION_{s.decision}"), reason_codes=s.reason_codes,
-        model_version=s.model_version, feature_schema_version=s.feature_schema_version,
-        from_cache=result.from_cache, policy_version=s.policy_version,
+        decision=_DECISION_ENUM.get(s.decision, pb.DECISION_UNSPECIFIED), decision_label=s.decision,
+        reason_codes=s.reason_codes, model_version=s.model_version,
+        feature_schema_version=s.feature_schema_version, from_cache=result.from_cache,
+        policy_version=s.policy_version, spread=result.spread, calibration_method=result.calibration_method,
     )
+    if result.explanation is not None:
+        response.contributions.extend(
+            pb.FeatureContribution(feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text)
+            for c in result.explanation.contributions)
+        response.top_reasons.extend(result.explanation.top_reasons)
+    return response
+
+
+def error_status(error: ServiceError) -> status_pb2.Status:
+    """A per-item error as ``google.rpc.Status`` with one ErrorInfo, exactly as Predict would fail."""
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata))
+    return status_pb2.Status(code=getattr(code_pb2, error.code), message=error.message, details=[info])
+
+
+def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.BatchPredictResponse:
+    return pb.BatchPredictResponse(results=[
+        pb.BatchPredictResult(error=error_status(o)) if isinstance(o, ServiceError)
+        else pb.BatchPredictResult(prediction=predict_response(o))
+        for o in outcomes
+    ])
 
 
 def to_attributes(record: dict[str, Any]) -> dict[str, pb.AttributeValue]:

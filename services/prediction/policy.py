@@ -1,34 +1,74 @@
-"""Decision policy: calibrated probability → decision band with a business reason code."""
+"""Decision policy: calibrated probability (and ensemble spread) → decision with business reasons.
+
+Each model family has its own versioned file, ``config/<model_name>/policy.toml``, naming its
+own decisions (APPROVE / REVIEW / DECLINE for credit, NO_ACTION / RETAIN_OFFER for churn).
+"""
 
 from __future__ import annotations
 
 import bisect
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+# Decision labels and reason codes are stable machine-readable identifiers; 32 characters is
+# also the width of the CRM's decision column.
+Label = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
+Code = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,63}$")]
 
 
-class Band(BaseModel):
-    """One decision band: probabilities from ``min_probability`` (inclusive) up to the next band."""
-
+class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    decision: str
+
+class Band(_Frozen):
+    """One decision band: probabilities from ``min_probability`` up to the next band's."""
+
+    decision: Label
     min_probability: float = Field(ge=0, le=1)
-    reason_code: str
+    reason_code: Code
+    description: str = ""
+    """The reason in business language, for people reading the decision."""
 
 
-class DecisionPolicy(BaseModel):
-    """A versioned thresholds file (``config/<model_name>/policy.toml``).
+class Uncertainty(_Frozen):
+    """Where an ensemble's members disagree too much to decide automatically.
 
-    A probability p gets the band with the largest ``min_probability`` ≤ p (``>=`` comparison).
+    ``spread`` is max − min of the members' calibrated probabilities; a spread strictly above
+    ``max_spread`` overrides the band with ``decision`` and adds ``reason_code``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_spread: float = Field(gt=0, le=1)
+    decision: Label
+    reason_code: Code
+    description: str = ""
 
-    version: str
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's verdict: decision label and reason codes, most important first."""
+
+    decision: str
+    reason_codes: tuple[str, ...]
+    band: Band
+    uncertain: bool = False  # routed by the ensemble spread rather than by the band
+
+
+class DecisionPolicy(_Frozen):
+    """A versioned thresholds file.
+
+    ``comparison`` states how a probability meets a band's lower bound: ``">="`` (default) gives
+    p the band with the largest ``min_probability`` ≤ p (lower bound inclusive); ``">"`` the
+    band with the largest ``min_probability`` < p (lower bound exclusive; p = 0 gets the first).
+    """
+
+    version: str = Field(min_length=1, max_length=64)
+    comparison: Literal[">=", ">"] = ">="
     bands: tuple[Band, ...]
+    uncertainty: Uncertainty | None = None
 
     @model_validator(mode="after")
     def _ordered_from_zero(self) -> DecisionPolicy:
@@ -42,12 +82,20 @@ class DecisionPolicy(BaseModel):
         """Loads a policy file.
 
         Raises:
-            OSError: unreadable. pydantic.ValidationError: invalid bands.
+            OSError: unreadable. pydantic.ValidationError: invalid bands or labels.
         """
         with open(path, "rb") as f:
             return cls.model_validate(tomllib.load(f))
 
-    def decide(self, probability: float) -> Band:
+    @property
+    def decisions(self) -> tuple[str, ...]:
+        """Every decision label this policy can return, bands first."""
+        labels = [b.decision for b in self.bands]
+        if self.uncertainty and self.uncertainty.decision not in labels:
+            labels.append(self.uncertainty.decision)
+        return tuple(dict.fromkeys(labels))
+
+    def band(self, probability: float) -> Band:
         """The band for a probability in [0, 1].
 
         Raises:
@@ -56,4 +104,19 @@ class DecisionPolicy(BaseModel):
         if not 0.0 <= probability <= 1.0:  # also false for NaN
             raise ValueError(f"probability {probability!r} is outside [0, 1]")
         starts = [b.min_probability for b in self.bands]
-        return self.bands[bisect.bisect_right(starts, probability) - 1]
+        if self.comparison == ">=":
+            return self.bands[bisect.bisect_right(starts, probability) - 1]
+        return self.bands[max(bisect.bisect_left(starts, probability) - 1, 0)]
+
+    def decide(self, probability: float, spread: float = 0.0) -> Decision:
+        """Decision for a calibrated probability and, with an ensemble, its members' spread.
+
+        Raises:
+            ValueError: probability or spread not finite or outside [0, 1].
+        """
+        band = self.band(probability)
+        if not 0.0 <= spread <= 1.0:
+            raise ValueError(f"spread {spread!r} is outside [0, 1]")
+        if self.uncertainty is not None and spread > self.uncertainty.max_spread:
+            return Decision(self.uncertainty.decision, (self.uncertainty.reason_code, band.reason_code), band, True)
+        return Decision(band.decision, (band.reason_code,), band)

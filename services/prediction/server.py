@@ -14,7 +14,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.inference_client import InferenceClient
-from mlpair.prediction.pipeline import ModelFamily, Predictor
+from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predictor
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
 from mlpair.rpc import ErrorInterceptor, Health, drain, message_size_options, wait_for_termination_signal
@@ -25,15 +25,25 @@ SERVICE_NAME = "mlpair.prediction.v1.PredictionService"
 
 
 def build_predictor(settings: PredictionSettings) -> Predictor:
-    """Loads the model family and connects its dependencies (no network I/O yet).
+    """Loads every served model family and connects its dependencies (no network I/O yet).
 
     Raises:
-        ConfigurationError: schema, policy and model repository disagree.
+        ConfigurationError: schema, policy and model repository disagree, or the default
+            family is not among the served ones.
     """
-    family = ModelFamily.load(settings.model_name, settings.config_dir, settings.model_repository)
+    names = settings.models or [settings.model_name]
+    if settings.model_name not in names:
+        raise ConfigurationError(f"default model family {settings.model_name!r} is not among the served {names}")
+    if unserved := sorted((set(settings.ensembles) | set(settings.shadows)) - set(names)):
+        raise ConfigurationError(f"ensemble or shadow configured for {unserved}, which are not served")
+    families = {name: ModelFamily.load(name, settings.config_dir, settings.model_repository,
+                                       ensemble=settings.ensembles.get(name, ()), shadow=settings.shadows.get(name))
+                for name in names}
     inference = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
                                 max_message_bytes=settings.max_message_bytes)
-    return Predictor({family.name: family}, settings.model_name, inference, CrmStore(settings.crm_url))
+    return Predictor(families, settings.model_name, inference, CrmStore(settings.crm_url),
+                     max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
+                     explain_top_k=settings.explain_top_reasons)
 
 
 def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[grpc.aio.Server, int, Health]:
@@ -65,6 +75,7 @@ async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Hea
 async def stop(server: grpc.aio.Server, health: Health, predictor: Predictor, grace_s: float) -> None:
     """Drains in-flight calls, then closes the inference channel and the CRM pool."""
     await drain(server, health, grace_s)
+    await predictor.drain_background()
     await predictor.inference.close()
     await predictor.crm.close()
 

@@ -19,3 +19,8 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         result = await self.predictor.predict(converters.predict_input(request))
         return converters.predict_response(result)
+
+    async def BatchPredict(self, request: pb.BatchPredictRequest,
+                           context: grpc.aio.ServicerContext) -> pb.BatchPredictResponse:
+        outcomes = await self.predictor.predict_batch(converters.batch_inputs(request))
+        return converters.batch_response(outcomes)

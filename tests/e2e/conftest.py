@@ -1,0 +1,81 @@
+"""Fixtures for end-to-end tests: real InferenceService and PredictionService pairs on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.contracts.manifest import list_versions
+from mlpair.training.pipeline import load_train_config, train_family
+from tests.support import CONFIG_DIR, CREDIT_SCHEMA
+
+INFERENCE_MAX_BATCH = 64  # as the session's inference_server; PredictionService packs to it
+ENSEMBLE_SEEDS = (7, 11)  # versions 2 and 3 of credit-risk; version 1 is the session's model
+
+
+@contextlib.asynccontextmanager
+async def prediction_service(inference_target: str, model_repository: Path, crm_dir: Path, **overrides):
+    """A real PredictionService (SQLite CRM) in front of ``inference_target``; yields (stub, predictor)."""
+    from mlpair.prediction.server import start, stop
+    from mlpair.prediction.settings import PredictionSettings
+
+    settings = PredictionSettings(**{
+        "host": "127.0.0.1", "port": 0, "metrics_port": 0, "inference_target": inference_target,
+        "crm_url": f"sqlite+aiosqlite:///{crm_dir / 'crm.sqlite'}", "model_repository": model_repository,
+        "config_dir": CONFIG_DIR, "models": ["credit-risk", "churn"],
+        "inference_max_batch_rows": INFERENCE_MAX_BATCH, **overrides})
+    server, port, health, predictor = await start(settings)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield pb_grpc.PredictionServiceStub(channel), predictor
+    finally:
+        await stop(server, health, predictor, 0)
+
+
+@contextlib.asynccontextmanager
+async def inference_service(model_repository: Path, *, all_versions: bool = False, **overrides):
+    """A real InferenceService on a free port; ``all_versions`` loads every version of each model."""
+    import asyncio
+
+    from mlpair.inference.engine import InferenceEngine
+    from mlpair.inference.server import create_server
+    from mlpair.inference.settings import InferenceSettings
+
+    class AllVersionsEngine(InferenceEngine):
+        """The stock engine loads each model's latest version; shadow and ensemble tests need
+        several side by side (InferenceService's own version policy is another issue's work)."""
+
+        def discover(self) -> list[Path]:
+            root = self.settings.model_repository
+            names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+            return [root / name / str(v) for name in names for v in list_versions(root, name)]
+
+    settings = InferenceSettings(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0,
+                                    "model_repository": model_repository, "max_batch_size": INFERENCE_MAX_BATCH, **overrides})
+    engine = (AllVersionsEngine if all_versions else InferenceEngine)(settings)
+    server, port, health = create_server(settings, engine)
+    await server.start()
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, engine.load)
+        await health.set_serving(True)
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def ensemble_repository(credit_entry, tmp_path_factory) -> Path:
+    """credit-risk versions 1 (the session's model), 2 and 3 (other seeds, same split and features)."""
+    root = tmp_path_factory.mktemp("ensemble")
+    shutil.copytree(credit_entry.path, root / "credit-risk" / "1")
+    base = load_train_config(CREDIT_SCHEMA)
+    for seed in ENSEMBLE_SEEDS:
+        train_family(CREDIT_SCHEMA, root, dataclasses.replace(base, seed=seed), force=True, show_progress=False)
+    return root

@@ -1,0 +1,147 @@
+"""BatchPredict against real servers: request order, per-item errors, packing into inference calls."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import code_pb2, error_details_pb2
+from prometheus_client import REGISTRY
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.prediction.converters import to_attributes
+from tests.e2e.conftest import inference_service, prediction_service
+from tests.e2e.test_end_to_end import expected_probabilities
+
+SMALL_BATCH = 20  # InferenceService's max_batch_size here; churn explanations need 19 rows
+
+
+@pytest.fixture(scope="module")
+async def small_inference(model_repository):
+    """An InferenceService that refuses any call above 20 rows: a packing mistake cannot hide."""
+    async with inference_service(model_repository, max_batch_size=SMALL_BATCH) as target:
+        yield target
+
+
+@pytest.fixture(scope="module")
+async def prediction(small_inference, model_repository, tmp_path_factory):
+    async with prediction_service(small_inference, model_repository, tmp_path_factory.mktemp("crm"),
+                                  inference_max_batch_rows=SMALL_BATCH, max_batch_items=100) as served:
+        yield served
+
+
+def item(request_id: str, entity_id: str, attributes: dict, model_name: str = "credit-risk", explain: bool = False):
+    return pb.PredictRequest(request_id=request_id, entity_id=entity_id, attributes=to_attributes(attributes),
+                             model_name=model_name, explain=explain)
+
+
+def rows_metric(model: str) -> tuple[float, float]:
+    """(Infer calls, rows sent) so far for ``model``, from PredictionService's own metrics."""
+    labels = {"model": model}
+    return (REGISTRY.get_sample_value("prediction_inference_call_rows_count", labels) or 0.0,
+            REGISTRY.get_sample_value("prediction_inference_call_rows_sum", labels) or 0.0)
+
+
+def error_info(status) -> error_details_pb2.ErrorInfo:
+    [detail] = status.details
+    info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(info)
+    return info
+
+
+async def test_rows_are_packed_into_calls_no_larger_than_the_inference_max_batch(prediction, credit_holdout, credit_entry):
+    stub, _ = prediction
+    n = 40
+    calls0, rows0 = rows_metric("credit-risk")
+    reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+        item(f"pack-{i}", eid, rec) for i, (eid, rec) in enumerate(zip(credit_holdout.entity_ids[:n], credit_holdout.records))]))
+    calls, rows = rows_metric("credit-risk")
+    # every item decided: InferenceService would have refused any call above SMALL_BATCH rows
+    assert [r.WhichOneof("outcome") for r in reply.results] == ["prediction"] * n
+    assert rows - rows0 == n
+    assert calls - calls0 == -(-n // SMALL_BATCH)  # ceil(40 / 20) = 2 calls, not 40
+    expected = expected_probabilities(credit_entry, credit_holdout.records[:n])
+    got = np.array([r.prediction.probability for r in reply.results])
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+async def test_explanations_in_a_batch_keep_each_item_in_one_call(prediction, credit_holdout):
+    """Each explained credit item needs 14 rows: no two fit in 20, and none is split."""
+    stub, _ = prediction
+    calls0, rows0 = rows_metric("credit-risk")
+    reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+        item(f"pack-explain-{i}", eid, rec, explain=True)
+        for i, (eid, rec) in enumerate(zip(credit_holdout.entity_ids[:5], credit_holdout.records))]))
+    calls, rows = rows_metric("credit-risk")
+    assert all(len(r.prediction.contributions) == 13 for r in reply.results)
+    assert (calls - calls0, rows - rows0) == (5, 5 * 14)
+
+
+async def test_a_bad_item_gets_its_own_error_and_results_keep_request_order(prediction, credit_holdout, churn_holdout):
+    stub, predictor = prediction
+    before = await predictor.crm.count()
+    requests = [
+        item("order-0", "a", credit_holdout.records[0]),
+        item("order-1", "b", {"Age": "thirty", "Home": 4.0}),                      # unconvertible values
+        item("order-2", "c", churn_holdout.records[0], model_name="churn"),        # another family
+        item("order-3", "d", credit_holdout.records[1], model_name="fraud"),       # unknown family
+        item("", "e", credit_holdout.records[2]),                                   # missing request id
+        item("order-5", "f", credit_holdout.records[3]),
+        item("order-5", "g", credit_holdout.records[4]),                            # duplicated request id
+        item("order-7", "h", {**credit_holdout.records[5], "Income": 99999999}),   # guarded, still decided
+    ]
+    reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=requests))
+    kinds = [r.WhichOneof("outcome") for r in reply.results]
+    assert kinds == ["prediction", "error", "prediction", "error", "error", "prediction", "error", "prediction"]
+    for request, result in zip(requests, reply.results):
+        if result.WhichOneof("outcome") == "prediction":
+            assert result.prediction.request_id == request.request_id
+    errors = {i: reply.results[i].error for i in (1, 3, 4, 6)}
+    assert errors[1].code == code_pb2.INVALID_ARGUMENT
+    assert error_info(errors[1]).metadata["attributes"] == "Age,Home"
+    assert errors[3].code == code_pb2.NOT_FOUND and error_info(errors[3]).reason == "UNKNOWN_MODEL"
+    assert errors[4].code == code_pb2.INVALID_ARGUMENT and error_info(errors[4]).metadata["field"] == "request_id"
+    assert errors[6].code == code_pb2.INVALID_ARGUMENT and "more than once" in errors[6].message
+    assert all(error_info(e).domain == "prediction.mlpair" and "Traceback" not in e.message for e in errors.values())
+    assert reply.results[2].prediction.decision_label in ("NO_ACTION", "RETAIN_OFFER")
+    assert "INCOME_SENTINEL_DEFAULTED" in reply.results[7].prediction.reason_codes
+    assert await predictor.crm.count() == before + 4
+
+
+async def test_batch_items_are_idempotent_like_predict(prediction, credit_holdout):
+    stub, predictor = prediction
+    requests = [item(f"idem-{i}", eid, rec) for i, (eid, rec) in enumerate(zip(credit_holdout.entity_ids[:6], credit_holdout.records))]
+    first = await stub.BatchPredict(pb.BatchPredictRequest(requests=requests[:3]))
+    count = await predictor.crm.count()
+    second = await stub.BatchPredict(pb.BatchPredictRequest(requests=requests))  # 3 retried, 3 new
+    assert [r.prediction.decision_id for r in second.results[:3]] == [r.prediction.decision_id for r in first.results]
+    assert await predictor.crm.count() == count + 3
+    single = await stub.Predict(requests[4])
+    assert single.decision_id == second.results[4].prediction.decision_id
+
+
+async def test_an_inference_failure_fails_only_the_items_of_that_call(model_repository, credit_holdout, churn_holdout,
+                                                                      tmp_path):
+    """Churn is not loaded by this InferenceService: churn items fail alone, credit items succeed."""
+    import shutil
+
+    only_credit = tmp_path / "models"
+    shutil.copytree(model_repository / "credit-risk", only_credit / "credit-risk")
+    async with inference_service(only_credit) as target:
+        async with prediction_service(target, model_repository, tmp_path) as (stub, _):
+            reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+                item("mixed-0", "a", credit_holdout.records[0]),
+                item("mixed-1", "b", churn_holdout.records[0], model_name="churn"),
+                item("mixed-2", "c", credit_holdout.records[1]),
+            ]))
+    assert [r.WhichOneof("outcome") for r in reply.results] == ["prediction", "error", "prediction"]
+    assert reply.results[1].error.code == code_pb2.FAILED_PRECONDITION
+
+
+async def test_empty_batch_and_too_many_items(prediction, credit_holdout):
+    stub, _ = prediction
+    assert len((await stub.BatchPredict(pb.BatchPredictRequest())).results) == 0
+    with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+        await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+            item(f"many-{i}", "e", credit_holdout.records[0]) for i in range(101)]))
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
