@@ -20,11 +20,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+PROTO_DEPS := .tools/proto-deps/google/rpc/status.proto
+
 # buf (proto lint and breaking-change checks) from the npm registry; skipped if npm is absent.
-tools: $(BUF)
+# buf cannot fetch googleapis here, so google/rpc/status.proto comes from the venv's
+# googleapis-common-protos (the same file protoc compiles against).
+tools: $(BUF) $(PROTO_DEPS)
 $(BUF):
 	@if command -v npm >/dev/null; then npm install --silent --prefix .tools @bufbuild/buf@$(BUF_VERSION); \
 	else echo "npm not found: buf checks will be skipped"; fi
+$(PROTO_DEPS): $(STAMP)
+	mkdir -p $(dir $@)
+	cp "$$($(PY) -c 'import google.rpc.status_pb2 as m, pathlib; print(pathlib.Path(m.__file__).with_suffix("").with_name("status.proto"))')" $@
 
 # Regenerate the gRPC/protobuf modules into mlpair/api (never edit those by hand).
 protos: $(STAMP)
@@ -32,7 +39,7 @@ protos: $(STAMP)
 
 # Record the released wire contract that `buf breaking` compares against (run on a release).
 protos-baseline: $(BUF)
-	$(BUF) build -o protos/baseline.binpb
+	$(BUF) build protos -o protos/baseline.binpb
 
 train: $(STAMP)
 	$(VENV)/bin/mlpair train --model-repository $(MODEL_REPOSITORY)

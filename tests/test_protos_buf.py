@@ -31,7 +31,7 @@ def test_protos_pass_buf_lint(buf):
 
 
 def test_no_wire_breaking_change_against_the_released_contract(buf):
-    out = run(buf, "breaking", "--against", "protos/baseline.binpb")
+    out = run(buf, "breaking", "protos", "--against", "protos/baseline.binpb")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -40,9 +40,10 @@ def test_buf_breaking_catches_a_removed_field(buf, tmp_path):
     import shutil
 
     shutil.copytree(REPO_ROOT / "protos", tmp_path / "protos")
+    shutil.copytree(REPO_ROOT / ".tools" / "proto-deps", tmp_path / ".tools" / "proto-deps")
     shutil.copy(REPO_ROOT / "buf.yaml", tmp_path / "buf.yaml")
     proto = tmp_path / "protos" / "mlpair" / "prediction" / "v1" / "prediction_service.proto"
     proto.write_text(proto.read_text().replace("  string entity_id = 2;\n", ""))
-    out = subprocess.run([buf, "breaking", "--against", str(REPO_ROOT / "protos" / "baseline.binpb")],
+    out = subprocess.run([buf, "breaking", "protos", "--against", str(REPO_ROOT / "protos" / "baseline.binpb")],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "entity_id" in out.stdout + out.stderr
