@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_REPOSITORY ?= var/models
 
-.PHONY: venv protos train demo test clean
+.PHONY: venv protos train demo test bench-inference clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Benchmark (not a test): InferenceService over OIP gRPC at concurrency 1/16/64, batching on and
+# off, beside the in-process runtime ceiling and a do-nothing gRPC server; JSON lines on stdout.
+bench-inference: $(STAMP)
+	$(PY) bench/inference.py --model-repository $(MODEL_REPOSITORY)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache
