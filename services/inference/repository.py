@@ -211,6 +211,8 @@ class ModelRepository:
         if not names:
             raise ModelNotFound(f"no models found under {self.root}")
         self.expected.update(names)
+        if self._on_change:
+            await self._on_change()
         for name in names:
             await self.load_model(name, strict=True)
 

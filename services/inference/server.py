@@ -63,8 +63,8 @@ class InferenceServer:
         self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
 
     async def start(self) -> None:
-        """Starts answering (liveness) while reporting not ready."""
-        await self.health.update(False, {})
+        """Starts answering (liveness) while reporting not ready, per model too."""
+        await self.health.update(False, {name: False for name in self.engine.repository.model_names()})
         await self.server.start()
 
     async def load(self) -> None:
