@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -161,22 +162,32 @@ def free_port() -> int:
 @pytest.mark.timeout(90)
 def test_c14_sigterm_drains_in_flight_requests_and_exits_within_grace(model_repository, holdout_x, good_metadata):
     """A real ``mlpair serve inference`` process; 20 requests sit in a batch window when SIGTERM lands."""
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     grace_s = 10.0
-    env = {**os.environ, "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_METRICS_PORT": "0",
+    env = {**os.environ, "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port),
+           "INFERENCE_METRICS_PORT": str(metrics_port),
            "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MAX_BATCH_SIZE": "64",
            "INFERENCE_MAX_QUEUE_DELAY_MS": "3000", "INFERENCE_SHUTDOWN_GRACE_S": str(grace_s)}
     process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "inference"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        asyncio.run(_drive_c14(process, port, holdout_x, good_metadata, grace_s))
+        scraped = asyncio.run(_drive_c14(process, port, metrics_port, holdout_x, good_metadata, grace_s))
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(10)
+    # The metrics the issue lists, on the service's own HTTP port (scraped before SIGTERM).
+    for name in ("inference_requests_total", "inference_request_duration_seconds_bucket",
+                 "inference_queue_duration_seconds_bucket", "inference_compute_duration_seconds_bucket",
+                 "inference_batch_size_rows_bucket", "inference_queue_depth_rows", "inference_queue_dropped_total",
+                 "inference_queue_rejected_total", "inference_model_load_duration_seconds_bucket",
+                 "inference_nonfinite_outputs_total", "inference_model_ready"):
+        assert name in scraped, name
+    assert 'inference_requests_total{code="OK",model="credit-risk",version="1"} 1.0' in scraped
 
 
-async def _drive_c14(process: subprocess.Popen, port: int, holdout_x, good_metadata, grace_s: float) -> None:
+async def _drive_c14(process: subprocess.Popen, port: int, metrics_port: int, holdout_x, good_metadata,
+                     grace_s: float) -> str:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         health = health_pb2_grpc.HealthStub(ch)
         stub = pb_grpc.InferenceServiceStub(ch)
@@ -190,6 +201,9 @@ async def _drive_c14(process: subprocess.Popen, port: int, holdout_x, good_metad
                 pass
             assert time.monotonic() < deadline, "the server never became ready"
             await asyncio.sleep(0.1)
+        await stub.Infer(request(holdout_x[:64]), metadata=good_metadata, timeout=30)  # a full batch runs at once
+        scraped = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode())
         in_flight = [asyncio.ensure_future(stub.Infer(request(holdout_x[i:i + 1]), metadata=good_metadata, timeout=30))
                      for i in range(20)]
         await asyncio.sleep(0.5)  # all 20 are queued, waiting out the 3 s batch window
@@ -206,3 +220,4 @@ async def _drive_c14(process: subprocess.Popen, port: int, holdout_x, good_metad
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert len(replies) == 20 and all(tuple(r.logits.shape) == (1, 2) for r in replies)
     assert exit_code == 0 and time.monotonic() - signalled < grace_s
+    return scraped
