@@ -91,7 +91,8 @@ class DynamicBatcher:
         self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         # Metric children resolved once: label lookups are not free on the hot path.
-        self._m_depth = metrics.QUEUE_DEPTH.labels(model, version)
+        # Queue depth is read at scrape time, so the hot path pays nothing for it.
+        metrics.QUEUE_DEPTH.labels(model, version).set_function(lambda: self._queued_rows)
         self._m_queue = metrics.QUEUE_DURATION.labels(model, version)
         self._m_compute = metrics.COMPUTE_DURATION.labels(model, version)
         self._m_batch = metrics.BATCH_SIZE.labels(model, version)
@@ -115,6 +116,7 @@ class DynamicBatcher:
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        metrics.QUEUE_DEPTH.remove(self.model, self.version)  # drop the scrape-time callback with us
 
     @property
     def queued_rows(self) -> int:
@@ -172,7 +174,6 @@ class DynamicBatcher:
     def _enqueue(self, item: _Item) -> None:
         self._queue.append(item)
         self._queued_rows += item.n
-        self._m_depth.inc(item.n)
         if self._queued_rows >= self._wake_rows:
             self._wake()
 
@@ -182,7 +183,6 @@ class DynamicBatcher:
             return
         item.state = _DROPPED
         self._queued_rows -= item.n
-        self._m_depth.dec(item.n)
         expired = item.deadline is not None and time.monotonic() >= item.deadline
         (self._m_expired if expired else self._m_cancelled).inc()
 
@@ -279,7 +279,6 @@ class DynamicBatcher:
             batch = self._cut_at_preferred(batch)
             rows = sum(item.n for item in batch)
         self._queued_rows -= rows
-        self._m_depth.dec(rows)
         return batch
 
     def _cut_at_preferred(self, batch: list[_Item]) -> list[_Item]:

@@ -147,9 +147,7 @@ class InferenceEngine:
                 if output != served.output_name:
                     raise InvalidInput(f"unknown output {output!r}; model {name!r} produces {served.output_name!r}")
             x = decode_features(tensor, served.n_features, self._max_rows)
-            rows = x.shape[0]
-            served.m_rows.observe(rows)
-            if rows == 0:
+            if x.shape[0] == 0:
                 logits = np.zeros((0, served.n_classes), dtype=np.float32)
             else:
                 logits = await served.batcher.submit(x, deadline)

@@ -23,8 +23,6 @@ COMPUTE_DURATION = Histogram("inference_compute_duration_seconds", "Runtime exec
                              ["model", "version"], buckets=LATENCY_BUCKETS)
 BATCH_SIZE = Histogram("inference_batch_size_rows", "Rows per executed batch.", ["model", "version"],
                        buckets=ROW_BUCKETS)
-REQUEST_ROWS = Histogram("inference_request_rows", "Rows per inference request.", ["model", "version"],
-                         buckets=ROW_BUCKETS)
 QUEUE_DEPTH = Gauge("inference_queue_depth_rows", "Rows waiting in the batch queue.", ["model", "version"])
 QUEUE_DROPPED = Counter("inference_queue_dropped_total",
                         "Queued requests removed before compute: deadline expired or caller cancelled.",

@@ -97,7 +97,6 @@ class ServedVersion:
         self.input_name = manifest.inputs[0].name
         self.output_name = manifest.outputs[0].name
         self.m_duration = metrics.REQUEST_DURATION.labels(self.name, self.version)
-        self.m_rows = metrics.REQUEST_ROWS.labels(self.name, self.version)
 
 
 @dataclass
