@@ -35,7 +35,7 @@ from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
-from mlpair.rpc import ErrorInterceptor, message_size_options
+from mlpair.rpc import guard_servicer, message_size_options
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,11 @@ class InferenceServer:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
         self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
-                                      options=message_size_options(settings.max_message_bytes))
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine), self.server)
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(OpenInferenceServicer(self.engine), self.server)
+        # Errors map to statuses through mlpair.rpc's guard (the interceptor's mapping, minus its per-call cost).
+        self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
+        pb_grpc.add_InferenceServiceServicer_to_server(guard_servicer(InferenceServicer(self.engine), DOMAIN), self.server)
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(guard_servicer(OpenInferenceServicer(self.engine), DOMAIN),
+                                                            self.server)
         self.health.add_to(self.server)
         self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
 

@@ -224,3 +224,27 @@ async def test_tritonclient_gets_the_same_logits_as_the_project_api(server, chan
     service = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     for method in service.methods:
         assert report["methods"][method.name] == [method.input_type.full_name, method.output_type.full_name]
+
+
+async def test_unexpected_errors_become_internal_without_internal_text(caplog):
+    """The servicer guard maps anything unexpected to INTERNAL with a generic message (logged in full)."""
+    from mlpair.inference.errors import DOMAIN
+    from mlpair.inference.servicer import OpenInferenceServicer
+    from mlpair.rpc import guard_servicer
+
+    class Broken(OpenInferenceServicer):
+        async def ServerMetadata(self, request, context):
+            raise RuntimeError("secret internal detail at 0xdeadbeef")
+
+    server = grpc.aio.server()
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(guard_servicer(Broken(engine=None), DOMAIN), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            err = await expect_error(oip_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(oip.ServerMetadataRequest()),
+                                     grpc.StatusCode.INTERNAL)
+    finally:
+        await server.stop(0)
+    assert err.details() == "internal error" and "secret" not in str(err.trailing_metadata())
+    assert error_info(err).reason == "INTERNAL" and "secret internal detail" in caplog.text
