@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["service_to_ceiling_batch1"] = round(on["rows_per_s"] / ceilings[0]["rows_per_s"], 4)
         summary[f"service_to_ceiling_batch{args.max_batch_size}"] = round(on["rows_per_s"] / ceilings[1]["rows_per_s"], 4)
         summary["service_to_null_server"] = round(on["rows_per_s"] / null["rows_per_s"], 3) if null.get("rows_per_s") else None
+    # Server CPU per request is steadier than req/s when other work shares the machine.
+    summary["server_cpu_us_per_request"] = {
+        name: round(line["server_cpu_pct"] * 1e4 / line["requests_per_s"], 1)
+        for name, line in (("batching_on", on), ("batching_off", off), ("null_server", null))
+        if line.get("server_cpu_pct") and line.get("requests_per_s")}
     summary["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     emit(summary)
     return 0
