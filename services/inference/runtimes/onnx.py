@@ -53,6 +53,8 @@ class OnnxRuntime:
         self._input = self._session.get_inputs()[0].name
         self._output = self._session.get_outputs()[0].name
         self.provider = self._session.get_providers()[0]
+        if providers[0] != self.provider:  # e.g. the CUDA libraries are missing on this node
+            logger.warning("%s could not start; ONNX Runtime fell back to %s", providers[0], self.provider)
         self.description = f"onnxruntime:{self.provider}"
         logger.info("loaded %s with %s", model_path, self.provider)
 
