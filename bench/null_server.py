@@ -35,7 +35,8 @@ class NullServicer(oip_grpc.GRPCInferenceServiceServicer):
         rows = request.inputs[0].shape[0]
         return oip.ModelInferResponse(
             model_name=self.model, model_version="1", id=request.id,
-            outputs=[oip.ModelInferResponse.InferOutputTensor(name="logits", datatype="FP32", shape=[rows, self.n_outputs])],
+            outputs=[oip.ModelInferResponse.InferOutputTensor(name="logits", datatype="FP32",
+                                                              shape=[rows, self.n_outputs])],
             raw_output_contents=[bytes(4 * rows * self.n_outputs)])
 
 

@@ -142,7 +142,8 @@ async def wait_ready(stub, oip, args) -> None:
     deadline = time.monotonic() + args.ready_timeout_s
     while True:
         try:
-            if (await stub.ModelReady(oip.ModelReadyRequest(name=args.model, version=args.model_version), timeout=2)).ready:
+            ready = await stub.ModelReady(oip.ModelReadyRequest(name=args.model, version=args.model_version), timeout=2)
+            if ready.ready:
                 return
         except grpc.aio.AioRpcError:
             pass

@@ -105,7 +105,8 @@ class DynamicBatcher:
 
     def start(self) -> None:
         """Starts the scheduler task on the running event loop."""
-        self._task = asyncio.get_running_loop().create_task(self._schedule(), name=f"batcher-{self.model}-{self.version}")
+        name = f"batcher-{self.model}-{self.version}"
+        self._task = asyncio.get_running_loop().create_task(self._schedule(), name=name)
 
     async def close(self) -> None:
         """Runs everything already queued (without waiting out the delay), then stops."""

@@ -247,9 +247,10 @@ class ModelRepository:
                     except Exception as exc:
                         if strict:
                             raise
-                        failed.append(f"{version}: {self._status[(name, version)].reason}")
-                        logger.warning("model %s version %s failed to load: %s", name, version,
-                                       self._status[(name, version)].reason, exc_info=not isinstance(exc, InferenceError))
+                        reason = self._status[(name, version)].reason
+                        failed.append(f"{version}: {reason}")
+                        logger.warning("model %s version %s failed to load: %s", name, version, reason,
+                                       exc_info=not isinstance(exc, InferenceError))
             serving_wanted = [v for v in wanted if v in self._serving.get(name, {})]
             if serving_wanted:
                 for version in [v for v in self._serving.get(name, {}) if v not in wanted]:
@@ -300,7 +301,8 @@ class ModelRepository:
             status = self._status.get((name, version))
             if version in serving:
                 continue
-            if status is None or status.state != UNAVAILABLE or status.source_mtime != _mtime(self.root / name / version):
+            changed = status is not None and status.source_mtime != _mtime(self.root / name / version)
+            if status is None or status.state != UNAVAILABLE or changed:
                 return True
         return bool(serving - set(wanted))
 

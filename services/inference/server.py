@@ -57,9 +57,10 @@ class InferenceServer:
         self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
         # Errors map to statuses through mlpair.rpc's guard (the interceptor's mapping, minus its per-call cost).
         self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
-        pb_grpc.add_InferenceServiceServicer_to_server(guard_servicer(InferenceServicer(self.engine), DOMAIN), self.server)
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(guard_servicer(OpenInferenceServicer(self.engine), DOMAIN),
-                                                            self.server)
+        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
+        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
+        pb_grpc.add_InferenceServiceServicer_to_server(own_api, self.server)
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(open_inference, self.server)
         self.health.add_to(self.server)
         self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
 

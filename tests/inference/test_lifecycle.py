@@ -27,7 +27,7 @@ from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.contracts.manifest import ManifestError
 from mlpair.inference.errors import ModelNotFound
 from mlpair.inference.runtimes import create_runtime
-from mlpair.inference.server import InferenceServer, start
+from mlpair.inference.server import start
 
 from tests.inference.helpers import MODEL, channel_to, copy_version, make_settings, running
 from tests.inference.test_versions import corrupt_model_file
