@@ -8,7 +8,7 @@ MODEL_REPOSITORY ?= var/models
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: venv tools protos protos-baseline train demo test clean
+.PHONY: venv tools protos protos-baseline train demo test bench-inference clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,11 @@ demo: $(STAMP)
 
 test: $(STAMP) tools
 	$(PY) -m pytest -q
+
+# Benchmark (not a test): InferenceService over OIP gRPC at concurrency 1/16/64, batching on and
+# off, beside the in-process runtime ceiling and a do-nothing gRPC server; JSON lines on stdout.
+bench-inference: $(STAMP)
+	$(PY) bench/inference.py --model-repository $(MODEL_REPOSITORY)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .tools

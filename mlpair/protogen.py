@@ -3,7 +3,8 @@
 Run as ``python -m mlpair.protogen`` (``make protos``). The ``.proto`` files keep the
 buf-style layout ``protos/mlpair/<service>/v1/``; protoc's virtual include path maps that
 tree onto the Python package ``mlpair.api`` so generated imports resolve there and nowhere
-else. Generated files are committed and never edited by hand; ``--check`` regenerates into
+else. The Open Inference Protocol proto (``protos/inference/``, package ``inference``, fixed
+by the protocol) is mapped the same way onto ``mlpair.api.oip``. Generated files are committed and never edited by hand; ``--check`` regenerates into
 a temporary folder and fails if the committed copy differs.
 """
 
@@ -20,6 +21,12 @@ from grpc_tools import protoc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos" / "mlpair"
 API_PACKAGE = Path("mlpair") / "api"
+# Virtual include path → proto folder. Each tree is generated into the Python package its
+# virtual path names, so `protos/inference/x.proto` becomes `mlpair/api/oip/x_pb2.py`.
+PROTO_TREES = {
+    API_PACKAGE: PROTO_ROOT,
+    API_PACKAGE / "oip": REPO_ROOT / "protos" / "inference",
+}
 
 
 def _googleapis_include() -> str:
@@ -36,12 +43,12 @@ def generate(out_root: Path) -> list[Path]:
     Raises:
         RuntimeError: if protoc reports an error.
     """
-    protos = sorted(PROTO_ROOT.rglob("*.proto"))
-    virtual = [str(API_PACKAGE / p.relative_to(PROTO_ROOT)) for p in protos]
+    virtual = [str(package / p.relative_to(root))
+               for package, root in PROTO_TREES.items() for p in sorted(root.rglob("*.proto"))]
     include = protoc._get_resource_file_name("grpc_tools", "_proto")  # well-known types
     args = [
         "protoc",
-        f"-I{API_PACKAGE}={PROTO_ROOT}",
+        *(f"-I{package}={root}" for package, root in PROTO_TREES.items()),
         f"-I{include}",
         f"-I{_googleapis_include()}",
         f"--python_out={out_root}",

@@ -82,7 +82,7 @@ async def inference_server(model_repository):
     server, port, _, engine = await start(settings)
     yield f"127.0.0.1:{port}"
     await server.stop(0)
-    engine.close()
+    await engine.close()
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,14 @@ def export_onnx(model: MLPClassifier, n_features: int, path: Path) -> None:
         )
 
 
+def export_torch_program(model: MLPClassifier, n_features: int, path: Path) -> None:
+    """Writes a ``torch.export`` program (dynamic batch) for the PyTorch serving runtime."""
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    # An example batch of 8: torch.export specialises sizes 0 and 1, which would pin the batch.
+    program = torch.export.export(model.eval(), (torch.zeros(8, n_features),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
+
+
 def check_parity(model: MLPClassifier, path: Path, x: np.ndarray) -> float:
     """Max |ONNX Runtime − PyTorch| logit difference on ``x`` ``[n, n_features] float32``.
 

@@ -30,15 +30,16 @@ from mlpair.contracts.manifest import (
 )
 from mlpair.contracts.schema import FeatureSchema, Preprocessing
 from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
-from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx
+from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx, export_torch_program
 from mlpair.training.model import TrainConfig, predict_logits, train_classifier
 
 logger = logging.getLogger(__name__)
 
 # Bump when a change to this package changes the trained model for the same inputs.
-TRAINING_CODE_VERSION = "2"
+TRAINING_CODE_VERSION = "3"  # 2: per-family training config; 3: entries also hold model.pt2 (torch.export)
 TRAINING_CONFIG_FILE = "training.toml"  # beside the feature schema, optional
 BASELINE_QUANTILES = 101
+TORCH_PROGRAM_FILE = "model.pt2"
 
 
 def fingerprint(schema: FeatureSchema, data_sha256: str, config: TrainConfig) -> str:
@@ -156,6 +157,7 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
     try:
         export_onnx(model, preprocessing.n_features, staging / "model.onnx")
         parity = check_parity(model, staging / "model.onnx", x["holdout"])
+        export_torch_program(model, preprocessing.n_features, staging / TORCH_PROGRAM_FILE)
         preprocessing.save(staging / PREPROCESSING_FILE)
 
         positive = 1
@@ -165,6 +167,7 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
             versions=VersionTriple(model_version=version, feature_schema_version=schema.version,
                                    preprocessing_hash=preprocessing.hash),
             model_sha256=file_sha256(staging / "model.onnx"),
+            torch_program=TORCH_PROGRAM_FILE, torch_program_sha256=file_sha256(staging / TORCH_PROGRAM_FILE),
             inputs=[TensorSpec(name=INPUT_NAME, shape=[-1, preprocessing.n_features])],
             outputs=[TensorSpec(name=OUTPUT_NAME, shape=[-1, 2])],
             class_names=[f"not {schema.target.positive}", schema.target.positive],

@@ -130,6 +130,9 @@ class Manifest(_Model):
     versions: VersionTriple
     model_file: str = "model.onnx"
     model_sha256: str
+    torch_program: str | None = None
+    """Optional ``torch.export`` program of the same model (the PyTorch runtime's input)."""
+    torch_program_sha256: str | None = None
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     class_names: list[str]
@@ -209,6 +212,10 @@ def load_entry(path: Path) -> ModelEntry:
     model_file = path / manifest.model_file
     if not model_file.is_file() or file_sha256(model_file) != manifest.model_sha256:
         raise ManifestError(f"{path}: {manifest.model_file} is missing or does not match model_sha256")
+    if manifest.torch_program is not None:
+        program = path / manifest.torch_program
+        if not program.is_file() or file_sha256(program) != manifest.torch_program_sha256:
+            raise ManifestError(f"{path}: {manifest.torch_program} is missing or does not match torch_program_sha256")
     if manifest.n_features != preprocessing.n_features:
         raise ManifestError(
             f"{path}: model input has {manifest.n_features} features, preprocessing builds {preprocessing.n_features}"

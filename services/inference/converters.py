@@ -1,26 +1,28 @@
-"""Proto ⇄ domain conversions for InferenceService (the only place that knows both)."""
+"""Proto ⇄ domain conversions for both protocols InferenceService speaks (the only place that
+knows the messages): the project's own ``mlpair.inference.v1`` API and the Open Inference
+Protocol v2 (``inference.GRPCInferenceService``).
+
+Tensors stay raw bytes end to end: request bytes become a numpy view without a copy, and the
+logits go back as one ``bytes`` field.
+"""
 
 from __future__ import annotations
+
+import time
+from collections import Counter
 
 import numpy as np
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
+from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.contracts.manifest import TensorSpec
-from mlpair.inference.engine import InferResult, LoadedModel, TensorIn
+from mlpair.inference.engine import InferResult
+from mlpair.inference.errors import InvalidInput
+from mlpair.inference.repository import ServedVersion, VersionStatus
+from mlpair.inference.validation import TensorIn
 
 FEATURE_VERSION_KEY = "x-feature-version"
-
-
-def data_type_name(value: int) -> str:
-    """``DATA_TYPE_FP32`` → ``"FP32"``; unknown enum numbers → ``"UNKNOWN(n)"``."""
-    try:
-        return pb.DataType.Name(value).removeprefix("DATA_TYPE_").replace("UNSPECIFIED", "")
-    except ValueError:
-        return f"UNKNOWN({value})"
-
-
-def tensor_in(tensor: pb.Tensor) -> TensorIn:
-    return TensorIn(data_type_name(tensor.data_type), tuple(tensor.shape), tensor.content)
+"""gRPC metadata key (lower-case, as HTTP/2 requires) and OIP request parameter name."""
 
 
 def feature_version(metadata) -> str | None:
@@ -32,11 +34,32 @@ def feature_version(metadata) -> str | None:
     return None
 
 
+def deadline(context) -> float | None:
+    """The call's deadline as a ``time.monotonic()`` instant, or None if the caller set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+# -- mlpair.inference.v1 ------------------------------------------------------------------------
+
+
+def data_type_name(value: int) -> str:
+    """``DATA_TYPE_FP32`` → ``"FP32"``; unspecified → ``""``; unknown numbers → ``"UNKNOWN(n)"``."""
+    try:
+        return pb.DataType.Name(value).removeprefix("DATA_TYPE_").replace("UNSPECIFIED", "")
+    except ValueError:
+        return f"UNKNOWN({value})"
+
+
+def tensor_in(tensor: pb.Tensor) -> TensorIn:
+    return TensorIn(data_type_name(tensor.data_type), tuple(tensor.shape), tensor.content)
+
+
 def infer_response(result: InferResult) -> pb.InferResponse:
-    logits = np.ascontiguousarray(result.logits, dtype="<f4")
+    logits = result.logits
     return pb.InferResponse(
         model_name=result.model_name, model_version=result.model_version,
-        logits=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=logits.shape, content=logits.tobytes()),
+        logits=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=logits.shape, content=_le_bytes(logits)),
     )
 
 
@@ -44,7 +67,7 @@ def _spec(spec: TensorSpec) -> pb.TensorSpec:
     return pb.TensorSpec(name=spec.name, data_type=pb.DataType.Value(f"DATA_TYPE_{spec.data_type}"), shape=spec.shape)
 
 
-def metadata_response(model: LoadedModel, available: list[str]) -> pb.ModelMetadataResponse:
+def metadata_response(model: ServedVersion, available: list[str]) -> pb.ModelMetadataResponse:
     manifest = model.entry.manifest
     triple = manifest.versions
     return pb.ModelMetadataResponse(
@@ -55,3 +78,93 @@ def metadata_response(model: LoadedModel, available: list[str]) -> pb.ModelMetad
                                   preprocessing_hash=triple.preprocessing_hash),
         runtime=model.runtime.description,
     )
+
+
+def _le_bytes(logits: np.ndarray) -> bytes:
+    """Little-endian FP32 bytes of ``logits`` (no conversion when it already is)."""
+    if logits.dtype != np.dtype("<f4"):
+        logits = logits.astype("<f4")
+    return logits.tobytes()
+
+
+# -- Open Inference Protocol v2 -----------------------------------------------------------------
+
+
+def oip_tensor_in(request: oip.ModelInferRequest) -> TensorIn:
+    """The request's single input tensor, raw or typed.
+
+    Raises:
+        InvalidInput: no input, several inputs (naming duplicates), raw contents that do not
+            match the inputs one to one, or raw and typed contents together.
+    """
+    inputs = request.inputs
+    if len(inputs) != 1:
+        if not inputs:
+            raise InvalidInput("the request has no input tensor")
+        dupes = [name for name, n in Counter(t.name for t in inputs).items() if n > 1]
+        if dupes:
+            raise InvalidInput(f"input {dupes[0]!r} appears more than once")
+        raise InvalidInput(f"this model takes one input tensor; got {len(inputs)} "
+                           f"({', '.join(repr(t.name) for t in inputs)})")
+    tensor = inputs[0]
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != 1:
+            raise InvalidInput(f"raw_input_contents has {len(raw)} entries for 1 input")
+        if tensor.HasField("contents"):
+            raise InvalidInput(f"input {tensor.name!r} has both raw and typed contents; send one")
+        return TensorIn(tensor.datatype, tuple(tensor.shape), raw[0], None, tensor.name)
+    values = tensor.contents.fp32_contents if tensor.datatype == "FP32" else ()
+    return TensorIn(tensor.datatype, tuple(tensor.shape), None, values, tensor.name)
+
+
+def oip_feature_version(request: oip.ModelInferRequest, metadata) -> str | None:
+    """``x-feature-version`` from the request parameters or, failing that, the metadata.
+
+    Raises:
+        InvalidInput: the parameter is not a string, or the two disagree.
+    """
+    from_metadata = feature_version(metadata)
+    if FEATURE_VERSION_KEY not in request.parameters:
+        return from_metadata
+    param = request.parameters[FEATURE_VERSION_KEY]
+    if param.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidInput(f"parameter {FEATURE_VERSION_KEY!r} must be a string")
+    value = param.string_param
+    if from_metadata is not None and from_metadata != value:
+        raise InvalidInput(f"{FEATURE_VERSION_KEY} is {value!r} as a request parameter but {from_metadata!r} "
+                           "as metadata; send one")
+    return value
+
+
+def oip_requested_outputs(request: oip.ModelInferRequest) -> tuple[str, ...]:
+    return tuple(o.name for o in request.outputs)
+
+
+def oip_infer_response(result: InferResult, request_id: str) -> oip.ModelInferResponse:
+    logits = result.logits
+    return oip.ModelInferResponse(
+        model_name=result.model_name, model_version=result.model_version, id=request_id,
+        outputs=[oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32",
+                                                          shape=logits.shape)],
+        raw_output_contents=[_le_bytes(logits)],
+    )
+
+
+def oip_metadata_response(model: ServedVersion, available: list[str]) -> oip.ModelMetadataResponse:
+    manifest = model.entry.manifest
+
+    def spec(s: TensorSpec) -> oip.ModelMetadataResponse.TensorMetadata:
+        return oip.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.data_type, shape=s.shape)
+
+    return oip.ModelMetadataResponse(name=manifest.model_name, versions=available,
+                                     platform=model.runtime.platform,
+                                     inputs=[spec(s) for s in manifest.inputs],
+                                     outputs=[spec(s) for s in manifest.outputs])
+
+
+def oip_index_response(statuses: list[VersionStatus], ready_only: bool) -> oip.RepositoryIndexResponse:
+    return oip.RepositoryIndexResponse(models=[
+        oip.RepositoryIndexResponse.ModelIndex(name=s.name, version=s.version, state=s.state, reason=s.reason)
+        for s in statuses if not ready_only or s.state == "READY"
+    ])

@@ -44,3 +44,38 @@ class ModelFailure(InferenceError):
 
     code = "INTERNAL"
     reason = "MODEL_FAILURE"
+
+
+class QueueFull(InferenceError):
+    """The model's batch queue holds max_queue_rows already: back off and retry."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "QUEUE_FULL"
+
+
+class Draining(InferenceError):
+    """The server is shutting down and takes no new work; retry on another replica."""
+
+    code = "UNAVAILABLE"
+    reason = "DRAINING"
+
+
+class DeadlineExpired(InferenceError):
+    """The request's deadline passed while it waited in the queue; it was never computed."""
+
+    code = "DEADLINE_EXCEEDED"
+    reason = "DEADLINE_EXPIRED_IN_QUEUE"
+
+
+class ModelLoadFailed(InferenceError):
+    """A model version could not be loaded or warmed (the message says why, without internals)."""
+
+    code = "INTERNAL"
+    reason = "MODEL_LOAD_FAILED"
+
+
+class ModelControlDisabled(InferenceError):
+    """Load/unload RPCs are refused unless the server runs with model_control=explicit."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "MODEL_CONTROL_DISABLED"

@@ -1,4 +1,9 @@
-"""``inference_*`` Prometheus metrics (the system-layer SLA), labelled by model and version."""
+"""``inference_*`` Prometheus metrics (the system-layer SLA), labelled by model and version.
+
+Served on the service's own HTTP port (``metrics_port``). Histograms, never summaries, so
+replicas aggregate. Model and version labels only take loaded names ("unknown" otherwise), so
+a client cannot create time series.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,31 @@ from prometheus_client import Counter, Gauge, Histogram
 
 # Buckets span 0.1 ms … 2.5 s: one CPU row takes ~20 µs, the SLA is p99 ≤ 120 ms.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.12, 0.25, 0.5, 1.0, 2.5)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
-REQUESTS = Counter("inference_requests_total", "Infer calls by outcome.", ["model", "version", "code"])
-REQUEST_DURATION = Histogram("inference_request_duration_seconds", "Infer latency inside the server.",
+REQUESTS = Counter("inference_requests_total", "Inference calls by model, version and gRPC status code.",
+                   ["model", "version", "code"])
+REQUEST_DURATION = Histogram("inference_request_duration_seconds", "Inference latency inside the server.",
                              ["model", "version"], buckets=LATENCY_BUCKETS)
-COMPUTE_DURATION = Histogram("inference_compute_duration_seconds", "Runtime execution time per call.",
+QUEUE_DURATION = Histogram("inference_queue_duration_seconds", "Time a request waited in the batch queue.",
+                           ["model", "version"], buckets=LATENCY_BUCKETS)
+COMPUTE_DURATION = Histogram("inference_compute_duration_seconds", "Runtime execution time per batch.",
                              ["model", "version"], buckets=LATENCY_BUCKETS)
-ROWS = Histogram("inference_request_rows", "Rows per Infer call.", ["model", "version"],
-                 buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+BATCH_SIZE = Histogram("inference_batch_size_rows", "Rows per executed batch.", ["model", "version"],
+                       buckets=ROW_BUCKETS)
+QUEUE_DEPTH = Gauge("inference_queue_depth_rows", "Rows waiting in the batch queue.", ["model", "version"])
+QUEUE_DROPPED = Counter("inference_queue_dropped_total",
+                        "Queued requests removed before compute: deadline expired or caller cancelled.",
+                        ["model", "version", "reason"])
+QUEUE_REJECTED = Counter("inference_queue_rejected_total", "Requests refused because the queue was full.",
+                         ["model", "version"])
 NONFINITE_OUTPUTS = Counter("inference_nonfinite_outputs_total", "Model outputs with NaN or Inf, never returned.",
                             ["model", "version"])
 MODEL_LOAD_DURATION = Histogram("inference_model_load_duration_seconds", "Load plus warm-up time per model version.",
-                                ["model", "version"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
-MODEL_READY = Gauge("inference_model_ready", "1 when a model version is loaded and warmed.", ["model", "version"])
+                                ["model", "version"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+MODEL_LOAD_FAILURES = Counter("inference_model_load_failures_total", "Model versions that failed to load or warm up.",
+                              ["model", "version"])
+MODEL_READY = Gauge("inference_model_ready", "1 when a model version is loaded, warmed and serving.",
+                    ["model", "version"])
+DEVICE_MEMORY = Gauge("inference_device_memory_bytes", "Accelerator memory held by a model version (GPU only).",
+                      ["model", "version"])

@@ -1,69 +1,140 @@
 """InferenceService process: wiring, start-up, readiness and graceful drain.
 
-Liveness vs readiness: the gRPC port answers (health check reachable) as soon as the process
-starts; ``grpc.health.v1`` reports SERVING only after every model is loaded, its version
-triple verified and a warm-up inference run. On SIGTERM it reports NOT_SERVING at once,
-lets in-flight calls finish for up to ``shutdown_grace_s`` and exits.
+One gRPC port serves the project's API (``mlpair.inference.v1.InferenceService``), the Open
+Inference Protocol v2 (``inference.GRPCInferenceService``) and ``grpc.health.v1``, all over
+one engine, batcher and set of checks. Message size limits are explicit in both directions
+(``max_message_bytes``): a larger message is refused by gRPC with RESOURCE_EXHAUSTED.
+
+Lifecycle (see :mod:`mlpair.inference.health` for what each health name means):
+
+1. start: the port answers at once (liveness); health and OIP readiness say not ready;
+2. load: every model is verified (version triple, file hashes), loaded and warmed up; an
+   inconsistent entry or failed load refuses the start with a clear message (exit 1);
+3. ready: health SERVING, OIP ServerReady/ModelReady true;
+4. SIGTERM: health NOT_SERVING at once and new requests get UNAVAILABLE (DRAINING) so
+   clients and load balancers move on; in-flight requests finish (their batches run); the
+   server stops when nothing is in flight or ``shutdown_grace_s`` has passed, whichever is
+   first, then the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import time
 
 import grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN
-from mlpair.inference.servicer import InferenceServicer
+from mlpair.inference.health import ServingHealth
+from mlpair.inference.repository import RuntimeFactory
+from mlpair.inference.runtimes import create_runtime
+from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
-from mlpair.rpc import ErrorInterceptor, Health, drain, message_size_options, wait_for_termination_signal
+from mlpair.rpc import guard_servicer, message_size_options
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mlpair.inference.v1.InferenceService"
+OIP_SERVICE_NAME = "inference.GRPCInferenceService"
 
 
-def create_server(settings: InferenceSettings, engine: InferenceEngine) -> tuple[grpc.aio.Server, int, Health]:
-    """Builds the server with the InferenceService and health services and binds its port.
+class InferenceServer:
+    """The gRPC server, its engine and its health, bound but not started.
 
-    Returns:
-        The (not yet started) server, the bound port (useful with ``port=0``) and its health.
+    Args:
+        settings: the service settings (``port=0`` picks a free port: see :attr:`port`).
+        runtime_factory: builds each model version's runtime (tests may wrap the real one).
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
-                             options=message_size_options(settings.max_message_bytes))
-    pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
-    health = Health([SERVICE_NAME])
-    health.add_to(server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    return server, port, health
+
+    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime) -> None:
+        self.settings = settings
+        self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
+        self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
+        # Errors map to statuses through mlpair.rpc's guard (the interceptor's mapping, minus its per-call cost).
+        self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
+        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
+        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
+        pb_grpc.add_InferenceServiceServicer_to_server(own_api, self.server)
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(open_inference, self.server)
+        self.health.add_to(self.server)
+        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+
+    async def start(self) -> None:
+        """Starts answering (liveness) while reporting not ready, per model too."""
+        await self.health.update(False, {name: False for name in self.engine.repository.model_names()})
+        await self.server.start()
+
+    async def load(self) -> None:
+        """Loads and warms every model; readiness follows.
+
+        Raises:
+            ManifestError, InferenceError: a model cannot be served (nothing turns ready).
+        """
+        await self.engine.start()
+        logger.info("InferenceService ready on port %d: %s", self.port, self.engine.repository.serving())
+
+    async def _refresh_health(self) -> None:
+        repo = self.engine.repository
+        models = {name: self.engine.model_ready(name) for name in repo.expected | set(repo.serving())}
+        await self.health.update(self.engine.ready(), models)
+
+    async def drain(self) -> None:
+        """Graceful stop: not ready at once, refuse new work, let in-flight work finish within
+        ``shutdown_grace_s``, then stop the server and retire the models."""
+        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        await self.engine.begin_drain()
+        await self.health.shutdown()
+        if not await self.engine.wait_idle(self.settings.shutdown_grace_s):
+            logger.warning("grace period of %.1f s ended with requests still in flight", self.settings.shutdown_grace_s)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        await self.engine.close()
+
+    async def stop(self) -> None:
+        """Immediate stop (tests): cancels in-flight calls."""
+        await self.server.stop(0)
+        await self.engine.close()
 
 
-async def start(settings: InferenceSettings) -> tuple[grpc.aio.Server, int, Health, InferenceEngine]:
-    """Starts serving health at once, then loads and warms the models and reports SERVING.
+async def start(settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime,
+                ) -> tuple[grpc.aio.Server, int, ServingHealth, InferenceEngine]:
+    """Starts the server and loads the models; returns once ready.
 
     Raises:
         ManifestError, InferenceError: a model cannot be loaded (the server is stopped first).
     """
-    engine = InferenceEngine(settings)
-    server, port, health = create_server(settings, engine)
-    await health.set_serving(False)
+    server = InferenceServer(settings, runtime_factory)
     await server.start()
     try:
-        await asyncio.get_running_loop().run_in_executor(None, engine.load)
+        await server.load()
     except BaseException:
-        await server.stop(0)
+        await server.stop()
         raise
-    await health.set_serving(True)
-    logger.info("InferenceService serving on port %d", port)
-    return server, port, health, engine
+    return server.server, server.port, server.health, server.engine
 
 
 async def serve(settings: InferenceSettings) -> None:
-    """Runs until SIGTERM/SIGINT, then drains."""
-    server, _, health, engine = await start(settings)
-    await wait_for_termination_signal()
-    await drain(server, health, settings.shutdown_grace_s)
-    engine.close()
+    """Runs until SIGTERM/SIGINT, then drains (see the module docstring)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = InferenceServer(settings)
+    await server.start()
+    load = asyncio.create_task(server.load())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        stopped.cancel()
+        await server.stop()
+        raise load.exception()
+    await stopped
+    logger.info("termination signal received; draining (grace %.1f s)", settings.shutdown_grace_s)
+    if not load.done():
+        load.cancel()
+    await server.drain()
     logger.info("InferenceService stopped")

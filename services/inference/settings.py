@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -14,29 +15,82 @@ class InferenceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INFERENCE_", extra="ignore", protected_namespaces=(),
                                       use_attribute_docstrings=True)
 
+    # -- network and process ---------------------------------------------------------------
     host: str = "0.0.0.0"
     """Interface the gRPC server binds to."""
     port: int = 8001
-    """gRPC port (0 picks a free one)."""
+    """gRPC port (0 picks a free one); serves InferenceService, OIP v2 and grpc.health.v1."""
     metrics_port: int = 8002
     """Prometheus HTTP port; 0 disables the exporter."""
-    model_repository: Path = Path("var/models")
-    """Root of ``<model_name>/<version>/`` entries."""
-    models: list[str] = []
-    """Model names to load; empty loads every model found in the repository."""
-    execution_provider: Literal["auto", "cuda", "cpu"] = "auto"
-    """ONNX Runtime execution provider; auto = CUDA when available, else CPU (logged)."""
-    intra_op_threads: int = 1
-    """ONNX Runtime threads per inference; 1 suits small models and many concurrent calls."""
-    graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
-    """ONNX Runtime graph optimisation level."""
-    max_batch_size: int = 1024
-    """Most rows one request may carry; larger requests get INVALID_ARGUMENT."""
     max_message_bytes: int = 16 * 1024 * 1024
-    """gRPC message size limit, both directions, in bytes."""
+    """gRPC message size limit, both directions, in bytes; larger messages get RESOURCE_EXHAUSTED."""
     shutdown_grace_s: float = 20.0
     """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
     log_level: str = "INFO"
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
+
+    # -- model repository and versions -----------------------------------------------------
+    model_repository: Path = Path("var/models")
+    """Root of ``<model_name>/<version>/`` entries."""
+    models: list[str] = []
+    """Model names to load; empty loads every model found in the repository."""
+    version_policy: str = "latest:1"
+    """Versions served per model: ``latest:N`` (the N highest), ``all``, or ``specific:1,3``."""
+    model_control: Literal["none", "poll", "explicit"] = "none"
+    """Loading after start-up: none; poll the repository every repository_poll_s; explicit = admin RPCs."""
+    repository_poll_s: float = 10.0
+    """Seconds between repository scans when model_control is poll."""
+
+    # -- runtime ---------------------------------------------------------------------------
+    runtime: Literal["onnx", "torch"] = "onnx"
+    """Execution backend: ONNX Runtime (model.onnx) or PyTorch (the exported program beside it)."""
+    execution_provider: Literal["auto", "cuda", "cpu"] = "auto"
+    """Device: auto = CUDA when available, else CPU (the fallback is logged); cuda insists, logging if absent."""
+    intra_op_threads: int = 1
+    """Threads per model execution; 1 suits small models and many concurrent calls."""
+    graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
+    """ONNX Runtime graph optimisation level."""
+    half_precision: bool = False
+    """PyTorch on CUDA only: run in FP16 (logits are returned as FP32; ~1e-3 deviation)."""
+    cuda_graphs: bool = False
+    """PyTorch on CUDA only: replay captured CUDA graphs for the warm-up batch sizes."""
+    deterministic: bool = False
+    """Audited mode: fixed seeds and deterministic kernels; batch-invariant results, some speed lost."""
+    execution_instances: int = 1
+    """Model executions that may run at once per model version (threads in the runtime executor)."""
+
+    # -- dynamic batching ------------------------------------------------------------------
+    batching: bool = True
+    """Dynamic batching on; off executes each request (or chunk) on its own."""
+    max_batch_size: int = 128
+    """Most rows in one model execution (rows, never requests)."""
+    max_queue_delay_ms: float = 2.0
+    """Longest a queued request waits for batch-mates before its batch runs, in milliseconds."""
+    preferred_batch_sizes: list[int] = []
+    """Batch sizes (rows) to run as soon as reached; empty = fill up to max_batch_size or the delay."""
+    max_request_rows: int = 8192
+    """Most rows one request may carry; above max_batch_size it is split into batches, above this refused."""
+    max_queue_rows: int = 16384
+    """Rows that may wait per model version; beyond it requests get RESOURCE_EXHAUSTED."""
+
+    @field_validator("version_policy")
+    @classmethod
+    def _policy_is_valid(cls, value: str) -> str:
+        from mlpair.inference.repository import VersionPolicy
+
+        VersionPolicy.parse(value)
+        return value
+
+    @model_validator(mode="after")
+    def _limits_are_consistent(self) -> InferenceSettings:
+        if self.max_batch_size < 1 or self.max_request_rows < 1:
+            raise ValueError("max_batch_size and max_request_rows must be at least 1")
+        if self.max_request_rows > self.max_queue_rows:
+            raise ValueError(f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
+                             f"({self.max_queue_rows}): such a request could never be queued")
+        bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
+        if bad:
+            raise ValueError(f"preferred_batch_sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})")
+        return self

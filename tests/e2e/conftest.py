@@ -11,7 +11,6 @@ import grpc
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.contracts.manifest import list_versions
 from mlpair.training.pipeline import load_train_config, train_family
 from tests.support import CONFIG_DIR, CREDIT_SCHEMA
 
@@ -40,34 +39,20 @@ async def prediction_service(inference_target: str, model_repository: Path, crm_
 
 @contextlib.asynccontextmanager
 async def inference_service(model_repository: Path, *, all_versions: bool = False, **overrides):
-    """A real InferenceService on a free port; ``all_versions`` loads every version of each model."""
-    import asyncio
-
-    from mlpair.inference.engine import InferenceEngine
-    from mlpair.inference.server import create_server
+    """A real InferenceService on a free port; ``all_versions`` serves every version of each model."""
+    from mlpair.inference.server import InferenceServer
     from mlpair.inference.settings import InferenceSettings
 
-    class AllVersionsEngine(InferenceEngine):
-        """The stock engine loads each model's latest version; shadow and ensemble tests need
-        several side by side (InferenceService's own version policy is another issue's work)."""
-
-        def discover(self) -> list[Path]:
-            root = self.settings.model_repository
-            names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-            return [root / name / str(v) for name in names for v in list_versions(root, name)]
-
     settings = InferenceSettings(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0,
-                                    "model_repository": model_repository, "max_batch_size": INFERENCE_MAX_BATCH, **overrides})
-    engine = (AllVersionsEngine if all_versions else InferenceEngine)(settings)
-    server, port, health = create_server(settings, engine)
+                                    "model_repository": model_repository, "max_batch_size": INFERENCE_MAX_BATCH,
+                                    "version_policy": "all" if all_versions else "latest:1", **overrides})
+    server = InferenceServer(settings)
     await server.start()
     try:
-        await asyncio.get_running_loop().run_in_executor(None, engine.load)
-        await health.set_serving(True)
-        yield f"127.0.0.1:{port}"
+        await server.load()
+        yield f"127.0.0.1:{server.port}"
     finally:
-        await server.stop(0)
-        engine.close()
+        await server.stop()
 
 
 @pytest.fixture(scope="session")

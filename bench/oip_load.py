@@ -1,0 +1,191 @@
+"""Closed-loop load generator for any Open Inference Protocol v2 gRPC server.
+
+``--concurrency N`` keeps N ``ModelInfer`` calls in flight (N asyncio workers on one channel,
+each send → wait → send). Each call carries ``--rows`` real rows as raw FP32 bytes, built once
+per worker, so the client spends as little CPU per call as the protocol allows. Latency is
+the client-side wall time of one call; only calls that start after the warm-up and end
+inside the window count. Throughput is counted in rows/s (and requests/s).
+
+Bounded: stops after ``--warmup-s + --duration-s`` (at most 600 s) or ``--max-requests``
+calls, whichever comes first; every call has a ``--timeout-s`` deadline; only loopback
+targets are accepted. Prints one JSON line.
+
+    python bench/oip_load.py --url 127.0.0.1:8001 --model credit-risk --rows-file rows.npy \\
+        --parameter x-feature-version=credit-risk/v1 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+
+import grpc
+import numpy as np
+
+LOOPBACK = ("127.", "localhost:", "[::1]")
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile of an ascending list (q in 0..100)."""
+    if not sorted_values:
+        return None
+    k = (len(sorted_values) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process and its children (None without psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return None
+
+
+def build_request(oip, args, rows: np.ndarray):
+    params = {}
+    for item in args.parameter:
+        key, _, value = item.partition("=")
+        params[key] = oip.InferParameter(string_param=value)
+    tensor = oip.ModelInferRequest.InferInputTensor(name=args.input_name, datatype="FP32", shape=list(rows.shape))
+    return oip.ModelInferRequest(model_name=args.model, model_version=args.model_version, parameters=params,
+                                 inputs=[tensor], raw_input_contents=[np.ascontiguousarray(rows, "<f4").tobytes()])
+
+
+async def run(args) -> dict:
+    from mlpair.api.oip import grpc_predict_v2_pb2 as oip
+    from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    data = np.load(args.rows_file).astype(np.float32)
+    metadata = tuple((k.lower(), v) for k, _, v in (h.partition("=") for h in args.header))
+    async with grpc.aio.insecure_channel(args.url, options=CHANNEL_OPTIONS) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        await wait_ready(stub, oip, args)
+        loop_start = time.perf_counter()
+        t_measure = loop_start + args.warmup_s
+        t_end = t_measure + args.duration_s
+        latencies: list[float] = []
+        errors: dict[str, int] = {}
+        sent = 0
+
+        async def worker(index: int) -> None:
+            nonlocal sent
+            start = (index * args.rows) % max(1, len(data) - args.rows)
+            request = build_request(oip, args, data[start:start + args.rows])
+            while sent < args.max_requests:
+                sent += 1
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                try:
+                    reply = await stub.ModelInfer(request, timeout=args.timeout_s, metadata=metadata)
+                    ok = len(reply.raw_output_contents[0]) == args.rows * 4 * args.n_outputs
+                    code = None if ok else "BAD_OUTPUT"
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code().name
+                t1 = time.perf_counter()
+                if t0 >= t_measure and t1 <= t_end:
+                    if code is None:
+                        latencies.append(t1 - t0)
+                    else:
+                        errors[code] = errors.get(code, 0) + 1
+                if code is not None:
+                    await asyncio.sleep(0.001)
+
+        cpu0 = cpu1 = server0 = server1 = None
+
+        async def sample() -> None:
+            nonlocal cpu0, cpu1, server0, server1
+            await asyncio.sleep(max(0.0, t_measure - time.perf_counter()))
+            cpu0, server0 = cpu_seconds(os.getpid()), cpu_seconds(args.server_pid) if args.server_pid else None
+            await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
+            cpu1, server1 = cpu_seconds(os.getpid()), cpu_seconds(args.server_pid) if args.server_pid else None
+
+        sampler = asyncio.create_task(sample())
+        await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(args.concurrency))),
+                               timeout=args.warmup_s + args.duration_s + args.timeout_s + 5)
+        await sampler
+    lat = sorted(v * 1000 for v in latencies)
+    out = {
+        "url": args.url, "model": args.model, "concurrency": args.concurrency, "rows_per_request": args.rows,
+        "duration_s": args.duration_s, "requests": len(lat),
+        "requests_per_s": round(len(lat) / args.duration_s, 1),
+        "rows_per_s": round(len(lat) * args.rows / args.duration_s, 1),
+        "p50_ms": _round(percentile(lat, 50)), "p99_ms": _round(percentile(lat, 99)),
+        "errors": sum(errors.values()), "hit_max_requests": sent >= args.max_requests,
+    }
+    if errors:
+        out["error_codes"] = errors
+    if cpu0 is not None and cpu1 is not None:
+        out["client_cpu_pct"] = round(100 * (cpu1 - cpu0) / args.duration_s, 1)
+    if server0 is not None and server1 is not None:
+        out["server_cpu_pct"] = round(100 * (server1 - server0) / args.duration_s, 1)
+    return out
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+async def wait_ready(stub, oip, args) -> None:
+    deadline = time.monotonic() + args.ready_timeout_s
+    while True:
+        try:
+            ready = await stub.ModelReady(oip.ModelReadyRequest(name=args.model, version=args.model_version), timeout=2)
+            if ready.ready:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit(f"model {args.model!r} not ready at {args.url} after {args.ready_timeout_s} s")
+        await asyncio.sleep(0.2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="host:port of the OIP gRPC endpoint (loopback only)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--model-version", default="")
+    parser.add_argument("--rows-file", required=True, help=".npy file of [n, n_features] rows to send")
+    parser.add_argument("--rows", type=int, default=1, help="rows per request")
+    parser.add_argument("--n-outputs", type=int, default=2, help="FP32 values per output row (to check replies)")
+    parser.add_argument("--input-name", default="features")
+    parser.add_argument("--parameter", action="append", default=[], help="request parameter KEY=VALUE (string)")
+    parser.add_argument("--header", action="append", default=[], help="metadata KEY=VALUE (sent lower-case)")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--max-requests", type=int, default=2_000_000)
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--ready-timeout-s", type=float, default=60.0)
+    parser.add_argument("--server-pid", type=int, default=0, help="process whose CPU is measured over the window")
+    parser.add_argument("--label", default="")
+    args = parser.parse_args(argv)
+    if not args.url.startswith(LOOPBACK):
+        parser.error(f"refusing non-loopback target {args.url!r}")
+    if args.duration_s <= 0 or args.warmup_s < 0 or args.warmup_s + args.duration_s > 600 or args.concurrency < 1:
+        parser.error("need concurrency >= 1, duration-s > 0, warmup-s >= 0, warmup-s + duration-s <= 600")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = asyncio.run(run(args))
+    if args.label:
+        out = {"label": args.label, **out}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""Server-side dynamic batching: requests' rows queue per model version and run together.
+
+One :class:`DynamicBatcher` per loaded model version. Callers ``await submit(rows, deadline)``;
+a scheduler task forms batches and hands each to the runtime through the executor (one
+thread hop per batch, never per request), then scatters the logits back in row order.
+
+Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requests):
+
+* a batch holds at most ``max_batch_size`` rows; a request is never split across batches
+  unless it alone exceeds ``max_batch_size`` (then :meth:`submit` splits it into
+  ``max_batch_size`` chunks, each queued as its own item, and reassembles the logits);
+* the scheduler runs a batch as soon as the queued rows reach ``max_batch_size`` (or the
+  largest preferred batch size), otherwise when the oldest queued request has waited
+  ``max_queue_delay_ms``; with preferred sizes, the batch is cut at the largest request
+  boundary that is a preferred size, if any, and the rest runs next;
+* with batching off, each request (or chunk) runs alone, through the same queue;
+* the queue is bounded: more than ``max_queue_rows`` waiting rows → :class:`QueueFull`
+  (RESOURCE_EXHAUSTED) at once, before anything is queued;
+* a request whose deadline passes while queued is dropped before compute
+  (:class:`DeadlineExpired`, counted); a cancelled caller's rows are removed (counted);
+* a runtime that raises, or returns the wrong number of rows, fails every request of that
+  batch with :class:`ModelFailure` (INTERNAL) — never an empty success; a request whose own
+  logits are not finite fails alone with :class:`ModelFailure`, and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from mlpair.inference import metrics
+from mlpair.inference.errors import DeadlineExpired, ModelFailure, ModelNotReady, QueueFull
+
+logger = logging.getLogger(__name__)
+
+_QUEUED, _TAKEN, _DROPPED = 0, 1, 2
+
+
+class _Item:
+    """One queued request (or chunk): its rows, the caller's future and its deadline."""
+
+    __slots__ = ("rows", "n", "future", "deadline", "enqueued", "state")
+
+    def __init__(self, rows: np.ndarray, future: asyncio.Future, deadline: float | None, now: float) -> None:
+        self.rows = rows
+        self.n = rows.shape[0]
+        self.future = future
+        self.deadline = deadline
+        self.enqueued = now
+        self.state = _QUEUED
+
+
+class DynamicBatcher:
+    """Queues rows for one model version and runs them in batches on its runtime.
+
+    Args:
+        run: the runtime's blocking ``[batch, n_features] float32 → [batch, n_classes] float32``.
+        model, version: metric labels.
+        max_batch_size: most rows per execution.
+        max_queue_delay_ms: longest wait for batch-mates, from the oldest request's arrival.
+        preferred_batch_sizes: row counts to cut batches at when possible (may be empty).
+        max_queue_rows: waiting rows beyond which :meth:`submit` refuses with QueueFull.
+        batching: False runs every request (chunk) alone.
+        instances: executions that may run at once (threads of the executor).
+    """
+
+    def __init__(self, run: Callable[[np.ndarray], np.ndarray], *, model: str, version: str,
+                 max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: list[int],
+                 max_queue_rows: int, batching: bool = True, instances: int = 1) -> None:
+        self._run = run
+        self.model, self.version = model, version
+        self.max_batch_size = max_batch_size
+        self._delay_s = max_queue_delay_ms / 1000.0 if batching else 0.0
+        self._preferred = frozenset(preferred_batch_sizes) if batching else frozenset()
+        self._flush_rows = max(preferred_batch_sizes) if batching and preferred_batch_sizes else max_batch_size
+        self._max_queue_rows = max_queue_rows
+        self._batching = batching
+        self._queue: deque[_Item] = deque()
+        self._queued_rows = 0
+        self._wakeup: asyncio.Future | None = None
+        self._wake_rows = 1
+        self._closing = False
+        self._slots = asyncio.Semaphore(instances)
+        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"run-{model}-{version}")
+        self._running: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+        # Metric children resolved once: label lookups are not free on the hot path.
+        # Queue depth is read at scrape time, so the hot path pays nothing for it.
+        metrics.QUEUE_DEPTH.labels(model, version).set_function(lambda: self._queued_rows)
+        self._m_queue = metrics.QUEUE_DURATION.labels(model, version)
+        self._m_compute = metrics.COMPUTE_DURATION.labels(model, version)
+        self._m_batch = metrics.BATCH_SIZE.labels(model, version)
+        self._m_expired = metrics.QUEUE_DROPPED.labels(model, version, "expired")
+        self._m_cancelled = metrics.QUEUE_DROPPED.labels(model, version, "cancelled")
+        self._m_rejected = metrics.QUEUE_REJECTED.labels(model, version)
+        self._m_nonfinite = metrics.NONFINITE_OUTPUTS.labels(model, version)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the scheduler task on the running event loop."""
+        name = f"batcher-{self.model}-{self.version}"
+        self._task = asyncio.get_running_loop().create_task(self._schedule(), name=name)
+
+    async def close(self) -> None:
+        """Runs everything already queued (without waiting out the delay), then stops."""
+        self._closing = True
+        self._wake()
+        if self._task is not None:
+            await self._task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+        metrics.QUEUE_DEPTH.remove(self.model, self.version)  # drop the scrape-time callback with us
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows waiting for a batch (not counting those executing)."""
+        return self._queued_rows
+
+    # -- callers ---------------------------------------------------------------------------
+
+    async def submit(self, rows: np.ndarray, deadline: float | None) -> np.ndarray:
+        """Logits ``[n, n_classes] float32`` for ``rows`` ``[n, n_features] float32``, in row order.
+
+        Args:
+            rows: at least one row.
+            deadline: ``time.monotonic()`` instant after which the caller no longer waits.
+
+        Raises:
+            QueueFull: the queue already holds ``max_queue_rows`` waiting rows.
+            DeadlineExpired: the deadline passed before the rows were computed.
+            ModelFailure: the runtime failed, or returned unusable logits for these rows.
+            ModelNotReady: this version is being unloaded.
+        """
+        if self._closing:
+            raise ModelNotReady(f"model {self.model!r} version {self.version} is being unloaded; retry")
+        n = rows.shape[0]
+        if self._queued_rows + n > self._max_queue_rows:
+            self._m_rejected.inc()
+            raise QueueFull(f"model {self.model!r} version {self.version} has {self._queued_rows} rows queued "
+                            f"(limit {self._max_queue_rows}); retry with backoff")
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        if n <= self.max_batch_size:
+            item = _Item(rows, loop.create_future(), deadline, now)
+            self._enqueue(item)
+            try:
+                return await item.future
+            except asyncio.CancelledError:
+                self._discard(item)
+                raise
+        items = [_Item(rows[i:i + self.max_batch_size], loop.create_future(), deadline, now)
+                 for i in range(0, n, self.max_batch_size)]
+        for item in items:
+            self._enqueue(item)
+        try:
+            parts = [await item.future for item in items]
+        except BaseException:
+            for item in items:  # one chunk failed or the caller left: the others are not wanted
+                self._discard(item)
+                if not item.future.done():
+                    item.future.cancel()
+                elif not item.future.cancelled():
+                    item.future.exception()  # retrieved: no "never retrieved" warning
+            raise
+        return np.concatenate(parts)
+
+    def _enqueue(self, item: _Item) -> None:
+        self._queue.append(item)
+        self._queued_rows += item.n
+        if self._queued_rows >= self._wake_rows:
+            self._wake()
+
+    def _discard(self, item: _Item) -> None:
+        """Removes a caller that gave up (cancelled or past its deadline) from the queue."""
+        if item.state != _QUEUED:
+            return
+        item.state = _DROPPED
+        self._queued_rows -= item.n
+        expired = item.deadline is not None and time.monotonic() >= item.deadline
+        (self._m_expired if expired else self._m_cancelled).inc()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    # -- scheduler -------------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            try:
+                await self._slots.acquire()
+                batch = await self._next_batch()
+                if batch is None:
+                    self._slots.release()
+                    return
+                if not batch:
+                    self._slots.release()
+                    continue
+                task = asyncio.get_running_loop().create_task(self._execute(batch))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+            except Exception:  # the scheduler must outlive any single bad batch
+                logger.exception("batch scheduler error for %s version %s", self.model, self.version)
+                self._slots.release()
+
+    async def _next_batch(self) -> list[_Item] | None:
+        """Waits until a batch is due and takes it; None once closing with nothing queued."""
+        while self._queued_rows == 0:
+            self._drop_dead_head()
+            if self._closing:
+                return None
+            await self._wait(1, None)
+        if self._delay_s > 0 and self._queued_rows < self._flush_rows and not self._closing:
+            self._drop_dead_head()
+            if self._queue:
+                until = self._queue[0].enqueued + self._delay_s
+                if time.monotonic() < until:
+                    await self._wait(self._flush_rows, until)
+        return self._take()
+
+    async def _wait(self, rows: int, until: float | None) -> None:
+        """Sleeps until ``rows`` rows are queued, ``until`` (monotonic) passes, or close()."""
+        loop = asyncio.get_running_loop()
+        self._wakeup = loop.create_future()
+        self._wake_rows = rows
+        timer = loop.call_later(until - time.monotonic(), self._wake) if until is not None else None
+        try:
+            await self._wakeup
+        finally:
+            self._wakeup = None
+            self._wake_rows = 1 << 62  # nobody is waiting: enqueue need not wake anyone
+            if timer is not None:
+                timer.cancel()
+
+    def _drop_dead_head(self) -> None:
+        while self._queue and self._queue[0].state == _DROPPED:
+            self._queue.popleft()
+
+    def _take(self) -> list[_Item]:
+        """Pops the next batch: live items up to max_batch_size rows (one item if not batching).
+
+        Items whose deadline has passed are failed with DeadlineExpired and counted; cancelled
+        ones are skipped.
+        """
+        now = time.monotonic()
+        batch: list[_Item] = []
+        rows = 0
+        queue = self._queue
+        while queue:
+            item = queue[0]
+            if item.state == _DROPPED:
+                queue.popleft()
+                continue
+            if item.future.done():  # cancelled; its caller has not run _discard yet
+                queue.popleft()
+                self._discard(item)
+                continue
+            if item.deadline is not None and item.deadline <= now:
+                queue.popleft()
+                self._discard(item)
+                item.future.set_exception(DeadlineExpired("the deadline passed while the request was queued"))
+                continue
+            if batch and rows + item.n > self.max_batch_size:
+                break
+            queue.popleft()
+            item.state = _TAKEN
+            batch.append(item)
+            rows += item.n
+            if not self._batching:
+                break
+        if self._preferred and len(batch) > 1 and rows not in self._preferred:
+            batch = self._cut_at_preferred(batch)
+            rows = sum(item.n for item in batch)
+        self._queued_rows -= rows
+        return batch
+
+    def _cut_at_preferred(self, batch: list[_Item]) -> list[_Item]:
+        """The longest prefix whose row count is a preferred size; the rest goes back in front."""
+        total, cut = 0, 0
+        for i, item in enumerate(batch):
+            total += item.n
+            if total in self._preferred:
+                cut = i + 1
+        if cut == 0:
+            return batch
+        for item in reversed(batch[cut:]):
+            item.state = _QUEUED
+            self._queue.appendleft(item)
+        return batch[:cut]
+
+    async def _execute(self, batch: list[_Item]) -> None:
+        """Runs one batch on the executor and scatters its logits, releasing the slot."""
+        try:
+            now = time.monotonic()
+            for item in batch:
+                self._m_queue.observe(now - item.enqueued)
+            x = batch[0].rows if len(batch) == 1 else np.concatenate([item.rows for item in batch])
+            rows = x.shape[0]
+            self._m_batch.observe(rows)
+            started = time.perf_counter()
+            try:
+                logits = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
+            except Exception:
+                logger.exception("runtime failed for %s version %s on %d rows", self.model, self.version, rows)
+                self._fail(batch, "the model failed to run")
+                return
+            finally:
+                self._m_compute.observe(time.perf_counter() - started)
+            if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.shape[0] != rows:
+                logger.error("%s version %s returned %s for %d rows", self.model, self.version,
+                             getattr(logits, "shape", type(logits).__name__), rows)
+                self._fail(batch, "the model returned the wrong number of rows")
+                return
+            self._scatter(batch, logits)
+        finally:
+            self._slots.release()
+
+    def _scatter(self, batch: list[_Item], logits: np.ndarray) -> None:
+        all_finite = bool(np.isfinite(logits).all())
+        offset = 0
+        for item in batch:
+            out = logits[offset:offset + item.n]
+            offset += item.n
+            if item.future.done():  # the caller gave up while its rows ran
+                continue
+            if all_finite or np.isfinite(out).all():
+                item.future.set_result(out)
+            else:
+                self._m_nonfinite.inc()
+                item.future.set_exception(ModelFailure("the model produced a non-finite logit"))
+
+    @staticmethod
+    def _fail(batch: list[_Item], message: str) -> None:
+        """Fails every waiting caller of a batch with its own ModelFailure (INTERNAL)."""
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(ModelFailure(message))

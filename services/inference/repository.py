@@ -1,0 +1,404 @@
+"""The model repository as served: which versions are loaded, their state, load and unload.
+
+Layout on disk: ``<root>/<model_name>/<version>/`` (see :mod:`mlpair.contracts.manifest`).
+Which versions serve is the version policy's choice (``latest:N``, ``all``, ``specific:a,b``).
+
+Switching versions never drops a request: a new version is loaded, verified and warmed in a
+thread while the current ones keep serving; only then is it published (new requests pick it);
+versions the policy no longer wants are unpublished and their batchers finish every queued
+request before they close. A version that fails to load is marked UNAVAILABLE with a reason
+and never serves; the versions already serving stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions, load_entry
+from mlpair.inference import metrics
+from mlpair.inference.batcher import DynamicBatcher
+from mlpair.inference.errors import InferenceError, ModelLoadFailed, ModelNotFound, ModelNotReady
+from mlpair.inference.runtimes import Runtime, create_runtime, warmup_batch_sizes
+from mlpair.inference.settings import InferenceSettings
+
+logger = logging.getLogger(__name__)
+
+RuntimeFactory = Callable[[ModelEntry, InferenceSettings], Runtime]
+
+LOADING, READY, UNLOADING, UNAVAILABLE = "LOADING", "READY", "UNLOADING", "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which of a model's versions serve (Triton's ``version_policy``).
+
+    ``latest:N``: the N highest; ``all``: every version; ``specific:1,3``: exactly those.
+    """
+
+    kind: str
+    count: int = 1
+    versions: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> VersionPolicy:
+        """Parses ``latest:N``, ``all`` or ``specific:a,b,...``.
+
+        Raises:
+            ValueError: any other text, naming the accepted forms.
+        """
+        kind, _, arg = text.strip().partition(":")
+        try:
+            if kind == "all" and not arg:
+                return cls("all")
+            if kind == "latest" and int(arg) >= 1:
+                return cls("latest", count=int(arg))
+            if kind == "specific":
+                versions = tuple(sorted({int(v) for v in arg.split(",")}))
+                if versions and versions[0] >= 1:
+                    return cls("specific", versions=versions)
+        except ValueError:
+            pass
+        raise ValueError(f"version policy {text!r}: use latest:N (N >= 1), all, or specific:1,3")
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions (ascending) of ``available`` this policy serves."""
+        if self.kind == "all":
+            return sorted(available)
+        if self.kind == "latest":
+            return sorted(available)[-self.count:]
+        return [v for v in sorted(available) if v in self.versions]
+
+
+@dataclass
+class ServedVersion:
+    """A model version that is loaded, warmed and serving through its batcher."""
+
+    entry: ModelEntry
+    runtime: Runtime
+    batcher: DynamicBatcher
+    load_seconds: float
+    version: str = field(init=False)
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        manifest = self.entry.manifest
+        self.version = manifest.model_version
+        self.name = manifest.model_name
+        self.feature_version = manifest.versions.feature_schema_version
+        self.n_features = manifest.n_features
+        self.n_classes = len(manifest.class_names)
+        self.input_name = manifest.inputs[0].name
+        self.output_name = manifest.outputs[0].name
+        self.m_duration = metrics.REQUEST_DURATION.labels(self.name, self.version)
+
+
+@dataclass
+class VersionStatus:
+    """One row of the repository index."""
+
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+    source_mtime: float = 0.0
+
+
+class ModelRepository:
+    """Loads, publishes and retires model versions per the settings' version policy.
+
+    The hot path (:meth:`get`) is two dict lookups. Load and unload operations are serialised
+    by one lock and run the blocking work (file checks, runtime start, warm-up) in a thread.
+
+    Args:
+        settings: repository root, policy, runtime and batching settings.
+        runtime_factory: builds a runtime for an entry (tests may wrap the real one).
+        on_change: awaited after every publish or retire (the server refreshes health).
+    """
+
+    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime,
+                 on_change: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.settings = settings
+        self.root = settings.model_repository
+        self.policy = VersionPolicy.parse(settings.version_policy)
+        self._factory = runtime_factory
+        self._on_change = on_change
+        self._serving: dict[str, dict[str, ServedVersion]] = {}
+        self._default: dict[str, ServedVersion] = {}  # name → highest serving version
+        self._status: dict[tuple[str, str], VersionStatus] = {}
+        self._lock = asyncio.Lock()
+        self.expected: set[str] = set()  # models readiness waits for
+
+    # -- hot path --------------------------------------------------------------------------
+
+    def get(self, name: str, version: str = "") -> ServedVersion:
+        """The serving version ``version`` of ``name`` (empty = the highest serving one).
+
+        Raises:
+            ModelNotFound: unknown model, or a version that is not serving (naming those that are).
+            ModelNotReady: the model is known but no version is serving yet.
+        """
+        if not version:
+            served = self._default.get(name)
+            if served is not None:
+                return served
+        else:
+            served = self._serving.get(name, {}).get(version)
+            if served is not None:
+                return served
+        return self._missing(name, version)
+
+    def _missing(self, name: str, version: str) -> ServedVersion:
+        versions = self._serving.get(name)
+        if versions:
+            available = ", ".join(sorted(versions, key=int))
+            raise ModelNotFound(f"model {name!r} has no version {version!r} serving; available: {available}",
+                                metadata={"model": name, "available_versions": available})
+        if name in self.expected or any(key[0] == name for key in self._status):
+            raise ModelNotReady(f"model {name!r} is not ready yet; retry after readiness")
+        known = ", ".join(sorted(self._serving)) or "none"
+        raise ModelNotFound(f"unknown model {name!r}; available: {known}", metadata={"model": name})
+
+    # -- state -----------------------------------------------------------------------------
+
+    def serving(self) -> dict[str, list[str]]:
+        """Model name → serving versions, ascending."""
+        return {name: sorted(v, key=int) for name, v in self._serving.items() if v}
+
+    def is_ready(self, name: str, version: str = "") -> bool:
+        """Whether ``name`` (``version``, or any version when empty) is serving."""
+        versions = self._serving.get(name, {})
+        return bool(versions) if not version else version in versions
+
+    def all_expected_ready(self) -> bool:
+        """Whether every expected model has a serving version (and at least one model is expected)."""
+        return bool(self.expected) and all(self._serving.get(name) for name in self.expected)
+
+    def index(self) -> list[VersionStatus]:
+        """Every version the server has tried to load, with its state, sorted."""
+        return sorted(self._status.values(), key=lambda s: (s.name, int(s.version)))
+
+    def served_versions(self) -> list[ServedVersion]:
+        """Every serving model version."""
+        return [served for versions in self._serving.values() for served in versions.values()]
+
+    def model_names(self) -> list[str]:
+        """Models to serve: the configured ones, else every folder in the repository."""
+        if self.settings.models:
+            return list(self.settings.models)
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    # -- load and unload -------------------------------------------------------------------
+
+    async def load_all(self) -> None:
+        """Start-up: loads every model to serve; any failure refuses the start.
+
+        Raises:
+            ModelNotFound: no models, or a configured model has no version the policy selects.
+            ManifestError: an entry's version triple or files are inconsistent.
+            ModelLoadFailed: a runtime failed to load or warm up.
+        """
+        names = self.model_names()
+        if not names:
+            raise ModelNotFound(f"no models found under {self.root}")
+        self.expected.update(names)
+        if self._on_change:
+            await self._on_change()
+        for name in names:
+            await self.load_model(name, strict=True)
+
+    async def load_model(self, name: str, *, strict: bool = False) -> list[str]:
+        """(Re)loads ``name`` per the policy: new versions first, then retires unwanted ones.
+
+        Versions already serving are kept as they are. If no wanted version ends up serving,
+        nothing is retired (the previous versions keep serving).
+
+        Args:
+            strict: raise the first failure as is (start-up); otherwise failures are recorded
+                as UNAVAILABLE and reported together as ModelLoadFailed.
+
+        Returns:
+            The versions serving afterwards.
+
+        Raises:
+            ModelNotFound: the policy selects no version of ``name`` on disk.
+            ModelLoadFailed: a wanted version failed to load (see :meth:`index` for why).
+        """
+        async with self._lock:
+            wanted = [str(v) for v in self.policy.select(list_versions(self.root, name))]
+            if not wanted:
+                raise ModelNotFound(f"no version of model {name!r} under {self.root} matches the version "
+                                    f"policy {self.settings.version_policy!r}", metadata={"model": name})
+            self.expected.add(name)
+            current = self._serving.get(name, {})
+            failed = []
+            for version in wanted:
+                if version not in current:
+                    try:
+                        await self._load_version(name, version)
+                    except Exception as exc:
+                        if strict:
+                            raise
+                        reason = self._status[(name, version)].reason
+                        failed.append(f"{version}: {reason}")
+                        logger.warning("model %s version %s failed to load: %s", name, version, reason,
+                                       exc_info=not isinstance(exc, InferenceError))
+            serving_wanted = [v for v in wanted if v in self._serving.get(name, {})]
+            if serving_wanted:
+                for version in [v for v in self._serving.get(name, {}) if v not in wanted]:
+                    await self._retire(name, version)
+            if failed:
+                raise ModelLoadFailed(f"model {name!r}: {len(failed)} version(s) failed to load ({'; '.join(failed)}); "
+                                      f"serving: {', '.join(serving_wanted) or 'previous versions'}",
+                                      metadata={"model": name})
+            return sorted(self._serving.get(name, {}), key=int)
+
+    async def unload_model(self, name: str) -> None:
+        """Retires every version of ``name``; queued requests finish first.
+
+        Raises:
+            ModelNotFound: ``name`` is not loaded.
+        """
+        async with self._lock:
+            if name not in self._serving and name not in self.expected:
+                raise ModelNotFound(f"model {name!r} is not loaded", metadata={"model": name})
+            self.expected.discard(name)
+            for version in list(self._serving.get(name, {})):
+                await self._retire(name, version)
+            for key in [k for k in self._status if k[0] == name]:
+                del self._status[key]
+            if self._on_change:
+                await self._on_change()
+
+    async def poll_forever(self, interval_s: float) -> None:
+        """Scans the repository every ``interval_s`` and loads what the policy now selects.
+
+        A version that failed is retried only after its folder changes.
+        """
+        while True:
+            await asyncio.sleep(interval_s)
+            for name in self.model_names():
+                if self._needs_load(name):
+                    try:
+                        await self.load_model(name)
+                    except InferenceError as exc:
+                        logger.warning("repository poll: %s", exc.message)
+
+    def _needs_load(self, name: str) -> bool:
+        wanted = [str(v) for v in self.policy.select(list_versions(self.root, name))]
+        if not wanted:
+            return False
+        serving = set(self._serving.get(name, {}))
+        for version in wanted:
+            status = self._status.get((name, version))
+            if version in serving:
+                continue
+            changed = status is not None and status.source_mtime != _mtime(self.root / name / version)
+            if status is None or status.state != UNAVAILABLE or changed:
+                return True
+        return bool(serving - set(wanted))
+
+    async def _load_version(self, name: str, version: str) -> None:
+        """Loads, verifies and warms one version in a thread, then publishes it."""
+        path = self.root / name / version
+        status = VersionStatus(name, version, LOADING, source_mtime=_mtime(path))
+        self._status[(name, version)] = status
+        started = time.perf_counter()
+        try:
+            entry, runtime = await asyncio.to_thread(self._open, path)
+        except Exception as exc:
+            status.state = UNAVAILABLE
+            status.reason = exc.message if isinstance(exc, InferenceError) else (
+                str(exc) if isinstance(exc, ManifestError) else f"load failed ({type(exc).__name__})")
+            metrics.MODEL_LOAD_FAILURES.labels(name, version).inc()
+            if self._on_change:
+                await self._on_change()
+            raise
+        settings = self.settings
+        batcher = DynamicBatcher(runtime.run, model=name, version=version, max_batch_size=settings.max_batch_size,
+                                 max_queue_delay_ms=settings.max_queue_delay_ms,
+                                 preferred_batch_sizes=settings.preferred_batch_sizes,
+                                 max_queue_rows=settings.max_queue_rows, batching=settings.batching,
+                                 instances=settings.execution_instances)
+        batcher.start()
+        seconds = time.perf_counter() - started
+        served = ServedVersion(entry, runtime, batcher, seconds)
+        self._serving.setdefault(name, {})[version] = served
+        self._refresh_default(name)
+        status.state = READY
+        metrics.MODEL_LOAD_DURATION.labels(name, version).observe(seconds)
+        metrics.MODEL_READY.labels(name, version).set(1)
+        memory = runtime.device_memory_bytes()
+        if memory is not None:
+            metrics.DEVICE_MEMORY.labels(name, version).set(memory)
+        logger.info("model %s version %s ready in %.2f s (%s, triple %s)", name, version, seconds,
+                    runtime.description, entry.manifest.versions.model_dump())
+        if self._on_change:
+            await self._on_change()
+
+    def _open(self, path: Path) -> tuple[ModelEntry, Runtime]:
+        """Blocking: verifies the entry, starts its runtime and warms it up.
+
+        Warm-up runs zeros at batch 1, each preferred size and max_batch_size, and checks the
+        output's shape and finiteness, so the first real requests pay no set-up cost.
+
+        Raises:
+            ManifestError, ModelLoadFailed, or what the runtime raises.
+        """
+        entry = load_entry(path)
+        if path.parent.name != entry.manifest.model_name:
+            raise ManifestError(f"{path}: folder is model {path.parent.name!r} but the manifest says "
+                                f"{entry.manifest.model_name!r}")
+        runtime = self._factory(entry, self.settings)
+        n_features, n_classes = entry.manifest.n_features, len(entry.manifest.class_names)
+        for rows in warmup_batch_sizes(self.settings):
+            logits = runtime.run(np.zeros((rows, n_features), dtype=np.float32))
+            if not isinstance(logits, np.ndarray) or logits.shape != (rows, n_classes) or not np.isfinite(logits).all():
+                raise ModelLoadFailed(f"warm-up at batch {rows} returned unusable logits "
+                                      f"(shape {getattr(logits, 'shape', None)}, expected {(rows, n_classes)})")
+        return entry, runtime
+
+    async def _retire(self, name: str, version: str) -> None:
+        """Unpublishes a version at once, then lets its batcher finish what is queued."""
+        served = self._serving[name].pop(version)
+        if not self._serving[name]:
+            del self._serving[name]
+        self._refresh_default(name)
+        status = self._status.get((name, version))
+        if status:
+            status.state = UNLOADING
+        if self._on_change:
+            await self._on_change()
+        await served.batcher.close()
+        self._status.pop((name, version), None)
+        metrics.MODEL_READY.labels(name, version).set(0)
+        logger.info("model %s version %s unloaded", name, version)
+
+    def _refresh_default(self, name: str) -> None:
+        versions = self._serving.get(name)
+        if versions:
+            self._default[name] = versions[max(versions, key=int)]
+        else:
+            self._default.pop(name, None)
+
+    async def close(self) -> None:
+        """Retires every version (queued requests finish first)."""
+        async with self._lock:
+            for name in list(self._serving):
+                for version in list(self._serving.get(name, {})):
+                    await self._retire(name, version)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return max((p.stat().st_mtime for p in path.iterdir()), default=path.stat().st_mtime)
+    except OSError:
+        return 0.0
