@@ -1,8 +1,13 @@
 """The transport-neutral core of PredictionService.
 
-``Predictor.predict``: idempotency look-up → feature assembly and guards (the same code
-training used) → InferenceService with the version contract → temperature calibration →
-decision policy → CRM write. A retried request id returns the recorded decision unchanged.
+``Predictor.predict``: feature assembly and guards (the same code training used) → cached,
+single-flight inference within the caller's deadline budget (``cache``, ``resilience``) →
+temperature calibration → decision policy → durable record in the outbox, delivered to the
+CRM by the relay (``crm``). A retried request id returns the recorded decision unchanged.
+
+When InferenceService cannot be used (unavailable, timed out, circuit open) a stale cached
+result is served if one exists; otherwise the documented fallback decides: REVIEW with reason
+code ``INFERENCE_UNAVAILABLE`` and no probability — never an automatic approval or decline.
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ from mlpair.contracts.manifest import ManifestError, ModelEntry, load_latest
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.crm.store import CrmStore, StoredDecision
-from mlpair.prediction.errors import CrmUnavailable, InvalidRequest, UnknownModel
-from mlpair.prediction.inference_client import InferenceClient
+from mlpair.prediction.cache import CachedInference, Scored, Source
+from mlpair.prediction.crm.recorder import DecisionRecorder
+from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.errors import InvalidRequest, UnknownModel
 from mlpair.prediction.policy import DecisionPolicy
 
 logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
+FALLBACK_DECISION = "REVIEW"  # without model output a human decides: never an automatic approve/decline
+FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
+STALE_REASON = "STALE_CACHE_RESULT"
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,7 @@ class PredictInput:
     entity_id: str
     attributes: Mapping[str, Any]
     model_name: str = ""
+    deadline: float | None = None  # the caller's deadline in time.monotonic() seconds; None = none
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class PredictionResult:
 
     stored: StoredDecision
     from_cache: bool = False
+    replayed: bool = False  # the request id was already recorded: this is that decision
 
 
 class ConfigurationError(Exception):
@@ -91,11 +102,13 @@ class Predictor:
     """Decides for one request at a time; shared by all concurrent calls."""
 
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
-                 inference: InferenceClient, crm: CrmStore) -> None:
+                 scorer: CachedInference, recorder: DecisionRecorder) -> None:
         self.families = dict(families)
         self.default_model = default_model
-        self.inference = inference
-        self.crm = crm
+        self.scorer = scorer
+        self.recorder = recorder
+        self.inference = scorer.client
+        self.crm = recorder.crm
 
     async def predict(self, request: PredictInput) -> PredictionResult:
         """Decides and records one request; a retried ``request_id`` returns the recorded decision.
@@ -103,8 +116,8 @@ class Predictor:
         Raises:
             InvalidRequest: bad ids or attribute values (all problems named together).
             UnknownModel: the named model family is not served here.
-            InferenceUnavailable, InferenceContractError, InferenceFailed: from the inference hop.
-            CrmUnavailable: the decision could not be recorded (and so is not returned).
+            InferenceContractError, InferenceFailed: InferenceService refused or failed; no decision.
+            OutboxUnavailable: the decision could not be recorded (and so is not returned).
         """
         started = time.perf_counter()
         family = self._family(request.model_name)
@@ -138,44 +151,57 @@ class Predictor:
         if row.unknown_attributes:
             metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(row.unknown_attributes))
 
-        replay = await self._recorded(family, request.request_id)
-        if replay is not None:
-            return PredictionResult(replay)
-
         manifest = family.entry.manifest
-        t0 = time.perf_counter()
-        logits, served_version = await self.inference.infer(
-            family.name, manifest.model_version, manifest.versions.feature_schema_version, row.vector[None, :])
-        metrics.INFERENCE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
-        probability = float(temperature_probability(logits, manifest.calibration.temperature, manifest.positive_index)[0])
+        scored = (await self._score(family, row.vector[None, :], request.deadline))[0]
+        guard_reasons = tuple(dict.fromkeys(g.reason_code for g in row.guards))
+        if scored.logits is None:
+            return await self._record(self._fallback(family, request, scored, guard_reasons))
+        probability = float(temperature_probability(scored.logits[None, :], manifest.calibration.temperature,
+                                                    manifest.positive_index)[0])
         band = family.policy.decide(probability)
-        reasons = (band.reason_code, *dict.fromkeys(g.reason_code for g in row.guards))
+        reasons = (band.reason_code, *((STALE_REASON,) if scored.source is Source.STALE_CACHE else ()), *guard_reasons)
         decision = StoredDecision(
             decision_id="", request_id=request.request_id, entity_id=request.entity_id,
-            model_name=family.name, model_version=served_version,
+            model_name=family.name, model_version=scored.model_version,
             feature_schema_version=manifest.versions.feature_schema_version,
             policy_version=family.policy.version, probability=probability, decision=band.decision,
-            reason_codes=reasons,
+            reason_codes=reasons, served_from=scored.source.value, cache_age_ms=scored.age_ms,
+            degraded_reason=scored.degraded_reason,
         )
-        t0 = time.perf_counter()
-        try:
-            stored = await self.crm.record(decision)
-        except Exception as exc:
-            logger.exception("CRM write failed for model %s", family.name)
-            raise CrmUnavailable("the decision could not be recorded; retry with the same request_id") from exc
-        metrics.CRM_WRITE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
-        metrics.DECISIONS.labels(family.name, stored.decision).inc()
-        return PredictionResult(stored)
+        return await self._record(decision)
 
-    async def _recorded(self, family: ModelFamily, request_id: str) -> StoredDecision | None:
-        try:
-            found = await self.crm.find(request_id)
-        except Exception as exc:
-            logger.exception("CRM look-up failed for model %s", family.name)
-            raise CrmUnavailable("the CRM is unavailable; retry with the same request_id") from exc
-        if found is not None:
-            metrics.IDEMPOTENT_REPLAYS.labels(family.name).inc()
-        return found
+    async def _score(self, family: ModelFamily, rows, deadline: float | None) -> list[Scored]:
+        """Logits per row of ``rows`` ``[batch, n_features] float32`` through cache, single-flight,
+        deadline budget, retries and circuit breaker (see :class:`CachedInference`)."""
+        manifest = family.entry.manifest
+        t0 = time.perf_counter()
+        scored = await self.scorer.score(family.name, manifest.model_version,
+                                         manifest.versions.feature_schema_version, rows, deadline)
+        metrics.INFERENCE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
+        return scored
+
+    @staticmethod
+    def _fallback(family: ModelFamily, request: PredictInput, scored: Scored,
+                  guard_reasons: tuple[str, ...]) -> StoredDecision:
+        """The documented decision without model output: REVIEW, reason INFERENCE_UNAVAILABLE."""
+        metrics.FALLBACKS.labels(family.name, scored.degraded_reason).inc()
+        return StoredDecision(
+            decision_id="", request_id=request.request_id, entity_id=request.entity_id,
+            model_name=family.name, model_version="",
+            feature_schema_version=family.entry.manifest.versions.feature_schema_version,
+            policy_version=family.policy.version, probability=None, decision=FALLBACK_DECISION,
+            reason_codes=(FALLBACK_REASON, *guard_reasons), served_from=Source.FALLBACK.value,
+            degraded_reason=scored.degraded_reason,
+        )
+
+    async def _record(self, decision: StoredDecision) -> PredictionResult:
+        """Commits the decision to the outbox before it is returned; a retried request id gets the
+        decision recorded first."""
+        recorded = await self.recorder.record(decision)
+        stored = recorded.decision
+        metrics.DECISIONS.labels(stored.model_name, stored.decision).inc()
+        return PredictionResult(stored, from_cache=stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value),
+                                replayed=recorded.replayed)
 
 
 def _check_id(field: str, value: str) -> None:

@@ -17,5 +17,5 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         self.predictor = predictor
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
-        result = await self.predictor.predict(converters.predict_input(request))
+        result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
         return converters.predict_response(result)

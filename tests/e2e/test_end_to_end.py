@@ -17,10 +17,9 @@ from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.calibration import temperature_probability
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.prediction.converters import to_attributes
-from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import InferenceContractError
-from mlpair.prediction.inference_client import InferenceClient
-from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput, Predictor
+from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput
+from mlpair.prediction.server import build_predictor
 from mlpair.prediction.settings import PredictionSettings
 from tests.support import CONFIG_DIR
 
@@ -32,10 +31,11 @@ async def prediction(inference_server, model_repository, tmp_path_factory):
     """A real PredictionService in front of the session's InferenceService, with a SQLite CRM."""
     from mlpair.prediction.server import start, stop
 
-    crm = tmp_path_factory.mktemp("crm") / "crm.sqlite"
+    state = tmp_path_factory.mktemp("crm")
     settings = PredictionSettings(host="127.0.0.1", port=0, metrics_port=0, inference_target=inference_server,
-                                  crm_url=f"sqlite+aiosqlite:///{crm}", model_repository=model_repository,
-                                  config_dir=CONFIG_DIR)
+                                  crm_url=f"sqlite+aiosqlite:///{state / 'crm.sqlite'}",
+                                  outbox_url=f"sqlite+aiosqlite:///{state / 'outbox.sqlite'}",
+                                  model_repository=model_repository, config_dir=CONFIG_DIR)
     server, port, health, predictor = await start(settings)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield pb_grpc.PredictionServiceStub(channel), predictor
@@ -68,6 +68,7 @@ async def test_real_applicants_are_scored_and_recorded_once(prediction, credit_h
         assert reply.feature_schema_version == "credit-risk/v1"
         assert reply.policy_version == "credit-risk-policy/v1"
         assert not reply.from_cache
+    assert await predictor.recorder.wait_delivered(10)
     assert await predictor.crm.count() == before + N_APPLICANTS
 
 
@@ -75,9 +76,11 @@ async def test_retry_with_the_same_request_id_returns_the_recorded_decision(pred
     stub, predictor = prediction
     req = predict_request("retry-1", credit_holdout.entity_ids[0], credit_holdout.records[0])
     first = await stub.Predict(req)
+    assert await predictor.recorder.wait_delivered(10)
     count = await predictor.crm.count()
     second = await stub.Predict(req)
     assert second.decision_id == first.decision_id and second.probability == first.probability
+    assert await predictor.recorder.wait_delivered(10)
     assert await predictor.crm.count() == count
 
 
@@ -95,11 +98,13 @@ async def test_guards_fire_and_a_decision_is_still_returned(prediction, credit_h
 ])
 async def test_bad_requests_are_refused_and_nothing_is_recorded(prediction, request_id, entity_id, attributes):
     stub, predictor = prediction
+    assert await predictor.recorder.wait_delivered(10)
     count = await predictor.crm.count()
     with pytest.raises(grpc.aio.AioRpcError) as excinfo:
         await stub.Predict(predict_request(request_id, entity_id, attributes))
     assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Traceback" not in excinfo.value.details()
+    assert await predictor.recorder.wait_delivered(10)
     assert await predictor.crm.count() == count
 
 
@@ -131,18 +136,21 @@ def _repo_on_schema_version(entry: ModelEntry, root, config_dir, version: str):
 
 async def test_c31_schema_version_mismatch_is_refused_and_not_decided(inference_server, credit_entry, credit_holdout, tmp_path):
     _repo_on_schema_version(credit_entry, tmp_path / "models", tmp_path / "config", "credit-risk/v2")
-    family = ModelFamily.load("credit-risk", tmp_path / "config", tmp_path / "models")
-    crm = CrmStore(f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}")
-    await crm.create_schema()
-    client = InferenceClient(inference_server, timeout_ms=2000, max_message_bytes=1 << 20)
-    predictor = Predictor({"credit-risk": family}, "credit-risk", client, crm)
+    settings = PredictionSettings(inference_target=inference_server, config_dir=tmp_path / "config",
+                                  model_repository=tmp_path / "models",
+                                  crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
+                                  outbox_url=f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}")
+    predictor = build_predictor(settings)
+    await predictor.recorder.start()
     try:
         with pytest.raises(InferenceContractError):
             await predictor.predict(PredictInput("c31-1", "e1", credit_holdout.records[0]))
-        assert await crm.count() == 0
+        assert await predictor.recorder.outbox.backlog() == (0, 0.0)
+        assert await predictor.recorder.wait_delivered(10) and await predictor.crm.count() == 0
     finally:
-        await client.close()
-        await crm.close()
+        await predictor.scorer.close()
+        await predictor.inference.close()
+        await predictor.recorder.close()
 
 
 def test_configured_schema_must_be_the_trained_one(credit_entry, model_repository, tmp_path):

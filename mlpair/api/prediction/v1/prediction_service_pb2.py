@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1mlpair/api/prediction/v1/prediction_service.proto\x12\x14mlpair.prediction.v1\"^\n\x0e\x41ttributeValue\x12\x16\n\x0cnumber_value\x18\x01 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x02 \x01(\tH\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\xee\x01\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tentity_id\x18\x02 \x01(\t\x12H\n\nattributes\x18\x03 \x03(\x0b\x32\x34.mlpair.prediction.v1.PredictRequest.AttributesEntry\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x1aW\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.mlpair.prediction.v1.AttributeValue:\x02\x38\x01\"\xfa\x01\n\x0fPredictResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x01\x12\x30\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0e\x32\x1e.mlpair.prediction.v1.Decision\x12\x14\n\x0creason_codes\x18\x05 \x03(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x1e\n\x16\x66\x65\x61ture_schema_version\x18\x07 \x01(\t\x12\x12\n\nfrom_cache\x18\x08 \x01(\x08\x12\x16\n\x0epolicy_version\x18\t \x01(\t*e\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45\x43ISION_APPROVE\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_REVIEW\x10\x02\x12\x14\n\x10\x44\x45\x43ISION_DECLINE\x10\x03\x32k\n\x11PredictionService\x12V\n\x07Predict\x12$.mlpair.prediction.v1.PredictRequest\x1a%.mlpair.prediction.v1.PredictResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1mlpair/api/prediction/v1/prediction_service.proto\x12\x14mlpair.prediction.v1\"^\n\x0e\x41ttributeValue\x12\x16\n\x0cnumber_value\x18\x01 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x02 \x01(\tH\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\xee\x01\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tentity_id\x18\x02 \x01(\t\x12H\n\nattributes\x18\x03 \x03(\x0b\x32\x34.mlpair.prediction.v1.PredictRequest.AttributesEntry\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x1aW\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.mlpair.prediction.v1.AttributeValue:\x02\x38\x01\"\xca\x02\n\x0fPredictResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x01\x12\x30\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0e\x32\x1e.mlpair.prediction.v1.Decision\x12\x14\n\x0creason_codes\x18\x05 \x03(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x1e\n\x16\x66\x65\x61ture_schema_version\x18\x07 \x01(\t\x12\x12\n\nfrom_cache\x18\x08 \x01(\x08\x12\x16\n\x0epolicy_version\x18\t \x01(\t\x12\r\n\x05stale\x18\x14 \x01(\x08\x12\x14\n\x0c\x63\x61\x63he_age_ms\x18\x15 \x01(\x03\x12\x17\n\x0f\x64\x65graded_reason\x18\x16 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x17 \x01(\x08*e\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45\x43ISION_APPROVE\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_REVIEW\x10\x02\x12\x14\n\x10\x44\x45\x43ISION_DECLINE\x10\x03\x32k\n\x11PredictionService\x12V\n\x07Predict\x12$.mlpair.prediction.v1.PredictRequest\x1a%.mlpair.prediction.v1.PredictResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._serialized_options = b'8\001'
-  _globals['_DECISION']._serialized_start=665
-  _globals['_DECISION']._serialized_end=766
+  _globals['_DECISION']._serialized_start=745
+  _globals['_DECISION']._serialized_end=846
   _globals['_ATTRIBUTEVALUE']._serialized_start=75
   _globals['_ATTRIBUTEVALUE']._serialized_end=169
   _globals['_PREDICTREQUEST']._serialized_start=172
@@ -42,7 +42,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._serialized_start=323
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._serialized_end=410
   _globals['_PREDICTRESPONSE']._serialized_start=413
-  _globals['_PREDICTRESPONSE']._serialized_end=663
-  _globals['_PREDICTIONSERVICE']._serialized_start=768
-  _globals['_PREDICTIONSERVICE']._serialized_end=875
+  _globals['_PREDICTRESPONSE']._serialized_end=743
+  _globals['_PREDICTIONSERVICE']._serialized_start=848
+  _globals['_PREDICTIONSERVICE']._serialized_end=955
 # @@protoc_insertion_point(module_scope)

@@ -48,7 +48,7 @@ class PredictRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., attributes: _Optional[_Mapping[str, AttributeValue]] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version")
+    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version", "stale", "cache_age_ms", "degraded_reason", "fallback")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,10 @@ class PredictResponse(_message.Message):
     FEATURE_SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decision_id: str
     probability: float
@@ -67,4 +71,8 @@ class PredictResponse(_message.Message):
     feature_schema_version: str
     from_cache: bool
     policy_version: str
-    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ...) -> None: ...
+    stale: bool
+    cache_age_ms: int
+    degraded_reason: str
+    fallback: bool
+    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ..., stale: _Optional[bool] = ..., cache_age_ms: _Optional[int] = ..., degraded_reason: _Optional[str] = ..., fallback: _Optional[bool] = ...) -> None: ...
