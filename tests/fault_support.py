@@ -26,14 +26,22 @@ def free_port() -> int:
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``upstream``; :meth:`cut` drops every connection and refuses
-    new ones until :meth:`restore`."""
+    new ones until :meth:`restore`; :meth:`lose_reply_after` drops one connection right after
+    the client sent a given message, so the server acts on it but the client never hears back."""
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.port = free_port()
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._lose_after: bytes | None = None
         self.connections = 0
+        self.replies_lost = 0
+
+    def lose_reply_after(self, marker: bytes) -> None:
+        """The next time a client sends bytes containing ``marker`` (e.g. ``b"COMMIT"``), they
+        reach the server, the client's side is reset at once and the server's side shortly after."""
+        self._lose_after = marker
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
@@ -63,17 +71,23 @@ class TcpProxy:
         self.connections += 1
         self._writers |= {writer, up_writer}
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_client: bool) -> None:
             try:
                 while data := await src.read(65536):
                     dst.write(data)
                     await dst.drain()
+                    if from_client and self._lose_after is not None and self._lose_after in data:
+                        self._lose_after = None
+                        self.replies_lost += 1
+                        writer.transport.abort()  # the client never sees the reply...
+                        await asyncio.sleep(0.2)  # ...while the server has time to act on the message
+                        break
             except (ConnectionError, OSError):
                 pass
             finally:
                 dst.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
         self._writers -= {writer, up_writer}
 
 
