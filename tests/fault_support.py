@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 
 import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 
@@ -133,7 +136,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
 @contextlib.asynccontextmanager
 async def inference_forwarder(target: str):
     """A real gRPC server on a free port running :class:`InferenceForwarder`; yields (address, forwarder)."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health
 
     forwarder = InferenceForwarder(target)
     server = grpc.aio.server()
@@ -176,3 +179,20 @@ def prediction_settings(tmp_path, model_repository, inference_target: str, **ove
                   health_interval_ms=200)
     values.update(overrides)
     return PredictionSettings(**values)
+
+
+async def health_of(address: str, service: str) -> int:
+    """The ``grpc.health.v1`` status of ``service`` ("" = overall) at ``address``."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+    return reply.status
+
+
+async def eventually(check, timeout_s: float = 20.0, interval_s: float = 0.1):
+    """Polls ``await check()`` until it returns something truthy; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := await check():
+            return result
+        await asyncio.sleep(interval_s)
+    pytest.fail(f"condition not reached within {timeout_s} s")

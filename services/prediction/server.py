@@ -68,7 +68,9 @@ def build_predictor(settings: PredictionSettings) -> Predictor:
     family = ModelFamily.load(settings.model_name, settings.config_dir, settings.model_repository)
     recorder = DecisionRecorder.open(
         settings.outbox_url, settings.crm_url, synchronous=settings.outbox_synchronous,
+        busy_timeout_s=settings.outbox_busy_timeout_ms / 1000,
         crm_timeout_s=settings.crm_timeout_ms / 1000, batch_size=settings.relay_batch_size,
+        linger_s=settings.relay_linger_ms / 1000,
         backoff_max_s=settings.relay_backoff_max_ms / 1000, retention_s=settings.outbox_retention_s)
     return Predictor({family.name: family}, settings.model_name, build_scorer(settings), recorder)
 

@@ -80,10 +80,14 @@ class PredictionSettings(BaseSettings):
     """SQLAlchemy async URL of the local outbox, where each decision is recorded before it is returned."""
     outbox_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """SQLite synchronous mode of the outbox: FULL survives power loss, NORMAL only a process crash."""
+    outbox_busy_timeout_ms: int = 5000
+    """Milliseconds an outbox write waits for another holder of the file's write lock before failing."""
     outbox_retention_s: float = 86400.0
     """Seconds delivered decisions stay in the outbox to answer retried request ids locally."""
     relay_batch_size: int = 256
     """Most decisions the relay delivers to the CRM in one transaction."""
+    relay_linger_ms: int = 50
+    """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many."""
     relay_backoff_max_ms: int = 5000
     """Longest full-jitter wait between relay retries while the CRM database is down, in milliseconds."""
     crm_timeout_ms: int = 5000

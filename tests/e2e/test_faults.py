@@ -15,36 +15,20 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from sqlalchemy import func, make_url, select
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.prediction.converters import to_attributes
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import make_engine
-from tests.fault_support import TcpProxy, free_port, prediction_service, prediction_settings
+from tests.fault_support import TcpProxy, eventually, free_port, health_of, prediction_service, prediction_settings
 
 SERVICE = "mlpair.prediction.v1.PredictionService"
 
 
 def predict(request_id: str, record: dict) -> pb.PredictRequest:
     return pb.PredictRequest(request_id=request_id, entity_id=request_id, attributes=to_attributes(record))
-
-
-async def health_of(address: str, service: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-    return reply.status
-
-
-async def eventually(check, timeout_s: float = 20.0, interval_s: float = 0.1):
-    """Polls ``await check()`` until it returns something truthy; fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := await check():
-            return result
-        await asyncio.sleep(interval_s)
-    pytest.fail(f"condition not reached within {timeout_s} s")
 
 
 async def crm_rows(url: str, request_ids: list[str]) -> dict[str, list[DecisionRecord]]:

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import event, make_url
+from sqlalchemy import make_url
 
 from mlpair.prediction.crm.outbox import Outbox
 from mlpair.prediction.crm.recorder import DecisionRecorder
@@ -53,21 +53,24 @@ async def test_c39_duplicates_in_one_commit_are_recorded_once(outbox):
     assert (await outbox.backlog())[0] == 1
 
 
-async def test_an_outbox_that_refuses_writes_refuses_the_decision(outbox):
-    await outbox.record(decision("before"))
+async def test_an_outbox_that_cannot_write_refuses_the_decision(tmp_path):
+    import sqlite3
 
-    @event.listens_for(outbox.engine.sync_engine, "connect")
-    def _read_only(dbapi_connection, _record):
-        dbapi_connection.execute("PRAGMA query_only = ON")  # SQLite now refuses every write
-
-    await outbox.engine.dispose()
-    assert not await outbox.probe()
-    with pytest.raises(OutboxUnavailable):
-        await outbox.record(decision("during"))
-    event.remove(outbox.engine.sync_engine, "connect", _read_only)
-    await outbox.engine.dispose()
-    assert await outbox.probe()
-    assert await outbox.find("during") is None and await outbox.find("before") is not None
+    box = Outbox(f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}", synchronous="NORMAL", busy_timeout_s=0.2)
+    await box.migrate()
+    try:
+        await box.record(decision("before"))
+        holder = sqlite3.connect(tmp_path / "outbox.sqlite", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # another process holds the file's write lock
+        assert not await box.probe()
+        with pytest.raises(OutboxUnavailable):
+            await box.record(decision("during"))
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert await box.probe()
+        assert await box.find("during") is None and await box.find("before") is not None
+    finally:
+        await box.close()
 
 
 def proxied(url: str, proxy: TcpProxy) -> str:

@@ -25,12 +25,15 @@ class DecisionRecorder:
         self.relay = relay
 
     @classmethod
-    def open(cls, outbox_url: str, crm_url: str, *, synchronous: str = "FULL", crm_timeout_s: float = 5.0,
-             batch_size: int = 256, backoff_max_s: float = 5.0, retention_s: float = 86400.0) -> DecisionRecorder:
+    def open(cls, outbox_url: str, crm_url: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0,
+             crm_timeout_s: float = 5.0,
+             batch_size: int = 256, linger_s: float = 0.05, backoff_max_s: float = 5.0,
+             retention_s: float = 86400.0) -> DecisionRecorder:
         """Builds the three parts (no I/O yet)."""
-        outbox = Outbox(outbox_url, synchronous=synchronous)
+        outbox = Outbox(outbox_url, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
         crm = CrmStore(crm_url, timeout_s=crm_timeout_s)
-        relay = OutboxRelay(outbox, crm, batch_size=batch_size, backoff_max_s=backoff_max_s, retention_s=retention_s)
+        relay = OutboxRelay(outbox, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s,
+                            retention_s=retention_s)
         return cls(outbox, crm, relay)
 
     async def start(self) -> None:
