@@ -297,7 +297,7 @@ class CachedInference:
         """
         keys = [cache_key(model_name, model_version, feature_schema_version, row) for row in rows]
         unique = list(dict.fromkeys(keys))
-        cached = dict(zip(unique, await self.cache.get_many(unique)))
+        cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
         results: dict[str, Scored] = {}
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
         leading: list[str] = []
@@ -341,6 +341,7 @@ class CachedInference:
     async def _fly(self, flight: _Flight, infer, deadline: float | None, model_name: str) -> None:
         """Runs the Infer call, publishes the outcome, then caches it; the flight stays
         registered until the cache holds the result, so no later request can miss in between."""
+        started = time.perf_counter()
         try:
             logits, version = await self.caller.call(infer, deadline, model=model_name)
         except asyncio.CancelledError:
@@ -351,6 +352,7 @@ class CachedInference:
             flight.outcome.set_exception(exc)
             self._unregister(flight)
             return
+        metrics.INFERENCE_DURATION.labels(model_name).observe(time.perf_counter() - started)
         values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
         flight.outcome.set_result(values)
         try:

@@ -10,7 +10,8 @@ REQUESTS = Counter("prediction_requests_total", "Predict calls by outcome.", ["m
 DECISIONS = Counter("prediction_decisions_total", "Decisions returned, by band.", ["model", "decision"])
 REQUEST_DURATION = Histogram("prediction_request_duration_seconds", "Predict latency inside the server, CRM write included.",
                              ["model"], buckets=LATENCY_BUCKETS)
-INFERENCE_DURATION = Histogram("prediction_inference_call_duration_seconds", "Infer call latency seen by the client.",
+INFERENCE_DURATION = Histogram("prediction_inference_call_duration_seconds",
+                               "Successful Infer calls as the client saw them, retries included (cache hits excluded).",
                                ["model"], buckets=LATENCY_BUCKETS)
 CRM_WRITE_DURATION = Histogram("prediction_crm_write_duration_seconds",
                                "One relay transaction delivering a batch of decisions to the CRM database.",

@@ -174,11 +174,8 @@ class Predictor:
         """Logits per row of ``rows`` ``[batch, n_features] float32`` through cache, single-flight,
         deadline budget, retries and circuit breaker (see :class:`CachedInference`)."""
         manifest = family.entry.manifest
-        t0 = time.perf_counter()
-        scored = await self.scorer.score(family.name, manifest.model_version,
-                                         manifest.versions.feature_schema_version, rows, deadline)
-        metrics.INFERENCE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
-        return scored
+        return await self.scorer.score(family.name, manifest.model_version,
+                                       manifest.versions.feature_schema_version, rows, deadline)
 
     @staticmethod
     def _fallback(family: ModelFamily, request: PredictInput, scored: Scored,

@@ -170,6 +170,13 @@ async def test_a_batch_scores_each_distinct_row_once_in_one_call():
     assert [r.source for r in results] == [Source.INFERENCE] * 3 and client.calls == ["1"]
 
 
+def cache_requests(result: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("prediction_cache_requests_total",
+                                     {"model": "credit-risk", "result": result}) or 0.0
+
+
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 async def test_c36_stampede_of_identical_requests_makes_one_inference_call(
         backend, inference_server, model_repository, credit_holdout, tmp_path):
@@ -180,10 +187,13 @@ async def test_c36_stampede_of_identical_requests_makes_one_inference_call(
         settings = prediction_settings(tmp_path, model_repository, target, cache_backend=backend,
                                        redis_key_prefix=f"mlpair-test:{uuid.uuid4().hex}:")
         async with prediction_service(settings) as (stub, predictor, _, _):
+            before = {r: cache_requests(r) for r in ("hit", "miss", "coalesced")}
             replies = await asyncio.gather(*(stub.Predict(pb.PredictRequest(
                 request_id=f"c36-{backend}-{i}", entity_id=f"e{i}", attributes=to_attributes(record)), timeout=30)
                 for i in range(200)))
             assert forwarder.calls == 1
+            seen = {r: cache_requests(r) - before[r] for r in before}
+            assert seen["miss"] == 1 and seen["hit"] + seen["coalesced"] == 199
             assert len({(r.decision, r.probability, tuple(r.reason_codes)) for r in replies}) == 1
             assert len({r.decision_id for r in replies}) == 200  # 200 request ids, 200 decisions on record
             assert not any(r.stale or r.fallback for r in replies)

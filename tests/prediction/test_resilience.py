@@ -87,7 +87,7 @@ async def test_only_unavailable_is_retried_and_only_within_the_attempts():
     for error in (unavailable(retryable=False), InferenceTimeout("slow"), InferenceContractError("refused")):
         calls = []
 
-        async def fails(timeout, error=error):
+        async def fails(timeout, error=error, calls=calls):
             calls.append(timeout)
             raise error
 

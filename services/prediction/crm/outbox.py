@@ -170,7 +170,7 @@ class Outbox:
             metrics.OUTBOX_COMMIT_DURATION.observe(time.perf_counter() - started)
             metrics.OUTBOX_COMMIT_ROWS.observe(len(batch))
             self.committed.set()
-            for (_, future), outcome in zip(batch, outcomes):
+            for (_, future), outcome in zip(batch, outcomes, strict=True):
                 if not future.done():  # a caller that went away still has its decision on record
                     future.set_result(outcome)
 
