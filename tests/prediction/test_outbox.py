@@ -164,3 +164,12 @@ async def test_c39_a_commit_whose_acknowledgement_is_lost_is_retried_without_dou
         assert REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") - skipped_before == 10
     finally:
         await recorder.close()
+
+
+def test_relay_backoff_is_bounded_however_long_the_outage(tmp_path):
+    from mlpair.prediction.crm.outbox import OutboxRelay
+
+    relay = OutboxRelay(Outbox(f"sqlite+aiosqlite:///{tmp_path / 'o.sqlite'}"), None, backoff_base_s=0.05,
+                        backoff_max_s=5.0)
+    waits = [relay.backoff_s(failures) for failures in (1, 10, 2000, 10**6)]
+    assert all(0.0 <= w <= 5.0 for w in waits)

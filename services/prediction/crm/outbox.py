@@ -270,6 +270,12 @@ class OutboxRelay:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="outbox-relay")
 
+    def backoff_s(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` consecutive failed attempts: full jitter,
+        ``uniform(0, min(max, base·2^failures))``; the exponent is capped so an outage of any
+        length never overflows."""
+        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** min(failures, 30)))
+
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Delivers what it can within ``drain_timeout_s``, then stops; the rest waits in the outbox."""
         if drain_timeout_s > 0:
@@ -312,7 +318,7 @@ class OutboxRelay:
                 except Exception as exc:
                     failures += 1
                     self._record_failure(exc, failures)
-                    await asyncio.sleep(random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** failures)))
+                    await asyncio.sleep(self.backoff_s(failures))
                     continue
                 if failures:
                     logger.warning("CRM database reachable again after %d failed attempt(s); delivering", failures)
