@@ -193,18 +193,24 @@ async def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
     return manifest.calibration.probabilities(np.concatenate(logits), manifest.positive_index, "none")
 
 
-async def crm_rows(crm_url: str, request_ids: list[str]) -> int:
-    """Rows in the CRM for these request ids."""
+async def crm_rows(crm_url: str, request_ids: list[str], wait_s: float = 10.0) -> int:
+    """Rows in the CRM for these request ids. Decisions reach the CRM through the outbox relay
+    moments after they are returned, so this waits up to ``wait_s`` for all of them."""
     from sqlalchemy import func, select
 
     from mlpair.prediction.crm.models import DecisionRecord
     from mlpair.prediction.crm.store import make_engine
 
     engine = make_engine(crm_url)
+    deadline = time.monotonic() + wait_s
     try:
-        async with engine.connect() as conn:
-            return int(await conn.scalar(select(func.count()).select_from(DecisionRecord)
-                                         .where(DecisionRecord.request_id.in_(request_ids))))
+        while True:
+            async with engine.connect() as conn:
+                rows = int(await conn.scalar(select(func.count()).select_from(DecisionRecord)
+                                             .where(DecisionRecord.request_id.in_(request_ids))))
+            if rows >= len(request_ids) or time.monotonic() > deadline:
+                return rows
+            await asyncio.sleep(0.1)
     finally:
         await engine.dispose()
 
@@ -257,6 +263,7 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
             "PREDICTION_HOST": "127.0.0.1", "PREDICTION_PORT": str(ports["prediction"]),
             "PREDICTION_METRICS_PORT": str(ports["prediction_metrics"]),
             "PREDICTION_INFERENCE_TARGET": inference_target, "PREDICTION_CRM_URL": crm_url,
+            "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{(workdir / 'outbox.sqlite').resolve()}",
             "PREDICTION_MODEL_REPOSITORY": str(model_repository.resolve()),
             "PREDICTION_CONFIG_DIR": str(config_dir.resolve()), "PREDICTION_MODELS": json.dumps(names),
             "PREDICTION_MODEL_NAME": names[0],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,26 +25,34 @@ def attribute_value(value: pb.AttributeValue) -> Any:
     return None if kind is None else getattr(value, kind)
 
 
-def predict_input(request: pb.PredictRequest) -> PredictInput:
+def deadline(context) -> float | None:
+    """The caller's gRPC deadline as ``time.monotonic()`` seconds; None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def predict_input(request: pb.PredictRequest, deadline: float | None = None) -> PredictInput:
     return PredictInput(
         request_id=request.request_id, entity_id=request.entity_id, model_name=request.model_name,
         attributes={name: attribute_value(v) for name, v in request.attributes.items()},
-        explain=request.explain,
+        explain=request.explain, deadline=deadline,
     )
 
 
-def batch_inputs(request: pb.BatchPredictRequest) -> list[PredictInput]:
-    return [predict_input(item) for item in request.requests]
+def batch_inputs(request: pb.BatchPredictRequest, deadline: float | None = None) -> list[PredictInput]:
+    return [predict_input(item, deadline) for item in request.requests]
 
 
 def predict_response(result: PredictionResult) -> pb.PredictResponse:
     s = result.stored
     response = pb.PredictResponse(
-        request_id=s.request_id, decision_id=s.decision_id, probability=s.probability,
+        request_id=s.request_id, decision_id=s.decision_id, probability=s.probability or 0.0,
         decision=_DECISION_ENUM.get(s.decision, pb.DECISION_UNSPECIFIED), decision_label=s.decision,
         reason_codes=s.reason_codes, model_version=s.model_version,
         feature_schema_version=s.feature_schema_version, from_cache=result.from_cache,
         policy_version=s.policy_version, spread=result.spread, calibration_method=result.calibration_method,
+        stale=s.served_from == "stale_cache", cache_age_ms=s.cache_age_ms, degraded_reason=s.degraded_reason,
+        fallback=s.served_from == "fallback",
     )
     if result.explanation is not None:
         response.contributions.extend(

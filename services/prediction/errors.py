@@ -26,10 +26,27 @@ class UnknownModel(PredictionError):
 
 
 class InferenceUnavailable(PredictionError):
-    """InferenceService could not answer in time (down, overloaded, deadline passed)."""
+    """InferenceService could not answer in time (down, overloaded, deadline passed).
+
+    Predict never returns it: the result is served stale from cache or decided by the
+    documented fallback (REVIEW). ``retryable`` says whether another attempt may succeed.
+    """
 
     code = "UNAVAILABLE"
     reason = "INFERENCE_UNAVAILABLE"
+    retryable = False
+
+
+class InferenceTimeout(InferenceUnavailable):
+    """The Infer call ran out of its deadline budget (or the budget was spent before it started)."""
+
+    reason = "INFERENCE_TIMEOUT"
+
+
+class CircuitOpen(InferenceUnavailable):
+    """The circuit breaker is open after repeated inference failures; no call was made."""
+
+    reason = "CIRCUIT_OPEN"
 
 
 class InferenceContractError(PredictionError):
@@ -51,3 +68,10 @@ class CrmUnavailable(PredictionError):
 
     code = "UNAVAILABLE"
     reason = "CRM_UNAVAILABLE"
+
+
+class OutboxUnavailable(PredictionError):
+    """The decision could not be recorded durably in the local outbox, so it is not returned."""
+
+    code = "UNAVAILABLE"
+    reason = "DECISION_NOT_RECORDED"

@@ -2,7 +2,9 @@
 
 It sends raw little-endian float32 bytes, a per-call deadline, and ``x-feature-version`` as a
 lower-case metadata key (HTTP/2 requires lower case; the test suite asserts it). The one
-private call helper turns ``grpc.RpcError`` into this service's own typed errors.
+private call helper turns ``grpc.RpcError`` into this service's own typed errors. Calls never
+wait for a broken connection (no ``wait_for_ready``): while InferenceService is down they fail
+at once with :class:`InferenceUnavailable`, so the caller can fall back inside its budget.
 """
 
 from __future__ import annotations
@@ -11,40 +13,61 @@ import logging
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceUnavailable
+from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceTimeout, InferenceUnavailable
 from mlpair.rpc import error_info, message_size_options
 
 logger = logging.getLogger(__name__)
 
 FEATURE_VERSION_KEY = "x-feature-version"
-_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+# Only UNAVAILABLE is safe and useful to retry: the call did not reach a model (gRPC's own
+# guidance); RESOURCE_EXHAUSTED means the server is shedding load and a retry would add to it.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 
 
 class InferenceClient:
-    """Async InferenceService client over one shared channel."""
+    """Async InferenceService client over one shared channel.
 
-    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+    Args:
+        target: ``host:port`` of InferenceService.
+        timeout_ms: deadline of a call that names none.
+        max_message_bytes: gRPC message limit, both directions.
+        reconnect_backoff_max_ms: longest wait between reconnection attempts after the server
+            went away (gRPC's default of 120 s would delay recovery by minutes).
+    """
+
+    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
+                 reconnect_backoff_max_ms: int = 1000) -> None:
+        options = [*message_size_options(max_message_bytes),
+                   ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
+                   ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
+                   ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms)]
+        self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout_s = timeout_ms / 1000.0
 
     async def close(self) -> None:
         await self._channel.close()
 
     async def infer(self, model_name: str, model_version: str, feature_version: str,
-                    features: np.ndarray) -> tuple[np.ndarray, str]:
+                    features: np.ndarray, *, timeout_s: float | None = None) -> tuple[np.ndarray, str]:
         """Logits for ``features`` ``[batch, n_features] float32``.
+
+        Args:
+            timeout_s: deadline of this call in seconds; None uses the client's default.
 
         Returns:
             Logits ``[batch, n_classes] float32`` and the model version that served them.
 
         Raises:
-            InferenceUnavailable: down, overloaded or past the deadline.
+            InferenceTimeout: the deadline passed (DEADLINE_EXCEEDED).
+            InferenceUnavailable: down or overloaded; ``retryable`` is true for UNAVAILABLE.
             InferenceContractError: the version contract was refused (no decision on this vector).
             InferenceFailed: any other failure.
         """
@@ -53,25 +76,40 @@ class InferenceClient:
             model_name=model_name, model_version=model_version,
             inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()),
         )
-        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),))
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout)
         out = response.logits
         if out.data_type != pb.DATA_TYPE_FP32 or len(out.shape) != 2 or out.shape[0] != x.shape[0] \
                 or len(out.content) != out.shape[0] * out.shape[1] * 4:
             raise InferenceFailed("InferenceService returned a malformed logits tensor")
         return np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape)), response.model_version
 
-    async def _call(self, method, request, metadata):
+    async def ready(self, timeout_s: float) -> bool:
+        """Whether InferenceService answers ``grpc.health.v1`` with SERVING within ``timeout_s``."""
         try:
-            return await method(request, timeout=self._timeout_s, metadata=metadata)
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _call(self, method, request, metadata, timeout: float):
+        try:
+            return await method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             code = exc.code()
             info = error_info(exc)
             reason = info.reason if info else ""
-            logger.warning("Infer failed: %s %s", code.name, reason)
+            logger.debug("Infer failed: %s %s", code.name, reason)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise InferenceTimeout("the inference call ran out of its deadline") from exc
             if code in _UNAVAILABLE:
-                raise InferenceUnavailable("the inference service is unavailable; retry later") from exc
+                error = InferenceUnavailable("the inference service is unavailable; retry later",
+                                             metadata={"inference_code": code.name})
+                error.retryable = code in _RETRYABLE
+                raise error from exc
             if code in _CONTRACT:
                 raise InferenceContractError(
                     "the inference service refused the feature/model version contract; no decision was made",
                     metadata={"inference_code": code.name, "inference_reason": reason}) from exc
+            logger.warning("Infer failed: %s %s", code.name, reason)
             raise InferenceFailed("inference failed") from exc

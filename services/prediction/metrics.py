@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -10,10 +10,12 @@ REQUESTS = Counter("prediction_requests_total", "Predict calls by outcome.", ["m
 DECISIONS = Counter("prediction_decisions_total", "Decisions returned, by band.", ["model", "decision"])
 REQUEST_DURATION = Histogram("prediction_request_duration_seconds", "Predict latency inside the server, CRM write included.",
                              ["model"], buckets=LATENCY_BUCKETS)
-INFERENCE_DURATION = Histogram("prediction_inference_call_duration_seconds", "Infer call latency seen by the client.",
+INFERENCE_DURATION = Histogram("prediction_inference_call_duration_seconds",
+                               "Successful Infer calls as the client saw them, retries included (cache hits excluded).",
                                ["model"], buckets=LATENCY_BUCKETS)
-CRM_WRITE_DURATION = Histogram("prediction_crm_write_duration_seconds", "CRM write latency.", ["model"],
-                               buckets=LATENCY_BUCKETS)
+CRM_WRITE_DURATION = Histogram("prediction_crm_write_duration_seconds",
+                               "One relay transaction delivering a batch of decisions to the CRM database.",
+                               ["outcome"], buckets=LATENCY_BUCKETS)
 FEATURE_GUARDS = Counter("prediction_feature_guard_total", "Feature guards fired, per feature and action.",
                          ["model", "feature", "action"])
 UNKNOWN_ATTRIBUTES = Counter("prediction_unknown_attributes_total", "Request attributes the schema does not know (ignored).",
@@ -36,3 +38,38 @@ SHADOW_DECISIONS = Counter("prediction_shadow_decisions_total",
                            ["model", "primary_version", "shadow_version", "agreement"])
 SHADOW_FAILURES = Counter("prediction_shadow_failures_total", "Shadow calls that failed or were skipped (never affects the served decision).",
                           ["model", "shadow_version", "cause"])
+
+# Cache, single-flight and degraded service (cache.py, resilience.py).
+CACHE_REQUESTS = Counter("prediction_cache_requests_total",
+                         "Feature rows looked up in the cache: hit (fresh), miss (this request calls inference) or "
+                         "coalesced (joined another request's in-flight call).", ["model", "result"])
+CACHE_ERRORS = Counter("prediction_cache_errors_total", "Cache backend errors, each treated as a miss.",
+                       ["backend", "operation"])
+STALE_SERVED = Counter("prediction_cache_stale_served_total",
+                       "Results served from a stale cache entry because inference could not be used, by reason.",
+                       ["model", "reason"])
+FALLBACKS = Counter("prediction_fallbacks_total",
+                    "Fallback REVIEW decisions made without model output, by reason.", ["model", "reason"])
+INFERENCE_RETRIES = Counter("prediction_inference_retries_total", "Infer attempts retried after UNAVAILABLE.",
+                            ["model"])
+CIRCUIT_STATE = Gauge("prediction_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+                      ["dependency"])
+CIRCUIT_TRANSITIONS = Counter("prediction_circuit_transitions_total", "Circuit breaker state changes, by new state.",
+                              ["dependency", "state"])
+
+# Outbox and relay (crm/).
+OUTBOX_COMMIT_DURATION = Histogram("prediction_outbox_commit_duration_seconds",
+                                   "One local outbox commit (group commit of concurrent decisions).",
+                                   buckets=LATENCY_BUCKETS)
+OUTBOX_COMMIT_ROWS = Histogram("prediction_outbox_commit_rows", "Decisions written by one outbox commit.",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+OUTBOX_DEPTH = Gauge("prediction_outbox_depth", "Decisions recorded locally and not yet delivered to the CRM.")
+OUTBOX_OLDEST_AGE = Gauge("prediction_outbox_oldest_age_seconds", "Age of the oldest undelivered decision (0 when none).")
+OUTBOX_DELIVERED = Counter("prediction_outbox_delivered_total", "Decisions the relay inserted into the CRM database.")
+OUTBOX_ALREADY_IN_CRM = Counter("prediction_outbox_already_in_crm_total",
+                                "Decisions the relay found already in the CRM (a retried transaction); not doubled.")
+RELAY_FAILURES = Counter("prediction_relay_failures_total", "Failed relay attempts (CRM database unreachable or refusing).")
+
+# Health of what PredictionService depends on (health.py).
+DEPENDENCY_UP = Gauge("prediction_dependency_up", "1 when a dependency is healthy, else 0.", ["dependency"])
+DEGRADED = Gauge("prediction_degraded", "1 when serving with a fallback (inference, CRM or cache unhealthy), else 0.")

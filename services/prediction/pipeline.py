@@ -1,18 +1,26 @@
 """The transport-neutral core of PredictionService.
 
 ``Predictor.predict_batch`` (and ``predict``, a batch of one): per item, validation and
-feature assembly with guards (the same code training used) → idempotency look-up → the rows
-of all new items packed into InferenceService calls of at most ``max_inference_rows`` rows,
-per model family and model version, with the version contract → calibration → decision
-policy (with the ensemble spread) → explanation → CRM write. A bad item gets its own error
-and never fails the others; results come back in request order. A retried request id
-returns the recorded decision unchanged. With a shadow version, the same rows also go to it
-in the background and the comparison is recorded as metrics, never served.
+feature assembly with guards (the same code training used) → the rows of all items packed
+into InferenceService calls of at most ``max_inference_rows`` rows, per model family and
+model version, through the cache, single-flight, the caller's deadline budget, retries and
+the circuit breaker (``cache``, ``resilience``) → calibration → decision policy (with the
+ensemble spread) → explanation → durable record in the outbox, delivered to the CRM by the
+relay (``crm``). A bad item gets its own error and never fails the others; results come
+back in request order. A retried request id returns the recorded decision unchanged. With a
+shadow version, the same rows also go to it in the background and the comparison is
+recorded as metrics, never served.
+
+When InferenceService cannot be used (unavailable, timed out, circuit open) a stale cached
+result is served if one exists; otherwise the policy's fallback decision (REVIEW) is made
+with reason code ``INFERENCE_UNAVAILABLE`` and no probability — never an automatic approval
+or decline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -24,11 +32,12 @@ import numpy as np
 from mlpair.contracts.assembly import AssembledRow, ConversionError
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.crm.store import CrmStore, StoredDecision
-from mlpair.prediction.errors import CrmUnavailable, InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.cache import CachedInference, Scored, Source
+from mlpair.prediction.crm.recorder import DecisionRecorder
+from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
-from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
 __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor"]
@@ -36,6 +45,8 @@ __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResul
 logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
+FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
+STALE_REASON = "STALE_CACHE_RESULT"
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class PredictInput:
     attributes: Mapping[str, Any]
     model_name: str = ""
     explain: bool = False
+    deadline: float | None = None  # the caller's deadline in time.monotonic() seconds; None = none
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,7 @@ class PredictionResult:
     """A recorded decision plus how it was served.
 
     ``spread``, ``calibration_method`` and ``explanation`` describe a fresh decision; a
-    replayed one (retried request id) carries only what the CRM recorded.
+    replayed one (retried request id) carries only what was recorded.
     """
 
     stored: StoredDecision
@@ -62,6 +74,7 @@ class PredictionResult:
     spread: float = 0.0
     calibration_method: str = ""
     explanation: Explanation | None = None
+    replayed: bool = False  # the request id was already recorded: this is that decision
 
 
 class UnexpectedFailure(PredictionError):
@@ -80,32 +93,40 @@ class _Item:
     family: ModelFamily
     row: AssembledRow
     rows: np.ndarray  # [1 or 1 + n_schema_features, n_features] float32 sent to inference
-    probabilities: np.ndarray | None = None  # [n_members, len(rows)] calibrated
+    probabilities: np.ndarray | None = None  # [n_members, 1 or len(rows)] calibrated
     primary_margin: float = 0.0  # first member's margin of the row itself (shadow comparison)
     model_version: str = ""
+    served: Scored | None = None  # how the item's own row was scored (source, age, degraded reason)
     error: ServiceError | None = None
     decision: str = ""
+
+    @property
+    def fallback(self) -> bool:
+        """No model output for the item's own row: the policy's fallback decides."""
+        return self.served is not None and self.served.source is Source.FALLBACK
 
 
 class Predictor:
     """Decides for many requests at once; shared by all concurrent calls."""
 
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
-                 inference: InferenceClient, crm: CrmStore, *, max_inference_rows: int = 1024,
+                 scorer: CachedInference, recorder: DecisionRecorder, *, max_inference_rows: int = 1024,
                  max_batch_items: int = 1000, explain_top_k: int = 3) -> None:
-        """Wires the served families to their clients.
+        """Wires the served families to inference (behind its cache) and the decision recorder.
 
         Raises:
             ConfigurationError: an explanation of some family would not fit in one inference call.
         """
         self.families = dict(families)
         self.default_model = default_model
-        self.inference = inference
-        self.crm = crm
+        self.scorer = scorer
+        self.recorder = recorder
+        self.inference = scorer.client
+        self.crm = recorder.crm
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k
-        self.shadows = ShadowComparison(self._infer, max_inference_rows)
+        self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
         for family in self.families.values():
             if len(family.schema.features) + 1 > max_inference_rows:
                 raise ConfigurationError(
@@ -118,8 +139,8 @@ class Predictor:
         Raises:
             InvalidRequest: bad ids or attribute values (all problems named together).
             UnknownModel: the named model family is not served here.
-            InferenceUnavailable, InferenceContractError, InferenceFailed: from the inference hop.
-            CrmUnavailable: the decision could not be recorded (and so is not returned).
+            InferenceContractError, InferenceFailed: InferenceService refused or failed; no decision.
+            OutboxUnavailable: the decision could not be recorded (and so is not returned).
         """
         started = time.perf_counter()
         [outcome] = await self._run([request])
@@ -157,37 +178,32 @@ class Predictor:
             except PredictionError as exc:
                 outcomes[index] = exc
 
-        fresh = []
-        replays = await asyncio.gather(*(self._recorded(it.family, it.request.request_id) for it in items),
-                                       return_exceptions=True)
-        for it, replay in zip(items, replays):
-            if isinstance(replay, BaseException):
-                outcomes[it.index] = _as_item_error(replay)
-            elif replay is not None:
-                outcomes[it.index] = PredictionResult(replay)
-            else:
-                fresh.append(it)
-
-        await self._score(fresh)
-        decided = []
-        for it in fresh:
+        await self._score(items)
+        decided: list[tuple[_Item, PredictionResult]] = []
+        for it in items:
             if it.error is not None:
                 outcomes[it.index] = it.error
                 continue
             try:
-                decided.append((it, self._decide(it)))
+                decided.append((it, self._fallback(it) if it.fallback else self._decide(it)))
             except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
                 outcomes[it.index] = _as_item_error(exc)
-        stored = await asyncio.gather(*(self._record(it.family, d) for it, (d, _) in decided), return_exceptions=True)
-        for (it, (_, result)), record in zip(decided, stored):
+        recorded = await asyncio.gather(*(self._record(result.stored) for _, result in decided), return_exceptions=True)
+        served = []
+        for (it, result), record in zip(decided, recorded):
             if isinstance(record, BaseException):
                 outcomes[it.index] = _as_item_error(record)
+                continue
+            stored = record.decision
+            from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
+            if record.replayed:  # a retry: return what was recorded, not what was just computed
+                outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True)
             else:
-                outcomes[it.index] = PredictionResult(record, spread=result.spread,
-                                                      calibration_method=result.calibration_method,
-                                                      explanation=result.explanation)
-                metrics.DECISIONS.labels(it.family.name, record.decision).inc()
-        self._start_shadows([it for it, _ in decided])
+                outcomes[it.index] = dataclasses.replace(result, stored=stored, from_cache=from_cache)
+                if not it.fallback:
+                    served.append(it)
+            metrics.DECISIONS.labels(it.family.name, stored.decision).inc()
+        self._start_shadows(served)
 
         for request, outcome in zip(requests, outcomes):
             name = request.model_name or self.default_model
@@ -241,11 +257,13 @@ class Predictor:
 
     async def _score_chunk(self, family: ModelFamily, chunk: list[_Item]) -> None:
         matrix = np.concatenate([it.rows for it in chunk]) if len(chunk) > 1 else chunk[0].rows
+        deadlines = [it.request.deadline for it in chunk if it.request.deadline is not None]
+        deadline = min(deadlines) if deadlines else None
         try:
-            answers = await asyncio.gather(*(self._infer(family, m, matrix) for m in family.members))
-            probabilities = np.stack([m.calibrator.probabilities(logits)
-                                      for m, (logits, _) in zip(family.members, answers)])
-            primary_margins = family.members[0].calibrator.margins(answers[0][0])
+            answers = await asyncio.gather(*(self._infer(family, m, matrix, deadline) for m in family.members))
+            logits, scored = zip(*(_stack(rows) for rows in answers))
+            probabilities = np.stack([m.calibrator.probabilities(z) for m, z in zip(family.members, logits)])
+            primary_margins = family.members[0].calibrator.margins(logits[0])
         except ServiceError as exc:
             for it in chunk:
                 it.error = exc
@@ -255,26 +273,33 @@ class Predictor:
             for it in chunk:
                 it.error = error
             return
-        version = "+".join(served for _, served in answers)
         offset = 0
         for it in chunk:
             n = len(it.rows)
-            it.probabilities = probabilities[:, offset:offset + n]
-            it.primary_margin = float(primary_margins[offset])
-            it.model_version = version
+            own = [rows[offset] for rows in answers]  # each member's result for the item's own row
+            it.served = _served(own)
+            if not it.fallback:
+                # an explanation needs every occluded row scored; otherwise decide without one
+                complete = all(mask[offset:offset + n].all() for mask in scored)
+                it.probabilities = probabilities[:, offset:offset + (n if complete else 1)]
+                it.primary_margin = float(primary_margins[offset])
+                it.model_version = "+".join(r.model_version for r in own)
             offset += n
 
-    async def _infer(self, family: ModelFamily, model: ModelVersion, features: np.ndarray) -> tuple[np.ndarray, str]:
-        """The one call site of InferenceService: ``[rows, n_features] float32`` (rows ≤
-        ``max_inference_rows``) → logits ``[rows, n_classes]`` and the version that served them."""
-        t0 = time.perf_counter()
-        logits, served_version = await self.inference.infer(family.name, model.version, family.feature_version, features)
-        metrics.INFERENCE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
+    async def _infer(self, family: ModelFamily, model: ModelVersion, features: np.ndarray,
+                     deadline: float | None) -> list[Scored]:
+        """The one call site of InferenceService for decisions: ``[rows, n_features] float32``
+        (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
+        single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.INFERENCE_ROWS.labels(family.name).observe(len(features))
-        return logits, served_version
+        return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline)
 
-    def _decide(self, it: _Item) -> tuple[StoredDecision, PredictionResult]:
-        """Policy, reasons and explanation for a scored item (the CRM row and the extras to return)."""
+    async def _infer_shadow(self, family: ModelFamily, model: ModelVersion, features: np.ndarray) -> tuple[np.ndarray, str]:
+        """Shadow calls go straight to InferenceService: never cached, never served."""
+        return await self.inference.infer(family.name, model.version, family.feature_version, features)
+
+    def _decide(self, it: _Item) -> PredictionResult:
+        """Policy, reasons and explanation for a scored item (the record and the extras to return)."""
         family = it.family
         members = it.probabilities[:, 0]
         probability = float(members.mean())
@@ -285,19 +310,38 @@ class Predictor:
             if verdict.uncertain:
                 metrics.UNCERTAIN_DECISIONS.labels(family.name).inc()
         explanation = None
-        if it.request.explain:
+        if it.request.explain and it.probabilities.shape[1] > 1:
             occluded = it.probabilities[:, 1:].mean(axis=0)
             explanation = explain(family.schema, probability, occluded, self.explain_top_k)
             metrics.EXPLANATIONS.labels(family.name).inc()
         it.decision = verdict.decision
+        stale = (STALE_REASON,) if it.served.source is Source.STALE_CACHE else ()
         stored = StoredDecision(
             decision_id="", request_id=it.request.request_id, entity_id=it.request.entity_id,
             model_name=family.name, model_version=it.model_version, feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=probability, decision=verdict.decision,
-            reason_codes=(*verdict.reason_codes, *dict.fromkeys(g.reason_code for g in it.row.guards)),
+            reason_codes=(*verdict.reason_codes, *stale, *dict.fromkeys(g.reason_code for g in it.row.guards)),
+            served_from=it.served.source.value, cache_age_ms=it.served.age_ms,
+            degraded_reason=it.served.degraded_reason,
         )
         methods = "+".join(dict.fromkeys(m.calibrator.method for m in family.members))
-        return stored, PredictionResult(stored, spread=spread, calibration_method=methods, explanation=explanation)
+        return PredictionResult(stored, spread=spread, calibration_method=methods, explanation=explanation)
+
+    @staticmethod
+    def _fallback(it: _Item) -> PredictionResult:
+        """The documented decision without model output: the policy's fallback (REVIEW) with
+        reason ``INFERENCE_UNAVAILABLE`` and no probability."""
+        family = it.family
+        metrics.FALLBACKS.labels(family.name, it.served.degraded_reason).inc()
+        it.decision = family.policy.fallback_decision
+        stored = StoredDecision(
+            decision_id="", request_id=it.request.request_id, entity_id=it.request.entity_id,
+            model_name=family.name, model_version="", feature_schema_version=family.feature_version,
+            policy_version=family.policy.version, probability=None, decision=family.policy.fallback_decision,
+            reason_codes=(FALLBACK_REASON, *dict.fromkeys(g.reason_code for g in it.row.guards)),
+            served_from=Source.FALLBACK.value, degraded_reason=it.served.degraded_reason,
+        )
+        return PredictionResult(stored)
 
     def _start_shadows(self, items: list[_Item]) -> None:
         by_family: dict[str, list[ServedRow]] = {}
@@ -306,30 +350,14 @@ class Predictor:
         for name, rows in by_family.items():
             self.shadows.start(self.families[name], rows)
 
-    async def _record(self, family: ModelFamily, decision: StoredDecision) -> StoredDecision:
-        """The one CRM write site: records ``decision`` once per request id.
+    async def _record(self, decision: StoredDecision):
+        """The one write site: commits ``decision`` to the outbox before it is returned; a retried
+        request id gets the decision recorded first (``Recorded.replayed``).
 
         Raises:
-            CrmUnavailable: the write failed (the decision is not returned).
+            OutboxUnavailable: it could not be recorded (the decision is not returned).
         """
-        t0 = time.perf_counter()
-        try:
-            stored = await self.crm.record(decision)
-        except Exception as exc:
-            logger.exception("CRM write failed for model %s", family.name)
-            raise CrmUnavailable("the decision could not be recorded; retry with the same request_id") from exc
-        metrics.CRM_WRITE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
-        return stored
-
-    async def _recorded(self, family: ModelFamily, request_id: str) -> StoredDecision | None:
-        try:
-            found = await self.crm.find(request_id)
-        except Exception as exc:
-            logger.exception("CRM look-up failed for model %s", family.name)
-            raise CrmUnavailable("the CRM is unavailable; retry with the same request_id") from exc
-        if found is not None:
-            metrics.IDEMPOTENT_REPLAYS.labels(family.name).inc()
-        return found
+        return await self.recorder.record(decision)
 
 
 def pack(items: Sequence[_Item], max_rows: int) -> list[list[_Item]]:
@@ -346,6 +374,25 @@ def pack(items: Sequence[_Item], max_rows: int) -> list[list[_Item]]:
         chunks[-1].append(it)
         rows += len(it.rows)
     return chunks
+
+
+def _stack(rows: list[Scored]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row results → logits ``[rows, n_classes]`` (zeros where missing) and a mask of rows with logits."""
+    mask = np.array([r.logits is not None for r in rows])
+    width = next((len(r.logits) for r in rows if r.logits is not None), 2)
+    logits = np.zeros((len(rows), width), dtype=np.float32)
+    if mask.any():
+        logits[mask] = np.stack([r.logits for r in rows if r.logits is not None])
+    return logits, mask
+
+
+def _served(own: list[Scored]) -> Scored:
+    """How an item's own row was scored across ensemble members: fallback if any member has no
+    output, stale if any member's is stale, from cache only if all are, else fresh inference."""
+    for source in (Source.FALLBACK, Source.STALE_CACHE):
+        if found := next((r for r in own if r.source is source), None):
+            return found
+    return own[0] if all(r.source is Source.CACHE for r in own) else next(r for r in own if r.source is Source.INFERENCE)
 
 
 def _as_item_error(exc: BaseException) -> PredictionError:

@@ -69,6 +69,10 @@ class DecisionPolicy(_Frozen):
     comparison: Literal[">=", ">"] = ">="
     bands: tuple[Band, ...]
     uncertainty: Uncertainty | None = None
+    fallback_decision: Label = "REVIEW"
+    """Decision made without model output (inference unavailable and no stale cache entry), with
+    reason ``INFERENCE_UNAVAILABLE``: a decision a person makes, never an automatic approval or
+    decline (design.md; issue 5)."""
 
     @model_validator(mode="after")
     def _ordered_from_zero(self) -> DecisionPolicy:
@@ -91,8 +95,9 @@ class DecisionPolicy(_Frozen):
     def decisions(self) -> tuple[str, ...]:
         """Every decision label this policy can return, bands first."""
         labels = [b.decision for b in self.bands]
-        if self.uncertainty and self.uncertainty.decision not in labels:
+        if self.uncertainty:
             labels.append(self.uncertainty.decision)
+        labels.append(self.fallback_decision)
         return tuple(dict.fromkeys(labels))
 
     def band(self, probability: float) -> Band:

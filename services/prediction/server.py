@@ -1,7 +1,9 @@
 """PredictionService process: wiring, start-up checks, readiness and graceful drain.
 
 Start-up refuses to run when the configured feature schema is not the one the model was
-trained on, or the CRM cannot be reached. Readiness (``grpc.health.v1`` SERVING) follows.
+trained on, or the local outbox cannot be written. The CRM database and InferenceService may
+be down: decisions wait in the outbox, and requests are served stale or by the fallback.
+Readiness and per-dependency health are described in :mod:`mlpair.prediction.health`.
 """
 
 from __future__ import annotations
@@ -11,25 +13,58 @@ import logging
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
+from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.errors import DOMAIN
+from mlpair.prediction.health import PredictionHealth
 from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predictor
+from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import ErrorInterceptor, Health, drain, message_size_options, wait_for_termination_signal
+from mlpair.rpc import ErrorInterceptor, drain, message_size_options, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mlpair.prediction.v1.PredictionService"
+SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering the outbox backlog
+
+
+def build_cache(settings: PredictionSettings) -> LogitsCache:
+    """The cache backend ``settings.cache_backend`` names (no network I/O yet)."""
+    if settings.cache_backend == "redis":
+        return RedisCache(settings.redis_url, key_prefix=settings.redis_key_prefix,
+                          stale_ttl_s=settings.cache_stale_ttl_s, timeout_s=settings.redis_timeout_ms / 1000)
+    if settings.cache_backend == "memory":
+        return MemoryCache(max_entries=settings.cache_max_entries, stale_ttl_s=settings.cache_stale_ttl_s)
+    return NullCache()
+
+
+def build_scorer(settings: PredictionSettings) -> CachedInference:
+    """InferenceService behind the cache, single-flight, deadline budget, retries and breaker."""
+    client = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
+                             max_message_bytes=settings.max_message_bytes,
+                             reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms)
+    caller = ResilientCaller(
+        CircuitBreaker("inference", failure_threshold=settings.breaker_failure_threshold,
+                       open_s=settings.breaker_open_ms / 1000, half_open_probes=settings.breaker_half_open_probes),
+        DeadlineBudget(reserve_s=settings.crm_reserve_ms / 1000, max_call_s=settings.inference_timeout_ms / 1000,
+                       min_attempt_s=settings.inference_min_attempt_ms / 1000),
+        RetryPolicy(max_attempts=settings.inference_max_attempts,
+                    backoff_base_s=settings.inference_retry_backoff_ms / 1000,
+                    backoff_max_s=settings.inference_timeout_ms / 1000),
+    )
+    cache = build_cache(settings)
+    return CachedInference(client, cache, caller, fresh_ttl_s=settings.cache_fresh_ttl_s,
+                           linger_s=0.0 if isinstance(cache, NullCache) else 1.0)
 
 
 def build_predictor(settings: PredictionSettings) -> Predictor:
-    """Loads every served model family and connects its dependencies (no network I/O yet).
+    """Loads every served model family and builds its dependencies (no network I/O yet).
 
     Raises:
-        ConfigurationError: schema, policy and model repository disagree, or the default
-            family is not among the served ones.
+        ConfigurationError: schema, policy and model repository disagree, or the default,
+            ensemble or shadow families are not among the served ones.
     """
     names = settings.models or [settings.model_name]
     if settings.model_name not in names:
@@ -39,45 +74,55 @@ def build_predictor(settings: PredictionSettings) -> Predictor:
     families = {name: ModelFamily.load(name, settings.config_dir, settings.model_repository,
                                        ensemble=settings.ensembles.get(name, ()), shadow=settings.shadows.get(name))
                 for name in names}
-    inference = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
-                                max_message_bytes=settings.max_message_bytes)
-    return Predictor(families, settings.model_name, inference, CrmStore(settings.crm_url),
+    recorder = DecisionRecorder.open(
+        settings.outbox_url, settings.crm_url, synchronous=settings.outbox_synchronous,
+        busy_timeout_s=settings.outbox_busy_timeout_ms / 1000,
+        crm_timeout_s=settings.crm_timeout_ms / 1000, batch_size=settings.relay_batch_size,
+        linger_s=settings.relay_linger_ms / 1000,
+        backoff_max_s=settings.relay_backoff_max_ms / 1000, retention_s=settings.outbox_retention_s)
+    return Predictor(families, settings.model_name, build_scorer(settings), recorder,
                      max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
                      explain_top_k=settings.explain_top_reasons)
 
 
-def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[grpc.aio.Server, int, Health]:
+def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health and binds its port (0 = free port)."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
                              options=message_size_options(settings.max_message_bytes))
     pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
-    health = Health([SERVICE_NAME])
+    health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     return server, port, health
 
 
-async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Health, Predictor]:
-    """Creates CRM tables, starts the server and reports SERVING.
+async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
+    """Migrates the outbox, starts the relay and the server, and reports readiness.
 
     Raises:
-        ConfigurationError: inconsistent configuration. sqlalchemy.exc.SQLAlchemyError: CRM unreachable.
+        ConfigurationError: inconsistent configuration.
+        sqlalchemy.exc.SQLAlchemyError, OSError: the outbox cannot be created or written.
     """
     predictor = build_predictor(settings)
-    await predictor.crm.create_schema()
+    await predictor.recorder.start()
     server, port, health = create_server(settings, predictor)
     await server.start()
-    await health.set_serving(True)
-    logger.info("PredictionService serving on port %d (inference at %s)", port, settings.inference_target)
+    interval_s = settings.health_interval_ms / 1000
+    status = await health.check(predictor, timeout_s=interval_s)
+    health.start_monitoring(predictor, interval_s)
+    logger.info("PredictionService serving on port %d (inference at %s); dependencies: %s", port,
+                settings.inference_target, ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items()))
     return server, port, health, predictor
 
 
-async def stop(server: grpc.aio.Server, health: Health, predictor: Predictor, grace_s: float) -> None:
-    """Drains in-flight calls, then closes the inference channel and the CRM pool."""
+async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float) -> None:
+    """Drains in-flight calls, delivers what it can of the outbox, then closes every connection."""
+    await health.stop_monitoring()
     await drain(server, health, grace_s)
     await predictor.drain_background()
+    await predictor.scorer.close()
     await predictor.inference.close()
-    await predictor.crm.close()
+    await predictor.recorder.close(drain_timeout_s=min(grace_s, SHUTDOWN_DELIVERY_S))
 
 
 async def serve(settings: PredictionSettings) -> None:

@@ -17,10 +17,10 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         self.predictor = predictor
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
-        result = await self.predictor.predict(converters.predict_input(request))
+        result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
         return converters.predict_response(result)
 
     async def BatchPredict(self, request: pb.BatchPredictRequest,
                            context: grpc.aio.ServicerContext) -> pb.BatchPredictResponse:
-        outcomes = await self.predictor.predict_batch(converters.batch_inputs(request))
+        outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)

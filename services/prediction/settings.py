@@ -23,7 +23,7 @@ class PredictionSettings(BaseSettings):
     inference_target: str = "127.0.0.1:8001"
     """host:port of InferenceService."""
     inference_timeout_ms: int = 1000
-    """Deadline of each Infer call, in milliseconds."""
+    """Longest deadline of one Infer call, in milliseconds; the caller's remaining deadline can shorten it."""
     crm_url: str = "sqlite+aiosqlite:///var/crm.sqlite"
     """SQLAlchemy async URL of the CRM database (e.g. postgresql+asyncpg://…)."""
     model_repository: Path = Path("var/models")
@@ -52,3 +52,57 @@ class PredictionSettings(BaseSettings):
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
+
+    # Caching with a stale fallback (cache.py).
+    cache_backend: Literal["memory", "redis", "off"] = "memory"
+    """Where inference results are cached: in-process LRU, a shared Redis, or not at all."""
+    cache_fresh_ttl_s: float = 300.0
+    """Seconds a cached result is served as fresh (from_cache = true) without calling InferenceService."""
+    cache_stale_ttl_s: float = 86400.0
+    """Seconds a cached result may still be served, marked stale, while InferenceService is unavailable."""
+    cache_max_entries: int = 50_000
+    """Most results the in-process cache holds (least recently used are evicted)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL when cache_backend = redis."""
+    redis_key_prefix: str = "mlpair:prediction:"
+    """Prefix of every Redis key this service writes."""
+    redis_timeout_ms: int = 50
+    """Socket timeout of each Redis command, in milliseconds; a slower cache counts as a miss."""
+
+    # Deadline budget, retries and circuit breaker around InferenceService (resilience.py).
+    crm_reserve_ms: int = 20
+    """Milliseconds of the caller's deadline kept back from inference for recording the decision."""
+    inference_min_attempt_ms: int = 2
+    """An Infer attempt is not started with less budget than this, in milliseconds."""
+    inference_max_attempts: int = 2
+    """Infer attempts per call, the first included; only UNAVAILABLE is retried."""
+    inference_retry_backoff_ms: int = 10
+    """Base of the full-jitter exponential backoff between Infer attempts, in milliseconds."""
+    inference_reconnect_backoff_max_ms: int = 1000
+    """Longest wait between reconnection attempts of the inference channel, in milliseconds."""
+    breaker_failure_threshold: int = 5
+    """Consecutive unavailable/timed-out Infer calls that open the circuit."""
+    breaker_open_ms: int = 2000
+    """Milliseconds the circuit stays open before half-open probes are let through."""
+    breaker_half_open_probes: int = 1
+    """Infer calls allowed at once while half-open; their outcome closes or reopens the circuit."""
+
+    # Durable decisions: local outbox and relay to the CRM database (crm/).
+    outbox_url: str = "sqlite+aiosqlite:///var/prediction-outbox.sqlite"
+    """SQLAlchemy async URL of the local outbox, where each decision is recorded before it is returned."""
+    outbox_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    """SQLite synchronous mode of the outbox: FULL survives power loss, NORMAL only a process crash."""
+    outbox_busy_timeout_ms: int = 5000
+    """Milliseconds an outbox write waits for another holder of the file's write lock before failing."""
+    outbox_retention_s: float = 86400.0
+    """Seconds delivered decisions stay in the outbox to answer retried request ids locally."""
+    relay_batch_size: int = 256
+    """Most decisions the relay delivers to the CRM in one transaction."""
+    relay_linger_ms: int = 50
+    """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many."""
+    relay_backoff_max_ms: int = 5000
+    """Longest full-jitter wait between relay retries while the CRM database is down, in milliseconds."""
+    crm_timeout_ms: int = 5000
+    """Connect and statement timeout of the CRM database, in milliseconds."""
+    health_interval_ms: int = 1000
+    """Milliseconds between checks of the outbox, CRM, cache and InferenceService for health."""

@@ -26,7 +26,8 @@ async def prediction_service(inference_target: str, model_repository: Path, crm_
 
     settings = PredictionSettings(**{
         "host": "127.0.0.1", "port": 0, "metrics_port": 0, "inference_target": inference_target,
-        "crm_url": f"sqlite+aiosqlite:///{crm_dir / 'crm.sqlite'}", "model_repository": model_repository,
+        "crm_url": f"sqlite+aiosqlite:///{crm_dir / 'crm.sqlite'}",
+        "outbox_url": f"sqlite+aiosqlite:///{crm_dir / 'outbox.sqlite'}", "model_repository": model_repository,
         "config_dir": CONFIG_DIR, "models": ["credit-risk", "churn"],
         "inference_max_batch_rows": INFERENCE_MAX_BATCH, **overrides})
     server, port, health, predictor = await start(settings)
@@ -35,6 +36,12 @@ async def prediction_service(inference_target: str, model_repository: Path, crm_
             yield pb_grpc.PredictionServiceStub(channel), predictor
     finally:
         await stop(server, health, predictor, 0)
+
+
+async def crm_count(predictor) -> int:
+    """CRM rows once the outbox relay has delivered every decision recorded so far."""
+    assert await predictor.recorder.wait_delivered(10)
+    return await predictor.crm.count()
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.prediction.converters import to_attributes
-from tests.e2e.conftest import inference_service, prediction_service
+from tests.e2e.conftest import crm_count, inference_service, prediction_service
 from tests.e2e.test_end_to_end import expected_probabilities
 
 SMALL_BATCH = 20  # InferenceService's max_batch_size here; churn explanations need 19 rows
@@ -79,7 +79,7 @@ async def test_explanations_in_a_batch_keep_each_item_in_one_call(prediction, cr
 
 async def test_a_bad_item_gets_its_own_error_and_results_keep_request_order(prediction, credit_holdout, churn_holdout):
     stub, predictor = prediction
-    before = await predictor.crm.count()
+    before = await crm_count(predictor)
     requests = [
         item("order-0", "a", credit_holdout.records[0]),
         item("order-1", "b", {"Age": "thirty", "Home": 4.0}),                      # unconvertible values
@@ -105,17 +105,17 @@ async def test_a_bad_item_gets_its_own_error_and_results_keep_request_order(pred
     assert all(error_info(e).domain == "prediction.mlpair" and "Traceback" not in e.message for e in errors.values())
     assert reply.results[2].prediction.decision_label in ("NO_ACTION", "RETAIN_OFFER")
     assert "INCOME_SENTINEL_DEFAULTED" in reply.results[7].prediction.reason_codes
-    assert await predictor.crm.count() == before + 4
+    assert await crm_count(predictor) == before + 4
 
 
 async def test_batch_items_are_idempotent_like_predict(prediction, credit_holdout):
     stub, predictor = prediction
     requests = [item(f"idem-{i}", eid, rec) for i, (eid, rec) in enumerate(zip(credit_holdout.entity_ids[:6], credit_holdout.records))]
     first = await stub.BatchPredict(pb.BatchPredictRequest(requests=requests[:3]))
-    count = await predictor.crm.count()
+    count = await crm_count(predictor)
     second = await stub.BatchPredict(pb.BatchPredictRequest(requests=requests))  # 3 retried, 3 new
     assert [r.prediction.decision_id for r in second.results[:3]] == [r.prediction.decision_id for r in first.results]
-    assert await predictor.crm.count() == count + 3
+    assert await crm_count(predictor) == count + 3
     single = await stub.Predict(requests[4])
     assert single.decision_id == second.results[4].prediction.decision_id
 

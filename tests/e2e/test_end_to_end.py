@@ -16,12 +16,12 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.prediction.converters import to_attributes
-from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import InferenceContractError
-from mlpair.prediction.inference_client import InferenceClient
-from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput, Predictor
+from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput
 from mlpair.prediction.policy import DecisionPolicy
-from tests.e2e.conftest import prediction_service
+from mlpair.prediction.server import build_predictor
+from mlpair.prediction.settings import PredictionSettings
+from tests.e2e.conftest import crm_count, prediction_service
 from tests.support import CONFIG_DIR
 
 N_ENTITIES = 60
@@ -57,7 +57,7 @@ async def test_real_entities_are_scored_and_recorded_once(prediction, families, 
     entry, holdout = families[family]
     policy = DecisionPolicy.from_toml(CONFIG_DIR / family / "policy.toml")
     ids, records = holdout.entity_ids[:N_ENTITIES], holdout.records[:N_ENTITIES]
-    before = await predictor.crm.count()
+    before = await crm_count(predictor)
     replies = await asyncio.gather(*(stub.Predict(predict_request(f"e2e-{family}-{eid}", eid, rec, family))
                                      for eid, rec in zip(ids, records)))
     expected = expected_probabilities(entry, records)
@@ -71,7 +71,7 @@ async def test_real_entities_are_scored_and_recorded_once(prediction, families, 
         assert reply.policy_version == policy.version
         assert reply.calibration_method == entry.manifest.calibration.method
         assert reply.spread == 0.0 and not reply.contributions and not reply.from_cache
-    assert await predictor.crm.count() == before + N_ENTITIES
+    assert await crm_count(predictor) == before + N_ENTITIES
 
 
 async def test_decision_labels_of_each_family(prediction, families):
@@ -98,16 +98,17 @@ async def test_retry_with_the_same_request_id_returns_the_recorded_decision(pred
     stub, predictor = prediction
     req = predict_request("retry-1", credit_holdout.entity_ids[0], credit_holdout.records[0])
     first = await stub.Predict(req)
-    count = await predictor.crm.count()
+    count = await crm_count(predictor)
     second = await stub.Predict(req)
     assert second.decision_id == first.decision_id and second.probability == first.probability
     assert second.decision_label == first.decision_label and second.policy_version == first.policy_version
-    assert await predictor.crm.count() == count
+    assert await crm_count(predictor) == count
 
 
 async def test_crm_row_stores_the_policy_version_and_decision_label(prediction, churn_holdout):
     stub, predictor = prediction
     reply = await stub.Predict(predict_request("crm-row-1", "c1", churn_holdout.records[0], "churn"))
+    assert await predictor.recorder.wait_delivered(10)
     row = await predictor.crm.find("crm-row-1")
     assert (row.policy_version, row.decision, row.model_name) == ("churn-policy/v1", reply.decision_label, "churn")
 
@@ -154,12 +155,12 @@ async def test_c31_unknown_attributes_are_ignored_and_counted(prediction, churn_
 ])
 async def test_bad_requests_are_refused_and_nothing_is_recorded(prediction, request_id, entity_id, attributes, model_name):
     stub, predictor = prediction
-    count = await predictor.crm.count()
+    count = await crm_count(predictor)
     with pytest.raises(grpc.aio.AioRpcError) as excinfo:
         await stub.Predict(predict_request(request_id, entity_id, attributes, model_name))
     assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Traceback" not in excinfo.value.details()
-    assert await predictor.crm.count() == count
+    assert await crm_count(predictor) == count
 
 
 async def test_unknown_model_family_is_not_found(prediction):
@@ -194,20 +195,23 @@ def _repo_on_schema_version(entry: ModelEntry, root, config_dir, version: str):
 async def test_c31_schema_version_mismatch_is_refused_and_not_decided(inference_server, families, family, tmp_path):
     entry, holdout = families[family]
     _repo_on_schema_version(entry, tmp_path / "models", tmp_path / "config", f"{family}/v2")
-    loaded = ModelFamily.load(family, tmp_path / "config", tmp_path / "models")
-    crm = CrmStore(f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}")
-    await crm.create_schema()
-    client = InferenceClient(inference_server, timeout_ms=2000, max_message_bytes=1 << 20)
-    predictor = Predictor({family: loaded}, family, client, crm)
+    settings = PredictionSettings(inference_target=inference_server, config_dir=tmp_path / "config",
+                                  model_repository=tmp_path / "models", models=[family], model_name=family,
+                                  crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
+                                  outbox_url=f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}")
+    predictor = build_predictor(settings)
+    await predictor.recorder.start()
     try:
         with pytest.raises(InferenceContractError):
             await predictor.predict(PredictInput("c31-1", "e1", holdout.records[0]))
         [outcome] = await predictor.predict_batch([PredictInput("c31-2", "e2", holdout.records[1])])
         assert isinstance(outcome, InferenceContractError)
-        assert await crm.count() == 0
+        assert await predictor.recorder.outbox.backlog() == (0, 0.0)
+        assert await crm_count(predictor) == 0
     finally:
-        await client.close()
-        await crm.close()
+        await predictor.scorer.close()
+        await predictor.inference.close()
+        await predictor.recorder.close()
 
 
 @pytest.mark.parametrize("family", ["credit-risk", "churn"])

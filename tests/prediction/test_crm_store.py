@@ -1,4 +1,4 @@
-"""Idempotent CRM writes against SQLite and the real PostgreSQL at 127.0.0.1:5432."""
+"""CRM migrations and idempotent delivery against SQLite and the real PostgreSQL at 127.0.0.1:5432."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import asyncio
 import uuid
 
 import pytest
+from sqlalchemy import inspect, text
 
-from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.crm.migrate import current_revision
+from mlpair.prediction.crm.store import CrmStore, StoredDecision, decision_id_for, make_engine
+
+CRM_HEAD = "crm_0002"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -25,25 +29,73 @@ async def store(crm_url):
     await crm.close()
 
 
-def decision(request_id: str, probability: float = 0.3) -> StoredDecision:
-    return StoredDecision("", request_id, "entity-1", "credit-risk", "1", "credit-risk/v1", "policy/v1",
-                          probability, "REVIEW", ("ELEVATED_DEFAULT_RISK",))
+def decision(request_id: str, probability: float | None = 0.3, **fields) -> StoredDecision:
+    return StoredDecision(decision_id_for(request_id), request_id, "entity-1", "credit-risk", "1", "credit-risk/v1",
+                          "policy/v1", probability, "REVIEW", ("ELEVATED_DEFAULT_RISK",), **fields)
 
 
-async def test_same_request_id_is_recorded_once(store):
+async def test_a_fresh_database_is_migrated_to_head_and_again_is_a_no_op(store):
+    assert await current_revision(store.engine) == CRM_HEAD
+    await store.create_schema()
+    assert await current_revision(store.engine) == CRM_HEAD
+    async with store.engine.connect() as conn:
+        columns = await conn.run_sync(lambda c: {col["name"]: col for col in inspect(c).get_columns("decisions")})
+    assert {"served_from", "cache_age_ms", "degraded_reason", "decided_at"} <= set(columns)
+    assert columns["probability"]["nullable"]
+
+
+async def test_a_crm_created_before_migrations_is_stamped_and_upgraded_keeping_its_rows(tmp_path):
+    url = f"sqlite+aiosqlite:///{tmp_path / 'old.sqlite'}"
+    engine = make_engine(url)
+    async with engine.begin() as conn:  # the table exactly as the first release created it
+        await conn.execute(text(
+            "CREATE TABLE decisions (decision_id VARCHAR(36) PRIMARY KEY, request_id VARCHAR(128) NOT NULL UNIQUE, "
+            "entity_id VARCHAR(128) NOT NULL, model_name VARCHAR(64) NOT NULL, model_version VARCHAR(32) NOT NULL, "
+            "feature_schema_version VARCHAR(64) NOT NULL, policy_version VARCHAR(64) NOT NULL, "
+            "probability FLOAT NOT NULL, decision VARCHAR(32) NOT NULL, reason_codes TEXT NOT NULL, "
+            "created_at DATETIME DEFAULT (CURRENT_TIMESTAMP) NOT NULL)"))
+        await conn.execute(text("INSERT INTO decisions VALUES ('d-old', 'r-old', 'e', 'credit-risk', '1', 's', 'p', "
+                                "0.7, 'DECLINE', '[\"HIGH_DEFAULT_RISK\"]', CURRENT_TIMESTAMP)"))
+    await engine.dispose()
+    crm = CrmStore(url)
+    try:
+        await crm.create_schema()
+        assert await current_revision(crm.engine) == CRM_HEAD
+        old = await crm.find("r-old")
+        assert (old.decision_id, old.probability, old.served_from, old.reason_codes) == \
+            ("d-old", 0.7, "inference", ("HIGH_DEFAULT_RISK",))
+    finally:
+        await crm.close()
+
+
+async def test_c39_delivering_the_same_decision_again_writes_no_second_row(store):
     request_id = f"crm-{uuid.uuid4()}"
     before = await store.count()
-    first = await store.record(decision(request_id))
-    again = await store.record(decision(request_id, probability=0.9))
-    assert again.decision_id == first.decision_id and again.probability == 0.3
+    assert await store.deliver([decision(request_id)]) == [request_id]
+    assert await store.deliver([decision(request_id, probability=0.9)]) == []  # a retried transaction
     found = await store.find(request_id)
-    assert found == first and found.reason_codes == ("ELEVATED_DEFAULT_RISK",)
+    assert found.decision_id == decision_id_for(request_id) and found.probability == 0.3
+    assert found.reason_codes == ("ELEVATED_DEFAULT_RISK",)
     assert await store.count() == before + 1
 
 
-async def test_concurrent_duplicates_still_give_one_row(store):
+async def test_c39_concurrent_deliveries_of_one_decision_give_one_row(store):
     request_id = f"crm-{uuid.uuid4()}"
     before = await store.count()
-    results = await asyncio.gather(*(store.record(decision(request_id)) for _ in range(8)))
-    assert len({r.decision_id for r in results}) == 1
+    inserted = await asyncio.gather(*(store.deliver([decision(request_id)]) for _ in range(8)))
+    assert sum(len(ids) for ids in inserted) == 1
     assert await store.count() == before + 1
+
+
+async def test_a_fallback_decision_is_stored_without_a_probability(store):
+    request_id = f"crm-{uuid.uuid4()}"
+    await store.deliver([decision(request_id, probability=None, served_from="fallback",
+                                  degraded_reason="CIRCUIT_OPEN")])
+    found = await store.find(request_id)
+    assert found.probability is None and found.served_from == "fallback" and found.degraded_reason == "CIRCUIT_OPEN"
+
+
+async def test_a_batch_with_some_rows_already_delivered_inserts_only_the_rest(store):
+    ids = [f"crm-{uuid.uuid4()}" for _ in range(5)]
+    await store.deliver([decision(ids[1]), decision(ids[3])])
+    assert sorted(await store.deliver([decision(i) for i in ids])) == sorted([ids[0], ids[2], ids[4]])

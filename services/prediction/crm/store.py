@@ -1,21 +1,44 @@
-"""Idempotent decision writes to the CRM database through SQLAlchemy's asyncio extension."""
+"""The CRM database: decisions delivered by the outbox relay, exactly once per request id.
+
+Delivery is one transaction per batch, ``INSERT … ON CONFLICT DO NOTHING``: if a connection
+drops after the commit but before the acknowledgement, the relay retries the whole
+transaction and the rows already there are skipped, so a decision is never doubled.
+Connections are checked before use (``pool_pre_ping``) and a dropped one is replaced.
+"""
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-from sqlalchemy import event, func, select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy import event, func, make_url, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from mlpair.prediction.crm.models import Base, DecisionRecord
+from mlpair.prediction.crm.migrate import CRM_BRANCH, upgrade
+from mlpair.prediction.crm.models import DecisionRecord
+
+# Decision ids are derived from the request id (the idempotency key), so every replica, every
+# retry and every delivery attempt name a decision the same way (RFC 4122 name-based UUID).
+_DECISION_NAMESPACE = uuid.UUID("6b1f4a3e-3c1d-5e0a-9b7e-6d6c70616972")
+
+
+def decision_id_for(request_id: str) -> str:
+    """The decision id of ``request_id``: UUIDv5 in mlpair's namespace."""
+    return str(uuid.uuid5(_DECISION_NAMESPACE, request_id))
 
 
 @dataclass(frozen=True)
 class StoredDecision:
-    """A decision as recorded in the CRM."""
+    """A decision as recorded (in the outbox, then in the CRM).
+
+    ``probability`` is None when no model output was used (``served_from = "fallback"``);
+    ``served_from`` is one of ``inference``, ``cache``, ``stale_cache``, ``fallback``.
+    """
 
     decision_id: str
     request_id: str
@@ -24,78 +47,131 @@ class StoredDecision:
     model_version: str
     feature_schema_version: str
     policy_version: str
-    probability: float
+    probability: float | None
     decision: str
     reason_codes: tuple[str, ...]
+    served_from: str = "inference"
+    cache_age_ms: int = 0
+    degraded_reason: str = ""
+    decided_at: datetime | None = None
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["decided_at"] = self.decided_at.isoformat() if self.decided_at else None
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, payload: str) -> StoredDecision:
+        data = json.loads(payload)
+        data["reason_codes"] = tuple(data["reason_codes"])
+        data["decided_at"] = datetime.fromisoformat(data["decided_at"]) if data.get("decided_at") else None
+        return cls(**data)
 
     @classmethod
     def from_record(cls, r: DecisionRecord) -> StoredDecision:
         return cls(r.decision_id, r.request_id, r.entity_id, r.model_name, r.model_version,
                    r.feature_schema_version, r.policy_version, r.probability, r.decision,
-                   tuple(json.loads(r.reason_codes)))
+                   tuple(json.loads(r.reason_codes)), r.served_from, r.cache_age_ms, r.degraded_reason,
+                   _utc(r.decided_at))
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["reason_codes"] = json.dumps(list(self.reason_codes))
+        return row
 
 
-def make_engine(url: str) -> AsyncEngine:
-    """Async engine for ``url``; SQLite gets WAL and a busy timeout so concurrent writers wait
-    instead of failing with "database is locked"."""
+def _utc(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; every timestamp here is UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL") -> AsyncEngine:
+    """Async engine for ``url``.
+
+    SQLite gets WAL (readers never block the writer), ``synchronous`` (FULL: fsync at every
+    commit, survives power loss; NORMAL: survives a process crash) and a busy timeout so
+    concurrent writers wait instead of failing with "database is locked". Other databases get
+    ``pool_pre_ping`` (a dead pooled connection is replaced before use) and connect and
+    statement timeouts of ``timeout_s`` (asyncpg's ``timeout`` / ``command_timeout``).
+    """
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url, connect_args={"timeout": timeout_s})
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_connection, _record):
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
             cursor.close()
 
         return engine
-    return create_async_engine(url, pool_pre_ping=True)
+    connect_args = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
+    return create_async_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+def _insert(dialect_name: str):
+    if dialect_name == "postgresql":
+        return postgresql.insert(DecisionRecord)
+    if dialect_name == "sqlite":
+        return sqlite.insert(DecisionRecord)
+    raise ValueError(f"CRM database dialect {dialect_name!r} is not supported (PostgreSQL or SQLite)")
 
 
 class CrmStore:
-    """Records decisions exactly once per request id."""
+    """The CRM database: idempotent batch delivery and look-ups."""
 
-    def __init__(self, url: str) -> None:
-        self.engine = make_engine(url)
-        self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+        self.engine = make_engine(url, timeout_s=timeout_s)
 
     async def create_schema(self) -> None:
-        """Creates missing tables (idempotent)."""
-        async with self.engine.begin() as conn:
-            await conn.run_sync(Base.metadata.create_all)
+        """Migrates the CRM database to the latest revision (idempotent).
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError, OSError: the database is unreachable.
+        """
+        await upgrade(self.engine, CRM_BRANCH)
 
     async def close(self) -> None:
         await self.engine.dispose()
 
-    async def find(self, request_id: str) -> StoredDecision | None:
-        """The decision recorded for ``request_id``, if any."""
-        async with self._sessions() as session:
-            record = await session.scalar(select(DecisionRecord).where(DecisionRecord.request_id == request_id))
-            return StoredDecision.from_record(record) if record else None
+    async def deliver(self, decisions: list[StoredDecision]) -> list[str]:
+        """Inserts ``decisions`` in one transaction; request ids already recorded are skipped.
 
-    async def record(self, decision: StoredDecision) -> StoredDecision:
-        """Inserts ``decision``; if its request id is already recorded, returns that row instead.
-
-        ``decision.decision_id`` may be empty; a UUID4 is assigned on insert.
+        Returns:
+            The request ids actually inserted by this call.
 
         Raises:
-            sqlalchemy.exc.SQLAlchemyError: the database is unreachable or refuses the write.
+            sqlalchemy.exc.SQLAlchemyError, OSError: the database is unreachable or refused the
+                transaction (nothing of it was committed, or all of it was — retry it whole).
         """
-        values = {**decision.__dict__, "decision_id": decision.decision_id or str(uuid.uuid4()),
-                  "reason_codes": json.dumps(list(decision.reason_codes))}
-        async with self._sessions() as session:
-            session.add(DecisionRecord(**values))
-            try:
-                await session.commit()
-            except IntegrityError:
-                await session.rollback()
-                existing = await self.find(decision.request_id)
-                if existing is None:
-                    raise
-                return existing
-        return StoredDecision(**{**values, "reason_codes": decision.reason_codes})
+        if not decisions:
+            return []
+        stmt = _insert(self.engine.dialect.name).on_conflict_do_nothing().returning(DecisionRecord.request_id)
+        async with self.engine.begin() as conn:
+            result = await conn.execute(stmt, [d.to_row() for d in decisions])
+            return list(result.scalars())
+
+    async def ping(self) -> bool:
+        """Whether the CRM database answers ``SELECT 1``."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except Exception:
+            return False
+        return True
+
+    async def find(self, request_id: str) -> StoredDecision | None:
+        """The decision recorded for ``request_id``, if any."""
+        async with self.engine.connect() as conn:
+            record = (await conn.execute(select(DecisionRecord).where(DecisionRecord.request_id == request_id))).first()
+            return StoredDecision.from_record(record) if record else None
 
     async def count(self) -> int:
         """Number of recorded decisions."""
-        async with self._sessions() as session:
-            return int(await session.scalar(select(func.count()).select_from(DecisionRecord)))
+        async with self.engine.connect() as conn:
+            return int(await conn.scalar(select(func.count()).select_from(DecisionRecord)))

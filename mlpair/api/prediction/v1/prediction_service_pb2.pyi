@@ -63,7 +63,7 @@ class FeatureContribution(_message.Message):
     def __init__(self, feature: _Optional[str] = ..., contribution: _Optional[float] = ..., reason_code: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version", "decision_label", "spread", "contributions", "top_reasons", "calibration_method")
+    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version", "decision_label", "spread", "contributions", "top_reasons", "calibration_method", "stale", "cache_age_ms", "degraded_reason", "fallback")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,10 @@ class PredictResponse(_message.Message):
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     TOP_REASONS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_METHOD_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decision_id: str
     probability: float
@@ -92,7 +96,11 @@ class PredictResponse(_message.Message):
     contributions: _containers.RepeatedCompositeFieldContainer[FeatureContribution]
     top_reasons: _containers.RepeatedScalarFieldContainer[str]
     calibration_method: str
-    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ..., decision_label: _Optional[str] = ..., spread: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[FeatureContribution, _Mapping]]] = ..., top_reasons: _Optional[_Iterable[str]] = ..., calibration_method: _Optional[str] = ...) -> None: ...
+    stale: bool
+    cache_age_ms: int
+    degraded_reason: str
+    fallback: bool
+    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ..., decision_label: _Optional[str] = ..., spread: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[FeatureContribution, _Mapping]]] = ..., top_reasons: _Optional[_Iterable[str]] = ..., calibration_method: _Optional[str] = ..., stale: _Optional[bool] = ..., cache_age_ms: _Optional[int] = ..., degraded_reason: _Optional[str] = ..., fallback: _Optional[bool] = ...) -> None: ...
 
 class BatchPredictRequest(_message.Message):
     __slots__ = ("requests",)

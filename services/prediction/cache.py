@@ -1,0 +1,399 @@
+"""Caching inference results, with single-flight and a stale fallback.
+
+What is cached is what InferenceService returns for one guarded feature row: its logits
+``[n_classes] float32`` and the model version that served them. Calibration and the decision
+policy run again on every request, so a policy change applies at once.
+
+* **Key** = model name, pinned model version, feature schema version and a BLAKE2b hash of the
+  guarded float32 feature row (:func:`cache_key`): a model or schema switch can never serve the
+  old model's entries, fresh or stale.
+* **Windows.** An entry younger than ``fresh_ttl_s`` is served without calling inference
+  (``from_cache``). Older entries, up to ``stale_ttl_s``, are used only when inference is
+  unavailable, times out or its circuit is open: they are served with ``stale``, their age and
+  the reason. Past the stale window there is nothing to serve and the caller applies the
+  documented fallback (a REVIEW decision, see ``pipeline``).
+* **Single-flight** (C36): concurrent misses for one key in this process share one Infer call.
+  The call is cancelled only when every request waiting on it has gone (C22). A finished call
+  stays joinable for a short linger (``linger_s``, at most 1 s): a request whose cache read was
+  sent before the result was cached (a Redis reply in flight) still gets it without a second call.
+* **Backends.** :class:`MemoryCache` (in-process LRU, the default), :class:`RedisCache` (shared
+  by replicas through ``redis.asyncio``; any Redis error or timeout counts as a miss, never as a
+  failed request) and :class:`NullCache`. Single-flight is per process in every case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import logging
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from mlpair.prediction import metrics
+from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.resilience import ResilientCaller
+
+logger = logging.getLogger(__name__)
+
+
+def cache_key(model_name: str, model_version: str, feature_schema_version: str, row: np.ndarray) -> str:
+    """The cache key of one guarded feature row ``[n_features] float32``."""
+    digest = hashlib.blake2b(np.ascontiguousarray(row, dtype="<f4").tobytes(), digest_size=16).hexdigest()
+    return f"{model_name}|{model_version}|{feature_schema_version}|{digest}"
+
+
+@dataclass(frozen=True)
+class CachedLogits:
+    """One cache entry as read: logits ``[n_classes] float32``, the serving version, age in seconds."""
+
+    logits: np.ndarray
+    model_version: str
+    age_s: float
+
+
+class LogitsCache(Protocol):
+    """What :class:`CachedInference` needs from a backend; entries past the stale window are never returned."""
+
+    name: str
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]: ...
+
+    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None: ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class NullCache:
+    """No caching: every request calls inference, and there is never a stale result."""
+
+    name = "off"
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        return [None] * len(keys)
+
+    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        return None
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+class MemoryCache:
+    """In-process LRU bounded by entry count; ages from ``time.monotonic()``."""
+
+    name = "memory"
+
+    def __init__(self, *, max_entries: int, stale_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_entries = max(1, max_entries)
+        self.stale_ttl_s = stale_ttl_s
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[np.ndarray, str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        now = self._clock()
+        out: list[CachedLogits | None] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                out.append(None)
+                continue
+            logits, version, stored_at = entry
+            if now - stored_at > self.stale_ttl_s:
+                del self._entries[key]
+                out.append(None)
+                continue
+            self._entries.move_to_end(key)
+            out.append(CachedLogits(logits, version, now - stored_at))
+        return out
+
+    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        now = self._clock()
+        for key, logits, version in items:
+            self._entries[key] = (logits, version, now)
+            self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._entries.clear()
+
+
+# Redis value: stored-at wall-clock seconds (float64), version length (uint16), version (UTF-8),
+# then the float32 logits. A fixed binary layout, never pickle: a shared cache is untrusted input.
+_HEADER = struct.Struct("<dH")
+
+
+class RedisCache:
+    """A Redis cache shared by replicas. Entries expire (``EX``) at the end of the stale window.
+
+    Ages use wall-clock time (``time.time()``), the only clock replicas share.
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, *, key_prefix: str, stale_ttl_s: float, timeout_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        from redis import asyncio as aioredis
+
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                              retry_on_timeout=False)
+        self.prefix = key_prefix
+        self.stale_ttl_s = stale_ttl_s
+        self._clock = clock
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        if not keys:
+            return []
+        try:
+            raw = await self._redis.mget([self.prefix + k for k in keys])
+        except Exception:  # a cache outage is a miss, never a failed request
+            metrics.CACHE_ERRORS.labels(self.name, "get").inc()
+            logger.debug("redis get failed", exc_info=True)
+            return [None] * len(keys)
+        now = self._clock()
+        return [None if value is None else self._decode(value, now) for value in raw]
+
+    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        if not items:
+            return
+        now = self._clock()
+        ttl_ms = max(1, int(self.stale_ttl_s * 1000))
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key, logits, version in items:
+                    encoded = version.encode()
+                    value = _HEADER.pack(now, len(encoded)) + encoded + np.ascontiguousarray(logits, "<f4").tobytes()
+                    pipe.set(self.prefix + key, value, px=ttl_ms)
+                await pipe.execute()
+        except Exception:
+            metrics.CACHE_ERRORS.labels(self.name, "put").inc()
+            logger.debug("redis put failed", exc_info=True)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    def _decode(self, value: bytes, now: float) -> CachedLogits | None:
+        try:
+            stored_at, length = _HEADER.unpack_from(value)
+            start = _HEADER.size + length
+            version = value[_HEADER.size:start].decode()
+            logits = np.frombuffer(value, dtype="<f4", offset=start)
+        except (struct.error, UnicodeDecodeError, ValueError):
+            metrics.CACHE_ERRORS.labels(self.name, "decode").inc()
+            return None
+        return CachedLogits(logits, version, max(0.0, now - stored_at))
+
+
+class Source(str, enum.Enum):
+    """Where the logits behind a decision came from (stored with the decision as ``served_from``)."""
+
+    INFERENCE = "inference"
+    CACHE = "cache"
+    STALE_CACHE = "stale_cache"
+    FALLBACK = "fallback"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Logits for one row and how they were obtained.
+
+    Attributes:
+        logits: ``[n_classes] float32``, or None when no model output is available (FALLBACK).
+        model_version: version that produced the logits ("" for FALLBACK).
+        source: where they came from.
+        age_ms: age of a cached entry in milliseconds (0 for INFERENCE and FALLBACK).
+        degraded_reason: why inference was not used (``INFERENCE_UNAVAILABLE``,
+            ``INFERENCE_TIMEOUT``, ``CIRCUIT_OPEN``) for STALE_CACHE and FALLBACK, else "".
+    """
+
+    logits: np.ndarray | None
+    model_version: str
+    source: Source
+    age_ms: int = 0
+    degraded_reason: str = ""
+
+
+class _Flight:
+    """One Infer call that several requests wait on; cancelled when the last of them leaves."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.outcome: asyncio.Future[dict[str, tuple[np.ndarray, str]]] = asyncio.get_running_loop().create_future()
+        self.outcome.add_done_callback(_consume_exception)
+        self.task: asyncio.Task | None = None
+        self.waiters = 0
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # marks it retrieved: a flight nobody waits on any more must not log
+
+
+class CachedInference:
+    """Inference behind the cache, single-flight and the resilient caller.
+
+    Args:
+        client: an :class:`~mlpair.prediction.inference_client.InferenceClient`.
+        cache: a :class:`LogitsCache` backend.
+        caller: deadline budget, retries and circuit breaker for the Infer call.
+        fresh_ttl_s: entries younger than this are served without calling inference.
+        linger_s: how long a successful call stays joinable after its result is cached
+            (capped at ``fresh_ttl_s``); covers cache reads that were already in flight.
+    """
+
+    def __init__(self, client, cache: LogitsCache, caller: ResilientCaller, *, fresh_ttl_s: float,
+                 linger_s: float = 1.0) -> None:
+        self.client = client
+        self.cache = cache
+        self.caller = caller
+        self.fresh_ttl_s = fresh_ttl_s
+        self.linger_s = min(linger_s, fresh_ttl_s)
+        self._flights: dict[str, _Flight] = {}
+
+    async def close(self) -> None:
+        for flight in list(self._flights.values()):
+            if flight.task is not None:
+                flight.task.cancel()
+        await self.cache.close()
+
+    async def score(self, model_name: str, model_version: str, feature_schema_version: str,
+                    rows: np.ndarray, deadline: float | None) -> list[Scored]:
+        """Logits for each row of ``rows`` ``[batch, n_features] float32``, in order.
+
+        Args:
+            deadline: the caller's deadline in ``time.monotonic()`` seconds, or None.
+
+        Returns:
+            One :class:`Scored` per row; rows inference could not score are STALE_CACHE when a
+            stale entry exists, else FALLBACK (``logits`` None).
+
+        Raises:
+            InferenceContractError, InferenceFailed: InferenceService refused or failed the call
+                (no decision may be made on these rows).
+        """
+        keys = [cache_key(model_name, model_version, feature_schema_version, row) for row in rows]
+        unique = list(dict.fromkeys(keys))
+        cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
+        results: dict[str, Scored] = {}
+        flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
+        leading: list[str] = []
+        for key in unique:
+            entry = cached[key]
+            if entry is not None and entry.age_s < self.fresh_ttl_s:
+                results[key] = Scored(entry.logits, entry.model_version, Source.CACHE, int(entry.age_s * 1000))
+                metrics.CACHE_REQUESTS.labels(model_name, "hit").inc()
+            elif (flight := self._flights.get(key)) is not None:
+                flights.setdefault(id(flight), (flight, [], False))[1].append(key)
+                metrics.CACHE_REQUESTS.labels(model_name, "coalesced").inc()
+            else:
+                leading.append(key)
+                metrics.CACHE_REQUESTS.labels(model_name, "miss").inc()
+        if leading:
+            first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
+            lead_rows = rows[[first_row[key] for key in leading]]
+            flight = self._start_flight(leading, lambda timeout: self.client.infer(
+                model_name, model_version, feature_schema_version, lead_rows, timeout_s=timeout), deadline, model_name)
+            flights[id(flight)] = (flight, leading, True)
+        for flight, flight_keys, led in flights.values():
+            try:
+                values = await self._wait(flight, deadline, leader=led)
+            except InferenceUnavailable as exc:
+                for key in flight_keys:
+                    results[key] = self._degraded(model_name, cached[key], exc.reason)
+            else:
+                for key in flight_keys:
+                    logits, version = values[key]
+                    results[key] = Scored(logits, version, Source.INFERENCE)
+        return [results[key] for key in keys]
+
+    def _start_flight(self, keys: list[str], infer: Callable[[float], Awaitable[tuple[np.ndarray, str]]],
+                      deadline: float | None, model_name: str) -> _Flight:
+        flight = _Flight(keys)
+        for key in keys:
+            self._flights[key] = flight
+        flight.task = asyncio.get_running_loop().create_task(self._fly(flight, infer, deadline, model_name))
+        return flight
+
+    async def _fly(self, flight: _Flight, infer, deadline: float | None, model_name: str) -> None:
+        """Runs the Infer call, publishes the outcome, then caches it; the flight stays
+        registered until the cache holds the result, so no later request can miss in between."""
+        started = time.perf_counter()
+        try:
+            logits, version = await self.caller.call(infer, deadline, model=model_name)
+        except asyncio.CancelledError:
+            flight.outcome.cancel()
+            self._unregister(flight)
+            raise
+        except BaseException as exc:
+            flight.outcome.set_exception(exc)
+            self._unregister(flight)
+            return
+        metrics.INFERENCE_DURATION.labels(model_name).observe(time.perf_counter() - started)
+        values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
+        flight.outcome.set_result(values)
+        try:
+            await self.cache.put_many([(key, value[0], value[1]) for key, value in values.items()])
+        finally:
+            asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
+
+    def _unregister(self, flight: _Flight) -> None:
+        for key in flight.keys:
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+
+    async def _wait(self, flight: _Flight, deadline: float | None, *, leader: bool):
+        """The flight's outcome. The leader's call is bounded by its own budget; a request that
+        joined another's call waits at most its own remaining budget."""
+        flight.waiters += 1
+        try:
+            if leader or deadline is None:
+                return await asyncio.shield(flight.outcome)
+            timeout = self.caller.budget.call_timeout_s(deadline, time.monotonic())
+            if timeout <= 0:
+                raise InferenceTimeout("no deadline budget left to wait for inference")
+            try:
+                async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancellation (gh-86296)
+                    return await asyncio.shield(flight.outcome)
+            except TimeoutError:
+                raise InferenceTimeout("the shared inference call did not finish within this request's budget") from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if flight.outcome.cancelled() and not (current and current.cancelling()):
+                # the call was cancelled under us (shutdown), not this request: treat as a timeout
+                raise InferenceTimeout("the shared inference call was abandoned") from None
+            raise
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.outcome.done() and flight.task is not None:
+                flight.task.cancel()
+
+    @staticmethod
+    def _degraded(model_name: str, entry: CachedLogits | None, reason: str) -> Scored:
+        if entry is None:
+            return Scored(None, "", Source.FALLBACK, 0, reason)
+        metrics.STALE_SERVED.labels(model_name, reason).inc()
+        return Scored(entry.logits, entry.model_version, Source.STALE_CACHE, int(entry.age_s * 1000), reason)

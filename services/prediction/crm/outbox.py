@@ -1,0 +1,361 @@
+"""The transactional outbox: every decision is committed locally before it is returned, and a
+relay delivers it to the CRM database, exactly once per request id, whenever that is up.
+
+* :class:`Outbox` is a local SQLite database (WAL) that belongs to one PredictionService
+  process. ``record`` commits with **group commit**: decisions arriving while a commit is in
+  progress are written together in the next transaction, so the per-request cost stays near
+  one commit however many requests are in flight. ``request_id`` is unique there too: a retry
+  gets the decision recorded first (C39).
+* :class:`OutboxRelay` reads undelivered rows in order, delivers a batch in one CRM
+  transaction (``INSERT … ON CONFLICT DO NOTHING``), then marks it delivered. While the CRM is
+  down it retries the whole transaction with full-jitter exponential backoff; a commit whose
+  acknowledgement was lost is retried harmlessly. Delivered rows stay ``outbox_retention_s``
+  so retries keep answering locally, then are purged.
+
+The outbox is on every request's path, so it uses the standard library's ``sqlite3`` on one
+dedicated thread (one thread hop per group commit) rather than SQLAlchemy's asyncio layer:
+measured here, an insert-and-commit costs about 22 µs raw (WAL, synchronous NORMAL) against
+about 1.4 ms through SQLAlchemy + aiosqlite (four thread hops). Alembic still owns its schema.
+With synchronous FULL every commit adds one fsync (about 3 ms on this machine's disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import make_url
+
+from mlpair.prediction import metrics
+from mlpair.prediction.crm.migrate import OUTBOX_BRANCH, upgrade
+from mlpair.prediction.crm.store import CrmStore, StoredDecision, decision_id_for, make_engine
+from mlpair.prediction.errors import OutboxUnavailable
+
+logger = logging.getLogger(__name__)
+
+MAX_COMMIT_ROWS = 500  # keeps each commit's IN (…) list well under SQLite's variable limit
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The outcome of :meth:`Outbox.record`: the decision now on record for the request id, and
+    whether it was recorded earlier (a retry) rather than by this call."""
+
+    decision: StoredDecision
+    replayed: bool
+
+
+class Outbox:
+    """Local durable decision log with group commit (table ``outbox``, see ``models.OutboxEntry``).
+
+    Args:
+        url: SQLAlchemy URL of a SQLite file (``sqlite+aiosqlite:///path``); the parent folder is
+            created if missing.
+        synchronous: ``FULL`` (fsync per commit: survives power loss) or ``NORMAL`` (survives a
+            process crash, not an OS crash).
+        busy_timeout_s: how long a write waits for another holder of the file's write lock.
+    """
+
+    def __init__(self, url: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
+        database = make_url(url).database if url.startswith("sqlite") else None
+        if not database or database == ":memory:":
+            raise ValueError("the outbox is a local SQLite file (sqlite+aiosqlite:///path)")
+        self.url = url
+        self.path = Path(database)
+        self.synchronous = "FULL" if synchronous == "FULL" else "NORMAL"
+        self.busy_timeout_s = busy_timeout_s
+        self.committed = asyncio.Event()  # set after each commit: wakes the relay
+        self.writable = True
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox")
+        self._conn: sqlite3.Connection | None = None
+        self._pending: list[tuple[StoredDecision, asyncio.Future[Recorded]]] = []
+        self._writer: asyncio.Task | None = None
+
+    async def migrate(self) -> None:
+        """Creates or upgrades the outbox table, then opens the outbox's connection.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError, OSError: the file cannot be created or written.
+        """
+        engine = make_engine(self.url)
+        try:
+            await upgrade(engine, OUTBOX_BRANCH)
+        finally:
+            await engine.dispose()
+        await self._run(self._open)
+
+    async def close(self) -> None:
+        """Waits for pending commits, then closes the database."""
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
+        if self._conn is not None:
+            await self._run(self._conn.close)
+            self._conn = None
+        self._executor.shutdown(wait=False)
+
+    async def record(self, decision: StoredDecision) -> Recorded:
+        """Commits ``decision`` durably unless its request id is already recorded.
+
+        An empty ``decision_id`` is set to :func:`decision_id_for` the request id, and an unset
+        ``decided_at`` to now (UTC).
+
+        Raises:
+            OutboxUnavailable: the commit failed; the decision must not be returned.
+        """
+        future: asyncio.Future[Recorded] = asyncio.get_running_loop().create_future()
+        self._pending.append((decision, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_pending())
+        return await future
+
+    async def find(self, request_id: str) -> StoredDecision | None:
+        """The decision recorded for ``request_id`` (delivered or not), if still retained."""
+        row = await self._run(self._one, "SELECT payload FROM outbox WHERE request_id = ?", (request_id,))
+        return StoredDecision.from_json(row[0]) if row else None
+
+    async def undelivered(self, limit: int) -> list[tuple[int, StoredDecision]]:
+        """Up to ``limit`` undelivered decisions, oldest first, with their sequence numbers."""
+        rows = await self._run(self._all, "SELECT seq, payload FROM outbox WHERE delivered_at IS NULL "
+                                          "ORDER BY seq LIMIT ?", (limit,))
+        return [(seq, StoredDecision.from_json(payload)) for seq, payload in rows]
+
+    async def mark_delivered(self, seqs: list[int]) -> None:
+        await self._run(self._write, f"UPDATE outbox SET delivered_at = ? WHERE seq IN ({_marks(seqs)})",
+                        (time.time(), *seqs))
+
+    async def backlog(self) -> tuple[int, float]:
+        """Undelivered decisions and the age in seconds of the oldest (0 when none)."""
+        count, oldest = await self._run(self._one, "SELECT count(*), min(recorded_at) FROM outbox "
+                                                   "WHERE delivered_at IS NULL", ())
+        return int(count), (time.time() - oldest) if oldest is not None else 0.0
+
+    async def purge(self, delivered_before: float) -> int:
+        """Deletes rows delivered before ``delivered_before`` (Unix seconds); returns how many."""
+        return await self._run(self._write, "DELETE FROM outbox WHERE delivered_at < ?", (delivered_before,))
+
+    async def probe(self) -> bool:
+        """Whether the outbox can still take a write: takes SQLite's write lock, changes nothing."""
+        try:
+            await self._run(self._write, "UPDATE outbox SET seq = seq WHERE 0", ())
+        except Exception as exc:
+            logger.warning("outbox write probe failed: %s", exc)
+            self.writable = False
+            return False
+        self.writable = True
+        return True
+
+    async def _write_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_COMMIT_ROWS], self._pending[MAX_COMMIT_ROWS:]
+            started = time.perf_counter()
+            try:
+                outcomes = await self._run(self._commit, [decision for decision, _ in batch])
+            except Exception:
+                self.writable = False
+                logger.exception("outbox commit failed; %d decision(s) not recorded", len(batch))
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(OutboxUnavailable(
+                            "the decision could not be recorded; retry with the same request_id"))
+                continue
+            self.writable = True
+            metrics.OUTBOX_COMMIT_DURATION.observe(time.perf_counter() - started)
+            metrics.OUTBOX_COMMIT_ROWS.observe(len(batch))
+            self.committed.set()
+            for (_, future), outcome in zip(batch, outcomes, strict=True):
+                if not future.done():  # a caller that went away still has its decision on record
+                    future.set_result(outcome)
+
+    # Everything below runs on the outbox thread, one call at a time.
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        self._conn = conn
+
+    def _one(self, sql: str, params: tuple):
+        return self._conn.execute(sql, params).fetchone()
+
+    def _all(self, sql: str, params: tuple) -> list:
+        return self._conn.execute(sql, params).fetchall()
+
+    def _write(self, sql: str, params: tuple) -> int:
+        with self._transaction():
+            return self._conn.execute(sql, params).rowcount
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        self._conn.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
+        try:
+            yield
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+
+    def _commit(self, decisions: list[StoredDecision]) -> list[Recorded]:
+        request_ids = list(dict.fromkeys(d.request_id for d in decisions))
+        now = time.time()
+        decided_at = datetime.fromtimestamp(now, timezone.utc)
+        with self._transaction():
+            rows = self._conn.execute(f"SELECT request_id, payload FROM outbox WHERE request_id IN ({_marks(request_ids)})",
+                                      request_ids).fetchall()
+            on_record = {rid: Recorded(StoredDecision.from_json(payload), True) for rid, payload in rows}
+            new_rows = []
+            for d in decisions:
+                if d.request_id in on_record:
+                    continue
+                d = replace(d, decision_id=d.decision_id or decision_id_for(d.request_id),
+                            decided_at=d.decided_at or decided_at)
+                on_record[d.request_id] = Recorded(d, False)
+                new_rows.append((d.request_id, d.to_json(), now))
+            if new_rows:
+                self._conn.executemany("INSERT INTO outbox (request_id, payload, recorded_at) VALUES (?, ?, ?)", new_rows)
+        outcomes, seen = [], set()
+        for d in decisions:  # a duplicate within one batch is a retry of the first
+            first = on_record[d.request_id]
+            outcomes.append(first if d.request_id not in seen else Recorded(first.decision, True))
+            seen.add(d.request_id)
+        return outcomes
+
+
+def _marks(values: list) -> str:
+    return ", ".join("?" * len(values))
+
+
+class OutboxRelay:
+    """Delivers the outbox to the CRM database in the background.
+
+    Args:
+        outbox: where decisions are recorded.
+        crm: the CRM database (migrated before the first delivery).
+        batch_size: most decisions per CRM transaction.
+        backoff_base_s, backoff_max_s: full-jitter exponential backoff between failed attempts.
+        poll_s: longest sleep between looks at the outbox when nothing wakes the relay.
+        linger_s: once woken by a commit, how long to wait for more decisions before delivering, so
+            one CRM transaction carries many decisions even under light load.
+        retention_s: how long delivered rows stay in the outbox.
+    """
+
+    def __init__(self, outbox: Outbox, crm: CrmStore, *, batch_size: int = 256, backoff_base_s: float = 0.05,
+                 backoff_max_s: float = 5.0, poll_s: float = 1.0, linger_s: float = 0.05,
+                 retention_s: float = 86400.0) -> None:
+        self.outbox = outbox
+        self.crm = crm
+        self.batch_size = batch_size
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.poll_s = poll_s
+        self.linger_s = linger_s
+        self.retention_s = retention_s
+        self.crm_up: bool | None = None  # None until the first attempt
+        self.crm_migrated = False
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="outbox-relay")
+
+    def backoff_s(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` consecutive failed attempts: full jitter,
+        ``uniform(0, min(max, base·2^failures))``; the exponent is capped so an outage of any
+        length never overflows."""
+        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** min(failures, 30)))
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Delivers what it can within ``drain_timeout_s``, then stops; the rest waits in the outbox."""
+        if drain_timeout_s > 0:
+            await self.wait_delivered(drain_timeout_s)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def wait_delivered(self, timeout_s: float) -> bool:
+        """Waits until nothing recorded so far is undelivered; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._idle.clear()
+            self.outbox.committed.set()  # wake the relay for a fresh look
+            if (await self.outbox.backlog())[0] == 0:
+                return True
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._idle.wait()
+            except TimeoutError:
+                break
+        return (await self.outbox.backlog())[0] == 0
+
+    async def _run(self) -> None:
+        failures = 0
+        last_purge = time.monotonic()
+        while True:
+            try:  # asyncio.timeout, not wait_for, which can swallow stop()'s cancellation (gh-86296)
+                async with asyncio.timeout(self.poll_s):
+                    await self.outbox.committed.wait()
+                await asyncio.sleep(self.linger_s)
+            except TimeoutError:
+                pass
+            self.outbox.committed.clear()
+            while True:
+                try:
+                    delivered = await self._deliver_batch()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failures += 1
+                    self._record_failure(exc, failures)
+                    await asyncio.sleep(self.backoff_s(failures))
+                    continue
+                if failures:
+                    logger.warning("CRM database reachable again after %d failed attempt(s); delivering", failures)
+                failures = 0
+                if delivered < self.batch_size:
+                    break
+            self._idle.set()
+            if time.monotonic() - last_purge > min(60.0, self.retention_s):
+                last_purge = time.monotonic()
+                try:
+                    await self.outbox.purge(time.time() - self.retention_s)
+                except Exception:
+                    logger.warning("outbox purge failed", exc_info=True)
+
+    async def _deliver_batch(self) -> int:
+        if not self.crm_migrated:
+            await self.crm.create_schema()
+            self.crm_migrated = True
+        batch = await self.outbox.undelivered(self.batch_size)
+        if not batch:
+            return 0
+        started = time.perf_counter()
+        try:
+            inserted = await self.crm.deliver([decision for _, decision in batch])
+        except Exception:
+            metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
+            raise
+        metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
+        await self.outbox.mark_delivered([seq for seq, _ in batch])
+        self.crm_up = True
+        metrics.OUTBOX_DELIVERED.inc(len(inserted))
+        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(batch) - len(inserted))
+        return len(batch)
+
+    def _record_failure(self, exc: Exception, failures: int) -> None:
+        self.crm_up = False
+        metrics.RELAY_FAILURES.inc()
+        if failures == 1 or failures % 20 == 0:  # one line per outage, then a reminder, not one per retry
+            logger.warning("CRM delivery failed (%d attempt(s) so far): %s; decisions wait in the outbox",
+                           failures, type(exc).__name__)

@@ -1,0 +1,80 @@
+"""Durable, exactly-once decision recording: the outbox now, the CRM database soon after.
+
+The one object the prediction core talks to about the CRM: :meth:`DecisionRecorder.record`
+returns only after the decision is committed locally, and the relay delivers it to the CRM
+database whether that is up now or comes back later.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mlpair.prediction import metrics
+from mlpair.prediction.crm.outbox import Outbox, OutboxRelay, Recorded
+from mlpair.prediction.crm.store import CrmStore, StoredDecision
+
+logger = logging.getLogger(__name__)
+
+
+class DecisionRecorder:
+    """The outbox, its relay and the CRM database, started and stopped together."""
+
+    def __init__(self, outbox: Outbox, crm: CrmStore, relay: OutboxRelay) -> None:
+        self.outbox = outbox
+        self.crm = crm
+        self.relay = relay
+
+    @classmethod
+    def open(cls, outbox_url: str, crm_url: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0,
+             crm_timeout_s: float = 5.0,
+             batch_size: int = 256, linger_s: float = 0.05, backoff_max_s: float = 5.0,
+             retention_s: float = 86400.0) -> DecisionRecorder:
+        """Builds the three parts (no I/O yet)."""
+        outbox = Outbox(outbox_url, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
+        crm = CrmStore(crm_url, timeout_s=crm_timeout_s)
+        relay = OutboxRelay(outbox, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s,
+                            retention_s=retention_s)
+        return cls(outbox, crm, relay)
+
+    async def start(self) -> None:
+        """Migrates the outbox and the CRM database, and starts the relay. The CRM database may
+        be down: then the relay migrates it before its first delivery, retrying until it can.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError, OSError: the outbox cannot be created or written.
+        """
+        await self.outbox.migrate()
+        if not await self.outbox.probe():
+            raise OSError("the outbox database is not writable")
+        try:
+            await self.crm.create_schema()
+            self.relay.crm_migrated = True
+        except Exception as exc:
+            logger.warning("CRM database not reachable at start-up (%s); decisions wait in the outbox",
+                           type(exc).__name__)
+        self.relay.start()
+
+    async def record(self, decision: StoredDecision) -> Recorded:
+        """Commits ``decision`` locally (see :meth:`Outbox.record`); the relay delivers it later.
+
+        Raises:
+            OutboxUnavailable: it could not be recorded, so it must not be returned.
+        """
+        recorded = await self.outbox.record(decision)
+        if recorded.replayed:
+            metrics.IDEMPOTENT_REPLAYS.labels(decision.model_name).inc()
+        return recorded
+
+    async def wait_delivered(self, timeout_s: float) -> bool:
+        """Waits until every decision recorded so far is in the CRM database; False on timeout."""
+        return await self.relay.wait_delivered(timeout_s)
+
+    async def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Stops the relay after delivering what it can within ``drain_timeout_s``; what is left
+        stays in the outbox and is delivered after the next start."""
+        await self.relay.stop(drain_timeout_s)
+        backlog, _ = await self.outbox.backlog()
+        if backlog:
+            logger.warning("%d decision(s) not yet in the CRM stay in the outbox for the next start", backlog)
+        await self.outbox.close()
+        await self.crm.close()

@@ -1,0 +1,107 @@
+"""PredictionService health: readiness from what it cannot work without, and each dependency.
+
+``grpc.health.v1`` names served:
+
+* ``""`` and ``mlpair.prediction.v1.PredictionService`` — **readiness**: SERVING while the
+  configuration is loaded (the process started) and the local outbox takes writes. Nothing
+  else: with InferenceService down requests are still answered (stale or fallback), and with
+  the CRM database down decisions still wait durably in the outbox.
+* ``mlpair.prediction.v1.PredictionService/<dependency>`` for ``inference``, ``crm``,
+  ``cache`` and ``outbox`` — SERVING when that dependency is healthy. The service is
+  **degraded** when it is ready while inference, CRM or cache is not; the
+  ``prediction_degraded`` and ``prediction_dependency_up`` gauges say the same to Prometheus.
+
+A background check runs every ``health_interval_ms``: an outbox write probe, ``SELECT 1`` on
+the CRM database, a cache ping, InferenceService's own health (and the circuit breaker, which
+must not be open), and the outbox backlog gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from grpc_health.v1 import health_pb2
+
+from mlpair.prediction import metrics
+from mlpair.prediction.resilience import CircuitState
+from mlpair.rpc import Health
+
+logger = logging.getLogger(__name__)
+
+DEPENDENCIES = ("inference", "crm", "cache", "outbox")
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class PredictionHealth(Health):
+    """``grpc.health.v1`` for PredictionService, with readiness and per-dependency statuses.
+
+    Args:
+        service_name: the full service name (readiness is reported under it and under "").
+    """
+
+    def __init__(self, service_name: str) -> None:
+        super().__init__([service_name])
+        self.dependency_names = {dep: f"{service_name}/{dep}" for dep in DEPENDENCIES}
+        self.status: dict[str, bool] = {}
+        self._task: asyncio.Task | None = None
+
+    async def check(self, predictor, timeout_s: float) -> dict[str, bool]:
+        """Checks every dependency once and publishes readiness and per-dependency health.
+
+        Returns:
+            ``{dependency: healthy}`` for each of :data:`DEPENDENCIES`.
+        """
+        recorder, scorer = predictor.recorder, predictor.scorer
+
+        async def bounded(check) -> bool:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return bool(await check)
+            except Exception:  # a hung or failing check is an unhealthy dependency
+                return False
+
+        outbox, crm, cache, inference_ready = await asyncio.gather(
+            bounded(recorder.outbox.probe()), bounded(recorder.crm.ping()), bounded(scorer.cache.ping()),
+            bounded(scorer.client.ready(timeout_s)))
+        inference = inference_ready and scorer.caller.breaker.state is not CircuitState.OPEN
+        status = {"inference": inference, "crm": crm, "cache": cache, "outbox": outbox}
+        try:
+            async with asyncio.timeout(timeout_s):
+                depth, age_s = await recorder.outbox.backlog()
+            metrics.OUTBOX_DEPTH.set(depth)
+            metrics.OUTBOX_OLDEST_AGE.set(age_s)
+        except Exception:
+            logger.debug("outbox backlog unavailable", exc_info=True)
+        await self._publish(status)
+        return status
+
+    async def _publish(self, status: dict[str, bool]) -> None:
+        for dep, healthy in status.items():
+            if self.status.get(dep, True) != healthy:
+                (logger.info if healthy else logger.warning)("dependency %s is %s", dep, "healthy" if healthy else "DOWN")
+            metrics.DEPENDENCY_UP.labels(dep).set(1 if healthy else 0)
+            await self.servicer.set(self.dependency_names[dep], _SERVING if healthy else _NOT_SERVING)
+        self.status = dict(status)
+        await self.set_serving(status["outbox"])
+        metrics.DEGRADED.set(0 if status["inference"] and status["crm"] and status["cache"] else 1)
+
+    def start_monitoring(self, predictor, interval_s: float) -> None:
+        """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.check(predictor, timeout_s=interval_s)
+                except Exception:
+                    logger.exception("health check failed")
+
+        self._task = asyncio.get_running_loop().create_task(loop(), name="prediction-health")
+
+    async def stop_monitoring(self) -> None:
+        """Stops the background checks (before draining, so nothing flips readiness back on)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

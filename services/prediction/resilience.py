@@ -1,0 +1,207 @@
+"""Calling InferenceService within the caller's deadline: budget, retries and a circuit breaker.
+
+* **Deadline budget.** A Predict call has the caller's deadline; the Infer call gets what
+  remains of it minus a reserve for recording the decision (``crm_reserve_ms``), capped at
+  ``inference_timeout_ms``. With less than ``inference_min_attempt_ms`` left no call is made:
+  the request fails fast with :class:`InferenceTimeout` and the caller falls back.
+* **Retries** only for retryable codes (UNAVAILABLE: the call reached no model), with full
+  jitter — ``uniform(0, min(cap, base·2^attempt))``, AWS Architecture Blog, "Exponential
+  Backoff and Jitter" (2015) — and only when the wait plus a minimal attempt still fit the
+  budget.
+* **Circuit breaker** (Nygard, *Release It!*, 2nd ed., ch. 5): CLOSED counts consecutive
+  unavailable/timed-out calls; at ``failure_threshold`` it OPENs and calls fail at once with
+  :class:`CircuitOpen`; after ``open_s`` it is HALF_OPEN and lets ``half_open_probes`` calls
+  through at a time — a success closes it, a failure opens it again. Answers that prove the
+  service is up (a contract refusal, a model error) count as successes for availability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from mlpair.prediction import metrics
+from mlpair.prediction.errors import CircuitOpen, InferenceTimeout, InferenceUnavailable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class CircuitState(enum.IntEnum):
+    """Breaker states; the values are what the ``prediction_circuit_state`` gauge exports."""
+
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+class CircuitBreaker:
+    """A consecutive-failure circuit breaker with half-open probes (not thread-safe: one event loop).
+
+    Args:
+        name: dependency name, the gauge label (e.g. ``inference``).
+        failure_threshold: consecutive failures that open the circuit.
+        open_s: seconds the circuit stays open before probing.
+        half_open_probes: calls allowed at once while half-open.
+        clock: monotonic seconds; injectable for tests.
+    """
+
+    def __init__(self, name: str, *, failure_threshold: int, open_s: float, half_open_probes: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.failure_threshold = max(1, failure_threshold)
+        self.open_s = open_s
+        self.half_open_probes = max(1, half_open_probes)
+        self._clock = clock
+        self._state = CircuitState.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probes = 0
+        metrics.CIRCUIT_STATE.labels(name).set(CircuitState.CLOSED)
+
+    @property
+    def state(self) -> CircuitState:
+        """The current state; an OPEN circuit whose wait has passed reads as HALF_OPEN."""
+        if self._state is CircuitState.OPEN and self._clock() - self._opened_at >= self.open_s:
+            self._transition(CircuitState.HALF_OPEN)
+        return self._state
+
+    def acquire(self) -> None:
+        """Admits one call or raises.
+
+        Raises:
+            CircuitOpen: the circuit is open, or half-open with every probe slot taken.
+        """
+        state = self.state
+        if state is CircuitState.CLOSED:
+            return
+        if state is CircuitState.HALF_OPEN and self._probes < self.half_open_probes:
+            self._probes += 1
+            return
+        raise CircuitOpen("the inference circuit is open after repeated failures")
+
+    def release(self) -> None:
+        """An admitted call ended without an outcome (cancelled); frees its half-open probe slot."""
+        if self._state is CircuitState.HALF_OPEN and self._probes > 0:
+            self._probes -= 1
+
+    def record_success(self) -> None:
+        """An admitted call reached a live service."""
+        self._failures = 0
+        if self._state is not CircuitState.CLOSED:
+            self._transition(CircuitState.CLOSED)
+
+    def record_failure(self) -> None:
+        """An admitted call found the service unavailable or timed out."""
+        self._failures += 1
+        if self._state is CircuitState.HALF_OPEN or self._failures >= self.failure_threshold:
+            self._opened_at = self._clock()
+            if self._state is not CircuitState.OPEN:
+                self._transition(CircuitState.OPEN)
+
+    def _transition(self, state: CircuitState) -> None:
+        logger.warning("circuit %s: %s -> %s", self.name, self._state.name, state.name)
+        self._state = state
+        self._probes = 0
+        if state is CircuitState.CLOSED:
+            self._failures = 0
+        metrics.CIRCUIT_STATE.labels(self.name).set(state)
+        metrics.CIRCUIT_TRANSITIONS.labels(self.name, state.name).inc()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many attempts, and how long to wait between them (full jitter)."""
+
+    max_attempts: int = 2
+    backoff_base_s: float = 0.01
+    backoff_max_s: float = 0.2
+
+    def backoff_s(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1)))
+
+
+@dataclass(frozen=True)
+class DeadlineBudget:
+    """Splits the caller's remaining time between inference and recording the decision.
+
+    Attributes:
+        reserve_s: seconds kept back for the outbox write and the response.
+        max_call_s: the longest single Infer deadline, whatever the caller allows.
+        min_attempt_s: no attempt is started with less than this.
+    """
+
+    reserve_s: float = 0.02
+    max_call_s: float = 1.0
+    min_attempt_s: float = 0.002
+
+    def call_timeout_s(self, deadline: float | None, now: float) -> float:
+        """Seconds the next Infer attempt may take; ≤ 0 means the budget is spent.
+
+        Args:
+            deadline: the caller's deadline in ``time.monotonic()`` seconds, or None (no deadline).
+            now: ``time.monotonic()``.
+        """
+        if deadline is None:
+            return self.max_call_s
+        return min(self.max_call_s, deadline - now - self.reserve_s)
+
+
+class ResilientCaller:
+    """Runs one logical Infer call: budget, breaker admission, retries of retryable failures."""
+
+    def __init__(self, breaker: CircuitBreaker, budget: DeadlineBudget, retry: RetryPolicy) -> None:
+        self.breaker = breaker
+        self.budget = budget
+        self.retry = retry
+
+    async def call(self, attempt: Callable[[float], Awaitable[T]], deadline: float | None, *, model: str) -> T:
+        """``await attempt(timeout_s)`` until it succeeds, within ``deadline``.
+
+        Args:
+            attempt: one Infer attempt given its timeout in seconds.
+            deadline: the caller's deadline in ``time.monotonic()`` seconds, or None.
+            model: model family (metric label).
+
+        Raises:
+            InferenceTimeout: the budget was spent before or during an attempt.
+            CircuitOpen: the breaker refused the call.
+            InferenceUnavailable: the last attempt found the service down.
+            InferenceContractError, InferenceFailed: the service answered with a refusal (not retried).
+        """
+        number = 0
+        while True:
+            number += 1
+            timeout = self.budget.call_timeout_s(deadline, time.monotonic())
+            if timeout < self.budget.min_attempt_s:
+                raise InferenceTimeout("no deadline budget left for an inference call")
+            self.breaker.acquire()
+            try:
+                result = await attempt(timeout)
+            except InferenceUnavailable as exc:
+                self.breaker.record_failure()
+                if not exc.retryable or number >= self.retry.max_attempts:
+                    raise
+                wait = self.retry.backoff_s(number)
+                remaining = self.budget.call_timeout_s(deadline, time.monotonic() + wait)
+                if remaining < self.budget.min_attempt_s:
+                    raise
+                metrics.INFERENCE_RETRIES.labels(model).inc()
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                self.breaker.release()  # the caller left: this says nothing about the service
+                raise
+            except Exception:
+                self.breaker.record_success()  # the service answered, so it is available
+                raise
+            else:
+                self.breaker.record_success()
+                return result

@@ -1,0 +1,227 @@
+"""Cache keys, fresh and stale windows, Redis, and single-flight against the real InferenceService (C36)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import numpy as np
+import pytest
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.prediction.cache import (CachedInference, MemoryCache, NullCache, RedisCache, Source, cache_key)
+from mlpair.prediction.converters import to_attributes
+from mlpair.prediction.inference_client import InferenceClient
+from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
+from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
+from tests.support import require_service
+
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+ROW = np.linspace(-1, 1, 12, dtype=np.float32)
+LOGITS = np.array([0.5, -0.25], dtype=np.float32)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def caller(**breaker) -> ResilientCaller:
+    return ResilientCaller(CircuitBreaker("inference", failure_threshold=breaker.get("threshold", 5), open_s=60),
+                           DeadlineBudget(reserve_s=0.02, max_call_s=2.0), RetryPolicy(max_attempts=1))
+
+
+def test_key_names_model_version_schema_and_row():
+    base = cache_key("credit-risk", "1", "credit-risk/v1", ROW)
+    assert base == cache_key("credit-risk", "1", "credit-risk/v1", ROW.copy())
+    others = {cache_key("churn", "1", "credit-risk/v1", ROW), cache_key("credit-risk", "2", "credit-risk/v1", ROW),
+              cache_key("credit-risk", "1", "credit-risk/v2", ROW),
+              cache_key("credit-risk", "1", "credit-risk/v1", np.nextafter(ROW, 2, dtype=np.float32))}
+    assert base not in others and len(others) == 4
+
+
+async def test_memory_cache_ages_entries_out_of_the_stale_window():
+    clock = Clock()
+    cache = MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock)
+    await cache.put_many([("k", LOGITS, "1")])
+    clock.now += 59
+    (entry,) = await cache.get_many(["k"])
+    assert entry.model_version == "1" and entry.age_s == pytest.approx(59) and np.array_equal(entry.logits, LOGITS)
+    clock.now += 2
+    assert await cache.get_many(["k"]) == [None] and len(cache) == 0
+
+
+async def test_memory_cache_evicts_least_recently_used():
+    cache = MemoryCache(max_entries=2, stale_ttl_s=60)
+    await cache.put_many([("a", LOGITS, "1"), ("b", LOGITS, "1")])
+    await cache.get_many(["a"])  # b is now the least recently used
+    await cache.put_many([("c", LOGITS, "1")])
+    assert [e is not None for e in await cache.get_many(["a", "b", "c"])] == [True, False, True]
+
+
+@pytest.fixture
+async def redis_cache():
+    require_service("Redis", REDIS_HOST, REDIS_PORT)
+    clock = Clock()
+    cache = RedisCache(f"redis://{REDIS_HOST}:{REDIS_PORT}/0", key_prefix=f"mlpair-test:{uuid.uuid4().hex}:",
+                       stale_ttl_s=60, timeout_s=1.0, clock=clock)
+    yield cache, clock
+    keys = [k async for k in cache._redis.scan_iter(match=f"{cache.prefix}*")]
+    if keys:
+        await cache._redis.delete(*keys)
+    await cache.close()
+
+
+async def test_redis_cache_round_trips_entries_with_age_and_expiry(redis_cache):
+    cache, clock = redis_cache
+    assert await cache.ping()
+    await cache.put_many([("k", LOGITS, "7")])
+    clock.now += 12.5
+    entry, missing = await cache.get_many(["k", "absent"])
+    assert missing is None and entry.model_version == "7" and entry.age_s == pytest.approx(12.5)
+    assert np.array_equal(entry.logits, LOGITS)
+    ttl_ms = await cache._redis.pttl(cache.prefix + "k")
+    assert 0 < ttl_ms <= 60_000  # Redis drops the entry at the end of the stale window
+
+
+async def test_redis_cache_treats_garbage_and_outages_as_misses(redis_cache):
+    cache, _ = redis_cache
+    await cache._redis.set(cache.prefix + "bad", b"\x01")
+    assert await cache.get_many(["bad"]) == [None]
+    down = RedisCache("redis://127.0.0.1:1/0", key_prefix="x:", stale_ttl_s=60, timeout_s=0.2)
+    try:
+        assert await down.get_many(["k"]) == [None]
+        await down.put_many([("k", LOGITS, "1")])  # swallowed: a cache outage never fails a request
+        assert not await down.ping()
+    finally:
+        await down.close()
+
+
+class CountingClient:
+    """The one place a test stands in for InferenceService: an object with the client's
+    ``infer`` signature that counts calls, returns fixed logits, or raises what it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.error: Exception | None = None
+
+    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None):
+        self.calls.append(model_version)
+        await asyncio.sleep(0)
+        if self.error is not None:
+            raise self.error
+        return np.tile(LOGITS, (len(features), 1)), model_version
+
+
+async def test_c36_a_model_switch_never_serves_the_old_models_entries():
+    from mlpair.prediction.errors import InferenceUnavailable
+
+    client, cache = CountingClient(), MemoryCache(max_entries=10, stale_ttl_s=3600)
+    scorer = CachedInference(client, cache, caller(), fresh_ttl_s=300)
+    (first,) = await scorer.score("credit-risk", "1", "credit-risk/v1", ROW[None, :], None)
+    (again,) = await scorer.score("credit-risk", "1", "credit-risk/v1", ROW[None, :], None)
+    assert (first.source, again.source, client.calls) == (Source.INFERENCE, Source.CACHE, ["1"])
+    (switched,) = await scorer.score("credit-risk", "2", "credit-risk/v1", ROW[None, :], None)
+    assert switched.source is Source.INFERENCE and client.calls == ["1", "2"]
+    client.error = InferenceUnavailable("down")
+    (new_schema,) = await scorer.score("credit-risk", "2", "credit-risk/v2", ROW[None, :], None)
+    assert new_schema.source is Source.FALLBACK and new_schema.logits is None  # the v1 entry is not served, not even stale
+
+
+async def test_stale_entries_are_served_only_when_inference_is_unavailable():
+    from mlpair.prediction.errors import InferenceUnavailable
+
+    clock = Clock()
+    client = CountingClient()
+    scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock), caller(), fresh_ttl_s=5,
+                             linger_s=0)
+    await scorer.score("m", "1", "s", ROW[None, :], None)
+    clock.now += 10  # past the fresh window: inference is called again while it is up
+    (refreshed,) = await scorer.score("m", "1", "s", ROW[None, :], None)
+    assert refreshed.source is Source.INFERENCE and len(client.calls) == 2
+    clock.now += 10
+    client.error = InferenceUnavailable("down")
+    (stale,) = await scorer.score("m", "1", "s", ROW[None, :], None)
+    assert stale.source is Source.STALE_CACHE and stale.age_ms == 10_000
+    assert stale.degraded_reason == "INFERENCE_UNAVAILABLE" and np.array_equal(stale.logits, LOGITS)
+    clock.now += 61  # past the stale window: nothing to serve
+    (fallback,) = await scorer.score("m", "1", "s", ROW[None, :], None)
+    assert fallback.source is Source.FALLBACK and fallback.degraded_reason == "INFERENCE_UNAVAILABLE"
+
+
+async def test_contract_refusals_are_raised_never_served_from_cache():
+    from mlpair.prediction.errors import InferenceContractError
+
+    client = CountingClient()
+    scorer = CachedInference(client, NullCache(), caller(), fresh_ttl_s=5)
+    client.error = InferenceContractError("refused")
+    with pytest.raises(InferenceContractError):
+        await scorer.score("m", "1", "s", ROW[None, :], None)
+
+
+async def test_a_batch_scores_each_distinct_row_once_in_one_call():
+    client = CountingClient()
+    scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+    rows = np.stack([ROW, ROW + 1, ROW])
+    results = await scorer.score("m", "1", "s", rows, None)
+    assert [r.source for r in results] == [Source.INFERENCE] * 3 and client.calls == ["1"]
+
+
+def cache_requests(result: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("prediction_cache_requests_total",
+                                     {"model": "credit-risk", "result": result}) or 0.0
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_c36_stampede_of_identical_requests_makes_one_inference_call(
+        backend, inference_server, model_repository, credit_holdout, tmp_path):
+    if backend == "redis":
+        require_service("Redis", REDIS_HOST, REDIS_PORT)
+    record = credit_holdout.records[3]
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        settings = prediction_settings(tmp_path, model_repository, target, cache_backend=backend,
+                                       redis_key_prefix=f"mlpair-test:{uuid.uuid4().hex}:")
+        async with prediction_service(settings) as (stub, predictor, _, _):
+            before = {r: cache_requests(r) for r in ("hit", "miss", "coalesced")}
+            replies = await asyncio.gather(*(stub.Predict(pb.PredictRequest(
+                request_id=f"c36-{backend}-{i}", entity_id=f"e{i}", attributes=to_attributes(record)), timeout=30)
+                for i in range(200)))
+            assert forwarder.calls == 1
+            seen = {r: cache_requests(r) - before[r] for r in before}
+            assert seen["miss"] == 1 and seen["hit"] + seen["coalesced"] == 199
+            assert len({(r.decision, r.probability, tuple(r.reason_codes)) for r in replies}) == 1
+            assert len({r.decision_id for r in replies}) == 200  # 200 request ids, 200 decisions on record
+            assert not any(r.stale or r.fallback for r in replies)
+            assert await predictor.recorder.wait_delivered(20) and await predictor.crm.count() == 200
+
+
+async def test_c22_shared_call_is_cancelled_only_when_every_waiter_has_gone(inference_server, credit_entry):
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        forwarder.delay_s = 30.0
+        client = InferenceClient(target, timeout_ms=60_000, max_message_bytes=1 << 20)
+        scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+        row = np.zeros((1, credit_entry.manifest.n_features), np.float32)
+        args = ("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version, row)
+        try:
+            waiters = [asyncio.ensure_future(scorer.score(*args, None)) for _ in range(3)]
+            while forwarder.calls < 1:
+                await asyncio.sleep(0.01)
+            waiters[0].cancel()  # the leader's caller leaves; the other two still wait
+            waiters[1].cancel()
+            await asyncio.sleep(0.2)
+            assert forwarder.cancelled == 0 and forwarder.calls == 1
+            waiters[2].cancel()  # the last one leaves: the Infer call is cancelled at InferenceService
+            await asyncio.gather(*waiters, return_exceptions=True)
+            for _ in range(100):
+                if forwarder.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert forwarder.cancelled == 1
+        finally:
+            await scorer.close()
+            await client.close()

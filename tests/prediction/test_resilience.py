@@ -1,0 +1,235 @@
+"""Deadline budget, retries and circuit breaker; C22 through the real InferenceService."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.prediction.converters import to_attributes
+from mlpair.prediction.errors import CircuitOpen, InferenceContractError, InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.pipeline import PredictInput
+from mlpair.prediction.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
+from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def unavailable(retryable: bool = True) -> InferenceUnavailable:
+    error = InferenceUnavailable("down")
+    error.retryable = retryable
+    return error
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes_half_open():
+    clock = Clock()
+    breaker = CircuitBreaker("t", failure_threshold=3, open_s=2.0, half_open_probes=1, clock=clock)
+    for _ in range(2):
+        breaker.acquire()
+        breaker.record_failure()
+    breaker.acquire()
+    breaker.record_success()  # a success resets the count
+    for _ in range(3):
+        breaker.acquire()
+        breaker.record_failure()
+    assert breaker.state is CircuitState.OPEN
+    with pytest.raises(CircuitOpen):
+        breaker.acquire()
+    clock.now += 2.0
+    assert breaker.state is CircuitState.HALF_OPEN
+    breaker.acquire()  # the one probe
+    with pytest.raises(CircuitOpen):
+        breaker.acquire()  # no second probe at once
+    breaker.record_failure()
+    assert breaker.state is CircuitState.OPEN  # a failed probe reopens at once
+    clock.now += 2.0
+    breaker.acquire()
+    breaker.release()  # a cancelled probe frees its slot
+    breaker.acquire()
+    breaker.record_success()
+    assert breaker.state is CircuitState.CLOSED
+    breaker.acquire()
+
+
+def test_budget_is_the_callers_remaining_time_minus_the_reserve():
+    budget = DeadlineBudget(reserve_s=0.02, max_call_s=1.0)
+    assert budget.call_timeout_s(None, 10.0) == 1.0
+    assert budget.call_timeout_s(10.5, 10.0) == pytest.approx(0.48)
+    assert budget.call_timeout_s(20.0, 10.0) == 1.0  # capped
+    assert budget.call_timeout_s(10.01, 10.0) < 0  # less than the reserve left: no call
+
+
+def caller(max_attempts: int = 3, threshold: int = 10) -> ResilientCaller:
+    return ResilientCaller(CircuitBreaker("t", failure_threshold=threshold, open_s=60),
+                           DeadlineBudget(reserve_s=0.01, max_call_s=1.0, min_attempt_s=0.002),
+                           RetryPolicy(max_attempts=max_attempts, backoff_base_s=0.001, backoff_max_s=0.002))
+
+
+async def test_only_unavailable_is_retried_and_only_within_the_attempts():
+    attempts = []
+
+    async def flaky(timeout):
+        attempts.append(timeout)
+        if len(attempts) < 3:
+            raise unavailable()
+        return "ok"
+
+    assert await caller().call(flaky, None, model="m") == "ok" and len(attempts) == 3
+    for error in (unavailable(retryable=False), InferenceTimeout("slow"), InferenceContractError("refused")):
+        calls = []
+
+        async def fails(timeout, error=error, calls=calls):
+            calls.append(timeout)
+            raise error
+
+        with pytest.raises(type(error)):
+            await caller().call(fails, None, model="m")
+        assert len(calls) == 1, type(error).__name__
+
+
+async def test_no_attempt_or_retry_without_budget():
+    calls = []
+
+    async def down(timeout):
+        calls.append(timeout)
+        raise unavailable()
+
+    with pytest.raises(InferenceTimeout):
+        await caller().call(down, time.monotonic() + 0.005, model="m")  # under the 10 ms reserve
+    assert calls == []
+
+    class OneSecondBackoff(RetryPolicy):
+        def backoff_s(self, attempt: int) -> float:
+            return 1.0
+
+    slow_backoff = ResilientCaller(CircuitBreaker("t", failure_threshold=10, open_s=60),
+                                   DeadlineBudget(reserve_s=0.01, max_call_s=1.0), OneSecondBackoff(max_attempts=5))
+    with pytest.raises(InferenceUnavailable):
+        await slow_backoff.call(down, time.monotonic() + 0.5, model="m")  # the 1 s wait cannot fit in 0.5 s
+    assert len(calls) == 1
+
+
+async def test_breaker_fails_fast_once_open():
+    calls = []
+
+    async def down(timeout):
+        calls.append(timeout)
+        raise unavailable(retryable=False)
+
+    resilient = caller(max_attempts=1, threshold=3)
+    for _ in range(3):
+        with pytest.raises(InferenceUnavailable):
+            await resilient.call(down, None, model="m")
+    with pytest.raises(CircuitOpen):
+        await resilient.call(down, None, model="m")
+    assert len(calls) == 3
+
+
+def predict(request_id: str, record: dict) -> pb.PredictRequest:
+    return pb.PredictRequest(request_id=request_id, entity_id="e", attributes=to_attributes(record))
+
+
+async def test_c22_inference_gets_the_callers_remaining_deadline_minus_the_crm_reserve(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=500, cache_backend="off")
+        async with prediction_service(settings) as (stub, _, _, _):
+            reply = await stub.Predict(predict("c22-budget", credit_holdout.records[0]), timeout=1.0)
+    assert not reply.fallback and forwarder.calls == 1
+    # gRPC rounds a propagated deadline up by a few ms; without the reserve it would be ~1.0 s
+    assert forwarder.deadlines[0] is not None and forwarder.deadlines[0] <= 1.0 - 0.5 + 0.05
+
+
+async def test_c22_slow_model_ends_in_a_recorded_fallback_before_the_callers_deadline_and_is_cancelled(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        forwarder.delay_s = 30.0
+        settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=200)
+        async with prediction_service(settings) as (stub, predictor, _, _):
+            reply = await stub.Predict(predict("c22-slow", credit_holdout.records[0]), timeout=1.5)
+            assert reply.fallback and reply.decision == pb.DECISION_REVIEW
+            assert reply.degraded_reason == "INFERENCE_TIMEOUT" and reply.reason_codes[0] == "INFERENCE_UNAVAILABLE"
+            recorded = await predictor.recorder.outbox.find("c22-slow")
+            assert recorded.decision_id == reply.decision_id and recorded.probability is None
+            for _ in range(100):  # the Infer call's own deadline has passed: InferenceService stops working on it
+                if forwarder.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert forwarder.cancelled == 1
+
+
+async def test_c22_no_inference_call_when_the_budget_is_already_spent(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    from mlpair.prediction.server import build_predictor
+
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        predictor = build_predictor(prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=50))
+        await predictor.recorder.start()
+        try:
+            result = await predictor.predict(PredictInput("c22-spent", "e", credit_holdout.records[0],
+                                                          deadline=time.monotonic() + 0.01))
+        finally:
+            await predictor.scorer.close()
+            await predictor.inference.close()
+            await predictor.recorder.close()
+    assert forwarder.calls == 0
+    assert result.stored.served_from == "fallback" and result.stored.degraded_reason == "INFERENCE_TIMEOUT"
+
+
+async def test_c22_a_caller_that_gives_up_cancels_the_inference_call_and_nothing_is_recorded(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        forwarder.delay_s = 30.0
+        settings = prediction_settings(tmp_path, model_repository, target)
+        async with prediction_service(settings) as (stub, predictor, _, _):
+            call = stub.Predict(predict("c22-gone", credit_holdout.records[0]), timeout=20)
+            while forwarder.calls < 1:
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            for _ in range(100):
+                if forwarder.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert forwarder.cancelled == 1
+            assert await predictor.recorder.outbox.find("c22-gone") is None
+
+
+async def test_unavailable_is_retried_once_and_the_decision_is_fresh(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        settings = prediction_settings(tmp_path, model_repository, target, cache_backend="off")
+        async with prediction_service(settings) as (stub, _, _, _):
+            forwarder.fail_first = [grpc.StatusCode.UNAVAILABLE]
+            retried = await stub.Predict(predict("retry-unavailable", credit_holdout.records[0]), timeout=5)
+            assert forwarder.calls == 2 and not retried.fallback
+            forwarder.fail_first = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+            shed = await stub.Predict(predict("no-retry-exhausted", credit_holdout.records[0]), timeout=5)
+            assert forwarder.calls == 3 and shed.fallback and shed.degraded_reason == "INFERENCE_UNAVAILABLE"
+
+
+async def test_open_circuit_stops_calling_inference_and_a_probe_closes_it(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        settings = prediction_settings(tmp_path, model_repository, target, cache_backend="off",
+                                       breaker_failure_threshold=3, breaker_open_ms=300, inference_max_attempts=1)
+        async with prediction_service(settings) as (stub, _, _, _):
+            forwarder.fail_first = [grpc.StatusCode.UNAVAILABLE] * 3
+            replies = [await stub.Predict(predict(f"breaker-{i}", credit_holdout.records[i]), timeout=5)
+                       for i in range(5)]
+            assert forwarder.calls == 3  # the 4th and 5th never reached InferenceService
+            assert [r.degraded_reason for r in replies] == ["INFERENCE_UNAVAILABLE"] * 3 + ["CIRCUIT_OPEN"] * 2
+            await asyncio.sleep(0.35)
+            probe = await stub.Predict(predict("breaker-probe", credit_holdout.records[5]), timeout=5)
+            after = await stub.Predict(predict("breaker-after", credit_holdout.records[6]), timeout=5)
+            assert not probe.fallback and not after.fallback and forwarder.calls == 5
