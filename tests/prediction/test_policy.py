@@ -93,3 +93,11 @@ def test_without_an_uncertainty_section_spread_is_ignored():
 
 def test_policy_versions_are_named(policy, churn_policy):
     assert policy.version == "credit-risk-policy/v2" and churn_policy.version == "churn-policy/v1"
+
+
+def test_fallback_decision_is_review_by_default_and_listed_among_decisions():
+    policy = DecisionPolicy.model_validate({"version": "x", "bands": [
+        {"decision": "NO_ACTION", "min_probability": 0.0, "reason_code": "LOW"},
+        {"decision": "RETAIN_OFFER", "min_probability": 0.4, "reason_code": "HIGH"}]})
+    assert policy.fallback_decision == "REVIEW"
+    assert policy.decisions == ("NO_ACTION", "RETAIN_OFFER", "REVIEW")
