@@ -22,8 +22,8 @@ import numpy as np
 from mlpair.contracts import calibration, metrics
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import (
-    PREPROCESSING_FILE, Calibration, Manifest, ManifestError, ModelEntry, TensorSpec, VersionTriple,
-    file_sha256, list_versions, load_entry, write_manifest,
+    PREPROCESSING_FILE, SCORE_BASELINE, Calibration, Manifest, ManifestError, ModelEntry, TensorSpec,
+    VersionTriple, file_sha256, list_versions, load_entry, write_manifest,
 )
 from mlpair.contracts.schema import FeatureSchema, Preprocessing
 from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
@@ -33,7 +33,7 @@ from mlpair.training.model import TrainConfig, predict_logits, train_classifier
 logger = logging.getLogger(__name__)
 
 # Bump when a change to this package changes the trained model for the same inputs.
-TRAINING_CODE_VERSION = "1"
+TRAINING_CODE_VERSION = "2"  # 2: manifest baselines include the calibrated score
 BASELINE_QUANTILES = 101
 
 
@@ -74,6 +74,13 @@ def baselines(preprocessing: Preprocessing, train: Dataset) -> dict[str, dict]:
         freq = x[:, cols].mean(axis=0)
         out[feat.name] = {"kind": "categorical", "frequencies": {names[j].split("=", 1)[1]: round(float(f), 6) for j, f in zip(cols, freq)}}
     return out
+
+
+def score_baseline(probabilities: np.ndarray) -> dict:
+    """Quantiles of calibrated probabilities (``[n]`` in [0, 1]) for score drift checks."""
+    qs = np.linspace(0, 1, BASELINE_QUANTILES)
+    return {"kind": "score", "space": "calibrated probability", "n": int(len(probabilities)),
+            "quantiles": np.quantile(probabilities, qs).round(6).tolist()}
 
 
 def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfig(), *,
@@ -123,7 +130,8 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig = TrainConfi
             class_names=[f"not {schema.target.positive}", schema.target.positive],
             positive_index=positive,
             calibration=Calibration(temperature=temperature),
-            baselines=baselines(preprocessing, splits["train"]),
+            baselines={**baselines(preprocessing, splits["train"]), SCORE_BASELINE: score_baseline(
+                calibration.temperature_probability(predict_logits(model, x["calibration"]), temperature, positive))},
             metrics={
                 "holdout_uncalibrated": metrics.summary(y_holdout, calibration.temperature_probability(holdout_logits, 1.0, positive)),
                 "holdout_calibrated": metrics.summary(y_holdout, calibration.temperature_probability(holdout_logits, temperature, positive)),

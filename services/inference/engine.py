@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlpair import logs
 from mlpair.contracts.manifest import ModelEntry, list_versions, load_entry
 from mlpair.errors import ServiceError
 from mlpair.inference import metrics
@@ -186,9 +187,11 @@ class InferenceEngine:
             metrics.REQUEST_DURATION.labels(label_name, label_version).observe(time.perf_counter() - started)
 
     async def _infer(self, name: str, version: str, feature_version: str | None, tensor: TensorIn) -> InferResult:
+        checks_started = time.perf_counter()
         model = self.model(name, version)
         check_feature_version(model.feature_version, feature_version)
         x = decode_features(tensor, model.entry.manifest.n_features, self.settings.max_batch_size)
+        logs.record_stage("validate", time.perf_counter() - checks_started)
         if x.shape[0] == 0:
             return InferResult(name, model.version, np.zeros((0, len(model.entry.manifest.class_names)), np.float32))
         started = time.perf_counter()
@@ -197,7 +200,9 @@ class InferenceEngine:
         except Exception as exc:
             logger.exception("runtime failed for %s version %s", name, model.version)
             raise ModelFailure("the model failed to run") from exc
-        metrics.COMPUTE_DURATION.labels(name, model.version).observe(time.perf_counter() - started)
+        compute_s = time.perf_counter() - started
+        metrics.COMPUTE_DURATION.labels(name, model.version).observe(compute_s)
+        logs.record_stage("compute", compute_s)
         metrics.ROWS.labels(name, model.version).observe(x.shape[0])
         self._check_output(model, logits, x.shape[0])
         return InferResult(name, model.version, logits)

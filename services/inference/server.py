@@ -18,6 +18,8 @@ from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN
 from mlpair.inference.servicer import InferenceServicer
 from mlpair.inference.settings import InferenceSettings
+from mlpair.logs import set_process_model_version
+from mlpair.observability.interceptors import server_interceptors
 from mlpair.rpc import ErrorInterceptor, Health, drain, message_size_options, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
@@ -25,13 +27,17 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "mlpair.inference.v1.InferenceService"
 
 
-def create_server(settings: InferenceSettings, engine: InferenceEngine) -> tuple[grpc.aio.Server, int, Health]:
+def create_server(settings: InferenceSettings, engine: InferenceEngine, *,
+                  tracer_provider=None) -> tuple[grpc.aio.Server, int, Health]:
     """Builds the server with the InferenceService and health services and binds its port.
+
+    ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
 
     Returns:
         The (not yet started) server, the bound port (useful with ``port=0``) and its health.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
+    observability = server_interceptors("inference", tracer_provider, log_calls=True)
+    server = grpc.aio.server(interceptors=[*observability, ErrorInterceptor(DOMAIN)],
                              options=message_size_options(settings.max_message_bytes))
     pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
     health = Health([SERVICE_NAME])
@@ -40,14 +46,15 @@ def create_server(settings: InferenceSettings, engine: InferenceEngine) -> tuple
     return server, port, health
 
 
-async def start(settings: InferenceSettings) -> tuple[grpc.aio.Server, int, Health, InferenceEngine]:
+async def start(settings: InferenceSettings, *,
+                tracer_provider=None) -> tuple[grpc.aio.Server, int, Health, InferenceEngine]:
     """Starts serving health at once, then loads and warms the models and reports SERVING.
 
     Raises:
         ManifestError, InferenceError: a model cannot be loaded (the server is stopped first).
     """
     engine = InferenceEngine(settings)
-    server, port, health = create_server(settings, engine)
+    server, port, health = create_server(settings, engine, tracer_provider=tracer_provider)
     await health.set_serving(False)
     await server.start()
     try:
@@ -55,6 +62,7 @@ async def start(settings: InferenceSettings) -> tuple[grpc.aio.Server, int, Heal
     except BaseException:
         await server.stop(0)
         raise
+    set_process_model_version(",".join(v for versions in engine.models().values() for v in versions))
     await health.set_serving(True)
     logger.info("InferenceService serving on port %d", port)
     return server, port, health, engine

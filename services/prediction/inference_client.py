@@ -28,8 +28,10 @@ _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 class InferenceClient:
     """Async InferenceService client over one shared channel."""
 
-    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int, interceptors=None) -> None:
+        # interceptors: e.g. mlpair.observability.interceptors.client_interceptors() (trace context)
+        self._channel = grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes),
+                                                  interceptors=interceptors)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._timeout_s = timeout_ms / 1000.0
 

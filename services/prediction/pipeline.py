@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlpair import logs
 from mlpair.contracts.assembly import ConversionError, FeatureAssembler
 from mlpair.contracts.calibration import temperature_probability
 from mlpair.contracts.manifest import ManifestError, ModelEntry, load_latest
@@ -21,6 +22,7 @@ from mlpair.contracts.schema import FeatureSchema
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import CrmUnavailable, InvalidRequest, UnknownModel
 from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.policy import DecisionPolicy
@@ -91,11 +93,12 @@ class Predictor:
     """Decides for one request at a time; shared by all concurrent calls."""
 
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
-                 inference: InferenceClient, crm: CrmStore) -> None:
+                 inference: InferenceClient, crm: CrmStore, *, drift: DriftMonitors | None = None) -> None:
         self.families = dict(families)
         self.default_model = default_model
         self.inference = inference
         self.crm = crm
+        self.drift = drift or DriftMonitors({})
 
     async def predict(self, request: PredictInput) -> PredictionResult:
         """Decides and records one request; a retried ``request_id`` returns the recorded decision.
@@ -110,7 +113,11 @@ class Predictor:
         family = self._family(request.model_name)
         code = "OK"
         try:
-            return await self._predict(family, request)
+            result = await self._predict(family, request)
+            s = result.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC
+            logs.log_decision(logger, decision=s.decision, reason_codes=s.reason_codes, from_cache=result.from_cache,
+                              probability=s.probability, decision_id=s.decision_id, model_version=s.model_version)
+            return result
         except ServiceError as exc:
             code = exc.code
             raise
@@ -149,6 +156,7 @@ class Predictor:
         metrics.INFERENCE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
         probability = float(temperature_probability(logits, manifest.calibration.temperature, manifest.positive_index)[0])
         band = family.policy.decide(probability)
+        self.drift.observe(family.name, row.vector, probability)
         reasons = (band.reason_code, *dict.fromkeys(g.reason_code for g in row.guards))
         decision = StoredDecision(
             decision_id="", request_id=request.request_id, entity_id=request.entity_id,
@@ -161,8 +169,10 @@ class Predictor:
         try:
             stored = await self.crm.record(decision)
         except Exception as exc:
+            metrics.CRM_WRITES.labels(family.name, "error").inc()
             logger.exception("CRM write failed for model %s", family.name)
             raise CrmUnavailable("the decision could not be recorded; retry with the same request_id") from exc
+        metrics.CRM_WRITES.labels(family.name, "ok").inc()
         metrics.CRM_WRITE_DURATION.labels(family.name).observe(time.perf_counter() - t0)
         metrics.DECISIONS.labels(family.name, stored.decision).inc()
         return PredictionResult(stored)

