@@ -27,7 +27,11 @@ train: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mlpair demo --model-repository $(MODEL_REPOSITORY)
 
-test: $(STAMP)
+# promtool (from Debian's prometheus package) validates deploy/observability's alerting rules offline.
+$(VENV)/bin/promtool: | $(STAMP)
+	bash deploy/observability/fetch-promtool.sh $@
+
+test: $(STAMP) $(VENV)/bin/promtool
 	$(PY) -m pytest -q
 
 clean:

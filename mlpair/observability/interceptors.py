@@ -42,10 +42,14 @@ def server_interceptors(layer: str, tracer_provider: trace.TracerProvider | None
         log_calls: write one DEBUG (or sampled) line per call, as InferenceService does.
     """
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
-    from opentelemetry.instrumentation.grpc.filters import negate, service_name
 
-    return [aio_server_interceptor(tracer_provider=tracer_provider, filter_=negate(service_name(HEALTH_SERVICE))),
+    return [aio_server_interceptor(tracer_provider=tracer_provider, filter_=_not_health_check),
             RequestContextInterceptor(layer, log_calls=log_calls)]
+
+
+def _not_health_check(handler_call_details: grpc.HandlerCallDetails) -> bool:
+    # A plain prefix test: the instrumentation's own service_name() filter parses metadata per call.
+    return not handler_call_details.method.startswith(f"/{HEALTH_SERVICE}/")
 
 
 def client_interceptors(tracer_provider: trace.TracerProvider | None = None) -> list[grpc.aio.ClientInterceptor]:

@@ -48,7 +48,8 @@ async def pair(model_repository, tmp_path_factory):
     settings = PredictionSettings(host="127.0.0.1", port=0, metrics_port=0,
                                   inference_target=f"127.0.0.1:{inference_port}",
                                   crm_url=f"sqlite+aiosqlite:///{crm}", model_repository=model_repository,
-                                  config_dir=CONFIG_DIR, drift_interval_s=0)
+                                  config_dir=CONFIG_DIR, drift_interval_s=0,
+                                  inference_timeout_ms=10_000)  # a shared, loaded test machine: no spurious deadlines
     server, port, health, predictor = await start_prediction(settings, tracer_provider=prediction_provider)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

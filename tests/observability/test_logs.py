@@ -135,3 +135,14 @@ def test_per_request_lines_can_be_sampled_at_info():
     finally:
         logs._sample_ratio = previous
         logger.setLevel(logging.NOTSET)
+
+
+async def test_non_ascii_request_id_still_decides_and_is_not_forwarded(pair, credit_holdout):
+    """gRPC metadata cannot carry it, so x-request-id is left out rather than failing the Infer call."""
+    pair.clear()
+    reply = await pair.stub.Predict(predict_request("solicitud-ñ-1", credit_holdout.entity_ids[6],
+                                                    credit_holdout.records[6]))
+    assert reply.decision_id
+    by_layer = {line["layer"]: line for line in pair.log_lines()}
+    assert by_layer["prediction"]["request_id"] == "solicitud-ñ-1"
+    assert by_layer["inference"]["request_id"] == ""

@@ -90,3 +90,13 @@ def test_head_sampling_ratio_applies_to_new_traces_and_follows_the_caller():
     assert [s.name for s in exporter.get_finished_spans()] == ["continued"]
     with pytest.raises(ValueError):
         build_tracer_provider("mlpair-test", sample_ratio=1.5)
+
+
+def test_otlp_endpoint_setting_builds_an_exporting_provider():
+    provider = build_tracer_provider("mlpair-test", otlp_endpoint="http://127.0.0.1:4317", sample_ratio=0.5)
+    try:
+        processors = provider._active_span_processor._span_processors
+        assert len(processors) == 1 and type(processors[0]).__name__ == "BatchSpanProcessor"
+        assert "TraceIdRatioBased{0.5}" in provider.sampler.get_description()
+    finally:
+        provider.shutdown()  # nothing was recorded, so nothing is sent
