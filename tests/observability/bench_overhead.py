@@ -7,6 +7,11 @@ by the same client over loopback with the real holdout applicants. Rounds altern
 before/after so a shared machine's noise hits both alike; the median round is reported.
 
     .venv/bin/python tests/observability/bench_overhead.py [--base 7fdd9b4] [--requests 400]
+    .venv/bin/python tests/observability/bench_overhead.py --components
+
+``--components`` instead prices each interceptor on one in-process gRPC hop with a trivial
+echo handler: client plus server CPU per call, the minimum over alternating blocks (the
+minimum is what a busy machine disturbs least).
 
 Prints one JSON line per variant and round (client p50/p99, throughput, and the servers' CPU
 time per request read from /proc), then a summary line per concurrency. Bounded: a fixed number of
@@ -92,7 +97,7 @@ class PairProcesses:
         crm = self.workdir / f"crm-{time.monotonic_ns()}.sqlite"
         self._spawn(["serve", "prediction", "--port", str(self.port), "--inference-target", f"127.0.0.1:{inference_port}",
                      "--crm-url", f"sqlite+aiosqlite:///{crm}", "--model-repository", str(self.models),
-                     "--config-dir", str(REPO / "config"), *common], "prediction")
+                     "--config-dir", str(REPO / "config"), "--inference-timeout-ms", "10000", *common], "prediction")
         wait_serving(self.port)
         return self
 
@@ -152,13 +157,65 @@ async def drive(port: int, records: list[dict], ids: list[str], tag: str, concur
             "throughput_rps": round(len(requests) / wall, 1)}
 
 
+async def components(blocks: int = 25, calls: int = 200) -> dict[str, float]:
+    """CPU microseconds per echo call (client + server, one process) with each interceptor alone."""
+    import grpc
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+
+    from mlpair.observability import interceptors as oi
+    from mlpair.observability.tracing import build_tracer_provider
+
+    provider = build_tracer_provider("mlpair-bench")  # production default: no exporter
+    variants = {
+        "none": ([], None),
+        "server: OpenTelemetry": ([aio_server_interceptor(tracer_provider=provider)], None),
+        "server: RequestContext (log context + Infer line check)": ([oi.RequestContextInterceptor("inference", log_calls=True)], None),
+        "client: OpenTelemetry": ([], [aio_client_interceptors(tracer_provider=provider)[0]]),
+        "client: x-request-id": ([], [oi.RequestIdClientInterceptor()]),
+        "all of the above": (oi.server_interceptors("inference", provider, log_calls=True), oi.client_interceptors(provider)),
+    }
+
+    async def echo(request, context):
+        return request
+
+    calls_by_variant, keep = {}, []
+    for name, (server_side, client_side) in variants.items():
+        server = grpc.aio.server(interceptors=server_side)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=client_side)
+        keep.append((server, channel))
+        calls_by_variant[name] = channel.unary_unary("/bench.Echo/Call")
+    best = dict.fromkeys(variants, float("inf"))
+    payload = b"x" * 256
+    for _ in range(blocks):
+        for name, call in calls_by_variant.items():
+            started = time.process_time()
+            for _ in range(calls):
+                await call(payload)
+            best[name] = min(best[name], (time.process_time() - started) / calls * 1e6)
+    for server, channel in keep:
+        await channel.close()
+        await server.stop(0)
+    return best
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="7fdd9b4", help="revision without this observability [default: 7fdd9b4]")
     parser.add_argument("--requests", type=int, default=400, help="Predict calls per round [default: 400]")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per variant, alternating [default: 3]")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="calls in flight [default: 1 16]")
+    parser.add_argument("--components", action="store_true", help="price each interceptor on one echo hop instead")
     args = parser.parse_args()
+    if args.components:
+        best = asyncio.run(components())
+        for name, us in best.items():
+            print(json.dumps({"component": name, "cpu_us_per_call": round(us, 1),
+                              "delta_us": round(us - best["none"], 1)}), flush=True)
+        return 0
 
     from mlpair.contracts.schema import FeatureSchema
     from mlpair.training.data import load_dataset, stratified_split

@@ -53,7 +53,8 @@ async def pair(model_repository, tmp_path_factory):
     server, port, health, predictor = await start_prediction(settings, tracer_provider=prediction_provider)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield Pair(pb_grpc.PredictionServiceStub(channel), f"127.0.0.1:{port}", predictor, inference_provider, prediction_provider,
+            yield Pair(pb_grpc.PredictionServiceStub(channel), f"127.0.0.1:{port}", f"127.0.0.1:{inference_port}",
+                       predictor, inference_provider, prediction_provider,
                        inference_spans, prediction_spans, stream)
     finally:
         await stop_prediction(server, health, predictor, 0)

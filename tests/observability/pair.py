@@ -19,6 +19,7 @@ class Pair:
 
     stub: pb_grpc.PredictionServiceStub
     target: str  # PredictionService host:port
+    inference_target: str  # InferenceService host:port
     predictor: object
     inference_provider: object
     prediction_provider: object

@@ -146,3 +146,24 @@ async def test_non_ascii_request_id_still_decides_and_is_not_forwarded(pair, cre
     by_layer = {line["layer"]: line for line in pair.log_lines()}
     assert by_layer["prediction"]["request_id"] == "solicitud-ñ-1"
     assert by_layer["inference"]["request_id"] == ""
+
+
+async def test_a_refused_infer_call_is_logged_with_its_status_and_the_callers_request_id(pair, credit_entry):
+    import grpc
+    import numpy as np
+
+    from mlpair.api.inference.v1 import inference_service_pb2 as ipb
+    from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
+
+    x = np.zeros((1, credit_entry.manifest.n_features), dtype="<f4")
+    request = ipb.InferRequest(model_name="credit-risk", inputs=ipb.Tensor(
+        data_type=ipb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()))
+    pair.clear()
+    async with grpc.aio.insecure_channel(pair.inference_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+            await ipb_grpc.InferenceServiceStub(channel).Infer(
+                request, metadata=(("x-feature-version", "credit-risk/v0"), ("x-request-id", "direct-7")))
+    assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    (line,) = [line for line in pair.log_lines() if line["layer"] == "inference"]
+    assert line["code"] == "FAILED_PRECONDITION" and line["request_id"] == "direct-7"
+    assert line["input_fingerprint"].startswith("blake2b:") and "compute" not in line["timings_ms"]
