@@ -335,11 +335,8 @@ def reports_from_metrics(text: str) -> list[DriftReport]:
     models = sorted({s.labels["model"] for s in values.get("prediction_drift_window_rows", [])})
     reports = []
     for model in models:
-        def one(name: str, **labels) -> float:
-            for s in values.get(name, []):
-                if s.labels.get("model") == model and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return float(s.value)
-            return float("nan")
+        def one(name: str, model: str = model, **labels: str) -> float:
+            return _sample_value(values, name, model, **labels)
 
         tests = []
         for s in values.get("prediction_drift_statistic", []):
@@ -357,6 +354,14 @@ def reports_from_metrics(text: str) -> list[DriftReport]:
         reports.append(DriftReport(model, "", int(one("prediction_drift_window_rows")), 0, float("nan"),
                                    one("prediction_drift_corrected_alpha"), tuple(tests), score))
     return reports
+
+
+def _sample_value(values: dict[str, list], name: str, model: str, **labels: str) -> float:
+    """The value of the first sample of ``name`` for ``model`` with ``labels``; NaN if none."""
+    for s in values.get(name, []):
+        if s.labels.get("model") == model and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    return float("nan")
 
 
 def render(reports: list[DriftReport]) -> str:

@@ -133,7 +133,7 @@ async def drive(port: int, records: list[dict], ids: list[str], tag: str, concur
     from mlpair.prediction.converters import to_attributes
 
     requests = [pb.PredictRequest(request_id=f"{tag}-{i}", entity_id=eid, attributes=to_attributes(r))
-                for i, (eid, r) in enumerate(zip(ids, records))]
+                for i, (eid, r) in enumerate(zip(ids, records, strict=True))]
     latencies: list[float] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.PredictionServiceStub(channel)

@@ -88,7 +88,7 @@ async def _replay(pair, holdout, tag: str, transform=lambda r: r) -> None:
         async with gate:
             await pair.stub.Predict(predict_request(f"{tag}-{eid}", eid, transform(record)), timeout=30)
 
-    await asyncio.gather(*(one(e, r) for e, r in zip(holdout.entity_ids, holdout.records)))
+    await asyncio.gather(*(one(e, r) for e, r in zip(holdout.entity_ids, holdout.records, strict=True)))
 
 
 def _income_times_3(record: dict) -> dict:
@@ -162,15 +162,17 @@ async def test_periodic_evaluation_exports_gauges_until_stopped(credit_entry, cr
     for row in x:
         monitors.observe(credit_entry.manifest.model_name, row, 0.2)
     monitors.observe("a-family-without-monitor", x[0], 0.2)  # ignored, never an error
-    gauge = metrics.DRIFT_WINDOW_ROWS.labels(credit_entry.manifest.model_name)
-    gauge.set(-1)
+    from prometheus_client import REGISTRY
+
+    model = {"model": credit_entry.manifest.model_name}
+    metrics.DRIFT_WINDOW_ROWS.labels(**model).set(-1)
     monitors.start(0.05)
     try:
         for _ in range(100):
-            if gauge._value.get() == 50:
+            if REGISTRY.get_sample_value("prediction_drift_window_rows", model) == 50:
                 break
             await asyncio.sleep(0.05)
     finally:
         await monitors.stop()
-    assert gauge._value.get() == 50
-    assert metrics.DRIFT_THRESHOLD.labels(credit_entry.manifest.model_name, "ks")._value.get() == 0.15
+    assert REGISTRY.get_sample_value("prediction_drift_window_rows", model) == 50
+    assert REGISTRY.get_sample_value("prediction_drift_threshold", {**model, "test": "ks"}) == 0.15
