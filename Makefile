@@ -47,7 +47,11 @@ train: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mlpair demo --model-repository $(MODEL_REPOSITORY)
 
-test: $(STAMP) tools
+# promtool (from Debian's prometheus package) validates deploy/observability's alerting rules offline.
+$(VENV)/bin/promtool: | $(STAMP)
+	bash deploy/observability/fetch-promtool.sh $@
+
+test: $(STAMP) tools $(VENV)/bin/promtool
 	$(PY) -m pytest -q
 
 # Benchmark (not a test): InferenceService over OIP gRPC at concurrency 1/16/64, batching on and

@@ -1,4 +1,4 @@
-"""The ``mlpair`` command: train, serve inference, serve prediction, demo, health.
+"""The ``mlpair`` command: train, serve inference, serve prediction, demo, health, drift-report.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
 ``PREDICTION_*``); a flag wins over the environment, which wins over the default.
@@ -58,7 +58,16 @@ def _run_server(layer: str, settings, serve) -> int:
 
     from mlpair.logs import configure_logging
 
-    configure_logging(layer, settings.log_level, settings.log_format)
+    from importlib.metadata import version
+
+    from opentelemetry import trace
+
+    from mlpair.observability.tracing import build_tracer_provider
+
+    configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
+                                     sample_ratio=settings.trace_sample_ratio, service_version=version("mlpair"))
+    trace.set_tracer_provider(provider)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
     try:
@@ -67,6 +76,8 @@ def _run_server(layer: str, settings, serve) -> int:
         logging.getLogger("mlpair").error("%s service failed: %s", layer, exc, exc_info=True)
         print(f"mlpair: {layer} service failed to start: {exc}", file=sys.stderr)
         return 1
+    finally:
+        provider.shutdown()  # flushes spans still batched for export
     return 0
 
 
@@ -116,6 +127,27 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _drift_report(args: argparse.Namespace) -> int:
+    import json
+    import urllib.request
+    from dataclasses import asdict
+
+    from mlpair.prediction.drift import render, reports_from_metrics
+
+    try:
+        with urllib.request.urlopen(args.metrics_url, timeout=args.timeout_s) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        print(f"mlpair: cannot read {args.metrics_url}: {exc}", file=sys.stderr)
+        return 1
+    reports = reports_from_metrics(text)
+    if args.json:
+        print(json.dumps([{**asdict(r), "drifted": r.drifted} for r in reports], indent=2))
+    else:
+        print(render(reports))
+    return 2 if any(r.drifted for r in reports) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mlpair.inference.settings import InferenceSettings
     from mlpair.prediction.settings import PredictionSettings
@@ -153,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="service name; empty = overall")
     health.add_argument("--timeout-s", type=float, default=2.0, help="seconds to wait [default: 2]")
     health.set_defaults(func=_health)
+
+    drift = sub.add_parser("drift-report", help="drift of a running PredictionService's features and scores; "
+                                                 "exit 0 none, 2 drift, 1 unreadable")
+    drift.add_argument("--metrics-url", default="http://127.0.0.1:9002/metrics",
+                       help="PredictionService Prometheus endpoint [default: http://127.0.0.1:9002/metrics]")
+    drift.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    drift.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait [default: 5]")
+    drift.set_defaults(func=_drift_report)
     return parser
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from mlpair.contracts import calibration, metrics
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import (
-    PREPROCESSING_FILE, Calibration, IsotonicParams, Manifest, ManifestError, ModelEntry, PlattParams,
+    PREPROCESSING_FILE, SCORE_BASELINE, Calibration, IsotonicParams, Manifest, ManifestError, ModelEntry, PlattParams,
     TensorSpec, VersionTriple, file_sha256, list_versions, load_entry, write_manifest,
 )
 from mlpair.contracts.schema import FeatureSchema, Preprocessing
@@ -36,7 +36,7 @@ from mlpair.training.model import TrainConfig, predict_logits, train_classifier
 logger = logging.getLogger(__name__)
 
 # Bump when a change to this package changes the trained model for the same inputs.
-TRAINING_CODE_VERSION = "3"  # 2: per-family training config; 3: entries also hold model.pt2 (torch.export)
+TRAINING_CODE_VERSION = "4"  # 2: per-family training config; 3: model.pt2 (torch.export); 4: score baseline
 TRAINING_CONFIG_FILE = "training.toml"  # beside the feature schema, optional
 BASELINE_QUANTILES = 101
 TORCH_PROGRAM_FILE = "model.pt2"
@@ -79,6 +79,13 @@ def baselines(preprocessing: Preprocessing, train: Dataset) -> dict[str, dict]:
         freq = x[:, cols].mean(axis=0)
         out[feat.name] = {"kind": "categorical", "frequencies": {names[j].split("=", 1)[1]: round(float(f), 6) for j, f in zip(cols, freq)}}
     return out
+
+
+def score_baseline(probabilities: np.ndarray) -> dict:
+    """Quantiles of calibrated probabilities (``[n]`` in [0, 1]) for score drift checks."""
+    qs = np.linspace(0, 1, BASELINE_QUANTILES)
+    return {"kind": "score", "space": "calibrated probability", "n": int(len(probabilities)),
+            "quantiles": np.quantile(probabilities, qs).round(6).tolist()}
 
 
 def load_train_config(schema_path: Path) -> TrainConfig:
@@ -161,7 +168,8 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
         preprocessing.save(staging / PREPROCESSING_FILE)
 
         positive = 1
-        cal = fit_calibration(predict_logits(model, x["calibration"]), splits["calibration"].labels, positive, config)
+        calibration_logits = predict_logits(model, x["calibration"])
+        cal = fit_calibration(calibration_logits, splits["calibration"].labels, positive, config)
         manifest = Manifest(
             model_name=schema.name,
             versions=VersionTriple(model_version=version, feature_schema_version=schema.version,
@@ -173,7 +181,8 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
             class_names=[f"not {schema.target.positive}", schema.target.positive],
             positive_index=positive,
             calibration=cal,
-            baselines=baselines(preprocessing, splits["train"]),
+            baselines={**baselines(preprocessing, splits["train"]),
+                       SCORE_BASELINE: score_baseline(cal.probabilities(calibration_logits, positive))},
             metrics=holdout_metrics(cal, predict_logits(model, x["holdout"]), splits["holdout"].labels, positive),
             data_source={"source": schema.source, "sha256": data.sha256, "rows": len(data.records),
                          "target": f"{schema.target.column} == {schema.target.positive!r}",

@@ -22,6 +22,8 @@ from mlpair.contracts.schema import Preprocessing
 
 MANIFEST_FILE = "manifest.json"
 PREPROCESSING_FILE = "preprocessing.json"
+# Key of the calibrated-score baseline in ``Manifest.baselines`` (the others are feature names).
+SCORE_BASELINE = "__score__"
 
 
 class _Model(BaseModel):

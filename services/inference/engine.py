@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.inference import metrics
 from mlpair.inference.errors import Draining, InvalidInput
@@ -147,10 +148,13 @@ class InferenceEngine:
                 if output != served.output_name:
                     raise InvalidInput(f"unknown output {output!r}; model {name!r} produces {served.output_name!r}")
             x = decode_features(tensor, served.n_features, self._max_rows)
+            validated = time.perf_counter()
+            logs.record_stage("validate", validated - started)
             if x.shape[0] == 0:
                 logits = np.zeros((0, served.n_classes), dtype=np.float32)
             else:
                 logits = await served.batcher.submit(x, deadline)
+                logs.record_stage("queue_and_compute", time.perf_counter() - validated)
             return InferResult(served.name, served.version, served.output_name, logits)
         except ServiceError as exc:
             code = exc.code

@@ -35,6 +35,8 @@ from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
+from mlpair.logs import set_process_model_version
+from mlpair.observability.interceptors import server_interceptors
 from mlpair.rpc import guard_servicer, message_size_options
 
 logger = logging.getLogger(__name__)
@@ -51,12 +53,16 @@ class InferenceServer:
         runtime_factory: builds each model version's runtime (tests may wrap the real one).
     """
 
-    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime) -> None:
+    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *,
+                 tracer_provider=None) -> None:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
         self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
         # Errors map to statuses through mlpair.rpc's guard (the interceptor's mapping, minus its per-call cost).
-        self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
+        # Tracing and per-call log context (settings.tracing); tracer_provider None = the global one.
+        observability = server_interceptors("inference", tracer_provider, log_calls=True) if settings.tracing else None
+        self.server = grpc.aio.server(interceptors=observability,
+                                      options=message_size_options(settings.max_message_bytes))
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
         pb_grpc.add_InferenceServiceServicer_to_server(own_api, self.server)
@@ -76,6 +82,8 @@ class InferenceServer:
             ManifestError, InferenceError: a model cannot be served (nothing turns ready).
         """
         await self.engine.start()
+        set_process_model_version(",".join(f"{name}:{v}" for name, versions in self.engine.repository.serving().items()
+                                           for v in versions))
         logger.info("InferenceService ready on port %d: %s", self.port, self.engine.repository.serving())
 
     async def _refresh_health(self) -> None:
@@ -100,14 +108,16 @@ class InferenceServer:
         await self.engine.close()
 
 
-async def start(settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime,
-                ) -> tuple[grpc.aio.Server, int, ServingHealth, InferenceEngine]:
+async def start(settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *,
+                tracer_provider=None) -> tuple[grpc.aio.Server, int, ServingHealth, InferenceEngine]:
     """Starts the server and loads the models; returns once ready.
+
+    ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
 
     Raises:
         ManifestError, InferenceError: a model cannot be loaded (the server is stopped first).
     """
-    server = InferenceServer(settings, runtime_factory)
+    server = InferenceServer(settings, runtime_factory, tracer_provider=tracer_provider)
     await server.start()
     try:
         await server.load()

@@ -42,12 +42,13 @@ class InferenceClient:
     """
 
     def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
-                 reconnect_backoff_max_ms: int = 1000) -> None:
+                 reconnect_backoff_max_ms: int = 1000, interceptors=None) -> None:
+        # interceptors: e.g. mlpair.observability.interceptors.client_interceptors() (trace context)
         options = [*message_size_options(max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms)]
-        self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout_s = timeout_ms / 1000.0

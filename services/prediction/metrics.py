@@ -73,3 +73,24 @@ RELAY_FAILURES = Counter("prediction_relay_failures_total", "Failed relay attemp
 # Health of what PredictionService depends on (health.py).
 DEPENDENCY_UP = Gauge("prediction_dependency_up", "1 when a dependency is healthy, else 0.", ["dependency"])
 DEGRADED = Gauge("prediction_degraded", "1 when serving with a fallback (inference, CRM or cache unhealthy), else 0.")
+
+# -- Observability (issue 6): CRM write health, fallbacks, drift. -------------------------------
+CRM_WRITES = Counter("prediction_crm_writes_total", "CRM write attempts by outcome (ok, error).", ["model", "outcome"])
+DRIFT_STATISTIC = Gauge("prediction_drift_statistic",
+                        "Drift effect size per feature over the window: KS statistic (test=ks) or total variation "
+                        "distance (test=chi2).", ["model", "feature", "test"])
+DRIFT_P_VALUE = Gauge("prediction_drift_p_value", "Drift test p-value per feature, before the Bonferroni correction.",
+                      ["model", "feature", "test"])
+DRIFT_DETECTED = Gauge("prediction_drift_detected",
+                       "1 when a feature drifted: effect size above its threshold and p-value below alpha / tests.",
+                       ["model", "feature"])
+DRIFT_WINDOW_ROWS = Gauge("prediction_drift_window_rows", "Decisions in the drift window.", ["model"])
+SCORE_DRIFT_STATISTIC = Gauge("prediction_score_drift_statistic",
+                              "KS statistic of the calibrated score over the window against training's.", ["model"])
+SCORE_DRIFT_P_VALUE = Gauge("prediction_score_drift_p_value", "KS p-value of the calibrated score drift test.", ["model"])
+SCORE_DRIFT_DETECTED = Gauge("prediction_score_drift_detected", "1 when the calibrated score distribution drifted.",
+                             ["model"])
+DRIFT_THRESHOLD = Gauge("prediction_drift_threshold", "Effect-size threshold of each drift test (ks, chi2).",
+                        ["model", "test"])
+DRIFT_CORRECTED_ALPHA = Gauge("prediction_drift_corrected_alpha",
+                              "Per-test significance level: alpha / number of tests (Bonferroni).", ["model"])

@@ -29,12 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from mlpair import logs
 from mlpair.contracts.assembly import AssembledRow, ConversionError
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
@@ -111,7 +113,7 @@ class Predictor:
 
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
                  scorer: CachedInference, recorder: DecisionRecorder, *, max_inference_rows: int = 1024,
-                 max_batch_items: int = 1000, explain_top_k: int = 3) -> None:
+                 max_batch_items: int = 1000, explain_top_k: int = 3, drift: DriftMonitors | None = None) -> None:
         """Wires the served families to inference (behind its cache) and the decision recorder.
 
         Raises:
@@ -126,6 +128,7 @@ class Predictor:
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k
+        self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
         for family in self.families.values():
             if len(family.schema.features) + 1 > max_inference_rows:
@@ -148,6 +151,9 @@ class Predictor:
         metrics.REQUEST_DURATION.labels(name if name in self.families else "unknown").observe(time.perf_counter() - started)
         if isinstance(outcome, ServiceError):
             raise outcome
+        s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC
+        logs.log_decision(logger, decision=s.decision, reason_codes=s.reason_codes, from_cache=outcome.from_cache,
+                          probability=s.probability, decision_id=s.decision_id, model_version=s.model_version)
         return outcome
 
     async def predict_batch(self, requests: Sequence[PredictInput]) -> list[PredictionResult | PredictionError]:
@@ -305,6 +311,7 @@ class Predictor:
         probability = float(members.mean())
         spread = float(members.max() - members.min())
         verdict = family.policy.decide(probability, spread)
+        self.drift.observe(family.name, it.row.vector, probability)
         if family.is_ensemble:
             metrics.ENSEMBLE_SPREAD.labels(family.name).observe(spread)
             if verdict.uncertain:

@@ -13,8 +13,11 @@ import logging
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.logs import add_personal_fields, set_process_model_version
+from mlpair.observability.interceptors import client_interceptors, server_interceptors
 from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
 from mlpair.prediction.crm.recorder import DecisionRecorder
+from mlpair.prediction.drift import DriftMonitors, drift_config
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.health import PredictionHealth
 from mlpair.prediction.inference_client import InferenceClient
@@ -40,11 +43,12 @@ def build_cache(settings: PredictionSettings) -> LogitsCache:
     return NullCache()
 
 
-def build_scorer(settings: PredictionSettings) -> CachedInference:
+def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> CachedInference:
     """InferenceService behind the cache, single-flight, deadline budget, retries and breaker."""
     client = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
                              max_message_bytes=settings.max_message_bytes,
-                             reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms)
+                             reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms,
+                             interceptors=client_interceptors(tracer_provider) if settings.tracing else None)
     caller = ResilientCaller(
         CircuitBreaker("inference", failure_threshold=settings.breaker_failure_threshold,
                        open_s=settings.breaker_open_ms / 1000, half_open_probes=settings.breaker_half_open_probes),
@@ -59,8 +63,10 @@ def build_scorer(settings: PredictionSettings) -> CachedInference:
                            linger_s=0.0 if isinstance(cache, NullCache) else 1.0)
 
 
-def build_predictor(settings: PredictionSettings) -> Predictor:
+def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:
     """Loads every served model family and builds its dependencies (no network I/O yet).
+
+    ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
 
     Raises:
         ConfigurationError: schema, policy and model repository disagree, or the default,
@@ -80,14 +86,23 @@ def build_predictor(settings: PredictionSettings) -> Predictor:
         crm_timeout_s=settings.crm_timeout_ms / 1000, batch_size=settings.relay_batch_size,
         linger_s=settings.relay_linger_ms / 1000,
         backoff_max_s=settings.relay_backoff_max_ms / 1000, retention_s=settings.outbox_retention_s)
-    return Predictor(families, settings.model_name, build_scorer(settings), recorder,
+    # Observability (issue 6): CRM spans, personal fields kept out of logs, drift monitoring.
+    if settings.tracing:
+        recorder.instrument(tracer_provider)
+    for family in families.values():
+        add_personal_fields(family.entry.preprocessing.feature_schema.personal_data)
+    set_process_model_version(",".join(f"{name}:{f.entry.manifest.model_version}" for name, f in families.items()))
+    drift = DriftMonitors.for_entries({name: f.entry for name, f in families.items()}, drift_config(settings))
+    return Predictor(families, settings.model_name, build_scorer(settings, tracer_provider=tracer_provider), recorder,
                      max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
-                     explain_top_k=settings.explain_top_reasons)
+                     explain_top_k=settings.explain_top_reasons, drift=drift)
 
 
-def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[grpc.aio.Server, int, PredictionHealth]:
+def create_server(settings: PredictionSettings, predictor: Predictor, *,
+                  tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health and binds its port (0 = free port)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
+    observability = server_interceptors("prediction", tracer_provider) if settings.tracing else []
+    server = grpc.aio.server(interceptors=[*observability, ErrorInterceptor(DOMAIN)],
                              options=message_size_options(settings.max_message_bytes))
     pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
     health = PredictionHealth(SERVICE_NAME)
@@ -96,17 +111,19 @@ def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[g
     return server, port, health
 
 
-async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
+async def start(settings: PredictionSettings, *,
+                tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
     """Migrates the outbox, starts the relay and the server, and reports readiness.
 
     Raises:
         ConfigurationError: inconsistent configuration.
         sqlalchemy.exc.SQLAlchemyError, OSError: the outbox cannot be created or written.
     """
-    predictor = build_predictor(settings)
+    predictor = build_predictor(settings, tracer_provider=tracer_provider)
     await predictor.recorder.start()
-    server, port, health = create_server(settings, predictor)
+    server, port, health = create_server(settings, predictor, tracer_provider=tracer_provider)
     await server.start()
+    predictor.drift.start(settings.drift_interval_s)
     interval_s = settings.health_interval_ms / 1000
     status = await health.check(predictor, timeout_s=interval_s)
     health.start_monitoring(predictor, interval_s)
@@ -119,6 +136,7 @@ async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Pre
     """Drains in-flight calls, delivers what it can of the outbox, then closes every connection."""
     await health.stop_monitoring()
     await drain(server, health, grace_s)
+    await predictor.drift.stop()
     await predictor.drain_background()
     await predictor.scorer.close()
     await predictor.inference.close()

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from mlpair.contracts.manifest import ManifestError, load_entry
+from mlpair.contracts.manifest import SCORE_BASELINE, ManifestError, load_entry
 from mlpair.training.export import ExportParityError, check_parity
 from mlpair.training.model import MLPClassifier, TrainConfig, train_classifier
 from mlpair.training.pipeline import fit_calibration, load_train_config, train_family
@@ -45,7 +45,10 @@ def test_entry_holds_model_manifest_and_quality(entry):
     assert m.metrics["holdout_calibrated"]["roc_auc"] >= MIN_ROC_AUC[m.model_name]
     assert m.training["onnx_parity_max_abs_diff"] <= 1e-4
     assert m.data_source["source"] == entry.preprocessing.feature_schema.source
-    assert set(m.baselines) == set(entry.preprocessing.feature_schema.attribute_names)
+    assert set(m.baselines) == {*entry.preprocessing.feature_schema.attribute_names, SCORE_BASELINE}
+    score = m.baselines[SCORE_BASELINE]
+    assert score["n"] == m.data_source["split"]["calibration"] and len(score["quantiles"]) == 101
+    assert 0.0 <= score["quantiles"][0] <= score["quantiles"][50] <= score["quantiles"][-1] <= 1.0
     for key in ("holdout_uncalibrated", "holdout_calibrated", "holdout_temperature", "holdout_platt"):
         assert {"roc_auc", "brier", "ece_15", "n"} <= set(m.metrics[key])
 

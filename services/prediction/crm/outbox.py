@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 import logging
 import random
 import sqlite3
@@ -345,8 +346,10 @@ class OutboxRelay:
             inserted = await self.crm.deliver([decision for _, decision in batch])
         except Exception:
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
+            _count_writes(batch, "error")
             raise
         metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
+        _count_writes(batch, "ok")
         await self.outbox.mark_delivered([seq for seq, _ in batch])
         self.crm_up = True
         metrics.OUTBOX_DELIVERED.inc(len(inserted))
@@ -359,3 +362,9 @@ class OutboxRelay:
         if failures == 1 or failures % 20 == 0:  # one line per outage, then a reminder, not one per retry
             logger.warning("CRM delivery failed (%d attempt(s) so far): %s; decisions wait in the outbox",
                            failures, type(exc).__name__)
+
+
+def _count_writes(batch, outcome: str) -> None:
+    """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
+    for model, n in Counter(decision.model_name for _, decision in batch).items():
+        metrics.CRM_WRITES.labels(model, outcome).inc(n)

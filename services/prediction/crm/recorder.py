@@ -7,6 +7,7 @@ database whether that is up now or comes back later.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from mlpair.prediction import metrics
@@ -23,6 +24,18 @@ class DecisionRecorder:
         self.outbox = outbox
         self.crm = crm
         self.relay = relay
+        self._tracer = None  # set by instrument(): spans for the durable write of each decision
+
+    def instrument(self, tracer_provider=None) -> None:
+        """Traces each outbox commit (``outbox INSERT``, child of the Predict span: the durable
+        write the response waits for) and each CRM statement of the relay (``crm INSERT``, in the
+        relay's own trace, since delivery happens after the response)."""
+        from opentelemetry import trace
+
+        from mlpair.observability.tracing import INSTRUMENTATION_NAME, instrument_engine
+
+        self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        instrument_engine(self.crm.engine, tracer_provider)
 
     @classmethod
     def open(cls, outbox_url: str, crm_url: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0,
@@ -60,7 +73,15 @@ class DecisionRecorder:
         Raises:
             OutboxUnavailable: it could not be recorded, so it must not be returned.
         """
-        recorded = await self.outbox.record(decision)
+        if self._tracer is None:
+            span = contextlib.nullcontext()
+        else:
+            from opentelemetry.trace import SpanKind
+
+            span = self._tracer.start_as_current_span("outbox INSERT", kind=SpanKind.CLIENT,
+                                                      attributes={"db.system": "sqlite", "db.operation.name": "INSERT"})
+        with span:
+            recorded = await self.outbox.record(decision)
         if recorded.replayed:
             metrics.IDEMPOTENT_REPLAYS.labels(decision.model_name).inc()
         return recorded

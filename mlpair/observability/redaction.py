@@ -1,0 +1,106 @@
+"""Personal-data redaction for log lines: schema-flagged fields and well-known patterns.
+
+Two rules, applied to every log line before it is written (see :mod:`mlpair.logs`):
+
+1. **Schema-flagged fields.** Attributes a feature schema marks ``personal_data = true``
+   (e.g. ``Income``, ``Marital`` for credit-risk) are replaced wherever the line names them:
+   as a structured field (``extra={"Income": ...}``, also nested in dicts), or inside text as
+   ``Income=4200``, ``Income: 4200``, ``'Income': 4200`` or ``"Income": "4200"``.
+2. **Patterns.** Values that look like e-mail addresses, phone numbers, national ID numbers
+   (US SSN, Spanish DNI/NIE, UK National Insurance number) or payment card numbers are
+   replaced in any string, whatever field carries them.
+
+Redaction replaces with a marker naming the kind (``[REDACTED:email]``), never with a hash:
+personal values such as an income have so little entropy that a hash is reversible by
+enumeration. Patterns are deliberately broad (a bare run of 9–19 digits counts as a possible
+phone or ID number); a redacted count in a log line is a smaller harm than a leaked number.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# (kind, pattern, fewest digits). Order matters: specific shapes run before generic digit runs.
+# The digit minimum keeps dates (2026-11-30: 8 digits), versions and timings out of "phone".
+PATTERNS: tuple[tuple[str, re.Pattern[str], int], ...] = (
+    ("email", re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"), 0),
+    # US Social Security number, 123-45-6789 (also with spaces).
+    ("national_id", re.compile(r"(?<![\w-])\d{3}[- ]\d{2}[- ]\d{4}(?![\w-])"), 0),
+    # Spanish DNI (8 digits + check letter) and NIE (X/Y/Z + 7 digits + letter).
+    ("national_id", re.compile(r"(?<![\w-])(?:\d{8}|[XYZxyz]\d{7})-?[A-HJ-NP-TV-Za-hj-np-tv-z](?![\w-])"), 0),
+    # UK National Insurance number, AB 12 34 56 C.
+    ("national_id", re.compile(r"(?<![\w-])[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{2} ?\d{2} ?\d{2} ?\d{2} ?[A-Da-d](?![\w-])"), 0),
+    # Phone numbers with a country code: +34 612 345 678, +1 (555) 123-4567, +441234567890.
+    ("phone", re.compile(r"(?<![\w+])\+\d{1,3}(?:[\s.-]?(?:\(\d{1,4}\)|\d{1,4})){2,5}(?!\w)"), 8),
+    # Numbers in groups of 2–4 digits with one kind of separator (phones, card numbers):
+    # 612 34 56 78, 555-123-4567, 4111 1111 1111 1111. One separator kind throughout keeps a
+    # timestamp's date and time ("2026-11-30 12:00") apart.
+    ("phone", re.compile(r"(?<![\w.-])\d{2,4}([ .-])(?:\d{2,4}\1){1,3}\d{2,4}(?![\w.-])"), 9),
+    ("phone", re.compile(r"(?<![\w.-])\(\d{2,4}\)\s?\d{2,4}[ .-]\d{2,4}(?![\w.-])"), 9),
+    # Bare runs of 9–19 digits (phones up to E.164's 15, card numbers up to 19) not part of a
+    # decimal, hex string or word.
+    ("number", re.compile(r"(?<![\w.])\d{9,19}(?![\w.])"), 0),
+)
+
+_VALUE = r"""(?:"[^"]*"|'[^']*'|[^\s,;)}\]]+)"""
+
+
+class Redactor:
+    """Replaces personal data in log messages and structured fields.
+
+    Args:
+        personal_fields: attribute names flagged as personal data (matched case-insensitively).
+    """
+
+    def __init__(self, personal_fields: Iterable[str] = ()) -> None:
+        self._fields: frozenset[str] = frozenset()
+        self._field_text: re.Pattern[str] | None = None
+        self.add_fields(personal_fields)
+
+    @property
+    def fields(self) -> frozenset[str]:
+        """The lower-cased personal field names currently redacted."""
+        return self._fields
+
+    def add_fields(self, names: Iterable[str]) -> None:
+        """Adds schema-flagged field names (e.g. from ``FeatureSchema.personal_data``)."""
+        self._fields = self._fields | {n.lower() for n in names}
+        if self._fields:
+            names_re = "|".join(sorted(map(re.escape, self._fields), key=len, reverse=True))
+            # name=value, name: value, 'name': value, "name": value (any case of the name).
+            self._field_text = re.compile(
+                rf"""(?i)(?P<key>(?<![\w])["']?(?:{names_re})["']?\s*[:=]\s*){_VALUE}""")
+
+    def text(self, value: str) -> str:
+        """``value`` with every personal field value and personal-data pattern replaced."""
+        if self._field_text is not None:
+            value = self._field_text.sub(lambda m: m.group("key") + "[REDACTED]", value)
+        for kind, pattern, min_digits in PATTERNS:
+            value = pattern.sub(_replacer(kind, min_digits), value)
+        return value
+
+    def value(self, key: str, value: Any) -> Any:
+        """A structured field's value, redacted: whole when ``key`` is personal, else by pattern."""
+        if key.lower() in self._fields:
+            return "[REDACTED]"
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, Mapping):
+            return {str(k): self.value(str(k), v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.value(key, v) for v in value]
+        return value
+
+
+def _replacer(kind: str, min_digits: int):
+    marker = f"[REDACTED:{kind}]"
+    if not min_digits:
+        return marker
+
+    def replace(match: re.Match[str]) -> str:
+        text = match.group(0)
+        return marker if sum(c.isdigit() for c in text) >= min_digits else text
+
+    return replace

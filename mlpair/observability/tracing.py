@@ -1,0 +1,89 @@
+"""OpenTelemetry tracing for both services: provider, exporter choice, gRPC and CRM spans.
+
+One trace follows a decision across the pair: the PredictionService server span (from
+OpenTelemetry's gRPC instrumentation) → the client span of its ``Infer`` call, which injects
+W3C ``traceparent`` metadata → the InferenceService server span → back in PredictionService,
+one span per CRM statement (``crm INSERT`` …) under the same Predict span.
+
+Export is off by default. With ``otlp_endpoint`` set, spans go to that OTLP/gRPC collector
+(batched), head-sampled at ``sample_ratio`` for new traces and following the caller's choice
+for continued ones. Without an endpoint, spans are still *created but not sampled*: they
+cost little, and their trace and span ids still reach every log line and the next hop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+
+INSTRUMENTATION_NAME = "mlpair"
+
+
+def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_ratio: float = 1.0,
+                          service_version: str = "", exporter: SpanExporter | None = None) -> TracerProvider:
+    """A tracer provider for one service.
+
+    Args:
+        service_name: the ``service.name`` resource attribute, e.g. ``mlpair-inference``.
+        otlp_endpoint: OTLP/gRPC collector, e.g. ``http://otel-collector:4317``; "" = no export.
+        sample_ratio: fraction in [0, 1] of new traces recorded when exporting
+            (``ParentBased(TraceIdRatioBased)``: a caller's sampling decision is kept).
+        service_version: the ``service.version`` resource attribute.
+        exporter: an explicit exporter (tests pass an in-memory one); wins over ``otlp_endpoint``.
+
+    Raises:
+        ValueError: ``sample_ratio`` is outside [0, 1].
+    """
+    if not 0.0 <= sample_ratio <= 1.0:
+        raise ValueError(f"sample_ratio must be in [0, 1], got {sample_ratio}")
+    if exporter is None and otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=otlp_endpoint.startswith("http://"))
+    root = TraceIdRatioBased(sample_ratio) if exporter is not None else ALWAYS_OFF
+    resource = Resource.create({"service.name": service_name, "service.namespace": "mlpair",
+                                "service.version": service_version})
+    provider = TracerProvider(resource=resource, sampler=ParentBased(root))
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def instrument_engine(engine: Any, tracer_provider: trace.TracerProvider | None = None) -> None:
+    """One CLIENT span per SQL statement on a SQLAlchemy engine (async or sync), named
+    ``crm <OPERATION>`` (``crm INSERT``), child of whatever span is current (the Predict call).
+
+    Neither statement parameters nor row values are recorded, so no personal data reaches a
+    span. (OpenTelemetry's own SQLAlchemy instrumentation does not support SQLAlchemy 2.1 yet.)
+    """
+    from sqlalchemy import event
+
+    tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+    sync_engine = getattr(engine, "sync_engine", engine)
+    system = sync_engine.dialect.name
+
+    @event.listens_for(sync_engine, "before_cursor_execute")
+    def _start(conn, cursor, statement, parameters, context, executemany):
+        operation = statement.lstrip().split(None, 1)[0].upper() if statement.strip() else "SQL"
+        span = tracer.start_span(f"crm {operation}", kind=trace.SpanKind.CLIENT,
+                                 attributes={"db.system": system, "db.operation.name": operation})
+        if context is not None:
+            context._mlpair_span = span
+
+    @event.listens_for(sync_engine, "after_cursor_execute")
+    def _end(conn, cursor, statement, parameters, context, executemany):
+        span = getattr(context, "_mlpair_span", None)
+        if span is not None:
+            span.end()
+
+    @event.listens_for(sync_engine, "handle_error")
+    def _error(exception_context):
+        span = getattr(exception_context.execution_context, "_mlpair_span", None)
+        if span is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(exception_context.original_exception).__name__))
+            span.end()

@@ -1,0 +1,170 @@
+"""Log lines of the real pair: the fields every line carries, per layer, and personal data redacted."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from mlpair import logs
+from tests.observability.pair import predict_request
+
+CONTEXT_FIELDS = {"ts", "level", "logger", "layer", "message", "trace_id", "span_id", "request_id", "model_version"}
+
+
+async def test_every_line_carries_layer_trace_span_request_and_model_version(pair, credit_holdout, credit_entry):
+    pair.clear()
+    reply = await pair.stub.Predict(predict_request("logs-1", credit_holdout.entity_ids[2], credit_holdout.records[2]))
+    lines = pair.log_lines()
+    assert lines, "DEBUG is on for mlpair: each call writes its lines"
+    for line in lines:
+        assert CONTEXT_FIELDS <= set(line), line
+        assert len(line["trace_id"]) == 32 and len(line["span_id"]) == 16
+        assert line["request_id"] == "logs-1"
+        assert line["model_version"] == credit_entry.manifest.model_version
+    assert len({line["trace_id"] for line in lines}) == 1, "both layers' lines share the trace id"
+
+    (inference,) = [line for line in lines if line["layer"] == "inference"]
+    assert inference["code"] == "OK" and inference["rows"] == 1
+    assert len(inference["inference_id"]) == 16 and inference["batch_id"]
+    assert inference["input_fingerprint"].startswith("blake2b:")
+    # dynamic batching: the request waits for its batch, queue time and compute together
+    assert {"validate", "queue_and_compute", "total"} <= set(inference["timings_ms"])
+    assert all(v >= 0 for v in inference["timings_ms"].values())
+
+    (decision,) = [line for line in lines if line["layer"] == "prediction"]
+    assert decision["decision"] == _decision_name(reply.decision)
+    assert decision["reason_codes"] == list(reply.reason_codes)
+    assert decision["from_cache"] is False and decision["decision_id"] == reply.decision_id
+    assert decision["level"] == "DEBUG"
+
+
+def _decision_name(value: int) -> str:
+    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+
+    return pb.Decision.Name(value).removeprefix("DECISION_")
+
+
+async def test_same_input_same_fingerprint_and_no_raw_values(pair, credit_holdout):
+    record = credit_holdout.records[3]
+    pair.clear()
+    for request_id in ("fp-1", "fp-2"):
+        await pair.stub.Predict(predict_request(request_id, credit_holdout.entity_ids[3], record))
+    inference = [line for line in pair.log_lines() if line["layer"] == "inference"]
+    assert len(inference) == 2 and inference[0]["input_fingerprint"] == inference[1]["input_fingerprint"]
+    assert inference[0]["inference_id"] != inference[1]["inference_id"]
+    text = pair.log_stream.getvalue()
+    for name in ("Income", "Assets", "Debt"):  # personal numeric attributes of this applicant
+        if record.get(name) is not None:
+            assert f'"{name}"' not in text
+
+
+async def test_no_per_request_lines_at_info(pair, credit_holdout):
+    """The hop budget: at INFO (production default) a call writes no line at all."""
+    mlpair_logger = logging.getLogger("mlpair")
+    pair.clear()
+    mlpair_logger.setLevel(logging.INFO)
+    try:
+        await pair.stub.Predict(predict_request("quiet-1", credit_holdout.entity_ids[4], credit_holdout.records[4]))
+    finally:
+        mlpair_logger.setLevel(logging.DEBUG)
+    assert pair.log_lines() == []
+
+
+async def test_personal_data_in_request_ids_never_reaches_the_log(pair, credit_holdout):
+    pair.clear()
+    request_id = "ana.garcia@example.com/+34 612 345 678"
+    await pair.stub.Predict(predict_request(request_id, credit_holdout.entity_ids[5], credit_holdout.records[5]))
+    lines = pair.log_lines()
+    assert lines and {line["layer"] for line in lines} == {"inference", "prediction"}
+    text = pair.log_stream.getvalue()
+    assert "ana.garcia" not in text and "612 345 678" not in text
+    assert all(line["request_id"] == "[REDACTED:email]/[REDACTED:phone]" for line in lines)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_schema_flagged_fields_and_patterns_are_redacted_in_both_formats(fmt, credit_schema):
+    logs.add_personal_fields(credit_schema.personal_data)
+    stream = io.StringIO()
+    logger = logging.getLogger("mlpair.test.redaction")
+    handler = logs.make_handler(fmt, stream)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("applicant Income=4321 Marital: widow, call 555-123-4567", extra={
+            "attributes": {"Income": 98765, "Assets": 123456, "Age": 41, "Marital": "widow"},
+            "contact": "ssn 123-45-6789, dni 12345678Z, mail ana@example.com"})
+        try:
+            raise ValueError("Debt='777777' rejected for 91 234 56 78")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    for raw in ("4321", "widow", "98765", "123456", "555-123-4567", "123-45-6789", "12345678Z",
+                "ana@example.com", "777777", "91 234 56 78"):
+        assert raw not in text, f"{raw!r} leaked in {fmt}: {text}"
+    assert "41" in text, "non-personal values stay readable"
+    if fmt == "json":
+        first = json.loads(text.splitlines()[0])
+        assert first["attributes"] == {"Income": "[REDACTED]", "Assets": "[REDACTED]", "Age": 41,
+                                       "Marital": "[REDACTED]"}
+        assert first["layer"] == "" and first["request_id"] == "" and first["trace_id"] == ""
+
+
+def test_timestamps_versions_and_ids_are_not_mistaken_for_personal_data():
+    from mlpair.observability.redaction import Redactor
+
+    text = ("at 2026-11-30 12:00:01.123 model 1.45.2 took 12.345 ms on port 50051, "
+            "trace 4bf92f3577b34da6a3ce929d0e0e4736 span 00f067aa0ba902b7 p=0.123456789 sha256:0123456789abcdef")
+    assert Redactor().text(text) == text
+
+
+def test_per_request_lines_can_be_sampled_at_info():
+    logger = logging.getLogger("mlpair.test.sampling")
+    logger.setLevel(logging.INFO)
+    previous = logs._sample_ratio
+    try:
+        logs._sample_ratio = 0.0
+        assert logs.per_request_level(logger) is None
+        logs._sample_ratio = 1.0
+        assert logs.per_request_level(logger) == logging.INFO
+        logger.setLevel(logging.DEBUG)
+        assert logs.per_request_level(logger) == logging.DEBUG
+    finally:
+        logs._sample_ratio = previous
+        logger.setLevel(logging.NOTSET)
+
+
+async def test_non_ascii_request_id_still_decides_and_is_not_forwarded(pair, credit_holdout):
+    """gRPC metadata cannot carry it, so x-request-id is left out rather than failing the Infer call."""
+    pair.clear()
+    reply = await pair.stub.Predict(predict_request("solicitud-ñ-1", credit_holdout.entity_ids[6],
+                                                    credit_holdout.records[6]))
+    assert reply.decision_id
+    by_layer = {line["layer"]: line for line in pair.log_lines()}
+    assert by_layer["prediction"]["request_id"] == "solicitud-ñ-1"
+    assert by_layer["inference"]["request_id"] == ""
+
+
+async def test_a_refused_infer_call_is_logged_with_its_status_and_the_callers_request_id(pair, credit_entry):
+    import grpc
+    import numpy as np
+
+    from mlpair.api.inference.v1 import inference_service_pb2 as ipb
+    from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
+
+    x = np.zeros((1, credit_entry.manifest.n_features), dtype="<f4")
+    request = ipb.InferRequest(model_name="credit-risk", inputs=ipb.Tensor(
+        data_type=ipb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()))
+    pair.clear()
+    async with grpc.aio.insecure_channel(pair.inference_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+            await ipb_grpc.InferenceServiceStub(channel).Infer(
+                request, metadata=(("x-feature-version", "credit-risk/v0"), ("x-request-id", "direct-7")))
+    assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    (line,) = [line for line in pair.log_lines() if line["layer"] == "inference"]
+    assert line["code"] == "FAILED_PRECONDITION" and line["request_id"] == "direct-7"
+    assert line["input_fingerprint"].startswith("blake2b:") and "compute" not in line["timings_ms"]
