@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from dataclasses import dataclass
@@ -42,6 +43,17 @@ class Pair:
 
     def log_lines(self) -> list[dict]:
         return [json.loads(line) for line in self.log_stream.getvalue().splitlines() if line.strip()]
+
+    async def settled_log_lines(self, inference_lines: int = 1, timeout_s: float = 2.0) -> list[dict]:
+        """The log lines once InferenceService has written ``inference_lines`` of them: it writes
+        each as its handler unwinds, which may be just after the caller has the response."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            lines = self.log_lines()
+            done = sum(line["layer"] == "inference" for line in lines) >= inference_lines
+            if done or asyncio.get_running_loop().time() > deadline:
+                return lines
+            await asyncio.sleep(0.02)
 
 
 def predict_request(request_id: str, entity_id: str, attributes: dict) -> pb.PredictRequest:

@@ -17,7 +17,7 @@ CONTEXT_FIELDS = {"ts", "level", "logger", "layer", "message", "trace_id", "span
 async def test_every_line_carries_layer_trace_span_request_and_model_version(pair, credit_holdout, credit_entry):
     pair.clear()
     reply = await pair.stub.Predict(predict_request("logs-1", credit_holdout.entity_ids[2], credit_holdout.records[2]))
-    lines = pair.log_lines()
+    lines = await pair.settled_log_lines()
     assert lines, "DEBUG is on for mlpair: each call writes its lines"
     for line in lines:
         assert CONTEXT_FIELDS <= set(line), line
@@ -52,7 +52,7 @@ async def test_same_input_same_fingerprint_and_no_raw_values(pair, credit_holdou
     pair.clear()
     for request_id in ("fp-1", "fp-2"):
         await pair.stub.Predict(predict_request(request_id, credit_holdout.entity_ids[3], record))
-    inference = [line for line in pair.log_lines() if line["layer"] == "inference"]
+    inference = [line for line in await pair.settled_log_lines(2) if line["layer"] == "inference"]
     assert len(inference) == 2 and inference[0]["input_fingerprint"] == inference[1]["input_fingerprint"]
     assert inference[0]["inference_id"] != inference[1]["inference_id"]
     text = pair.log_stream.getvalue()
@@ -77,7 +77,7 @@ async def test_personal_data_in_request_ids_never_reaches_the_log(pair, credit_h
     pair.clear()
     request_id = "ana.garcia@example.com/+34 612 345 678"
     await pair.stub.Predict(predict_request(request_id, credit_holdout.entity_ids[5], credit_holdout.records[5]))
-    lines = pair.log_lines()
+    lines = await pair.settled_log_lines()
     assert lines and {line["layer"] for line in lines} == {"inference", "prediction"}
     text = pair.log_stream.getvalue()
     assert "ana.garcia" not in text and "612 345 678" not in text
@@ -144,7 +144,7 @@ async def test_non_ascii_request_id_still_decides_and_is_not_forwarded(pair, cre
     reply = await pair.stub.Predict(predict_request("solicitud-ñ-1", credit_holdout.entity_ids[6],
                                                     credit_holdout.records[6]))
     assert reply.decision_id
-    by_layer = {line["layer"]: line for line in pair.log_lines()}
+    by_layer = {line["layer"]: line for line in await pair.settled_log_lines()}
     assert by_layer["prediction"]["request_id"] == "solicitud-ñ-1"
     assert by_layer["inference"]["request_id"] == ""
 
@@ -165,6 +165,6 @@ async def test_a_refused_infer_call_is_logged_with_its_status_and_the_callers_re
             await ipb_grpc.InferenceServiceStub(channel).Infer(
                 request, metadata=(("x-feature-version", "credit-risk/v0"), ("x-request-id", "direct-7")))
     assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    (line,) = [line for line in pair.log_lines() if line["layer"] == "inference"]
+    (line,) = [line for line in await pair.settled_log_lines() if line["layer"] == "inference"]
     assert line["code"] == "FAILED_PRECONDITION" and line["request_id"] == "direct-7"
     assert line["input_fingerprint"].startswith("blake2b:") and "compute" not in line["timings_ms"]
