@@ -28,8 +28,19 @@ DEPLOY_DIR = REPO_ROOT / "deploy"
 K8S_DIR = DEPLOY_DIR / "k8s"
 ISTIO_DIR = DEPLOY_DIR / "istio"
 OVERLAYS = ("dev", "prod")
-# ../shared sits beside the repository (design docs, data files); absent in a bare clone.
-SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+def _shared_dir() -> Path:
+    """The project's shared data folder: ../shared beside the repository, or beside a folder
+    above it (a git worktree such as /work/wt/<branch> shares /work/shared); absent in a bare
+    clone, where the checks that need it skip."""
+    for folder in REPO_ROOT.parents:
+        if (folder / "shared" / "schemas").is_dir():
+            return folder / "shared"
+    return REPO_ROOT.parent / "shared"
+
+
+SHARED_DIR = _shared_dir()
 ISTIO_CRD_DIR = SHARED_DIR / "schemas" / "istio"
 
 # The three most recent Kubernetes minor versions whose schemas kubernetes-validate ships.
