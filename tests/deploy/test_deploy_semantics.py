@@ -3,6 +3,8 @@ and with the SLAs. Each test reads the rendered overlays (as applied), not the s
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from pathlib import Path
 
@@ -359,9 +361,6 @@ def test_every_pod_sees_exactly_the_release(objects: list) -> None:
 
 
 def test_release_check_rejects_unmounted_and_unpinned_versions(rendered: dict) -> None:
-    import copy
-    import json
-
     def without_mount(objects: list, sub_path: str, *names: str) -> None:
         for workload in dc.workloads(objects):
             if workload["metadata"]["name"] in names:

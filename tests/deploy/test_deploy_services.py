@@ -85,7 +85,7 @@ def hpa_pod_metrics(objects: list) -> list[tuple[dict, dict]]:
 
 def test_autoscaler_metrics_exist(objects: list) -> None:
     exported = inference_metrics()
-    assert "inference_queue_depth_rows" in exported  # the gauge the brief's HPA scales on
+    assert "inference_queue_depth_rows" in exported  # rows waiting in the batcher
     docs = (dc.REPO_ROOT / "docs" / "deployment.md").read_text()
     pairs = hpa_pod_metrics(objects)
     assert pairs, "no HPA scales on a per-pod metric"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -77,7 +78,7 @@ def settings_for(cls, pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: s
     """The service's settings class read from the pod's environment, as in the container, with
     the local replacements named in the module docstring."""
     prefix = dc.PREFIX[dc.app_of(pod.workload)] + "_"
-    for name in [n for n in __import__("os").environ if n.startswith(prefix)]:
+    for name in [n for n in os.environ if n.startswith(prefix)]:
         monkeypatch.delenv(name)
     for name, value in {**pod.env, **{prefix + k.upper(): v for k, v in local.items()}}.items():
         monkeypatch.setenv(name, value)
