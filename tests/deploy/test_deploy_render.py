@@ -58,6 +58,21 @@ def test_everything_lands_in_the_mlpair_namespace(rendered: dict, overlay: str) 
     assert namespace["metadata"]["name"] == dc.NAMESPACE
 
 
+@pytest.mark.parametrize("overlay", dc.OVERLAYS)
+def test_everything_carries_the_ownership_label(rendered: dict, overlay: str) -> None:
+    # `kubectl get all -l app.kubernetes.io/part-of=mlpair` must list every object and pod, and
+    # claims made from templates carry it too (a track added outside the base included).
+    for obj in rendered[overlay]:
+        labelled = [obj["metadata"]]
+        if obj["kind"] in dc.WORKLOAD_KINDS:
+            labelled.append(obj["spec"]["template"]["metadata"])
+            labelled += [t["metadata"] for t in obj["spec"].get("volumeClaimTemplates", ())]
+        for metadata in labelled:
+            assert metadata.get("labels", {}).get("app.kubernetes.io/part-of") == "mlpair", (
+                dc.name_of(obj)
+            )
+
+
 def test_istio_folder_renders_on_its_own(rendered_istio: list) -> None:
     kinds = {obj["kind"] for obj in rendered_istio}
     assert kinds == {
