@@ -2,9 +2,10 @@
 #
 # PredictionService image for the CPU node pool.
 #
-# Slim Debian Python 3.11 base; the `prediction` extra brings SQLAlchemy, aiosqlite and asyncpg
-# (all with wheels, so no compiler is needed). No torch and no ONNX Runtime: the model runs in
-# InferenceService; the build fails if either slipped in through a dependency.
+# Slim Debian Python 3.11 base; the `prediction` extra brings SQLAlchemy, aiosqlite, asyncpg,
+# Alembic, redis and scipy (all with wheels, so no compiler is needed). No torch and no ONNX
+# Runtime: the model runs in InferenceService; the build fails if either slipped in through a
+# dependency.
 #
 # Build from the repository root:
 #   docker build -f deploy/docker/prediction.Dockerfile -t mlpair-prediction:dev .
@@ -27,12 +28,16 @@ RUN pip install --no-cache-dir '.[prediction]' \
     && for heavy in torch onnxruntime onnxruntime-gpu; do \
          if pip show "$heavy" >/dev/null 2>&1; then echo "$heavy must not ship in the prediction image" >&2; exit 1; fi; \
        done \
-    && python -c "import sqlalchemy, asyncpg, mlpair"
+    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, mlpair"
 
 # ---- runtime: the same base (same interpreter path), the virtualenv, a non-root user ----
 FROM ${PYTHON_IMAGE} AS runtime
+# The outbox folder belongs to the service user: every decision is committed there before it is
+# returned (PREDICTION_OUTBOX_URL below). Kubernetes mounts the pod's own claim over it
+# (deploy/k8s/prediction-track/statefulset.yaml); plain Docker should mount a named volume.
 RUN groupadd --system --gid 10001 mlpair \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin mlpair
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin mlpair \
+    && install -d -o 10001 -g 10001 -m 0750 /var/lib/mlpair/outbox
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -41,7 +46,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PREDICTION_PORT=9001 \
     PREDICTION_METRICS_PORT=9002 \
     PREDICTION_MODEL_REPOSITORY=/models \
-    PREDICTION_CONFIG_DIR=/etc/mlpair/config
+    PREDICTION_CONFIG_DIR=/etc/mlpair/config \
+    PREDICTION_OUTBOX_URL=sqlite+aiosqlite:////var/lib/mlpair/outbox/prediction-outbox.sqlite
+VOLUME ["/var/lib/mlpair/outbox"]
 USER 10001:10001
 # 9001 gRPC (PredictionService, grpc.health.v1); 9002 Prometheus metrics.
 EXPOSE 9001 9002

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -28,8 +29,19 @@ DEPLOY_DIR = REPO_ROOT / "deploy"
 K8S_DIR = DEPLOY_DIR / "k8s"
 ISTIO_DIR = DEPLOY_DIR / "istio"
 OVERLAYS = ("dev", "prod")
-# ../shared sits beside the repository (design docs, data files); absent in a bare clone.
-SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+def _shared_dir() -> Path:
+    """The project's shared data folder: ../shared beside the repository, or beside a folder
+    above it (a git worktree such as /work/wt/<branch> shares /work/shared); absent in a bare
+    clone, where the checks that need it skip."""
+    for folder in REPO_ROOT.parents:
+        if (folder / "shared" / "schemas").is_dir():
+            return folder / "shared"
+    return REPO_ROOT.parent / "shared"
+
+
+SHARED_DIR = _shared_dir()
 ISTIO_CRD_DIR = SHARED_DIR / "schemas" / "istio"
 
 # The three most recent Kubernetes minor versions whose schemas kubernetes-validate ships.
@@ -366,6 +378,23 @@ def selector_matches(selector: dict | None, labels: dict) -> bool:
 # --------------------------------------------------------------------------- workloads
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
+# The env prefix of each service's settings class, by the app.kubernetes.io/name of its pods.
+PREFIX = {"inference": "INFERENCE", "prediction": "PREDICTION"}
+# The model repository's volume in every pod that reads it.
+MODEL_VOLUME = "model-repository"
+
+
+def workloads(objects: Iterable[Obj], app: str | None = None) -> list[Obj]:
+    """Deployments and StatefulSets of the render, optionally only those of one service."""
+    return [
+        obj
+        for obj in objects
+        if obj.get("kind") in WORKLOAD_KINDS and (app is None or app_of(obj) == app)
+    ]
+
+
+def app_of(workload: Obj) -> str:
+    return pod_labels(workload)["app.kubernetes.io/name"]
 
 
 def pod_spec(workload: Obj) -> Obj:
@@ -394,6 +423,184 @@ def settings_of(workload: Obj, objects: list[Obj]) -> dict[str, str]:
         if "value" in variable:
             env[variable["name"]] = variable["value"]
     return env
+
+
+def json_setting(settings: dict[str, str], name: str, default: Any) -> Any:
+    """A JSON-valued setting (lists, maps), parsed as pydantic-settings parses it."""
+    return json.loads(settings[name]) if name in settings else default
+
+
+def mounts_by_path(workload: Obj) -> dict[str, tuple[Obj, Obj | None]]:
+    """mountPath -> (volumeMount, the pod volume or volumeClaimTemplate it names, if any)."""
+    volumes = {volume["name"]: volume for volume in pod_spec(workload).get("volumes", ())}
+    for template in workload["spec"].get("volumeClaimTemplates", ()):
+        volumes.setdefault(template["metadata"]["name"], {"volumeClaimTemplate": template})
+    container = pod_spec(workload)["containers"][0]
+    return {
+        mount["mountPath"]: (mount, volumes.get(mount["name"]))
+        for mount in container.get("volumeMounts", ())
+    }
+
+
+def mount_for(workload: Obj, path: str) -> tuple[Obj, Obj | None] | None:
+    """The volumeMount whose folder holds `path` (the deepest one), with its volume."""
+    best = None
+    for mount_path, found in mounts_by_path(workload).items():
+        inside = path == mount_path or path.startswith(mount_path.rstrip("/") + "/")
+        if inside and (best is None or len(mount_path) > len(best[0])):
+            best = (mount_path, found)
+    return best[1] if best else None
+
+
+# --------------------------------------------------------------------------- the release
+
+
+def mounted_versions(workload: Obj, repository: str) -> tuple[set[tuple[str, str]], list[str]]:
+    """(family, version) pairs of the model repository a pod sees, and problems of their mounts.
+
+    Each version is its own read-only subPath mount, `<family>/<N>` at `<repository>/<family>/<N>`:
+    the pod sees exactly the release, never a version published later for another rollout.
+    """
+    found: set[tuple[str, str]] = set()
+    problems: list[str] = []
+    where = name_of(workload)
+    for mount in pod_spec(workload)["containers"][0].get("volumeMounts", ()):
+        if mount["name"] != MODEL_VOLUME:
+            continue
+        sub_path = mount.get("subPath", "")
+        parts = sub_path.split("/")
+        if len(parts) != 2 or not parts[1].isdigit():
+            problems.append(f"{where}: model repository mounted as {sub_path!r}, not <family>/<N>")
+            continue
+        if mount["mountPath"] != f"{repository}/{sub_path}":
+            problems.append(f"{where}: {sub_path} mounted at {mount['mountPath']}")
+        if mount.get("readOnly") is not True:
+            problems.append(f"{where}: {sub_path} is not mounted read-only")
+        found.add((parts[0], parts[1]))
+    return found, problems
+
+
+def release_problems(objects: list[Obj]) -> list[str]:
+    """Whether the model versions the overlay mounts (its release) serve what every track asks for.
+
+    PredictionService names a model version in every Infer call: the version that decides for the
+    family on that track (PREDICTION_ENSEMBLES; absent = the latest version it sees) and the
+    shadow (PREDICTION_SHADOWS). So every inference pod must serve every mounted version
+    (INFERENCE_VERSION_POLICY=all, INFERENCE_MODELS = the families), every prediction pod must
+    see the same versions, and every version a track names must be among them. Each track names
+    its deciding version for every family, so mounting a version never changes a decision.
+    """
+    problems: list[str] = []
+    inference = workloads(objects, "inference")
+    prediction = workloads(objects, "prediction")
+    if not inference or not prediction:
+        return ["no inference or prediction workload rendered"]
+    releases = {}
+    for workload in inference + prediction:
+        settings = settings_of(workload, objects)
+        prefix = PREFIX[app_of(workload)]
+        versions, mount_problems = mounted_versions(
+            workload, settings[f"{prefix}_MODEL_REPOSITORY"]
+        )
+        problems += mount_problems
+        releases[name_of(workload)] = versions
+    release = releases[name_of(inference[0])]
+    for where, versions in releases.items():
+        if versions != release:
+            problems.append(f"{where} mounts {sorted(versions)}, not the release {sorted(release)}")
+    inference_settings = settings_of(inference[0], objects)
+    if inference_settings.get("INFERENCE_VERSION_POLICY") != "all":
+        problems.append(
+            "INFERENCE_VERSION_POLICY is not 'all': a mounted version might not be served"
+        )
+    for workload in prediction:
+        where = name_of(workload)
+        settings = settings_of(workload, objects)
+        families = json_setting(settings, "PREDICTION_MODELS", []) or [
+            settings.get("PREDICTION_MODEL_NAME", "credit-risk")
+        ]
+        served = json_setting(inference_settings, "INFERENCE_MODELS", [])
+        if sorted(served) != sorted(families):
+            problems.append(f"{where}: serves {families}, InferenceService loads {served}")
+        pins = json_setting(settings, "PREDICTION_ENSEMBLES", {})
+        shadows = json_setting(settings, "PREDICTION_SHADOWS", {})
+        for family in families:
+            available = {version for name, version in release if name == family}
+            if not available:
+                problems.append(f"{where}: no version of {family} is mounted")
+            if family not in pins:
+                problems.append(
+                    f"{where}: PREDICTION_ENSEMBLES names no deciding version of {family}"
+                )
+            for version in pins.get(family, ()):
+                if version not in available:
+                    problems.append(
+                        f"{where}: {family} version {version} decides but is not mounted"
+                    )
+            shadow = shadows.get(family)
+            if shadow is not None and shadow not in available:
+                problems.append(f"{where}: {family} version {shadow} is shadowed but not mounted")
+            if shadow is not None and shadow in pins.get(family, ()):
+                problems.append(f"{where}: {family} version {shadow} both decides and is shadowed")
+        for family in set(pins) | set(shadows):
+            if family not in families:
+                problems.append(f"{where}: versions named for {family}, which is not served")
+    return problems
+
+
+# --------------------------------------------------------------------------- the outbox
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file of a SQLAlchemy SQLite URL (sqlite+aiosqlite:////abs/path -> /abs/path)."""
+    match = re.match(r"^sqlite(\+\w+)?:///(?P<path>.+)$", url)
+    return match["path"] if match else None
+
+
+def outbox_problems(workload: Obj, objects: list[Obj]) -> list[str]:
+    """Whether a prediction workload's outbox survives restarts and rescheduling and can be written.
+
+    Each pod commits every decision to its outbox before answering; what the relay has not yet
+    delivered exists nowhere else. So the file must be an absolute path (a relative one lands on
+    the read-only root filesystem) inside a writable mount of a volumeClaimTemplate of a
+    StatefulSet (one ReadWriteOnce claim per pod, kept when the pod goes away), never an emptyDir,
+    a shared claim or the image.
+    """
+    where = name_of(workload)
+    url = settings_of(workload, objects).get("PREDICTION_OUTBOX_URL")
+    if url is None:
+        return [f"{where}: PREDICTION_OUTBOX_URL not set (the default is a relative path)"]
+    path = sqlite_path(url)
+    if path is None:
+        return [f"{where}: PREDICTION_OUTBOX_URL {url!r} is not a SQLite file URL"]
+    if not path.startswith("/"):
+        return [f"{where}: outbox {path!r} is relative: it would be written on the root filesystem"]
+    found = mount_for(workload, path)
+    if found is None:
+        return [f"{where}: outbox {path} is on the read-only root filesystem, no volume holds it"]
+    mount, volume = found
+    problems = []
+    if mount.get("readOnly"):
+        problems.append(f"{where}: outbox {path} is on a read-only mount")
+    if mount.get("subPath"):
+        problems.append(f"{where}: outbox volume mounted with a subPath")
+    template = (volume or {}).get("volumeClaimTemplate")
+    if workload["kind"] != "StatefulSet" or template is None:
+        kind = "nothing" if volume is None else next(iter(set(volume) - {"name"}), "?")
+        problems.append(
+            f"{where}: outbox {path} is on {kind}, not a claim of its own "
+            "(a StatefulSet volumeClaimTemplate): undelivered decisions would not survive the pod"
+        )
+        return problems
+    if template["spec"].get("accessModes") != ["ReadWriteOnce"]:
+        problems.append(f"{where}: outbox claim is not ReadWriteOnce (one writer per outbox)")
+    retention = workload["spec"].get("persistentVolumeClaimRetentionPolicy") or {}
+    for event in ("whenDeleted", "whenScaled"):
+        if retention.get(event, "Retain") != "Retain":
+            problems.append(
+                f"{where}: outbox claims are deleted {event}: undelivered decisions too"
+            )
+    return problems
 
 
 def grpc_port(container: Obj) -> int | None:

@@ -150,6 +150,32 @@ def test_healthcheck_uses_the_grpc_health_protocol(service: str, rendered: dict)
     assert int(config_map["data"][f"{prefix}_PORT"]) == port
 
 
+def image_env(dockerfile: Path) -> dict[str, str]:
+    """NAME=value pairs of the final stage's ENV instructions."""
+    env = {}
+    for keyword, arguments in stages(dockerfile)[-1]:
+        if keyword == "ENV":
+            env.update(pair.split("=", 1) for pair in arguments.split())
+    return env
+
+
+def test_prediction_image_gives_the_outbox_a_folder_of_its_own(rendered: dict) -> None:
+    # The settings' default outbox is a relative path under the working folder "/", which the
+    # service user cannot write (and a read-only root cannot take): the image names a folder the
+    # user owns, the same one the pods mount their claim at.
+    dockerfile = IMAGES["prediction"][0]
+    url = image_env(dockerfile)["PREDICTION_OUTBOX_URL"]
+    folder = str(Path(dc.sqlite_path(url)).parent)
+    assert folder.startswith("/")
+    runs = " ".join(a for k, a in stages(dockerfile)[-1] if k == "RUN")
+    assert f"install -d -o 10001 -g 10001 -m 0750 {folder}" in runs
+    volumes = [a for k, a in stages(dockerfile)[-1] if k == "VOLUME"]
+    assert volumes == [json.dumps([folder])]
+    for objects in rendered.values():
+        for workload in dc.workloads(objects, "prediction"):
+            assert dc.settings_of(workload, objects)["PREDICTION_OUTBOX_URL"] == url
+
+
 def test_inference_image_is_a_cuda_runtime_with_python_311() -> None:
     dockerfile = IMAGES["inference"][0]
     base = arg_default(dockerfile, "CUDA_IMAGE")

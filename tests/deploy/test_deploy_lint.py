@@ -46,10 +46,10 @@ def test_lint_rejects_the_unhardened_fixture(fixtures_dir: Path) -> None:
 
 def test_lint_catches_a_request_above_its_limit(rendered: dict) -> None:
     # A single-field change to a good workload must be caught on its own.
-    broken = copy.deepcopy(dc.by_name(rendered["prod"], "Deployment", "prediction"))
+    broken = copy.deepcopy(dc.by_name(rendered["prod"], "StatefulSet", "prediction-stable"))
     broken["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "2Gi"
     assert dc.lint_workload(broken) == [
-        "Deployment/prediction container prediction: request memory=2Gi exceeds limit 1Gi"
+        "StatefulSet/prediction-stable container prediction: request memory=2Gi exceeds limit 1Gi"
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import deploy_checks as dc
@@ -15,6 +16,7 @@ REQUIRED_KINDS = {
     "PersistentVolumeClaim",
     "Service",
     "Deployment",
+    "StatefulSet",
     "HorizontalPodAutoscaler",
     "PodDisruptionBudget",
     "NetworkPolicy",
@@ -56,6 +58,21 @@ def test_everything_lands_in_the_mlpair_namespace(rendered: dict, overlay: str) 
     assert namespace["metadata"]["name"] == dc.NAMESPACE
 
 
+@pytest.mark.parametrize("overlay", dc.OVERLAYS)
+def test_everything_carries_the_ownership_label(rendered: dict, overlay: str) -> None:
+    # `kubectl get all -l app.kubernetes.io/part-of=mlpair` must list every object and pod, and
+    # claims made from templates carry it too (a track added outside the base included).
+    for obj in rendered[overlay]:
+        labelled = [obj["metadata"]]
+        if obj["kind"] in dc.WORKLOAD_KINDS:
+            labelled.append(obj["spec"]["template"]["metadata"])
+            labelled += [t["metadata"] for t in obj["spec"].get("volumeClaimTemplates", ())]
+        for metadata in labelled:
+            assert metadata.get("labels", {}).get("app.kubernetes.io/part-of") == "mlpair", (
+                dc.name_of(obj)
+            )
+
+
 def test_istio_folder_renders_on_its_own(rendered_istio: list) -> None:
     kinds = {obj["kind"] for obj in rendered_istio}
     assert kinds == {
@@ -69,21 +86,57 @@ def test_istio_folder_renders_on_its_own(rendered_istio: list) -> None:
     assert all(obj["metadata"]["namespace"] == dc.NAMESPACE for obj in rendered_istio)
 
 
-@pytest.mark.parametrize("version", ["1", "2"])
-def test_model_version_folder_instantiates_the_template(kubectl: Path, version: str) -> None:
-    objects = dc.render(kubectl, dc.K8S_DIR / "model-versions" / f"v{version}")
+@pytest.mark.parametrize("track", ["stable", "canary"])
+def test_track_folder_instantiates_the_template(kubectl: Path, track: str) -> None:
+    objects = dc.render(kubectl, dc.K8S_DIR / "tracks" / track)
     assert sorted(dc.name_of(obj) for obj in objects) == [
-        f"Deployment/inference-v{version}",
-        f"HorizontalPodAutoscaler/inference-v{version}",
-        f"PodDisruptionBudget/inference-v{version}",
+        f"HorizontalPodAutoscaler/prediction-{track}",
+        f"PodDisruptionBudget/prediction-{track}",
+        f"StatefulSet/prediction-{track}",
     ]
-    deployment = dc.by_name(objects, "Deployment", f"inference-v{version}")
-    assert deployment["spec"]["selector"]["matchLabels"]["mlpair.io/model-version"] == version
-    mount = dc.pod_spec(deployment)["containers"][0]["volumeMounts"][0]
-    assert (mount["subPath"], mount["mountPath"]) == (
-        f"credit-risk/{version}",
-        f"/models/credit-risk/{version}",
+    workload = dc.by_name(objects, "StatefulSet", f"prediction-{track}")
+    assert workload["spec"]["selector"]["matchLabels"]["mlpair.io/track"] == track
+    assert dc.pod_labels(workload)["service.istio.io/canonical-revision"] == track
+    budget = dc.by_name(objects, "PodDisruptionBudget", f"prediction-{track}")
+    assert budget["spec"]["selector"]["matchLabels"]["mlpair.io/track"] == track
+    hpa = dc.by_name(objects, "HorizontalPodAutoscaler", f"prediction-{track}")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"prediction-{track}"
+
+
+def model_version_components() -> list[str]:
+    """deploy/k8s/model-versions/<family>/<N>, as "<family>/<N>"."""
+    root = dc.K8S_DIR / "model-versions"
+    return sorted(str(p.parent.relative_to(root)) for p in root.glob("*/*/kustomization.yaml"))
+
+
+@pytest.mark.parametrize("component", model_version_components())
+def test_model_version_component_mounts_its_folder_into_both_services(
+    kubectl: Path, tmp_path: Path, component: str
+) -> None:
+    # A component cannot render alone: apply it to the base and the canary track in a scratch
+    # overlay (kustomize refuses absolute paths, hence the relative ones).
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    k8s = os.path.relpath(dc.K8S_DIR, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "resources:\n"
+        f"  - {k8s}/base\n"
+        f"  - {k8s}/tracks/canary\n"
+        "components:\n"
+        f"  - {k8s}/model-versions/{component}\n"
     )
+    objects = dc.render(kubectl, overlay)
+    mounted = dc.workloads(objects)
+    assert {dc.name_of(w) for w in mounted} == {
+        "Deployment/inference",
+        "StatefulSet/prediction-stable",
+        "StatefulSet/prediction-canary",
+    }
+    family, version = component.split("/")
+    for workload in mounted:
+        prefix = dc.PREFIX[dc.app_of(workload)]
+        repository = dc.settings_of(workload, objects)[f"{prefix}_MODEL_REPOSITORY"]
+        assert dc.mounted_versions(workload, repository) == ({(family, version)}, [])
 
 
 def test_broken_overlay_is_refused(kubectl: Path, fixtures_dir: Path) -> None:

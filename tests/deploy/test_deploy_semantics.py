@@ -3,19 +3,21 @@ and with the SLAs. Each test reads the rendered overlays (as applied), not the s
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from pathlib import Path
 
 import deploy_checks as dc
 import pytest
 
-# Exact health service names the servers register (grpc.health.v1, per service).
+# Exact health service names the probes ask for (grpc.health.v1, per service);
+# test_deploy_services.py checks them against the names each server registers.
 HEALTH_SERVICE = {
     "inference": "mlpair.inference.v1.InferenceService",
     "prediction": "mlpair.prediction.v1.PredictionService",
 }
-# Env prefix of each service's settings.
-PREFIX = {"inference": "INFERENCE", "prediction": "PREDICTION"}
+PREFIX = dc.PREFIX
 # gRPC paths each AuthorizationPolicy must let through to its service.
 GRPC_PATHS = {
     "inference": {"/mlpair.inference.v1.InferenceService/*", "/inference.GRPCInferenceService/*"},
@@ -25,19 +27,24 @@ PRINCIPAL = re.compile(
     r"^(?P<domain>[^/*]+)/ns/(?P<namespace>[a-z0-9-]+)/sa/(?P<account>[a-z0-9-]+)$"
 )
 GPU = "nvidia.com/gpu"
+CONFIG_FILES = ("feature-schema.toml", "policy.toml")
 
 
 def app(workload: dict) -> str:
-    return dc.pod_labels(workload)["app.kubernetes.io/name"]
+    return dc.app_of(workload)
 
 
-def deployments(objects: list, name: str | None = None) -> list[dict]:
-    found = dc.of_kind(objects, "Deployment")
-    return [d for d in found if name is None or app(d) == name]
+def workloads(objects: list, name: str | None = None) -> list[dict]:
+    return dc.workloads(objects, name)
 
 
-def model_version(workload: dict) -> str:
-    return dc.pod_labels(workload)["mlpair.io/model-version"]
+def served_families() -> list[str]:
+    """Model families with a serving configuration in config/ (training.toml is for training)."""
+    return sorted(
+        folder.name
+        for folder in (dc.REPO_ROOT / "config").iterdir()
+        if all((folder / name).exists() for name in CONFIG_FILES)
+    )
 
 
 @pytest.fixture(params=dc.OVERLAYS)
@@ -50,8 +57,8 @@ def objects(request: pytest.FixtureRequest, rendered: dict) -> list[dict]:
 
 
 def test_inference_runs_on_the_gpu_pool_with_one_gpu(objects: list) -> None:
-    inference = deployments(objects, "inference")
-    assert inference, "no inference Deployment rendered"
+    inference = workloads(objects, "inference")
+    assert inference, "no inference workload rendered"
     for workload in inference:
         spec = dc.pod_spec(workload)
         assert spec["nodeSelector"] == {"mlpair.io/node-pool": "gpu"}
@@ -62,33 +69,50 @@ def test_inference_runs_on_the_gpu_pool_with_one_gpu(objects: list) -> None:
 
 
 def test_prediction_runs_on_the_cpu_pool_without_gpu(objects: list) -> None:
-    (workload,) = deployments(objects, "prediction")
-    spec = dc.pod_spec(workload)
-    assert spec["nodeSelector"] == {"mlpair.io/node-pool": "cpu"}
-    assert not any(t.get("key") == GPU for t in spec.get("tolerations", ()))
-    for container in dc.containers(workload):
-        for section in ("requests", "limits"):
-            assert GPU not in container["resources"].get(section, {})
+    prediction = workloads(objects, "prediction")
+    assert prediction, "no prediction workload rendered"
+    for workload in prediction:
+        spec = dc.pod_spec(workload)
+        assert spec["nodeSelector"] == {"mlpair.io/node-pool": "cpu"}
+        assert not any(t.get("key") == GPU for t in spec.get("tolerations", ()))
+        for container in dc.containers(workload):
+            for section in ("requests", "limits"):
+                assert GPU not in container["resources"].get(section, {})
 
 
-def test_termination_grace_covers_prestop_drain_and_sidecar(objects: list) -> None:
+def shutdown_budget_s(workload: dict, objects: list) -> float:
+    """Seconds the app may take after SIGTERM: the drain of in-flight calls, and for
+    PredictionService then the delivery of the outbox backlog (services/prediction/server.py
+    stops the relay after min(shutdown_grace_s, SHUTDOWN_DELIVERY_S))."""
+    settings = dc.settings_of(workload, objects)
+    drain_s = float(settings[f"{PREFIX[app(workload)]}_SHUTDOWN_GRACE_S"])
+    if app(workload) != "prediction":
+        return drain_s
+    server = pytest.importorskip(
+        "mlpair.prediction.server", reason="mlpair is not installed (pip install -e '.[dev]')"
+    )
+    return drain_s + min(drain_s, server.SHUTDOWN_DELIVERY_S)
+
+
+def test_termination_grace_covers_prestop_drain_delivery_and_sidecar(objects: list) -> None:
     # Order on deletion: preStop sleep (endpoints converge) -> SIGTERM -> server drains for up to
-    # *_SHUTDOWN_GRACE_S -> app exits -> native sidecar drains. SIGKILL must not come first.
-    for workload in deployments(objects):
+    # *_SHUTDOWN_GRACE_S -> PredictionService's relay delivers the outbox backlog -> app exits ->
+    # native sidecar drains. SIGKILL must not come first, or acknowledged decisions would wait on
+    # the claim instead of reaching the CRM.
+    for workload in workloads(objects):
         where = dc.name_of(workload)
-        settings = dc.settings_of(workload, objects)
-        drain_s = float(settings[f"{PREFIX[app(workload)]}_SHUTDOWN_GRACE_S"])
+        budget_s = shutdown_budget_s(workload, objects)
         container = dc.pod_spec(workload)["containers"][0]
         pre_stop_s = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         grace_s = dc.pod_spec(workload)["terminationGracePeriodSeconds"]
-        assert grace_s >= pre_stop_s + drain_s + dc.SIDECAR_DRAIN_S, where
-        # A draining server reports NOT_SERVING; liveness must not kill it before the drain ends.
+        assert grace_s >= pre_stop_s + budget_s + dc.SIDECAR_DRAIN_S, where
+        # A stopping server reports NOT_SERVING; liveness must not kill it before it has finished.
         liveness = container["livenessProbe"]
-        assert liveness["periodSeconds"] * liveness["failureThreshold"] > drain_s, where
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] > budget_s, where
 
 
 def test_ports_and_probes_agree_with_the_settings(objects: list) -> None:
-    for workload in deployments(objects):
+    for workload in workloads(objects):
         settings = dc.settings_of(workload, objects)
         prefix = PREFIX[app(workload)]
         container = dc.pod_spec(workload)["containers"][0]
@@ -110,7 +134,7 @@ def test_services_select_pods_on_their_grpc_port(objects: list) -> None:
     for service in dc.of_kind(objects, "Service"):
         selected = [
             d
-            for d in deployments(objects)
+            for d in workloads(objects)
             if dc.selector_matches(service["spec"]["selector"], dc.pod_labels(d))
         ]
         assert selected, f"{dc.name_of(service)} selects no pods"
@@ -126,32 +150,42 @@ def test_services_select_pods_on_their_grpc_port(objects: list) -> None:
             assert port.get("appProtocol") == "grpc"
 
 
-def test_deployment_selectors_match_their_own_pods(objects: list) -> None:
-    for workload in deployments(objects):
+def test_statefulsets_are_governed_by_a_headless_service(objects: list) -> None:
+    for workload in dc.of_kind(objects, "StatefulSet"):
+        service = dc.by_name(objects, "Service", workload["spec"]["serviceName"])
+        assert service["spec"].get("clusterIP") == "None", dc.name_of(workload)
+        assert dc.selector_matches(service["spec"]["selector"], dc.pod_labels(workload))
+        # Pods are interchangeable for serving: the HPA's scale-ups must not start them in turn.
+        assert workload["spec"]["podManagementPolicy"] == "Parallel"
+
+
+def test_workload_selectors_match_their_own_pods(objects: list) -> None:
+    for workload in workloads(objects):
         assert dc.selector_matches(workload["spec"]["selector"], dc.pod_labels(workload))
 
 
 # --------------------------------------------------------------------------- scaling and disruption
 
 
-def test_every_deployment_has_one_autoscaler_and_leaves_replicas_to_it(objects: list) -> None:
+def test_every_workload_has_one_autoscaler_and_leaves_replicas_to_it(objects: list) -> None:
     autoscalers = dc.of_kind(objects, "HorizontalPodAutoscaler")
-    for workload in deployments(objects):
+    for workload in workloads(objects):
         targeting = [
             hpa
             for hpa in autoscalers
             if hpa["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]
+            and hpa["spec"]["scaleTargetRef"]["kind"] == workload["kind"]
         ]
         assert len(targeting) == 1, dc.name_of(workload)
         # With an HPA, spec.replicas in the manifest would reset the count on every apply.
         assert "replicas" not in workload["spec"], dc.name_of(workload)
         spec = targeting[0]["spec"]
         assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
-    assert len(autoscalers) == len(deployments(objects))
+    assert len(autoscalers) == len(workloads(objects))
 
 
 def test_production_keeps_two_pods_of_everything(rendered: dict) -> None:
-    # One pod per version would let a single node failure take a whole canary subset away.
+    # One pod per track would let a single node failure take a whole canary subset away.
     for hpa in dc.of_kind(rendered["prod"], "HorizontalPodAutoscaler"):
         assert hpa["spec"]["minReplicas"] >= 2, dc.name_of(hpa)
 
@@ -161,23 +195,26 @@ def test_autoscaling_signals(objects: list) -> None:
         hpa["spec"]["scaleTargetRef"]["name"]: hpa
         for hpa in dc.of_kind(objects, "HorizontalPodAutoscaler")
     }
-    (prediction,) = deployments(objects, "prediction")
-    metrics = autoscalers[prediction["metadata"]["name"]]["spec"]["metrics"]
-    assert {
-        "type": "Resource",
-        "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}},
-    } in metrics
-    for workload in deployments(objects, "inference"):
+    for workload in workloads(objects, "prediction"):
+        metrics = autoscalers[workload["metadata"]["name"]]["spec"]["metrics"]
+        assert {
+            "type": "Resource",
+            "resource": {
+                "name": "cpu",
+                "target": {"type": "Utilization", "averageUtilization": 60},
+            },
+        } in metrics
+    for workload in workloads(objects, "inference"):
         metrics = autoscalers[workload["metadata"]["name"]]["spec"]["metrics"]
         names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
-        # Queue depth or a GPU metric; CPU says nothing about a GPU-bound server.
-        assert "inference_queue_depth" in names and "DCGM_FI_DEV_GPU_UTIL" in names
+        # Queue depth (rows) and a GPU metric; CPU says nothing about a GPU-bound server.
+        assert names == {"inference_queue_depth_rows", "DCGM_FI_DEV_GPU_UTIL"}
         assert not any(m["type"] == "Resource" for m in metrics)
 
 
-def test_every_deployment_has_a_budget_covering_only_its_pods(objects: list) -> None:
+def test_every_workload_has_a_budget_covering_only_its_pods(objects: list) -> None:
     budgets = dc.of_kind(objects, "PodDisruptionBudget")
-    for workload in deployments(objects):
+    for workload in workloads(objects):
         own = [
             b
             for b in budgets
@@ -185,7 +222,7 @@ def test_every_deployment_has_a_budget_covering_only_its_pods(objects: list) -> 
         ]
         assert len(own) == 1, dc.name_of(workload)
         assert own[0]["spec"].get("maxUnavailable") == 1
-        others = [d for d in deployments(objects) if d is not workload]
+        others = [d for d in workloads(objects) if d is not workload]
         assert not any(
             dc.selector_matches(own[0]["spec"]["selector"], dc.pod_labels(d)) for d in others
         )
@@ -196,7 +233,7 @@ def test_every_deployment_has_a_budget_covering_only_its_pods(objects: list) -> 
 
 def test_references_resolve_inside_the_render(objects: list) -> None:
     names = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
-    for workload in deployments(objects):
+    for workload in workloads(objects):
         spec = dc.pod_spec(workload)
         account = spec["serviceAccountName"]
         assert ("ServiceAccount", account) in names
@@ -207,10 +244,16 @@ def test_references_resolve_inside_the_render(objects: list) -> None:
         for container in dc.containers(workload):
             for source in container.get("envFrom", ()):
                 assert ("ConfigMap", source["configMapRef"]["name"]) in names
+            mounted = {mount["name"] for mount in container.get("volumeMounts", ())}
+            declared = {v["name"] for v in spec.get("volumes", ())} | {
+                t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", ())
+            }
+            assert mounted <= declared, dc.name_of(workload)
         for volume in spec.get("volumes", ()):
             for source in volume.get("projected", {}).get("sources", ()):
                 assert ("ConfigMap", source["configMap"]["name"]) in names
             if "persistentVolumeClaim" in volume:
+                # The one shared claim is the model repository, which pods only read.
                 assert (
                     "PersistentVolumeClaim",
                     volume["persistentVolumeClaim"]["claimName"],
@@ -218,85 +261,146 @@ def test_references_resolve_inside_the_render(objects: list) -> None:
                 assert volume["persistentVolumeClaim"]["readOnly"] is True
 
 
-def test_crm_url_comes_from_a_secret_that_is_not_in_the_repository(objects: list) -> None:
+SECRETS = {
+    # setting: (Secret, key), provided by the platform (docs/deployment.md), never committed.
+    "PREDICTION_CRM_URL": ("prediction-crm", "url"),
+    "PREDICTION_REDIS_URL": ("prediction-redis", "url"),
+}
+
+
+def test_urls_with_credentials_come_from_secrets_that_are_not_in_the_repository(
+    objects: list,
+) -> None:
     assert not dc.of_kind(objects, "Secret"), "secrets must not be committed"
-    (workload,) = deployments(objects, "prediction")
-    env = {v["name"]: v for v in dc.pod_spec(workload)["containers"][0].get("env", ())}
-    assert env["PREDICTION_CRM_URL"] == {
-        "name": "PREDICTION_CRM_URL",
-        "valueFrom": {"secretKeyRef": {"name": "prediction-crm", "key": "url"}},
-    }
-    # Nor a plain copy of it in a ConfigMap.
+    for workload in workloads(objects, "prediction"):
+        env = {v["name"]: v for v in dc.pod_spec(workload)["containers"][0].get("env", ())}
+        for setting, (secret, key) in SECRETS.items():
+            assert env[setting] == {
+                "name": setting,
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
+            }
+    # Nor a plain copy of one in a ConfigMap.
     assert not any(
-        "PREDICTION_CRM_URL" in c.get("data", {}) for c in dc.of_kind(objects, "ConfigMap")
+        setting in c.get("data", {})
+        for c in dc.of_kind(objects, "ConfigMap")
+        for setting in SECRETS
     )
 
 
-def test_prediction_config_is_mounted_where_the_service_reads_it(objects: list) -> None:
-    (workload,) = deployments(objects, "prediction")
-    settings = dc.settings_of(workload, objects)
-    model_dir = f"{settings['PREDICTION_CONFIG_DIR']}/{settings['PREDICTION_MODEL_NAME']}"
-    container = dc.pod_spec(workload)["containers"][0]
-    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == model_dir]
-    (volume,) = [v for v in dc.pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
-    keys = set()
-    for source in volume["projected"]["sources"]:
-        keys |= set(dc.by_name(objects, "ConfigMap", source["configMap"]["name"])["data"])
-    assert {"feature-schema.toml", "policy.toml"} <= keys
+def test_replicas_share_one_cache(objects: list) -> None:
+    # An in-process cache per replica would miss on most repeats and serve each pod's own stale
+    # entries; with more than one pod possible, the cache is the shared Redis.
+    for workload in workloads(objects, "prediction"):
+        hpa = dc.by_name(objects, "HorizontalPodAutoscaler", workload["metadata"]["name"])
+        settings = dc.settings_of(workload, objects)
+        if hpa["spec"]["maxReplicas"] > 1 or len(workloads(objects, "prediction")) > 1:
+            assert settings["PREDICTION_CACHE_BACKEND"] == "redis", dc.name_of(workload)
 
 
-@pytest.mark.parametrize("filename", ["feature-schema.toml", "policy.toml"])
-def test_configmap_copies_match_the_repository_config(rendered: dict, filename: str) -> None:
+def test_every_model_family_in_config_is_shipped_and_served(objects: list) -> None:
+    families = served_families()
+    assert {"credit-risk", "churn"} <= set(families)
+    for workload in workloads(objects, "prediction"):
+        settings = dc.settings_of(workload, objects)
+        assert sorted(dc.json_setting(settings, "PREDICTION_MODELS", [])) == families
+        assert settings["PREDICTION_MODEL_NAME"] in families
+        container = dc.pod_spec(workload)["containers"][0]
+        for family in families:
+            # Mounted where the service reads it: $PREDICTION_CONFIG_DIR/<family>/<file>.
+            mount_path = f"{settings['PREDICTION_CONFIG_DIR']}/{family}"
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == mount_path]
+            assert mount.get("readOnly") is True
+            (volume,) = [v for v in dc.pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+            keys = set()
+            for source in volume["projected"]["sources"]:
+                config_map = dc.by_name(objects, "ConfigMap", source["configMap"]["name"])
+                keys |= set(config_map["data"])
+                for name, text in config_map["data"].items():
+                    # The content of config/<family>/, not another family's file.
+                    assert text == (dc.REPO_ROOT / "config" / family / name).read_text()
+            assert keys == set(CONFIG_FILES), (dc.name_of(workload), family)
+    (inference,) = workloads(objects, "inference")
+    served = dc.json_setting(dc.settings_of(inference, objects), "INFERENCE_MODELS", [])
+    assert sorted(served) == families
+
+
+@pytest.mark.parametrize("family", served_families())
+@pytest.mark.parametrize("filename", CONFIG_FILES)
+def test_configmap_copies_match_the_repository_config(
+    rendered: dict, family: str, filename: str
+) -> None:
     # kustomize can only read files below deploy/k8s/base, so the ConfigMaps are built from
-    # copies; this keeps them identical to the files the services and training read.
-    source = dc.REPO_ROOT / "config" / "credit-risk" / filename
-    copy_path = dc.K8S_DIR / "base" / "prediction" / "config" / "credit-risk" / filename
-    if not source.exists():
-        pytest.skip(f"{source.relative_to(dc.REPO_ROOT)} does not exist yet")
+    # copies; a stale copy would ship another schema or policy than the one the code was tested
+    # with.
+    source = dc.REPO_ROOT / "config" / family / filename
+    copy_path = dc.K8S_DIR / "base" / "prediction" / "config" / family / filename
     fix = f"cp {source.relative_to(dc.REPO_ROOT)} {copy_path.relative_to(dc.REPO_ROOT)}"
+    assert copy_path.exists(), f"config family {family} is not shipped: {fix}"
     assert copy_path.read_text() == source.read_text(), f"deploy copy is stale: {fix}"
+    # Generated as prediction-<feature-schema|policy>-<family>-<content hash>.
+    prefix = f"prediction-{filename.removesuffix('.toml')}-{family}-"
     for objects in rendered.values():
         in_render = [
-            c["data"][filename]
+            c["data"]
             for c in dc.of_kind(objects, "ConfigMap")
-            if filename in c.get("data", {})
+            if c["metadata"]["name"].startswith(prefix)
         ]
-        assert in_render == [source.read_text()]
+        assert in_render == [{filename: source.read_text()}]
 
 
-def test_every_serving_config_file_is_shipped() -> None:
+def test_every_serving_config_file_is_shipped_and_nothing_else() -> None:
     # PredictionService reads the feature schema and the policy; training.toml is for training only.
-    shipped = {
-        p.name
-        for p in (dc.K8S_DIR / "base" / "prediction" / "config" / "credit-risk").glob("*.toml")
-    }
-    assert shipped == {"feature-schema.toml", "policy.toml"}
+    shipped_dir = dc.K8S_DIR / "base" / "prediction" / "config"
+    assert sorted(p.name for p in shipped_dir.iterdir()) == served_families()
+    for family in served_families():
+        assert {p.name for p in (shipped_dir / family).glob("*")} == set(CONFIG_FILES)
 
 
-def test_inference_pods_see_only_their_model_version(objects: list) -> None:
-    model = "credit-risk"
-    for workload in deployments(objects, "inference"):
-        version = model_version(workload)
-        assert version.isdigit()
-        settings = dc.settings_of(workload, objects)
-        (mount,) = [
-            m
-            for m in dc.pod_spec(workload)["containers"][0]["volumeMounts"]
-            if m["name"] == "model-repository"
-        ]
-        assert mount == {
-            "name": "model-repository",
-            "subPath": f"{model}/{version}",
-            "mountPath": f"{settings['INFERENCE_MODEL_REPOSITORY']}/{model}/{version}",
-            "readOnly": True,
-        }
-        assert workload["metadata"]["name"] == f"inference-v{version}"
-    (prediction,) = deployments(objects, "prediction")
-    assert dc.settings_of(prediction, objects)["PREDICTION_MODEL_NAME"] == model
+def test_every_pod_sees_exactly_the_release(objects: list) -> None:
+    assert dc.release_problems(objects) == []
+
+
+def test_release_check_rejects_unmounted_and_unpinned_versions(rendered: dict) -> None:
+    def without_mount(objects: list, sub_path: str, *names: str) -> None:
+        for workload in dc.workloads(objects):
+            if workload["metadata"]["name"] in names:
+                mounts = dc.pod_spec(workload)["containers"][0]["volumeMounts"]
+                mounts[:] = [m for m in mounts if m.get("subPath") != sub_path]
+
+    # One track deciding with a version nobody mounts, naming none for churn, and missing a mount.
+    objects = copy.deepcopy(rendered["prod"])
+    stable = dc.by_name(objects, "StatefulSet", "prediction-stable")
+    env = dc.pod_spec(stable)["containers"][0]["env"]
+    next(v for v in env if v["name"] == "PREDICTION_ENSEMBLES")["value"] = json.dumps(
+        {"credit-risk": ["3"]}
+    )
+    next(v for v in env if v["name"] == "PREDICTION_SHADOWS")["value"] = json.dumps(
+        {"credit-risk": "3"}
+    )
+    without_mount(objects, "churn/1", "prediction-stable")
+    problems = "\n".join(dc.release_problems(objects))
+    for expected in (
+        "StatefulSet/prediction-stable: credit-risk version 3 decides but is not mounted",
+        "StatefulSet/prediction-stable: credit-risk version 3 is shadowed but not mounted",
+        "StatefulSet/prediction-stable: PREDICTION_ENSEMBLES names no deciding version of churn",
+        "StatefulSet/prediction-stable mounts [('credit-risk', '1'), ('credit-risk', '2')], not",
+    ):
+        assert expected in problems, f"release check missed: {expected}\n{problems}"
+    # A family served without any version in the release.
+    objects = copy.deepcopy(rendered["dev"])
+    without_mount(objects, "churn/1", "inference", "prediction-stable")
+    assert "StatefulSet/prediction-stable: no version of churn is mounted" in dc.release_problems(
+        objects
+    )
+
+
+def test_outbox_lives_on_a_claim_of_each_pod(objects: list) -> None:
+    for workload in workloads(objects, "prediction"):
+        assert dc.outbox_problems(workload, objects) == []
 
 
 def test_images_are_release_references(objects: list) -> None:
-    for workload in deployments(objects):
+    for workload in workloads(objects):
         image = dc.pod_spec(workload)["containers"][0]["image"]
         assert re.match(
             rf"^[a-z0-9.-]+(:[0-9]+)?/.+/{app(workload)}(:[\w.-]+|@sha256:[0-9a-f]{{64}})$", image
@@ -307,16 +411,22 @@ def test_images_are_release_references(objects: list) -> None:
 # --------------------------------------------------------------------------- Istio
 
 
-def test_every_inference_version_has_a_subset_and_every_subset_has_pods(objects: list) -> None:
-    rule = dc.by_name(objects, "DestinationRule", "inference")
-    subsets = {subset["name"]: subset["labels"] for subset in rule["spec"]["subsets"]}
-    versions = {model_version(d): d for d in deployments(objects, "inference")}
-    assert set(subsets) == {f"v{version}" for version in versions}
+def test_inference_is_one_pool_and_prediction_tracks_have_subsets(objects: list) -> None:
+    # The version is named inside each Infer call and every inference pod serves the whole
+    # release: an inference subset per version would send calls to pods without their version.
+    (inference,) = workloads(objects, "inference")
+    assert "subsets" not in dc.by_name(objects, "DestinationRule", "inference")["spec"]
+    assert "mlpair.io/model-version" not in dc.pod_labels(inference)
+    # Tracks of PredictionService: each has a subset selecting exactly its pods, and back.
+    rule = dc.by_name(objects, "DestinationRule", "prediction")
+    subsets = {subset["name"]: subset["labels"] for subset in rule["spec"].get("subsets", ())}
+    tracks = {dc.pod_labels(w)["mlpair.io/track"]: w for w in workloads(objects, "prediction")}
+    if len(tracks) > 1:
+        assert set(subsets) == set(tracks)
+    assert set(subsets) <= set(tracks)
     for name, labels in subsets.items():
-        selected = [
-            d for d in deployments(objects) if dc.selector_matches(labels, dc.pod_labels(d))
-        ]
-        assert selected == [versions[name[1:]]], name
+        selected = [d for d in workloads(objects) if dc.selector_matches(labels, dc.pod_labels(d))]
+        assert selected == [tracks[name]], name
 
 
 def test_routes_are_consistent(objects: list) -> None:
@@ -331,9 +441,9 @@ def test_version_agnostic_istio_routes_are_consistent(rendered_istio: list, rend
 
 def test_route_checks_reject_the_broken_routing_fixture(rendered: dict, fixtures_dir: Path) -> None:
     (broken,) = dc.load_file(fixtures_dir / "broken" / "virtualservice-bad-routing.yaml")
-    objects = [obj for obj in rendered["prod"] if dc.name_of(obj) != "VirtualService/inference"] + [
-        broken
-    ]
+    objects = [
+        obj for obj in rendered["prod"] if dc.name_of(obj) != "VirtualService/prediction"
+    ] + [broken]
     problems = "\n".join(dc.route_problems(objects))
     for expected in (
         "weights [80, 10] do not add up to 100",
@@ -347,18 +457,34 @@ def test_route_checks_reject_the_broken_routing_fixture(rendered: dict, fixtures
 
 
 def test_deadline_budget_is_aligned(objects: list) -> None:
-    (prediction,) = deployments(objects, "prediction")
-    deadline_ms = int(dc.settings_of(prediction, objects)["PREDICTION_INFERENCE_TIMEOUT_MS"])
-    # Above the inference p99 (else >1% of SLA-conforming calls time out), below the prediction
-    # p95 with room for everything else a Predict does.
-    assert dc.INFERENCE_P99_MS < deadline_ms < dc.PREDICTION_P95_MS
-    # The mesh timeout is a backstop: never shorter than the caller's deadline, so the caller's
-    # DEADLINE_EXCEEDED (not a mesh 504 surfacing as UNAVAILABLE) decides.
-    for route in dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]:
-        assert dc.duration_ms(route["timeout"]) >= deadline_ms, route["name"]
-        assert dc.duration_ms(route["timeout"]) < dc.PREDICTION_P95_MS
-    for route in dc.by_name(objects, "VirtualService", "prediction")["spec"]["http"]:
-        assert dc.duration_ms(route["timeout"]) >= dc.PREDICTION_P95_MS, route["name"]
+    for prediction in workloads(objects, "prediction"):
+        settings = dc.settings_of(prediction, objects)
+        deadline_ms = int(settings["PREDICTION_INFERENCE_TIMEOUT_MS"])
+        reserve_ms = int(settings["PREDICTION_CRM_RESERVE_MS"])
+        # Above the inference p99 (else >1% of SLA-conforming calls time out), below the
+        # prediction p95 together with the reserve kept back for recording the decision: a
+        # Predict whose Infer call uses its whole allowance still records within the SLA.
+        assert dc.INFERENCE_P99_MS < deadline_ms
+        assert deadline_ms + reserve_ms < dc.PREDICTION_P95_MS
+        assert reserve_ms > 0
+        # The mesh timeout is a backstop: never shorter than the caller's deadline, so the
+        # caller's DEADLINE_EXCEEDED (not a mesh 504 surfacing as UNAVAILABLE) decides.
+        for route in dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]:
+            assert dc.duration_ms(route["timeout"]) >= deadline_ms, route["name"]
+            assert dc.duration_ms(route["timeout"]) < dc.PREDICTION_P95_MS
+        for route in dc.by_name(objects, "VirtualService", "prediction")["spec"]["http"]:
+            assert dc.duration_ms(route["timeout"]) >= dc.PREDICTION_P95_MS, route["name"]
+            assert dc.duration_ms(route["timeout"]) >= deadline_ms + reserve_ms
+
+
+def test_retries_are_not_multiplied_across_layers(objects: list) -> None:
+    # PredictionService retries UNAVAILABLE itself (inside its deadline budget); the mesh may add
+    # at most one retry per attempt, so an outage costs inference at most 2 x its callers' load.
+    for prediction in workloads(objects, "prediction"):
+        attempts = int(dc.settings_of(prediction, objects)["PREDICTION_INFERENCE_MAX_ATTEMPTS"])
+        for route in dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]:
+            mesh_tries = 1 + int(route["retries"]["attempts"])
+            assert attempts * mesh_tries <= 4, route["name"]
 
 
 def test_mtls_is_strict_for_the_whole_namespace(objects: list) -> None:
@@ -390,10 +516,10 @@ def test_each_service_admits_only_its_callers_on_its_port(objects: list, service
     policy = _policy(objects, f"{service}-callers")
     targets = [
         d
-        for d in deployments(objects)
+        for d in workloads(objects)
         if dc.selector_matches(policy["spec"]["selector"], dc.pod_labels(d))
     ]
-    assert targets == deployments(objects, service)
+    assert targets == workloads(objects, service)
     port = str(dc.grpc_port(dc.pod_spec(targets[0])["containers"][0]))
     for rule in policy["spec"]["rules"]:
         for operation in rule["to"]:
@@ -414,6 +540,9 @@ def test_inference_callers_are_the_prediction_account_and_named_internal_callers
         if match["namespace"] == dc.NAMESPACE:
             # In-namespace callers must be accounts that exist, and never inference itself.
             assert match["account"] in accounts and match["account"] != "inference", principal
+    # Every prediction track runs as the admitted account.
+    for workload in workloads(objects, "prediction"):
+        assert dc.pod_spec(workload)["serviceAccountName"] == "prediction"
 
 
 def test_network_policies_admit_the_same_callers_as_authorization(objects: list) -> None:
@@ -434,13 +563,13 @@ def test_network_policies_admit_the_same_callers_as_authorization(objects: list)
     }
     inference_np = dc.by_name(objects, "NetworkPolicy", "inference")
     assert principal_namespaces - {dc.NAMESPACE} == ingress_namespaces(inference_np)
-    (prediction,) = deployments(objects, "prediction")
-    assert any(
-        dc.selector_matches(peer.get("podSelector"), dc.pod_labels(prediction))
-        for rule in inference_np["spec"]["ingress"]
-        for peer in rule["from"]
-        if "podSelector" in peer
-    )
+    for prediction in workloads(objects, "prediction"):
+        assert any(
+            dc.selector_matches(peer.get("podSelector"), dc.pod_labels(prediction))
+            for rule in inference_np["spec"]["ingress"]
+            for peer in rule["from"]
+            if "podSelector" in peer
+        )
     (prediction_rule,) = _policy(objects, "prediction-callers")["spec"]["rules"]
     caller_namespaces = {
         n for source in prediction_rule["from"] for n in source["source"]["namespaces"]
@@ -450,6 +579,16 @@ def test_network_policies_admit_the_same_callers_as_authorization(objects: list)
     )
 
 
+def egress_ports(objects: list, workload: dict) -> set[int]:
+    """TCP ports a pod may open connections to (any destination), from every policy selecting it."""
+    ports = set()
+    for policy in dc.of_kind(objects, "NetworkPolicy"):
+        if dc.selector_matches(policy["spec"]["podSelector"], dc.pod_labels(workload)):
+            for rule in policy["spec"].get("egress", ()):
+                ports |= {p["port"] for p in rule.get("ports", ()) if p["protocol"] == "TCP"}
+    return ports
+
+
 def test_network_policies_deny_by_default_and_select_real_pods(objects: list) -> None:
     policies = dc.of_kind(objects, "NetworkPolicy")
     deny = dc.by_name(objects, "NetworkPolicy", "default-deny")["spec"]
@@ -457,7 +596,7 @@ def test_network_policies_deny_by_default_and_select_real_pods(objects: list) ->
     for policy in policies:
         selected = [
             d
-            for d in deployments(objects)
+            for d in workloads(objects)
             if dc.selector_matches(policy["spec"]["podSelector"], dc.pod_labels(d))
         ]
         assert selected, f"{dc.name_of(policy)} selects no pods"
@@ -465,10 +604,10 @@ def test_network_policies_deny_by_default_and_select_real_pods(objects: list) ->
     for name in ("inference", "prediction"):
         policy = dc.by_name(objects, "NetworkPolicy", name)
         ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-        assert ports == {dc.grpc_port(dc.pod_spec(deployments(objects, name)[0])["containers"][0])}
-    # Prediction may reach inference's gRPC port.
+        assert ports == {dc.grpc_port(dc.pod_spec(workloads(objects, name)[0])["containers"][0])}
+    # Every prediction track may reach inference's gRPC port.
     egress = dc.by_name(objects, "NetworkPolicy", "prediction")["spec"]["egress"]
-    inference = deployments(objects, "inference")[0]
+    inference = workloads(objects, "inference")[0]
     assert any(
         dc.selector_matches(peer.get("podSelector"), dc.pod_labels(inference))
         and {"protocol": "TCP", "port": dc.grpc_port(dc.pod_spec(inference)["containers"][0])}
@@ -478,12 +617,24 @@ def test_network_policies_deny_by_default_and_select_real_pods(objects: list) ->
     )
 
 
+def test_network_policies_let_each_pod_reach_what_its_settings_name(objects: list) -> None:
+    # The CRM database, the shared Redis and the trace collector: a URL in the settings whose port
+    # the policies close would fail only at run time, as a degraded service.
+    for workload in workloads(objects):
+        settings = dc.settings_of(workload, objects)
+        prefix = PREFIX[app(workload)]
+        needed = {int(re.search(r":(\d+)$", settings[f"{prefix}_OTLP_ENDPOINT"])[1])}
+        if app(workload) == "prediction":
+            needed |= {5432, 6379}  # PostgreSQL (CRM) and Redis, whose URLs are in Secrets
+        assert needed <= egress_ports(objects, workload), dc.name_of(workload)
+
+
 def test_inference_rate_limit_is_local_enforced_and_not_retried(objects: list) -> None:
     (envoy_filter,) = dc.of_kind(objects, "EnvoyFilter")
     selector = envoy_filter["spec"]["workloadSelector"]["labels"]
     assert [
-        d for d in deployments(objects) if dc.selector_matches(selector, dc.pod_labels(d))
-    ] == deployments(objects, "inference")
+        d for d in workloads(objects) if dc.selector_matches(selector, dc.pod_labels(d))
+    ] == workloads(objects, "inference")
     (patch,) = envoy_filter["spec"]["configPatches"]
     assert patch["applyTo"] == "HTTP_FILTER" and patch["match"]["context"] == "SIDECAR_INBOUND"
     value = patch["patch"]["value"]
@@ -508,7 +659,21 @@ def test_telemetry_exports_mesh_metrics(objects: list) -> None:
     assert 0 < telemetry["spec"]["tracing"][0]["randomSamplingPercentage"] <= 100
 
 
+def test_services_trace_and_log_for_production(objects: list) -> None:
+    # JSON log lines (trace id, request id, layer) for the log pipeline; spans exported to the
+    # collector; new traces sampled at the mesh's rate, so the services record neither far more
+    # traces than the mesh (export volume) nor far fewer (traces without their app spans).
+    (telemetry,) = dc.of_kind(objects, "Telemetry")
+    mesh_ratio = telemetry["spec"]["tracing"][0]["randomSamplingPercentage"] / 100
+    for workload in workloads(objects):
+        settings = dc.settings_of(workload, objects)
+        prefix = PREFIX[app(workload)]
+        assert settings[f"{prefix}_LOG_FORMAT"] == "json", dc.name_of(workload)
+        assert settings[f"{prefix}_TRACING"] == "true"
+        assert re.fullmatch(r"https?://[a-z0-9.-]+:\d+", settings[f"{prefix}_OTLP_ENDPOINT"])
+        assert float(settings[f"{prefix}_TRACE_SAMPLE_RATIO"]) == pytest.approx(mesh_ratio)
+
+
 def test_no_template_placeholder_survives(objects: list) -> None:
-    # ../inference-version mounts credit-risk/VERSION until a model-versions/vN folder fills it in.
-    for workload in deployments(objects):
+    for workload in workloads(objects):
         assert "VERSION" not in repr(workload), dc.name_of(workload)

@@ -7,6 +7,10 @@ Needs the mlpair package importable (as in `make test`); skipped otherwise."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import deploy_checks as dc
 import pytest
 
@@ -25,10 +29,12 @@ def settings_class(service: str) -> type:
 
 
 @pytest.mark.parametrize("overlay", dc.OVERLAYS)
-def test_every_variable_is_a_valid_settings_field(rendered: dict, overlay: str) -> None:
+def test_every_variable_is_a_valid_settings_field(
+    rendered: dict, overlay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     objects = rendered[overlay]
-    for workload in dc.of_kind(objects, "Deployment"):
-        service = dc.pod_labels(workload)["app.kubernetes.io/name"]
+    for workload in dc.workloads(objects):
+        service = dc.app_of(workload)
         cls = settings_class(service)
         prefix = SETTINGS[service][2]
         container = dc.pod_spec(workload)["containers"][0]
@@ -36,15 +42,30 @@ def test_every_variable_is_a_valid_settings_field(rendered: dict, overlay: str) 
             v["name"] for v in container.get("env", ())
         }
         fields = {name.removeprefix(prefix).lower() for name in names}
+        assert all(name.startswith(prefix) for name in names), dc.name_of(workload)
         assert fields <= set(cls.model_fields), (
             f"{dc.name_of(workload)}: unknown {sorted(fields - set(cls.model_fields))}"
         )
-        # Literal values through the class's own validation (types, Literal choices).
-        values = {
-            k.removeprefix(prefix).lower(): v for k, v in dc.settings_of(workload, objects).items()
-        }
-        settings = cls(**values)
-        assert str(settings.port) == values["port"]
+        # Literal values through the class's own parsing, from the environment as in the pod
+        # (JSON for lists and maps, Literal choices, numbers); Secret values are not in the render.
+        for name in [n for n in os.environ if n.startswith(prefix)]:
+            monkeypatch.delenv(name)
+        values = dc.settings_of(workload, objects)
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        settings = cls()
+        for name, value in values.items():
+            parsed = getattr(settings, name.removeprefix(prefix).lower())
+            if isinstance(parsed, (list, dict)):
+                assert parsed == json.loads(value), name
+            elif isinstance(parsed, Path):
+                assert str(parsed) == value, name
+            elif isinstance(parsed, bool):
+                assert parsed is (value == "true"), name
+            elif isinstance(parsed, (int, float)):
+                assert parsed == float(value), name
+            else:
+                assert str(parsed) == value, name
 
 
 def test_container_commands_parse_with_the_cli(rendered: dict) -> None:
@@ -52,8 +73,8 @@ def test_container_commands_parse_with_the_cli(rendered: dict) -> None:
         "mlpair.cli", reason="mlpair is not installed (pip install -e '.[dev]')"
     )
     parser = cli.build_parser()
-    for workload in dc.of_kind(rendered["prod"], "Deployment"):
-        service = dc.pod_labels(workload)["app.kubernetes.io/name"]
+    for workload in dc.workloads(rendered["prod"]):
+        service = dc.app_of(workload)
         args = parser.parse_args(dc.pod_spec(workload)["containers"][0]["args"])
         assert (args.command, args.role) == ("serve", service)
     for port in (8001, 9001):
