@@ -29,7 +29,9 @@ async def prediction_service(inference_target: str, model_repository: Path, crm_
         "crm_url": f"sqlite+aiosqlite:///{crm_dir / 'crm.sqlite'}",
         "outbox_url": f"sqlite+aiosqlite:///{crm_dir / 'outbox.sqlite'}", "model_repository": model_repository,
         "config_dir": CONFIG_DIR, "models": ["credit-risk", "churn"],
-        "inference_max_batch_rows": INFERENCE_MAX_BATCH, **overrides})
+        "inference_max_batch_rows": INFERENCE_MAX_BATCH,
+        # a shared, loaded 2-core machine: no spurious deadlines or open circuits outside the fault tests
+        "inference_timeout_ms": 10_000, **overrides})
     server, port, health, predictor = await start(settings)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
