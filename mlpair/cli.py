@@ -53,24 +53,21 @@ def _serve_prediction(args: argparse.Namespace) -> int:
 
 def _run_server(layer: str, settings, serve) -> int:
     import logging
-
-    from prometheus_client import start_http_server
-
-    from mlpair.logs import configure_logging
-
     from importlib.metadata import version
 
     from opentelemetry import trace
+    from prometheus_client import start_http_server
 
+    from mlpair.logs import configure_logging
     from mlpair.observability.tracing import build_tracer_provider
 
     configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
     provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
                                      sample_ratio=settings.trace_sample_ratio, service_version=version("mlpair"))
     trace.set_tracer_provider(provider)
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.host)
     try:
+        if settings.metrics_port:
+            start_http_server(settings.metrics_port, addr=settings.host)
         asyncio.run(serve(settings))
     except Exception as exc:  # start-up refusals: say why in one line, full detail in the log
         logging.getLogger("mlpair").error("%s service failed: %s", layer, exc, exc_info=True)
@@ -82,15 +79,19 @@ def _run_server(layer: str, settings, serve) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import logging
-
     import dataclasses
+    import logging
 
     from mlpair.logs import configure_logging
     from mlpair.training.pipeline import load_train_config, train_family
 
     configure_logging("training", "INFO")
-    for schema in args.schema or DEFAULT_SCHEMAS:
+    schemas = [Path(s) for s in args.schema or DEFAULT_SCHEMAS]
+    if missing := [str(s) for s in schemas if not s.is_file()]:
+        print(f"mlpair: no feature schema at {', '.join(missing)} (paths are relative to {Path.cwd()}); "
+              "run from the repository root or pass --schema", file=sys.stderr)
+        return 2
+    for schema in schemas:
         config = load_train_config(Path(schema))
         if args.seed is not None:
             config = dataclasses.replace(config, seed=args.seed)
@@ -142,7 +143,7 @@ def _drift_report(args: argparse.Namespace) -> int:
         return 1
     reports = reports_from_metrics(text)
     if args.json:
-        print(json.dumps([{**asdict(r), "drifted": r.drifted} for r in reports], indent=2))
+        print(json.dumps([{**asdict(r), "judged": r.judged, "drifted": r.drifted} for r in reports], indent=2))
     else:
         print(render(reports))
     return 2 if any(r.drifted for r in reports) else 0

@@ -21,7 +21,7 @@ one line per decision (:func:`log_decision`) carries ``decision``, ``reason_code
 ``from_cache``.
 
 Per-request lines are DEBUG (or sampled at INFO with ``sample_ratio``), never unconditional
-INFO: the hop budget (design.md) leaves no room for a formatted line per RPC.
+INFO: the hop budget (docs/design.md) leaves no room for a formatted line per RPC.
 
 Every string that reaches a line passes through a :class:`~mlpair.observability.redaction.Redactor`:
 schema-flagged personal fields (registered with :func:`add_personal_fields`) and patterns

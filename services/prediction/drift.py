@@ -19,7 +19,7 @@ manifest (``mlpair.training.pipeline.baselines``):
   training took on its calibration split (manifest key ``"__score__"``), when present.
 
 A test reports drift only when both hold: its effect size exceeds the threshold (KS 0.15 by
-default, design.md's alarm) *and* its p-value is below ``alpha / k`` — Bonferroni over the
+default, docs/design.md's alarm) *and* its p-value is below ``alpha / k`` — Bonferroni over the
 k tests evaluated together, so a window of ordinary noise across 14 tests stays quiet at a
 family-wise error rate ≤ ``alpha``. Fewer than ``min_rows`` rows in the window: no verdict.
 
@@ -86,6 +86,11 @@ class DriftReport:
     @property
     def drifted_features(self) -> list[str]:
         return [t.feature for t in self.features if t.drifted]
+
+    @property
+    def judged(self) -> bool:
+        """Whether the window held enough decisions (``min_rows``) for a verdict."""
+        return self.window_rows >= self.min_rows
 
     @property
     def drifted(self) -> bool:
@@ -248,6 +253,7 @@ def export(report: DriftReport) -> None:
     """Sets the ``prediction_drift_*`` gauges from a report."""
     model = report.model_name
     metrics.DRIFT_WINDOW_ROWS.labels(model).set(report.window_rows)
+    metrics.DRIFT_MIN_ROWS.labels(model).set(report.min_rows)
     metrics.DRIFT_CORRECTED_ALPHA.labels(model).set(report.corrected_alpha)
     for t in (*report.features, *([report.score] if report.score else [])):
         metrics.DRIFT_THRESHOLD.labels(model, t.test).set(t.threshold)
@@ -324,8 +330,8 @@ def drift_config(settings) -> DriftConfig:
 
 def reports_from_metrics(text: str) -> list[DriftReport]:
     """Rebuilds drift reports from a PredictionService's Prometheus exposition text (what
-    ``mlpair drift-report`` reads from its metrics port). ``alpha`` and ``min_rows`` are not
-    exported and read as NaN / 0."""
+    ``mlpair drift-report`` reads from its metrics port). ``alpha`` is not exported and reads
+    as NaN."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, list] = {}
@@ -351,7 +357,9 @@ def reports_from_metrics(text: str) -> list[DriftReport]:
             score = TestResult("score", "ks", one("prediction_score_drift_statistic"),
                                one("prediction_score_drift_p_value"), one("prediction_drift_threshold", test="ks"),
                                one("prediction_score_drift_detected") == 1.0)
-        reports.append(DriftReport(model, "", int(one("prediction_drift_window_rows")), 0, float("nan"),
+        min_rows = one("prediction_drift_min_rows")
+        reports.append(DriftReport(model, "", int(one("prediction_drift_window_rows")),
+                                   int(min_rows) if min_rows == min_rows else 0, float("nan"),
                                    one("prediction_drift_corrected_alpha"), tuple(tests), score))
     return reports
 
@@ -369,11 +377,17 @@ def render(reports: list[DriftReport]) -> str:
     lines = []
     for r in reports:
         version = f" version {r.model_version}" if r.model_version else ""
+        if not r.judged:
+            lines.append(f"{r.model_name}{version}: no verdict: {r.window_rows} decisions in the window, "
+                         f"fewer than the {r.min_rows} needed")
+            continue
         verdict = "DRIFT" if r.drifted else "no drift"
         lines.append(f"{r.model_name}{version}: {verdict} over {r.window_rows} decisions "
                      f"(per-test alpha {r.corrected_alpha:.2g}, Bonferroni)")
-        lines.append(f"  {'feature':<16} {'test':<5} {'effect':>7} {'threshold':>9} {'p-value':>10}  verdict")
-        for t in (*r.features, *([r.score] if r.score else [])):
-            lines.append(f"  {t.feature:<16} {t.test:<5} {t.statistic:>7.3f} {t.threshold:>9.3f} {t.p_value:>10.2e}  "
-                         f"{'DRIFT' if t.drifted else 'ok'}")
+        tests = (*r.features, *([r.score] if r.score else []))
+        width = max([7, *(len(t.feature) for t in tests)])
+        lines.append(f"  {'feature':<{width}} {'test':<5} {'effect':>7} {'threshold':>9} {'p-value':>10}  verdict")
+        for t in tests:
+            lines.append(f"  {t.feature:<{width}} {t.test:<5} {t.statistic:>7.3f} {t.threshold:>9.3f} "
+                         f"{t.p_value:>10.2e}  {'DRIFT' if t.drifted else 'ok'}")
     return "\n".join(lines) if lines else "no drift monitors reported (no prediction_drift_* metrics yet)"

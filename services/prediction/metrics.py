@@ -85,6 +85,8 @@ DRIFT_DETECTED = Gauge("prediction_drift_detected",
                        "1 when a feature drifted: effect size above its threshold and p-value below alpha / tests.",
                        ["model", "feature"])
 DRIFT_WINDOW_ROWS = Gauge("prediction_drift_window_rows", "Decisions in the drift window.", ["model"])
+DRIFT_MIN_ROWS = Gauge("prediction_drift_min_rows", "Fewest decisions in the window before drift is judged at all.",
+                       ["model"])
 SCORE_DRIFT_STATISTIC = Gauge("prediction_score_drift_statistic",
                               "KS statistic of the calibrated score over the window against training's.", ["model"])
 SCORE_DRIFT_P_VALUE = Gauge("prediction_score_drift_p_value", "KS p-value of the calibrated score drift test.", ["model"])

@@ -72,7 +72,7 @@ class DecisionPolicy(_Frozen):
     fallback_decision: Label = "REVIEW"
     """Decision made without model output (inference unavailable and no stale cache entry), with
     reason ``INFERENCE_UNAVAILABLE``: a decision a person makes, never an automatic approval or
-    decline (design.md; issue 5)."""
+    decline (docs/design.md)."""
 
     @model_validator(mode="after")
     def _ordered_from_zero(self) -> DecisionPolicy:

@@ -38,8 +38,8 @@ class PredictionSettings(BaseSettings):
     """Model family → versions whose mean calibrated probability decides (JSON); absent = the latest alone."""
     shadows: dict[str, str] = {}
     """Model family → a version also scored for every decision, compared in metrics, never served (JSON)."""
-    inference_max_batch_rows: int = 1024
-    """Most rows per Infer call; keep at most InferenceService's max_batch_size."""
+    inference_max_batch_rows: int = 128
+    """Most rows per Infer call; keep at most InferenceService's max_batch_size (default 128)."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
     explain_top_reasons: int = 3
@@ -123,7 +123,7 @@ class PredictionSettings(BaseSettings):
     drift_min_rows: int = 200
     """Fewest decisions in the window before drift is judged at all."""
     drift_ks_threshold: float = 0.15
-    """KS statistic above which a numeric feature (or the score) may drift (design.md's alarm)."""
+    """KS statistic above which a numeric feature (or the score) may drift (docs/design.md's alarm)."""
     drift_categorical_threshold: float = 0.15
     """Total variation distance above which a categorical feature may drift."""
     drift_alpha: float = 0.01

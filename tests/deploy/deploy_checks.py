@@ -49,7 +49,7 @@ KUBERNETES_VERSIONS = ("1.35", "1.36", "1.37")
 NAMESPACE = "mlpair"
 TRUST_DOMAIN = "cluster.local"
 
-# SLAs from design.md, in milliseconds: what the deadline budget is checked against.
+# SLAs from docs/design.md, in milliseconds: what the deadline budget is checked against.
 INFERENCE_P99_MS = 120
 PREDICTION_P95_MS = 300
 # Istio's sidecar drain after the app exits (terminationDrainDuration, 5 s by default): part of

@@ -128,6 +128,7 @@ def test_drift_report_command_reads_a_metrics_endpoint(capsys):
     from mlpair.prediction import metrics
 
     metrics.DRIFT_WINDOW_ROWS.labels("cli-model").set(500)
+    metrics.DRIFT_MIN_ROWS.labels("cli-model").set(200)
     metrics.DRIFT_CORRECTED_ALPHA.labels("cli-model").set(0.001)
     metrics.DRIFT_THRESHOLD.labels("cli-model", "ks").set(0.15)
     metrics.DRIFT_STATISTIC.labels("cli-model", "Income", "ks").set(0.4)
@@ -139,11 +140,18 @@ def test_drift_report_command_reads_a_metrics_endpoint(capsys):
         assert cli_main(["drift-report", "--metrics-url", url]) == 2
         out = capsys.readouterr().out
         assert "cli-model: DRIFT over 500 decisions" in out and "Income" in out
+        # Too few decisions for a verdict: the report says so instead of "no drift".
+        metrics.DRIFT_WINDOW_ROWS.labels("cli-model").set(7)
+        metrics.DRIFT_DETECTED.labels("cli-model", "Income").set(0)
+        cli_main(["drift-report", "--metrics-url", url])  # exit code also reflects other models' gauges
+        out = capsys.readouterr().out
+        assert "cli-model: no verdict: 7 decisions in the window, fewer than the 200 needed" in out
+        assert "cli-model: no drift" not in out
         assert cli_main(["drift-report", "--metrics-url", "http://127.0.0.1:1/metrics", "--timeout-s", "1"]) == 1
     finally:
         server.shutdown()
         thread.join(timeout=5)
-        for gauge in (metrics.DRIFT_WINDOW_ROWS, metrics.DRIFT_CORRECTED_ALPHA):
+        for gauge in (metrics.DRIFT_WINDOW_ROWS, metrics.DRIFT_MIN_ROWS, metrics.DRIFT_CORRECTED_ALPHA):
             gauge.remove("cli-model")
         metrics.DRIFT_THRESHOLD.remove("cli-model", "ks")
         metrics.DRIFT_STATISTIC.remove("cli-model", "Income", "ks")
