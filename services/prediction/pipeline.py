@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from mlpair import logs
-from mlpair.contracts.assembly import AssembledRow, ConversionError
+from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, AssembledRow, ConversionError
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.cache import CachedInference, Scored, Source
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
+DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
 STALE_REASON = "STALE_CACHE_RESULT"
 
 
@@ -310,7 +311,8 @@ class Predictor:
         members = it.probabilities[:, 0]
         probability = float(members.mean())
         spread = float(members.max() - members.min())
-        verdict = family.policy.decide(probability, spread)
+        defaulted = {g.feature for g in it.row.guards if g.action in DEFAULTED_ACTIONS}
+        verdict = family.policy.decide(probability, spread, len(defaulted) / len(family.schema.features))
         self.drift.observe(family.name, it.row.vector, probability)
         if family.is_ensemble:
             metrics.ENSEMBLE_SPREAD.labels(family.name).observe(spread)

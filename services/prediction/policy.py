@@ -34,6 +34,20 @@ class Band(_Frozen):
     """The reason in business language, for people reading the decision."""
 
 
+class InsufficientData(_Frozen):
+    """Where too much of the record was missing to decide automatically.
+
+    When more than ``max_defaulted_fraction`` of the schema's features took their default
+    (missing or a sentinel), ``decision`` overrides the band and ``reason_code`` is added: a
+    record with next to no data must not be approved or declined on the training averages.
+    """
+
+    max_defaulted_fraction: float = Field(ge=0, lt=1)
+    decision: Label
+    reason_code: Code = "INSUFFICIENT_DATA"
+    description: str = ""
+
+
 class Uncertainty(_Frozen):
     """Where an ensemble's members disagree too much to decide automatically.
 
@@ -69,6 +83,7 @@ class DecisionPolicy(_Frozen):
     comparison: Literal[">=", ">"] = ">="
     bands: tuple[Band, ...]
     uncertainty: Uncertainty | None = None
+    insufficient_data: InsufficientData | None = None
     fallback_decision: Label = "REVIEW"
     """Decision made without model output (inference unavailable and no stale cache entry), with
     reason ``INFERENCE_UNAVAILABLE``: a decision a person makes, never an automatic approval or
@@ -97,6 +112,8 @@ class DecisionPolicy(_Frozen):
         labels = [b.decision for b in self.bands]
         if self.uncertainty:
             labels.append(self.uncertainty.decision)
+        if self.insufficient_data:
+            labels.append(self.insufficient_data.decision)
         labels.append(self.fallback_decision)
         return tuple(dict.fromkeys(labels))
 
@@ -113,15 +130,21 @@ class DecisionPolicy(_Frozen):
             return self.bands[bisect.bisect_right(starts, probability) - 1]
         return self.bands[max(bisect.bisect_left(starts, probability) - 1, 0)]
 
-    def decide(self, probability: float, spread: float = 0.0) -> Decision:
-        """Decision for a calibrated probability and, with an ensemble, its members' spread.
+    def decide(self, probability: float, spread: float = 0.0, defaulted_fraction: float = 0.0) -> Decision:
+        """Decision for a calibrated probability, the ensemble spread (0 without an ensemble) and
+        the fraction of the schema's features that took their default (missing or sentinel).
 
         Raises:
-            ValueError: probability or spread not finite or outside [0, 1].
+            ValueError: probability, spread or fraction not finite or outside [0, 1].
         """
         band = self.band(probability)
         if not 0.0 <= spread <= 1.0:
             raise ValueError(f"spread {spread!r} is outside [0, 1]")
+        if not 0.0 <= defaulted_fraction <= 1.0:
+            raise ValueError(f"defaulted fraction {defaulted_fraction!r} is outside [0, 1]")
+        scarce = self.insufficient_data
+        if scarce is not None and defaulted_fraction > scarce.max_defaulted_fraction:
+            return Decision(scarce.decision, (scarce.reason_code, band.reason_code), band)
         if self.uncertainty is not None and spread > self.uncertainty.max_spread:
             return Decision(self.uncertainty.decision, (self.uncertainty.reason_code, band.reason_code), band, True)
         return Decision(band.decision, (band.reason_code,), band)

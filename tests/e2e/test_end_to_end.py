@@ -110,7 +110,7 @@ async def test_crm_row_stores_the_policy_version_and_decision_label(prediction, 
     reply = await stub.Predict(predict_request("crm-row-1", "c1", churn_holdout.records[0], "churn"))
     assert await predictor.recorder.wait_delivered(10)
     row = await predictor.crm.find("crm-row-1")
-    assert (row.policy_version, row.decision, row.model_name) == ("churn-policy/v1", reply.decision_label, "churn")
+    assert (row.policy_version, row.decision, row.model_name) == ("churn-policy/v2", reply.decision_label, "churn")
 
 
 async def test_c28_c32_guards_fire_and_a_decision_is_still_returned(prediction, credit_holdout, churn_holdout):
@@ -231,3 +231,12 @@ def test_the_service_refuses_to_start_when_the_default_family_is_not_served(mode
                                   model_name="credit-risk")
     with pytest.raises(ConfigurationError, match="default"):
         build_predictor(settings)
+
+
+@pytest.mark.parametrize("family", ["credit-risk", "churn"])
+async def test_an_empty_record_is_never_decided_automatically(prediction, family):
+    """Every feature defaulted: the training averages would decide, so a person does."""
+    stub, _ = prediction
+    reply = await stub.Predict(predict_request(f"empty-{family}", "e-empty", {}, family))
+    assert reply.decision_label == "REVIEW" and reply.reason_codes[0] == "INSUFFICIENT_DATA"
+    assert all(code.endswith("_MISSING_DEFAULTED") for code in reply.reason_codes[2:])

@@ -92,7 +92,7 @@ def test_without_an_uncertainty_section_spread_is_ignored():
 
 
 def test_policy_versions_are_named(policy, churn_policy):
-    assert policy.version == "credit-risk-policy/v2" and churn_policy.version == "churn-policy/v1"
+    assert policy.version == "credit-risk-policy/v3" and churn_policy.version == "churn-policy/v2"
 
 
 def test_fallback_decision_is_review_by_default_and_listed_among_decisions():
@@ -101,3 +101,14 @@ def test_fallback_decision_is_review_by_default_and_listed_among_decisions():
         {"decision": "RETAIN_OFFER", "min_probability": 0.4, "reason_code": "HIGH"}]})
     assert policy.fallback_decision == "REVIEW"
     assert policy.decisions == ("NO_ACTION", "RETAIN_OFFER", "REVIEW")
+
+
+def test_insufficient_data_routes_to_review_above_the_bound(policy):
+    scarce = policy.insufficient_data
+    assert scarce is not None and scarce.decision == "REVIEW"
+    low = policy.decide(0.05, 0.0, scarce.max_defaulted_fraction)  # at the bound: the band decides
+    assert low.decision == "APPROVE"
+    routed = policy.decide(0.05, 0.0, scarce.max_defaulted_fraction + 0.01)
+    assert routed.decision == "REVIEW" and routed.reason_codes == ("INSUFFICIENT_DATA", "LOW_DEFAULT_RISK")
+    with pytest.raises(ValueError):
+        policy.decide(0.05, 0.0, 1.5)
