@@ -60,6 +60,9 @@ class InferenceSettings(BaseSettings):
     """Audited mode: fixed seeds and deterministic kernels; batch-invariant results, some speed lost."""
     execution_instances: int = 1
     """Model executions that may run at once per model version (threads in the runtime executor)."""
+    inline_execution_max_ms: float = 0.5
+    """A version whose warm-up batch of max_batch_size rows ran within this many ms runs its batches on
+    the event-loop thread (a thread hop costs more than such a batch); 0 = always in the executor."""
 
     # -- dynamic batching ------------------------------------------------------------------
     batching: bool = True
