@@ -31,6 +31,14 @@ class InferenceSettings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
 
+    # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
+    tls_cert_file: Path | None = None
+    """PEM certificate chain of the gRPC port; with tls_key_file, the port speaks TLS only."""
+    tls_key_file: Path | None = None
+    """PEM private key of tls_cert_file."""
+    tls_client_ca_file: Path | None = None
+    """PEM CA bundle; when set, callers must present a certificate it signed (mutual TLS)."""
+
     # -- model repository and versions -----------------------------------------------------
     model_repository: Path = Path("var/models")
     """Root of ``<model_name>/<version>/`` entries."""
@@ -93,6 +101,10 @@ class InferenceSettings(BaseSettings):
         if self.max_request_rows > self.max_queue_rows:
             raise ValueError(f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
                              f"({self.max_queue_rows}): such a request could never be queued")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
         if bad:
             raise ValueError(f"preferred_batch_sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})")

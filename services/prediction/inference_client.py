@@ -15,7 +15,7 @@ import numpy as np
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceUnavailable
-from mlpair.rpc import error_info, message_size_options
+from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,11 @@ _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 
 
 class InferenceClient:
-    """Async InferenceService client over one shared channel."""
+    """Async InferenceService client over one shared channel (TLS when ``credentials`` are given)."""
 
-    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._channel = open_channel(target, message_size_options(max_message_bytes), credentials)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._timeout_s = timeout_ms / 1000.0
 

@@ -17,7 +17,8 @@ from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predictor
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import ErrorInterceptor, Health, drain, message_size_options, wait_for_termination_signal
+from mlpair.rpc import (ErrorInterceptor, Health, bind_port, channel_credentials, drain, message_size_options,
+                        server_credentials, wait_for_termination_signal)
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,10 @@ def build_predictor(settings: PredictionSettings) -> Predictor:
     families = {name: ModelFamily.load(name, settings.config_dir, settings.model_repository,
                                        ensemble=settings.ensembles.get(name, ()), shadow=settings.shadows.get(name))
                 for name in names}
+    tls = channel_credentials(settings.inference_tls_ca_file, settings.inference_tls_cert_file,
+                              settings.inference_tls_key_file)
     inference = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
-                                max_message_bytes=settings.max_message_bytes)
+                                max_message_bytes=settings.max_message_bytes, credentials=tls)
     return Predictor(families, settings.model_name, inference, CrmStore(settings.crm_url),
                      max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
                      explain_top_k=settings.explain_top_reasons)
@@ -53,7 +56,8 @@ def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[g
     pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
     health = Health([SERVICE_NAME])
     health.add_to(server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    port = bind_port(server, f"{settings.host}:{settings.port}", tls)
     return server, port, health
 
 
