@@ -123,6 +123,11 @@ class DynamicBatcher:
         metrics.QUEUE_DEPTH.remove(self.model, self.version)  # drop the scrape-time callback with us
 
     @property
+    def executes_inline(self) -> bool:
+        """Whether batches run on the event-loop thread rather than in the executor."""
+        return self._inline
+
+    @property
     def queued_rows(self) -> int:
         """Rows waiting for a batch (not counting those executing)."""
         return self._queued_rows
