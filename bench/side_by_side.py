@@ -14,9 +14,11 @@ A benchmark, not a test: it reports numbers and asserts none. Steps:
    two ONNX files with the same batching (max batch ``--max-batch-size`` rows, max queue
    delay ``--max-queue-delay-ms``, one model instance, ONNX Runtime on one thread); every
    server's logits for real rows are checked against in-process ONNX Runtime first;
-5. measurement, interleaved: for each concurrency, for each model, every server in turn
-   gets one point from ``bench/oip_load.py`` (the same load generator, its own process);
-6. one JSON line per point and a summary, then a table with the ratios ours / peer.
+5. measurement, interleaved: in each of ``--rounds`` rounds, for each concurrency, for each
+   model, every server in turn gets one point from ``bench/oip_load.py`` (the same load
+   generator, its own process);
+6. one JSON line per point, then per server and point the median over the rounds, the
+   targets of the issue, and a table with the ratios ours / peer.
 
 Servers: ``mlpair`` (InferenceService, batching on), ``mlpair-nobatch`` (batching off),
 ``null`` (``bench/null_server.py``: a do-nothing grpc.aio OIP server, the Python gRPC ceiling
@@ -28,7 +30,9 @@ server; it has no server-side batcher).
 Bounded: loopback only; every point is ``--warmup-s + --duration-s`` long; every server is
 stopped by PID (its recorded process tree) at the end or on error. Client and servers share
 this machine's cores: a figure is client + server CPU per request, and other work running
-at the same time shows up as noise (the load average is printed before and after).
+at the same time shows up as noise (the load average is printed before and after). CPU
+microseconds per request (server process tree, client process) are reported beside req/s:
+they move much less with other load than req/s does.
 """
 
 from __future__ import annotations
@@ -440,10 +444,31 @@ def measure(server: Server, model: str, concurrency: int, rows_file: Path, args)
     return {"label": server.name, "batching": server.batching, **{k: v for k, v in line.items() if k != "label"}}
 
 
+def merge_rounds(lines: list[dict]) -> dict:
+    """One point from its rounds: medians of req/s, latencies and CPU per request; every round kept."""
+    ok = [line for line in lines if "failed" not in line]
+    if not ok:
+        return lines[-1]
+    out = {k: v for k, v in ok[0].items() if k in ("label", "batching", "model", "concurrency", "rows_per_request")}
+    for key in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_pct", "client_cpu_pct"):
+        values = [line[key] for line in ok if line.get(key) is not None]
+        if values:
+            out[key] = round(statistics.median(values), 3)
+    for side in ("server", "client"):
+        per_request = [line[f"{side}_cpu_pct"] * 1e4 / line["requests_per_s"] for line in ok
+                       if line.get(f"{side}_cpu_pct") and line.get("requests_per_s")]
+        if per_request:
+            out[f"{side}_cpu_us_per_request"] = round(statistics.median(per_request), 1)
+    out["rounds_requests_per_s"] = [line["requests_per_s"] for line in ok]
+    out["errors"] = sum(line.get("errors", 0) for line in ok)
+    out["failed_rounds"] = len(lines) - len(ok)
+    return out
+
+
 def table(results: dict, servers: list[Server], concurrencies: list[int], models: list[str]) -> str:
     """Markdown table: req/s, p50, p99 per server and point, and ours / peer ratios."""
-    lines = ["| model | conc | server | batching | req/s | p50 ms | p99 ms | server CPU % | mlpair ÷ server (req/s) "
-             "| mlpair p99 ÷ server p99 |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | conc | server | batching | req/s | p50 ms | p99 ms | server µs CPU/req | client µs CPU/req "
+             "| mlpair ÷ server (req/s) | mlpair p99 ÷ server p99 |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for model in models:
         for c in concurrencies:
             ours = results.get(("mlpair", model, c), {})
@@ -452,7 +477,7 @@ def table(results: dict, servers: list[Server], concurrencies: list[int], models
                 if r is None:
                     continue
                 if "failed" in r:
-                    lines.append(f"| {model} | {c} | {server.name} | {server.batching} | failed | | | | | |")
+                    lines.append(f"| {model} | {c} | {server.name} | {server.batching} | failed | | | | | | |")
                     continue
                 ratio = p99_ratio = ""
                 if server.name != "mlpair" and ours.get("requests_per_s") and r.get("requests_per_s"):
@@ -460,8 +485,8 @@ def table(results: dict, servers: list[Server], concurrencies: list[int], models
                     if ours.get("p99_ms") and r.get("p99_ms"):
                         p99_ratio = f"{ours['p99_ms'] / r['p99_ms']:.2f}"
                 lines.append(f"| {model} | {c} | {server.name} | {server.batching} | {r['requests_per_s']:,.0f} "
-                             f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r.get('server_cpu_pct', '')} "
-                             f"| {ratio} | {p99_ratio} |")
+                             f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r.get('server_cpu_us_per_request', '')} "
+                             f"| {r.get('client_cpu_us_per_request', '')} | {ratio} | {p99_ratio} |")
     return "\n".join(lines)
 
 
@@ -478,13 +503,18 @@ def targets(results: dict, cold: list[float], top: int) -> dict:
         ratio(ours, pytriton, "p99_ms")
     median_cold = round(statistics.median(cold), 3) if cold else None
     return {
-        "label": "targets", "concurrency": top,
+        "label": "targets", "concurrency": top, "model": MODEL,
         f"c{top}_vs_pytriton": {"value": vs_pytriton, "target": ">= 1.5",
                                 "met": None if vs_pytriton is None else vs_pytriton >= 1.5},
         f"c{top}_vs_null_server": {"value": vs_null, "target": ">= 0.9",
                                    "met": None if vs_null is None else vs_null >= 0.9},
         f"c{top}_p99_vs_pytriton": {"value": p99, "target": "<= 1.0", "met": None if p99 is None else p99 <= 1.0},
         "cold_start_s": {"value": median_cold, "target": "< 2", "met": None if median_cold is None else median_cold < 2},
+        # Context, not a target: what the do-nothing Python server itself reaches against PyTriton
+        # here bounds what any grpc.aio server (ours included) can reach.
+        f"c{top}_null_server_vs_pytriton": ratio(null, pytriton, "requests_per_s"),
+        f"c{top}_server_cpu_us_per_request": {name: results.get((name, MODEL, top), {}).get("server_cpu_us_per_request")
+                                               for name in ("mlpair", "null", "pytriton")},
     }
 
 
@@ -494,8 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="var/bench", help="venvs, run files, logs and results")
     parser.add_argument("--peers", nargs="*", default=list(PEER_NAMES), choices=PEER_NAMES)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--duration-s", type=float, default=5.0, help="measured seconds per point")
-    parser.add_argument("--warmup-s", type=float, default=1.5, help="unmeasured seconds before each point")
+    parser.add_argument("--duration-s", type=float, default=4.0, help="measured seconds per point")
+    parser.add_argument("--warmup-s", type=float, default=1.0, help="unmeasured seconds before each point")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved sweeps; each point reports their median")
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--max-queue-delay-ms", type=float, default=1.0)
     parser.add_argument("--cold-starts", type=int, default=3)
@@ -545,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(builders[peer](venv))
 
     live: list[Server] = []
-    results: dict[tuple[str, str, int], dict] = {}
+    rounds: dict[tuple[str, str, int], list[dict]] = {}
     try:
         for server in servers:
             start(server, logs)
@@ -566,17 +597,21 @@ def main(argv: list[str] | None = None) -> int:
             live.append(server)
             emit({"label": "started", "server": server.name, "batching": server.batching,
                   "start_to_ready_s": round(ready_s, 2), "max_abs_logit_error": worst}, out)
-        for c in args.concurrency:  # interleaved: every server gets its point before the next level
-            for model in (MODEL, HEAVY):
-                for server in live:
-                    if model in server.models:
-                        line = measure(server, model, c, rows_file, args)
-                        results[(server.name, model, c)] = line
-                        emit(line, out)
+        for number in range(1, args.rounds + 1):
+            for c in args.concurrency:  # interleaved: every server gets its point before the next level
+                for model in (MODEL, HEAVY):
+                    for server in live:
+                        if model in server.models:
+                            line = {"round": number, **measure(server, model, c, rows_file, args)}
+                            rounds.setdefault((server.name, model, c), []).append(line)
+                            emit(line, out)
     finally:
         for server in servers:
             stop(server)
 
+    results = {key: merge_rounds(lines) for key, lines in rounds.items()}
+    for line in results.values():
+        emit({**line, "label": f"{line['label']} (median of {args.rounds} rounds)"}, out)
     summary = targets(results, cold, max(args.concurrency))
     summary["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     summary["elapsed_s"] = round(time.monotonic() - began, 1)
@@ -585,9 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     (work / "table.md").write_text(text + "\n")
     print("\n" + text + "\n")
     for key, value in summary.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "met" in value:
             state = {True: "met", False: "NOT met", None: "not measured"}[value["met"]]
             print(f"{key}: {value['value']} (target {value['target']}): {state}")
+    print(f"context: the do-nothing Python gRPC server ÷ PyTriton = {summary[f'c{max(args.concurrency)}_null_server_vs_pytriton']}; "
+          f"server CPU µs per request: {summary[f'c{max(args.concurrency)}_server_cpu_us_per_request']}")
     print(f"cold start to SERVING: {[round(s, 2) for s in cold]} s; results in {work / 'results.jsonl'}")
     return 0
 
