@@ -490,6 +490,14 @@ def table(results: dict, servers: list[Server], concurrencies: list[int], models
     return "\n".join(lines)
 
 
+def cpu_ratio(other: dict, ours: dict) -> float | None:
+    """(client + server CPU µs per request of ``other``) ÷ (the same of ``ours``)."""
+    keys = ("server_cpu_us_per_request", "client_cpu_us_per_request")
+    if not all(other.get(k) and ours.get(k) for k in keys):
+        return None
+    return round(sum(other[k] for k in keys) / sum(ours[k] for k in keys), 3)
+
+
 def targets(results: dict, cold: list[float], top: int) -> dict:
     """The issue's targets, each with the measured figure and whether it was met (None: not measured)."""
     ours = results.get(("mlpair", MODEL, top), {})
@@ -515,6 +523,10 @@ def targets(results: dict, cold: list[float], top: int) -> dict:
         f"c{top}_null_server_vs_pytriton": ratio(null, pytriton, "requests_per_s"),
         f"c{top}_server_cpu_us_per_request": {name: results.get((name, MODEL, top), {}).get("server_cpu_us_per_request")
                                                for name in ("mlpair", "null", "pytriton")},
+        # Client + server CPU per request of the other server ÷ ours: the req/s ratio a machine
+        # with nothing else running would show if both were CPU-bound (other work distorts req/s).
+        f"c{top}_cpu_efficiency_vs_null_server": cpu_ratio(null, ours),
+        f"c{top}_cpu_efficiency_vs_pytriton": cpu_ratio(pytriton, ours),
     }
 
 
@@ -624,7 +636,9 @@ def main(argv: list[str] | None = None) -> int:
             state = {True: "met", False: "NOT met", None: "not measured"}[value["met"]]
             print(f"{key}: {value['value']} (target {value['target']}): {state}")
     print(f"context: the do-nothing Python gRPC server ÷ PyTriton = {summary[f'c{max(args.concurrency)}_null_server_vs_pytriton']}; "
-          f"server CPU µs per request: {summary[f'c{max(args.concurrency)}_server_cpu_us_per_request']}")
+          f"server CPU µs per request: {summary[f'c{max(args.concurrency)}_server_cpu_us_per_request']}; "
+          f"CPU efficiency of mlpair vs the null server {summary[f'c{max(args.concurrency)}_cpu_efficiency_vs_null_server']}, "
+          f"vs PyTriton {summary[f'c{max(args.concurrency)}_cpu_efficiency_vs_pytriton']}")
     print(f"cold start to SERVING: {[round(s, 2) for s in cold]} s; results in {work / 'results.jsonl'}")
     return 0
 
