@@ -31,7 +31,8 @@ def build_onnx(n_features: int, n_classes: int, hidden: tuple[int, ...] = HIDDEN
     for i, (fan_in, fan_out) in enumerate(zip(dims, dims[1:])):
         last = i == len(dims) - 2
         w = (rng.standard_normal((fan_in, fan_out)) * np.sqrt(2.0 / fan_in)).astype(np.float32)
-        weights += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(np.zeros(fan_out, np.float32), f"b{i}")]
+        bias = np.zeros(fan_out, np.float32)
+        weights += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(bias, f"b{i}")]
         out = "logits" if last else f"h{i}"
         nodes.append(helper.make_node("Gemm", [previous, f"w{i}", f"b{i}"], [out if last else f"z{i}"]))
         if not last:

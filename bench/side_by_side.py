@@ -208,7 +208,8 @@ def pytriton_server(venv: Path, models: dict[str, Path], run: Path, args) -> Ser
     port = free_port()
     command = [str(venv / "bin" / "python"), str(PEERS / "pytriton_server.py"), "--grpc-port", str(port),
                "--http-port", str(free_port()), "--metrics-port", str(free_port()),
-               "--max-batch", str(args.max_batch_size), "--max-queue-delay-us", str(int(args.max_queue_delay_ms * 1000)),
+               "--max-batch", str(args.max_batch_size),
+               "--max-queue-delay-us", str(int(args.max_queue_delay_ms * 1000)),
                "--workspace", str(run / "pytriton-workspace")]
     for name, path in models.items():
         command += ["--model", f"{name}={path}"]
@@ -379,7 +380,8 @@ def check_answers(server: Server, rows: np.ndarray, expected: dict[str, np.ndarr
         for model in server.models:
             for i in range(n):
                 row = np.ascontiguousarray(rows[i:i + 1], "<f4")
-                tensor = oip.ModelInferRequest.InferInputTensor(name="features", datatype="FP32", shape=[1, rows.shape[1]])
+                tensor = oip.ModelInferRequest.InferInputTensor(name="features", datatype="FP32",
+                                                                shape=[1, rows.shape[1]])
                 reply = stub.ModelInfer(oip.ModelInferRequest(model_name=model, inputs=[tensor], parameters=params,
                                                               raw_input_contents=[row.tobytes()]), timeout=10)
                 got = output_array(reply)
@@ -517,7 +519,8 @@ def targets(results: dict, cold: list[float], top: int) -> dict:
         f"c{top}_vs_null_server": {"value": vs_null, "target": ">= 0.9",
                                    "met": None if vs_null is None else vs_null >= 0.9},
         f"c{top}_p99_vs_pytriton": {"value": p99, "target": "<= 1.0", "met": None if p99 is None else p99 <= 1.0},
-        "cold_start_s": {"value": median_cold, "target": "< 2", "met": None if median_cold is None else median_cold < 2},
+        "cold_start_s": {"value": median_cold, "target": "< 2",
+                         "met": None if median_cold is None else median_cold < 2},
         # Context, not a target: what the do-nothing Python server itself reaches against PyTriton
         # here bounds what any grpc.aio server (ours included) can reach.
         f"c{top}_null_server_vs_pytriton": ratio(null, pytriton, "requests_per_s"),
@@ -635,10 +638,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(value, dict) and "met" in value:
             state = {True: "met", False: "NOT met", None: "not measured"}[value["met"]]
             print(f"{key}: {value['value']} (target {value['target']}): {state}")
-    print(f"context: the do-nothing Python gRPC server ÷ PyTriton = {summary[f'c{max(args.concurrency)}_null_server_vs_pytriton']}; "
-          f"server CPU µs per request: {summary[f'c{max(args.concurrency)}_server_cpu_us_per_request']}; "
-          f"CPU efficiency of mlpair vs the null server {summary[f'c{max(args.concurrency)}_cpu_efficiency_vs_null_server']}, "
-          f"vs PyTriton {summary[f'c{max(args.concurrency)}_cpu_efficiency_vs_pytriton']}")
+    top = max(args.concurrency)
+    print(f"context at c={top}: the do-nothing Python gRPC server ÷ PyTriton = {summary[f'c{top}_null_server_vs_pytriton']}; "
+          f"server CPU µs per request: {summary[f'c{top}_server_cpu_us_per_request']}; CPU efficiency of mlpair "
+          f"vs the null server {summary[f'c{top}_cpu_efficiency_vs_null_server']}, "
+          f"vs PyTriton {summary[f'c{top}_cpu_efficiency_vs_pytriton']}")
     print(f"cold start to SERVING: {[round(s, 2) for s in cold]} s; results in {work / 'results.jsonl'}")
     return 0
 

@@ -341,9 +341,10 @@ class ModelRepository:
         memory = runtime.device_memory_bytes()
         if memory is not None:
             metrics.DEVICE_MEMORY.labels(name, version).set(memory)
+        where = "runs on the event loop" if inline else "runs in the executor"
         logger.info("model %s version %s ready in %.2f s (%s, batch of %d rows %.3f ms, %s, triple %s)", name,
-                    version, seconds, runtime.description, settings.max_batch_size, max_batch_ms,
-                    "runs on the event loop" if inline else "runs in the executor", entry.manifest.versions.model_dump())
+                    version, seconds, runtime.description, settings.max_batch_size, max_batch_ms, where,
+                    entry.manifest.versions.model_dump())
         if self._on_change:
             await self._on_change()
 

@@ -159,7 +159,8 @@ async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository
         try:
             target = f"127.0.0.1:{port}"
             async with open_channel(target, [], channel_credentials(certs["ca"])) as channel:
-                health_reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                health_stub = health_pb2_grpc.HealthStub(channel)
+                health_reply = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
                 record = credit_holdout.records[0]
                 reply = await pb_grpc.PredictionServiceStub(channel).Predict(pb.PredictRequest(
                     request_id="tls-1", entity_id="applicant-tls-1", model_name="credit-risk",
