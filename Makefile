@@ -8,7 +8,7 @@ MODEL_REPOSITORY ?= var/models
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: venv tools protos protos-baseline train demo test bench-inference clean
+.PHONY: venv tools protos protos-baseline train demo test bench bench-inference clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,13 @@ $(VENV)/bin/promtool: | $(STAMP)
 
 test: $(STAMP) tools $(VENV)/bin/promtool
 	$(PY) -m pytest -q
+
+# Benchmark (not a test): InferenceService side by side with PyTriton, tritonserver + Python backend,
+# MLServer and KServe (each in its own pinned venv under var/bench/venvs, installed on first run),
+# the same ONNX files and batching, one OIP load generator, interleaved; cold start to SERVING.
+# JSON lines and a table on stdout, var/bench/results.jsonl and var/bench/table.md. ~10 min on 2 cores.
+bench: $(STAMP)
+	$(PY) bench/side_by_side.py --model-repository $(MODEL_REPOSITORY)
 
 # Benchmark (not a test): InferenceService over OIP gRPC at concurrency 1/16/64, batching on and
 # off, beside the in-process runtime ceiling and a do-nothing gRPC server; JSON lines on stdout.

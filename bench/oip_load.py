@@ -53,6 +53,21 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def output_values(reply) -> int:
+    """FP32 values in the first output, whether sent as raw bytes or typed contents."""
+    if reply.raw_output_contents:
+        return len(reply.raw_output_contents[0]) // 4
+    return len(reply.outputs[0].contents.fp32_contents) if reply.outputs else 0
+
+
+def output_array(reply) -> np.ndarray:
+    """The first output as ``[rows, n] float32``, raw bytes or typed contents (MLServer sends typed)."""
+    shape = tuple(reply.outputs[0].shape)
+    if reply.raw_output_contents:
+        return np.frombuffer(reply.raw_output_contents[0], dtype="<f4").reshape(shape)
+    return np.asarray(reply.outputs[0].contents.fp32_contents, dtype=np.float32).reshape(shape)
+
+
 def build_request(oip, args, rows: np.ndarray):
     params = {}
     for item in args.parameter:
@@ -90,7 +105,7 @@ async def run(args) -> dict:
                     return
                 try:
                     reply = await stub.ModelInfer(request, timeout=args.timeout_s, metadata=metadata)
-                    ok = len(reply.raw_output_contents[0]) == args.rows * 4 * args.n_outputs
+                    ok = output_values(reply) == args.rows * args.n_outputs
                     code = None if ok else "BAD_OUTPUT"
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code().name

@@ -68,11 +68,13 @@ class DynamicBatcher:
         max_queue_rows: waiting rows beyond which :meth:`submit` refuses with QueueFull.
         batching: False runs every request (chunk) alone.
         instances: executions that may run at once (threads of the executor).
+        inline: run batches on the event-loop thread instead of the executor; for models whose
+            largest batch takes less time than a thread hop (one instance only).
     """
 
     def __init__(self, run: Callable[[np.ndarray], np.ndarray], *, model: str, version: str,
                  max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: list[int],
-                 max_queue_rows: int, batching: bool = True, instances: int = 1) -> None:
+                 max_queue_rows: int, batching: bool = True, instances: int = 1, inline: bool = False) -> None:
         self._run = run
         self.model, self.version = model, version
         self.max_batch_size = max_batch_size
@@ -81,6 +83,7 @@ class DynamicBatcher:
         self._flush_rows = max(preferred_batch_sizes) if batching and preferred_batch_sizes else max_batch_size
         self._max_queue_rows = max_queue_rows
         self._batching = batching
+        self._inline = inline and instances == 1
         self._queue: deque[_Item] = deque()
         self._queued_rows = 0
         self._wakeup: asyncio.Future | None = None
@@ -118,6 +121,11 @@ class DynamicBatcher:
             await asyncio.gather(*self._running, return_exceptions=True)
         self._executor.shutdown(wait=True)
         metrics.QUEUE_DEPTH.remove(self.model, self.version)  # drop the scrape-time callback with us
+
+    @property
+    def executes_inline(self) -> bool:
+        """Whether batches run on the event-loop thread rather than in the executor."""
+        return self._inline
 
     @property
     def queued_rows(self) -> int:
@@ -195,8 +203,10 @@ class DynamicBatcher:
 
     async def _schedule(self) -> None:
         while True:
+            held = False  # whether this loop still owns an execution slot
             try:
                 await self._slots.acquire()
+                held = True
                 batch = await self._next_batch()
                 if batch is None:
                     self._slots.release()
@@ -204,12 +214,17 @@ class DynamicBatcher:
                 if not batch:
                     self._slots.release()
                     continue
+                held = False  # _execute releases the slot, whatever happens
+                if self._inline:
+                    await self._execute(batch)  # runs to completion without suspending
+                    continue
                 task = asyncio.get_running_loop().create_task(self._execute(batch))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
             except Exception:  # the scheduler must outlive any single bad batch
                 logger.exception("batch scheduler error for %s version %s", self.model, self.version)
-                self._slots.release()
+                if held:
+                    self._slots.release()
 
     async def _next_batch(self) -> list[_Item] | None:
         """Waits until a batch is due and takes it; None once closing with nothing queued."""
@@ -307,7 +322,10 @@ class DynamicBatcher:
             self._m_batch.observe(rows)
             started = time.perf_counter()
             try:
-                logits = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
+                if self._inline:
+                    logits = self._run(x)
+                else:
+                    logits = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
             except Exception:
                 logger.exception("runtime failed for %s version %s on %d rows", self.model, self.version, rows)
                 self._fail(batch, "the model failed to run")

@@ -37,7 +37,7 @@ from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import set_process_model_version
 from mlpair.observability.interceptors import server_interceptors
-from mlpair.rpc import guard_servicer, message_size_options
+from mlpair.rpc import bind_port, guard_servicer, message_size_options, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class InferenceServer:
         pb_grpc.add_InferenceServiceServicer_to_server(own_api, self.server)
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(open_inference, self.server)
         self.health.add_to(self.server)
-        self.port = self.server.add_insecure_port(f"{settings.host}:{settings.port}")
+        tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+        self.port = bind_port(self.server, f"{settings.host}:{settings.port}", tls)
 
     async def start(self) -> None:
         """Starts answering (liveness) while reporting not ready, per model too."""

@@ -40,6 +40,14 @@ class InferenceSettings(BaseSettings):
     log_sample_ratio: float = 0.0
     """Fraction of Infer calls logged at INFO when DEBUG is off (0 = none; per-call lines are DEBUG)."""
 
+    # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
+    tls_cert_file: Path | None = None
+    """PEM certificate chain of the gRPC port; with tls_key_file, the port speaks TLS only."""
+    tls_key_file: Path | None = None
+    """PEM private key of tls_cert_file."""
+    tls_client_ca_file: Path | None = None
+    """PEM CA bundle; when set, callers must present a certificate it signed (mutual TLS)."""
+
     # -- model repository and versions -----------------------------------------------------
     model_repository: Path = Path("var/models")
     """Root of ``<model_name>/<version>/`` entries."""
@@ -69,6 +77,9 @@ class InferenceSettings(BaseSettings):
     """Audited mode: fixed seeds and deterministic kernels; batch-invariant results, some speed lost."""
     execution_instances: int = 1
     """Model executions that may run at once per model version (threads in the runtime executor)."""
+    inline_execution_max_ms: float = 0.5
+    """A version whose warm-up batch of max_batch_size rows ran within this many ms runs its batches on
+    the event-loop thread (a thread hop costs more than such a batch); 0 = always in the executor."""
 
     # -- dynamic batching ------------------------------------------------------------------
     batching: bool = True
@@ -99,6 +110,10 @@ class InferenceSettings(BaseSettings):
         if self.max_request_rows > self.max_queue_rows:
             raise ValueError(f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
                              f"({self.max_queue_rows}): such a request could never be queued")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
         if bad:
             raise ValueError(f"preferred_batch_sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})")

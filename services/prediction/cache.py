@@ -137,7 +137,7 @@ class MemoryCache:
 
 
 # Redis value: stored-at wall-clock seconds (float64), version length (uint16), version (UTF-8),
-# then the float32 logits. A fixed binary layout, never pickle: a shared cache is untrusted input.
+# then the float32 logits. A fixed binary layout, never object serialisation: a shared cache is untrusted input.
 _HEADER = struct.Struct("<dH")
 
 

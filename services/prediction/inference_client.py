@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceTimeout, InferenceUnavailable
-from mlpair.rpc import error_info, message_size_options
+from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +39,18 @@ class InferenceClient:
         max_message_bytes: gRPC message limit, both directions.
         reconnect_backoff_max_ms: longest wait between reconnection attempts after the server
             went away (gRPC's default of 120 s would delay recovery by minutes).
+        credentials: TLS to InferenceService when given, else plaintext.
+        interceptors: e.g. :func:`mlpair.observability.interceptors.client_interceptors` (trace context).
     """
 
     def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
-                 reconnect_backoff_max_ms: int = 1000, interceptors=None) -> None:
-        # interceptors: e.g. mlpair.observability.interceptors.client_interceptors() (trace context)
+                 reconnect_backoff_max_ms: int = 1000, credentials: grpc.ChannelCredentials | None = None,
+                 interceptors=None) -> None:
         options = [*message_size_options(max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms)]
-        self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+        self._channel = open_channel(target, options, credentials, interceptors)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout_s = timeout_ms / 1000.0

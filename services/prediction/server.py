@@ -25,7 +25,8 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import ErrorInterceptor, drain, message_size_options, wait_for_termination_signal
+from mlpair.rpc import (ErrorInterceptor, bind_port, channel_credentials, drain, message_size_options,
+                        server_credentials, wait_for_termination_signal)
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,11 @@ def build_cache(settings: PredictionSettings) -> LogitsCache:
 
 def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> CachedInference:
     """InferenceService behind the cache, single-flight, deadline budget, retries and breaker."""
+    tls = channel_credentials(settings.inference_tls_ca_file, settings.inference_tls_cert_file,
+                              settings.inference_tls_key_file)
     client = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
                              max_message_bytes=settings.max_message_bytes,
-                             reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms,
+                             reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms, credentials=tls,
                              interceptors=client_interceptors(tracer_provider) if settings.tracing else None)
     caller = ResilientCaller(
         CircuitBreaker("inference", failure_threshold=settings.breaker_failure_threshold,
@@ -107,7 +110,8 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
     pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
     health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    port = bind_port(server, f"{settings.host}:{settings.port}", tls)
     return server, port, health
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -130,3 +131,29 @@ class PredictionSettings(BaseSettings):
     """Family-wise significance of one evaluation; each test uses alpha / number of tests (Bonferroni)."""
     drift_interval_s: float = 30.0
     """Seconds between drift evaluations (0 disables the periodic evaluation)."""
+
+    # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
+    tls_cert_file: Path | None = None
+    """PEM certificate chain of the gRPC port; with tls_key_file, the port speaks TLS only."""
+    tls_key_file: Path | None = None
+    """PEM private key of tls_cert_file."""
+    tls_client_ca_file: Path | None = None
+    """PEM CA bundle; when set, callers must present a certificate it signed (mutual TLS)."""
+    inference_tls_ca_file: Path | None = None
+    """PEM CA bundle that signed InferenceService's certificate; set = call InferenceService over TLS."""
+    inference_tls_cert_file: Path | None = None
+    """PEM client certificate presented to InferenceService (when it requires mutual TLS)."""
+    inference_tls_key_file: Path | None = None
+    """PEM private key of inference_tls_cert_file."""
+
+    @model_validator(mode="after")
+    def _tls_is_consistent(self) -> PredictionSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if (self.inference_tls_cert_file is None) != (self.inference_tls_key_file is None):
+            raise ValueError("inference_tls_cert_file and inference_tls_key_file go together")
+        if self.inference_tls_cert_file is not None and self.inference_tls_ca_file is None:
+            raise ValueError("an inference client certificate needs inference_tls_ca_file (TLS to InferenceService)")
+        return self
