@@ -22,7 +22,7 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import ErrorInterceptor, drain, message_size_options, wait_for_termination_signal
+from mlpair.rpc import drain, guard_servicer, message_size_options, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ def build_scorer(settings: PredictionSettings) -> CachedInference:
     )
     cache = build_cache(settings)
     return CachedInference(client, cache, caller, fresh_ttl_s=settings.cache_fresh_ttl_s,
-                           linger_s=0.0 if isinstance(cache, NullCache) else 1.0)
+                           linger_s=0.0 if isinstance(cache, NullCache) else 1.0,
+                           coalesce_max_delay_s=settings.coalesce_max_delay_ms / 1000,
+                           max_call_rows=settings.inference_max_batch_rows)
 
 
 def build_predictor(settings: PredictionSettings) -> Predictor:
@@ -87,9 +89,10 @@ def build_predictor(settings: PredictionSettings) -> Predictor:
 
 def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health and binds its port (0 = free port)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(DOMAIN)],
-                             options=message_size_options(settings.max_message_bytes))
-    pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
+    server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
+    # the interceptor's mapping applied to the servicer's methods: grpc.aio runs an interceptor
+    # in Python on every call, a cost the request path does not need (see guard_servicer)
+    pb_grpc.add_PredictionServiceServicer_to_server(guard_servicer(PredictionServicer(predictor), DOMAIN), server)
     health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
