@@ -8,10 +8,12 @@ database whether that is up now or comes back later.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.outbox import Outbox, OutboxRelay, Recorded
 from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.errors import OutboxUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,19 @@ class DecisionRecorder:
         Raises:
             OutboxUnavailable: it could not be recorded, so it must not be returned.
         """
-        recorded = await self.outbox.record(decision)
-        if recorded.replayed:
-            metrics.IDEMPOTENT_REPLAYS.labels(decision.model_name).inc()
-        return recorded
+        [outcome] = await self.record_many([decision])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def record_many(self, decisions: Sequence[StoredDecision]) -> list[Recorded | OutboxUnavailable]:
+        """Commits many decisions locally together; each outcome is its :class:`Recorded`, or the
+        :class:`OutboxUnavailable` that kept it from being recorded (so it must not be returned)."""
+        outcomes = await self.outbox.record_many(decisions)
+        for outcome in outcomes:
+            if isinstance(outcome, Recorded) and outcome.replayed:
+                metrics.labelled(metrics.IDEMPOTENT_REPLAYS, outcome.decision.model_name).inc()
+        return outcomes
 
     async def wait_delivered(self, timeout_s: float) -> bool:
         """Waits until every decision recorded so far is in the CRM database; False on timeout."""
