@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResul
 logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
+MAX_ECHO = 64  # most characters of a client's value repeated in an error
+# C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 STALE_REASON = "STALE_CACHE_RESULT"
 
@@ -241,9 +245,10 @@ class Predictor:
 
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
-        if family is None:
-            raise UnknownModel(f"model family {model_name!r} is not served here; served: "
-                               f"{', '.join(sorted(self.families))}", metadata={"model": model_name[:64]})
+        if family is None:  # the name is echoed cut short: an error never carries a client's huge input back
+            shown = repr(model_name[:MAX_ECHO]) + ("…" if len(model_name) > MAX_ECHO else "")
+            raise UnknownModel(f"model family {shown} is not served here; served: "
+                               f"{', '.join(sorted(self.families))}", metadata={"model": model_name[:MAX_ECHO]})
         return family
 
     async def _score(self, items: list[_Item]) -> None:
@@ -424,3 +429,5 @@ def _check_id(field: str, value: str) -> None:
         raise InvalidRequest(f"{field} is required", metadata={"field": field})
     if len(value) > MAX_ID_LENGTH:
         raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
+    if _CONTROL.search(value):
+        raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})

@@ -22,7 +22,7 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import drain, guard_servicer, message_size_options, wait_for_termination_signal
+from mlpair.rpc import add_servicer, drain, guard_servicer, message_size_options, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ def create_server(settings: PredictionSettings, predictor: Predictor) -> tuple[g
     server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
     # the interceptor's mapping applied to the servicer's methods: grpc.aio runs an interceptor
     # in Python on every call, a cost the request path does not need (see guard_servicer)
-    pb_grpc.add_PredictionServiceServicer_to_server(guard_servicer(PredictionServicer(predictor), DOMAIN), server)
+    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, guard_servicer(PredictionServicer(predictor), DOMAIN),
+                 server)
     health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
@@ -118,10 +119,12 @@ async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Pre
     return server, port, health, predictor
 
 
-async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float) -> None:
-    """Drains in-flight calls, delivers what it can of the outbox, then closes every connection."""
+async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float,
+               accept_s: float = 0.0) -> None:
+    """Drains in-flight calls (see :func:`mlpair.rpc.drain`), delivers what it can of the outbox,
+    then closes every connection."""
     await health.stop_monitoring()
-    await drain(server, health, grace_s)
+    await drain(server, health, grace_s, accept_s)
     await predictor.drain_background()
     await predictor.scorer.close()
     await predictor.inference.close()
@@ -132,5 +135,5 @@ async def serve(settings: PredictionSettings) -> None:
     """Runs until SIGTERM/SIGINT, then drains."""
     server, _, health, predictor = await start(settings)
     await wait_for_termination_signal()
-    await stop(server, health, predictor, settings.shutdown_grace_s)
+    await stop(server, health, predictor, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)
     logger.info("PredictionService stopped")

@@ -50,6 +50,8 @@ class PredictionSettings(BaseSettings):
     """gRPC message size limit, both directions, in bytes."""
     shutdown_grace_s: float = 20.0
     """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
+    shutdown_accept_ms: int = 500
+    """Milliseconds calls are still accepted after SIGTERM (health already NOT_SERVING), so calls sent just before it are served, not cancelled."""
     log_level: str = "INFO"
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
