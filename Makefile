@@ -8,7 +8,7 @@ MODEL_REPOSITORY ?= var/models
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: venv tools protos protos-baseline train demo test bench bench-inference clean
+.PHONY: venv tools protos protos-baseline train demo test bench bench-inference bench-predict soak clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,16 @@ bench: $(STAMP)
 # off, beside the in-process runtime ceiling and a do-nothing gRPC server; JSON lines on stdout.
 bench-inference: $(STAMP)
 	$(PY) bench/inference.py --model-repository $(MODEL_REPOSITORY)
+
+# Benchmark (not a test): PredictionService end to end (Predict, BatchPredict; CRM write on, cache
+# misses) and the added latency of the prediction hop over a direct Infer call; JSON lines + a table.
+bench-predict: $(STAMP)
+	$(PY) bench/predict_load.py --model-repository $(MODEL_REPOSITORY)
+
+# Soak and faults (not part of `make test`, which runs its --short version): both services as
+# processes under sustained load, kill -9 of each, SIGTERM drains, a CRM outage; exits 1 on a violation.
+soak: $(STAMP)
+	$(PY) bench/soak.py --model-repository $(MODEL_REPOSITORY)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .tools

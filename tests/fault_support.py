@@ -100,6 +100,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
     Attributes:
         calls: Infer calls received.
         deadlines: ``context.time_remaining()`` seen by each call, in seconds.
+        rows: rows carried by each call.
         cancelled: calls whose caller went away while they were delayed.
         delay_s: seconds to wait before forwarding (a slow model).
         fail_first: status codes to answer with, one per call, before forwarding again.
@@ -109,6 +110,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         self.target = target
         self.calls = 0
         self.deadlines: list[float | None] = []
+        self.rows: list[int] = []
         self.cancelled = 0
         self.delay_s = 0.0
         self.fail_first: list[grpc.StatusCode] = []
@@ -118,6 +120,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
     async def Infer(self, request, context):
         self.calls += 1
         self.deadlines.append(context.time_remaining())
+        self.rows.append(request.inputs.shape[0] if request.inputs.shape else 0)
         if self.fail_first:
             await context.abort(self.fail_first.pop(0), "injected by the test")
         if self.delay_s:

@@ -93,12 +93,15 @@ class InferenceServer:
         await self.health.update(self.engine.ready(), models)
 
     async def drain(self) -> None:
-        """Graceful stop: not ready at once, refuse new work, let in-flight work finish within
-        ``shutdown_grace_s``, then stop the server and retire the models."""
+        """Graceful stop: not ready at once; still serve for ``shutdown_accept_ms`` (calls already
+        on the wire when the signal came: gRPC has them, the busy event loop has not dispatched
+        them yet, and ``server.stop`` would cancel them); then refuse new work with UNAVAILABLE,
+        let in-flight work finish within ``shutdown_grace_s``, stop the server, retire the models."""
         deadline = time.monotonic() + self.settings.shutdown_grace_s
-        await self.engine.begin_drain()
         await self.health.shutdown()
-        if not await self.engine.wait_idle(self.settings.shutdown_grace_s):
+        await asyncio.sleep(min(self.settings.shutdown_accept_ms / 1000, self.settings.shutdown_grace_s))
+        await self.engine.begin_drain()
+        if not await self.engine.wait_idle(max(0.0, deadline - time.monotonic())):
             logger.warning("grace period of %.1f s ended with requests still in flight", self.settings.shutdown_grace_s)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
         await self.engine.close()

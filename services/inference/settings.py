@@ -26,6 +26,9 @@ class InferenceSettings(BaseSettings):
     """gRPC message size limit, both directions, in bytes; larger messages get RESOURCE_EXHAUSTED."""
     shutdown_grace_s: float = 20.0
     """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
+    shutdown_accept_ms: int = 500
+    """Milliseconds calls are still served after SIGTERM (health already NOT_SERVING), so calls sent
+    just before it that gRPC has received but not yet dispatched are served, not cancelled or refused."""
     log_level: str = "INFO"
     """Root log level."""
     log_format: Literal["text", "json"] = "text"

@@ -16,6 +16,9 @@ policy run again on every request, so a policy change applies at once.
   The call is cancelled only when every request waiting on it has gone (C22). A finished call
   stays joinable for a short linger (``linger_s``, at most 1 s): a request whose cache read was
   sent before the result was cached (a Redis reply in flight) still gets it without a second call.
+* **Coalescing** (:mod:`~mlpair.prediction.coalesce`): the Infer calls of concurrent requests'
+  flights go out together as one call per model version, so many Predict calls cost about
+  one round trip to InferenceService.
 * **Backends.** :class:`MemoryCache` (in-process LRU, the default), :class:`RedisCache` (shared
   by replicas through ``redis.asyncio``; any Redis error or timeout counts as a miss, never as a
   failed request) and :class:`NullCache`. Single-flight is per process in every case.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hashlib
 import logging
 import struct
@@ -37,6 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from mlpair.prediction import metrics
+from mlpair.prediction.coalesce import InferenceCoalescer
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.resilience import ResilientCaller
 
@@ -254,22 +259,26 @@ def _consume_exception(future: asyncio.Future) -> None:
 
 
 class CachedInference:
-    """Inference behind the cache, single-flight and the resilient caller.
+    """Inference behind the cache, single-flight, coalescing and the resilient caller.
 
     Args:
         client: an :class:`~mlpair.prediction.inference_client.InferenceClient`.
         cache: a :class:`LogitsCache` backend.
-        caller: deadline budget, retries and circuit breaker for the Infer call.
+        caller: deadline budget, retries and circuit breaker for each Infer call.
         fresh_ttl_s: entries younger than this are served without calling inference.
         linger_s: how long a successful call stays joinable after its result is cached
             (capped at ``fresh_ttl_s``); covers cache reads that were already in flight.
+        coalesce_max_delay_s: longest a flight's rows wait to share an Infer call with other
+            flights while a call of the same model version is in flight (see ``coalesce``).
+        max_call_rows: most rows in one (merged) Infer call.
     """
 
     def __init__(self, client, cache: LogitsCache, caller: ResilientCaller, *, fresh_ttl_s: float,
-                 linger_s: float = 1.0) -> None:
+                 linger_s: float = 1.0, coalesce_max_delay_s: float = 0.002, max_call_rows: int = 1024) -> None:
         self.client = client
         self.cache = cache
         self.caller = caller
+        self.coalescer = InferenceCoalescer(client, caller, max_delay_s=coalesce_max_delay_s, max_rows=max_call_rows)
         self.fresh_ttl_s = fresh_ttl_s
         self.linger_s = min(linger_s, fresh_ttl_s)
         self._flights: dict[str, _Flight] = {}
@@ -278,6 +287,7 @@ class CachedInference:
         for flight in list(self._flights.values()):
             if flight.task is not None:
                 flight.task.cancel()
+        await self.coalescer.close()
         await self.cache.close()
 
     async def score(self, model_name: str, model_version: str, feature_schema_version: str,
@@ -305,18 +315,18 @@ class CachedInference:
             entry = cached[key]
             if entry is not None and entry.age_s < self.fresh_ttl_s:
                 results[key] = Scored(entry.logits, entry.model_version, Source.CACHE, int(entry.age_s * 1000))
-                metrics.CACHE_REQUESTS.labels(model_name, "hit").inc()
+                metrics.labelled(metrics.CACHE_REQUESTS, model_name, "hit").inc()
             elif (flight := self._flights.get(key)) is not None:
                 flights.setdefault(id(flight), (flight, [], False))[1].append(key)
-                metrics.CACHE_REQUESTS.labels(model_name, "coalesced").inc()
+                metrics.labelled(metrics.CACHE_REQUESTS, model_name, "coalesced").inc()
             else:
                 leading.append(key)
-                metrics.CACHE_REQUESTS.labels(model_name, "miss").inc()
+                metrics.labelled(metrics.CACHE_REQUESTS, model_name, "miss").inc()
         if leading:
             first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
             lead_rows = rows[[first_row[key] for key in leading]]
-            flight = self._start_flight(leading, lambda timeout: self.client.infer(
-                model_name, model_version, feature_schema_version, lead_rows, timeout_s=timeout), deadline, model_name)
+            flight = self._start_flight(leading, functools.partial(
+                self.coalescer.infer, model_name, model_version, feature_schema_version, lead_rows, deadline))
             flights[id(flight)] = (flight, leading, True)
         for flight, flight_keys, led in flights.values():
             try:
@@ -330,20 +340,18 @@ class CachedInference:
                     results[key] = Scored(logits, version, Source.INFERENCE)
         return [results[key] for key in keys]
 
-    def _start_flight(self, keys: list[str], infer: Callable[[float], Awaitable[tuple[np.ndarray, str]]],
-                      deadline: float | None, model_name: str) -> _Flight:
+    def _start_flight(self, keys: list[str], infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> _Flight:
         flight = _Flight(keys)
         for key in keys:
             self._flights[key] = flight
-        flight.task = asyncio.get_running_loop().create_task(self._fly(flight, infer, deadline, model_name))
+        flight.task = asyncio.get_running_loop().create_task(self._fly(flight, infer))
         return flight
 
-    async def _fly(self, flight: _Flight, infer, deadline: float | None, model_name: str) -> None:
+    async def _fly(self, flight: _Flight, infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> None:
         """Runs the Infer call, publishes the outcome, then caches it; the flight stays
         registered until the cache holds the result, so no later request can miss in between."""
-        started = time.perf_counter()
         try:
-            logits, version = await self.caller.call(infer, deadline, model=model_name)
+            logits, version = await infer()
         except asyncio.CancelledError:
             flight.outcome.cancel()
             self._unregister(flight)
@@ -352,7 +360,6 @@ class CachedInference:
             flight.outcome.set_exception(exc)
             self._unregister(flight)
             return
-        metrics.INFERENCE_DURATION.labels(model_name).observe(time.perf_counter() - started)
         values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
         flight.outcome.set_result(values)
         try:

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
+
+
+@functools.cache
+def labelled(metric, *values: str):
+    """``metric.labels(*values)``, memoised for the request path.
+
+    ``labels`` takes a lock and builds its key on every call; the label values passed here
+    come from configuration (model families, schema features, status codes), never from
+    clients, so the memo stays small.
+    """
+    return metric.labels(*values)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -23,6 +36,12 @@ UNKNOWN_ATTRIBUTES = Counter("prediction_unknown_attributes_total", "Request att
 IDEMPOTENT_REPLAYS = Counter("prediction_idempotent_replays_total", "Retries answered from the CRM record.", ["model"])
 INFERENCE_ROWS = Histogram("prediction_inference_call_rows", "Rows per Infer call (packed rows of one or many requests).",
                            ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+COALESCED_CALL_ROWS = Histogram("prediction_coalesced_call_rows",
+                                "Rows per Infer call sent to InferenceService, after the cache and coalescing (coalesce.py).",
+                                ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+COALESCED_CALL_FLIGHTS = Histogram("prediction_coalesced_call_flights",
+                                   "Concurrent requests' calls merged into one Infer call (coalesce.py).",
+                                   ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 BATCH_ITEMS = Histogram("prediction_batch_items", "Items per BatchPredict call.", buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000))
 EXPLANATIONS = Counter("prediction_explanations_total", "Decisions returned with an explanation.", ["model"])
 ENSEMBLE_SPREAD = Histogram("prediction_ensemble_spread", "Max minus min of the ensemble members' calibrated probabilities.",

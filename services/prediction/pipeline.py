@@ -22,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.crm.recorder import DecisionRecorder
-from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.crm.store import StoredDecision, decision_id_for
 from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
@@ -47,6 +49,9 @@ __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResul
 logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
+MAX_ECHO = 64  # most characters of a client's value repeated in an error
+# C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
 STALE_REASON = "STALE_CACHE_RESULT"
@@ -149,7 +154,7 @@ class Predictor:
         started = time.perf_counter()
         [outcome] = await self._run([request])
         name = request.model_name or self.default_model
-        metrics.REQUEST_DURATION.labels(name if name in self.families else "unknown").observe(time.perf_counter() - started)
+        metrics.labelled(metrics.REQUEST_DURATION, name if name in self.families else "unknown").observe(time.perf_counter() - started)
         if isinstance(outcome, ServiceError):
             raise outcome
         s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC
@@ -187,35 +192,36 @@ class Predictor:
 
         await self._score(items)
         decided: list[tuple[_Item, PredictionResult]] = []
+        decided_at = datetime.now(timezone.utc)
         for it in items:
             if it.error is not None:
                 outcomes[it.index] = it.error
                 continue
             try:
-                decided.append((it, self._fallback(it) if it.fallback else self._decide(it)))
+                decided.append((it, self._fallback(it, decided_at) if it.fallback else self._decide(it, decided_at)))
             except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
                 outcomes[it.index] = _as_item_error(exc)
-        recorded = await asyncio.gather(*(self._record(result.stored) for _, result in decided), return_exceptions=True)
+        recorded = await self._record([result.stored for _, result in decided]) if decided else []
         served = []
         for (it, result), record in zip(decided, recorded):
             if isinstance(record, BaseException):
                 outcomes[it.index] = _as_item_error(record)
                 continue
             stored = record.decision
-            from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
             if record.replayed:  # a retry: return what was recorded, not what was just computed
+                from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
                 outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True)
             else:
-                outcomes[it.index] = dataclasses.replace(result, stored=stored, from_cache=from_cache)
+                outcomes[it.index] = result if stored is result.stored else dataclasses.replace(result, stored=stored)
                 if not it.fallback:
                     served.append(it)
-            metrics.DECISIONS.labels(it.family.name, stored.decision).inc()
+            metrics.labelled(metrics.DECISIONS, it.family.name, stored.decision).inc()
         self._start_shadows(served)
 
         for request, outcome in zip(requests, outcomes):
             name = request.model_name or self.default_model
             label = name if name in self.families else "unknown"  # clients must not mint label values
-            metrics.REQUESTS.labels(label, outcome.code if isinstance(outcome, ServiceError) else "OK").inc()
+            metrics.labelled(metrics.REQUESTS, label, outcome.code if isinstance(outcome, ServiceError) else "OK").inc()
         return outcomes  # type: ignore[return-value]  # every slot is filled above
 
     def _prepare(self, index: int, request: PredictInput, seen: set[str]) -> _Item:
@@ -238,7 +244,7 @@ class Predictor:
             raise InvalidRequest(f"attribute values cannot be converted: {exc}",
                                  metadata={"attributes": ",".join(sorted(exc.problems))}) from exc
         for guard in row.guards:
-            metrics.FEATURE_GUARDS.labels(family.name, guard.feature, guard.action).inc()
+            metrics.labelled(metrics.FEATURE_GUARDS, family.name, guard.feature, guard.action).inc()
         if row.unknown_attributes:
             metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(row.unknown_attributes))
         rows = explanation_rows(family.assembler, row.vector) if request.explain else row.vector[None, :]
@@ -246,9 +252,10 @@ class Predictor:
 
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
-        if family is None:
-            raise UnknownModel(f"model family {model_name!r} is not served here; served: "
-                               f"{', '.join(sorted(self.families))}", metadata={"model": model_name[:64]})
+        if family is None:  # the name is echoed cut short: an error never carries a client's huge input back
+            shown = repr(model_name[:MAX_ECHO]) + ("…" if len(model_name) > MAX_ECHO else "")
+            raise UnknownModel(f"model family {shown} is not served here; served: "
+                               f"{', '.join(sorted(self.families))}", metadata={"model": model_name[:MAX_ECHO]})
         return family
 
     async def _score(self, items: list[_Item]) -> None:
@@ -260,14 +267,14 @@ class Predictor:
         calls = [self._score_chunk(self.families[name], chunk)
                  for name, family_items in by_family.items()
                  for chunk in pack(family_items, self.max_inference_rows)]
-        await asyncio.gather(*calls)
+        await _all(calls)
 
     async def _score_chunk(self, family: ModelFamily, chunk: list[_Item]) -> None:
         matrix = np.concatenate([it.rows for it in chunk]) if len(chunk) > 1 else chunk[0].rows
         deadlines = [it.request.deadline for it in chunk if it.request.deadline is not None]
         deadline = min(deadlines) if deadlines else None
         try:
-            answers = await asyncio.gather(*(self._infer(family, m, matrix, deadline) for m in family.members))
+            answers = await _all([self._infer(family, m, matrix, deadline) for m in family.members])
             logits, scored = zip(*(_stack(rows) for rows in answers))
             probabilities = np.stack([m.calibrator.probabilities(z) for m, z in zip(family.members, logits)])
             primary_margins = family.members[0].calibrator.margins(logits[0])
@@ -287,7 +294,7 @@ class Predictor:
             it.served = _served(own)
             if not it.fallback:
                 # an explanation needs every occluded row scored; otherwise decide without one
-                complete = all(mask[offset:offset + n].all() for mask in scored)
+                complete = n == 1 or all(mask[offset:offset + n].all() for mask in scored)
                 it.probabilities = probabilities[:, offset:offset + (n if complete else 1)]
                 it.primary_margin = float(primary_margins[offset])
                 it.model_version = "+".join(r.model_version for r in own)
@@ -298,19 +305,21 @@ class Predictor:
         """The one call site of InferenceService for decisions: ``[rows, n_features] float32``
         (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
-        metrics.INFERENCE_ROWS.labels(family.name).observe(len(features))
+        metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
         return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline)
 
     async def _infer_shadow(self, family: ModelFamily, model: ModelVersion, features: np.ndarray) -> tuple[np.ndarray, str]:
         """Shadow calls go straight to InferenceService: never cached, never served."""
         return await self.inference.infer(family.name, model.version, family.feature_version, features)
 
-    def _decide(self, it: _Item) -> PredictionResult:
+    def _decide(self, it: _Item, decided_at: datetime) -> PredictionResult:
         """Policy, reasons and explanation for a scored item (the record and the extras to return)."""
         family = it.family
-        members = it.probabilities[:, 0]
-        probability = float(members.mean())
-        spread = float(members.max() - members.min())
+        if family.is_ensemble:
+            members = it.probabilities[:, 0]
+            probability, spread = float(members.mean()), float(members.max() - members.min())
+        else:
+            probability, spread = float(it.probabilities[0, 0]), 0.0
         defaulted = {g.feature for g in it.row.guards if g.action in DEFAULTED_ACTIONS}
         verdict = family.policy.decide(probability, spread, len(defaulted) / len(family.schema.features))
         self.drift.observe(family.name, it.row.vector, probability)
@@ -326,7 +335,8 @@ class Predictor:
         it.decision = verdict.decision
         stale = (STALE_REASON,) if it.served.source is Source.STALE_CACHE else ()
         stored = StoredDecision(
-            decision_id="", request_id=it.request.request_id, entity_id=it.request.entity_id,
+            decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
+            entity_id=it.request.entity_id, decided_at=decided_at,
             model_name=family.name, model_version=it.model_version, feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=probability, decision=verdict.decision,
             reason_codes=(*verdict.reason_codes, *stale, *dict.fromkeys(g.reason_code for g in it.row.guards)),
@@ -334,17 +344,19 @@ class Predictor:
             degraded_reason=it.served.degraded_reason,
         )
         methods = "+".join(dict.fromkeys(m.calibrator.method for m in family.members))
-        return PredictionResult(stored, spread=spread, calibration_method=methods, explanation=explanation)
+        return PredictionResult(stored, from_cache=it.served.source in (Source.CACHE, Source.STALE_CACHE), spread=spread,
+                                calibration_method=methods, explanation=explanation)
 
     @staticmethod
-    def _fallback(it: _Item) -> PredictionResult:
+    def _fallback(it: _Item, decided_at: datetime) -> PredictionResult:
         """The documented decision without model output: the policy's fallback (REVIEW) with
         reason ``INFERENCE_UNAVAILABLE`` and no probability."""
         family = it.family
         metrics.FALLBACKS.labels(family.name, it.served.degraded_reason).inc()
         it.decision = family.policy.fallback_decision
         stored = StoredDecision(
-            decision_id="", request_id=it.request.request_id, entity_id=it.request.entity_id,
+            decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
+            entity_id=it.request.entity_id, decided_at=decided_at,
             model_name=family.name, model_version="", feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=None, decision=family.policy.fallback_decision,
             reason_codes=(FALLBACK_REASON, *dict.fromkeys(g.reason_code for g in it.row.guards)),
@@ -359,14 +371,12 @@ class Predictor:
         for name, rows in by_family.items():
             self.shadows.start(self.families[name], rows)
 
-    async def _record(self, decision: StoredDecision):
-        """The one write site: commits ``decision`` to the outbox before it is returned; a retried
-        request id gets the decision recorded first (``Recorded.replayed``).
-
-        Raises:
-            OutboxUnavailable: it could not be recorded (the decision is not returned).
-        """
-        return await self.recorder.record(decision)
+    async def _record(self, decisions: list[StoredDecision]) -> list:
+        """The one write site: commits the decisions to the outbox (in one group commit when they
+        fit) before any is returned; a retried request id gets the decision recorded first
+        (``Recorded.replayed``). Each outcome is a ``Recorded`` or the ``OutboxUnavailable`` that
+        kept that decision from the record (it is then not returned)."""
+        return await self.recorder.record_many(decisions)
 
 
 def pack(items: Sequence[_Item], max_rows: int) -> list[list[_Item]]:
@@ -383,6 +393,13 @@ def pack(items: Sequence[_Item], max_rows: int) -> list[list[_Item]]:
         chunks[-1].append(it)
         rows += len(it.rows)
     return chunks
+
+
+async def _all(calls: list) -> list:
+    """``asyncio.gather`` without its task per call when there is only one (a single Predict)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return await asyncio.gather(*calls)
 
 
 def _stack(rows: list[Scored]) -> tuple[np.ndarray, np.ndarray]:
@@ -421,3 +438,5 @@ def _check_id(field: str, value: str) -> None:
         raise InvalidRequest(f"{field} is required", metadata={"field": field})
     if len(value) > MAX_ID_LENGTH:
         raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
+    if _CONTROL.search(value):
+        raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})

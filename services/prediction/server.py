@@ -25,8 +25,8 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import (ErrorInterceptor, bind_port, channel_credentials, drain, message_size_options,
-                        server_credentials, wait_for_termination_signal)
+from mlpair.rpc import (add_servicer, bind_port, channel_credentials, drain, guard_servicer,
+                        message_size_options, server_credentials, wait_for_termination_signal)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> Cache
     )
     cache = build_cache(settings)
     return CachedInference(client, cache, caller, fresh_ttl_s=settings.cache_fresh_ttl_s,
-                           linger_s=0.0 if isinstance(cache, NullCache) else 1.0)
+                           linger_s=0.0 if isinstance(cache, NullCache) else 1.0,
+                           coalesce_max_delay_s=settings.coalesce_max_delay_ms / 1000,
+                           max_call_rows=settings.inference_max_batch_rows)
 
 
 def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:
@@ -104,10 +106,12 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
 def create_server(settings: PredictionSettings, predictor: Predictor, *,
                   tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health and binds its port (0 = free port)."""
-    observability = server_interceptors("prediction", tracer_provider) if settings.tracing else []
-    server = grpc.aio.server(interceptors=[*observability, ErrorInterceptor(DOMAIN)],
-                             options=message_size_options(settings.max_message_bytes))
-    pb_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(predictor), server)
+    observability = server_interceptors("prediction", tracer_provider) if settings.tracing else None
+    server = grpc.aio.server(interceptors=observability, options=message_size_options(settings.max_message_bytes))
+    # the interceptor's mapping applied to the servicer's methods: grpc.aio runs an interceptor
+    # in Python on every call, a cost the request path does not need (see guard_servicer)
+    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, guard_servicer(PredictionServicer(predictor), DOMAIN),
+                 server)
     health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
     tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
@@ -136,10 +140,12 @@ async def start(settings: PredictionSettings, *,
     return server, port, health, predictor
 
 
-async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float) -> None:
-    """Drains in-flight calls, delivers what it can of the outbox, then closes every connection."""
+async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float,
+               accept_s: float = 0.0) -> None:
+    """Drains in-flight calls (see :func:`mlpair.rpc.drain`), delivers what it can of the outbox,
+    then closes every connection."""
     await health.stop_monitoring()
-    await drain(server, health, grace_s)
+    await drain(server, health, grace_s, accept_s)
     await predictor.drift.stop()
     await predictor.drain_background()
     await predictor.scorer.close()
@@ -151,5 +157,5 @@ async def serve(settings: PredictionSettings) -> None:
     """Runs until SIGTERM/SIGINT, then drains."""
     server, _, health, predictor = await start(settings)
     await wait_for_termination_signal()
-    await stop(server, health, predictor, settings.shutdown_grace_s)
+    await stop(server, health, predictor, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)
     logger.info("PredictionService stopped")

@@ -41,6 +41,8 @@ class PredictionSettings(BaseSettings):
     """Model family → a version also scored for every decision, compared in metrics, never served (JSON)."""
     inference_max_batch_rows: int = 128
     """Most rows per Infer call; keep at most InferenceService's max_batch_size (default 128)."""
+    coalesce_max_delay_ms: float = 2.0
+    """Longest a request's rows wait, while an Infer call of the same model version is in flight, to share the next call with other requests' rows, in milliseconds."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
     explain_top_reasons: int = 3
@@ -49,6 +51,8 @@ class PredictionSettings(BaseSettings):
     """gRPC message size limit, both directions, in bytes."""
     shutdown_grace_s: float = 20.0
     """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
+    shutdown_accept_ms: int = 500
+    """Milliseconds calls are still accepted after SIGTERM (health already NOT_SERVING), so calls sent just before it are served, not cancelled."""
     log_level: str = "INFO"
     """Root log level."""
     log_format: Literal["text", "json"] = "text"

@@ -195,17 +195,17 @@ async def test_c39_a_retry_after_a_timeout_that_followed_the_commit_returns_the_
     settings = prediction_settings(tmp_path, model_repository, inference_server)
     async with prediction_service(settings) as (stub, predictor, _, _):
         recorder = predictor.recorder
-        record = recorder.record
+        record_many = recorder.record_many
         slow = asyncio.Event()
         slow.set()
 
-        async def record_then_stall(decision):  # the commit happens; the answer is late
-            recorded = await record(decision)
+        async def record_then_stall(decisions):  # the commit happens; the answer is late
+            recorded = await record_many(decisions)
             if slow.is_set():
                 await asyncio.sleep(5)
             return recorded
 
-        recorder.record = record_then_stall
+        recorder.record_many = record_then_stall
         request = predict("c39-timeout", credit_holdout.records[0])
         with pytest.raises(grpc.aio.AioRpcError) as excinfo:
             await stub.Predict(request, timeout=0.5)

@@ -212,6 +212,8 @@ async def _drive_c14(process: subprocess.Popen, port: int, metrics_port: int, ho
         process.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.2)
         status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status
+        # Calls arriving within shutdown_accept_ms (500 ms) are still served; after it, refused.
+        await asyncio.sleep(0.6)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Infer(request(holdout_x[:1]), metadata=good_metadata, timeout=5)
         replies = await asyncio.gather(*in_flight)

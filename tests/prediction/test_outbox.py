@@ -173,3 +173,44 @@ def test_relay_backoff_is_bounded_however_long_the_outage(tmp_path):
                         backoff_max_s=5.0)
     waits = [relay.backoff_s(failures) for failures in (1, 10, 2000, 10**6)]
     assert all(0.0 <= w <= 5.0 for w in waits)
+
+
+async def test_the_relay_falls_back_to_the_file_when_its_hand_off_overflows(
+        postgres_url, postgres_proxy, tmp_path, monkeypatch):
+    from mlpair.prediction.crm import outbox as outbox_module
+
+    monkeypatch.setattr(outbox_module, "MAX_FRESH", 50)
+    ids = [f"overflow-{uuid.uuid4()}" for _ in range(150)]
+    recorder = DecisionRecorder.open(f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}",
+                                     proxied(postgres_url, postgres_proxy), crm_timeout_s=1, backoff_max_s=0.1)
+    await recorder.start()
+    try:
+        await postgres_proxy.cut()
+        await asyncio.gather(*(recorder.record(decision(i)) for i in ids))  # more than the hand-off holds
+        assert recorder.outbox.overflows >= 1 and recorder.outbox.backlog_on_disk
+        await postgres_proxy.restore()
+        assert await recorder.wait_delivered(20)
+        assert await crm_rows(recorder.crm, ids) == (150, 150)
+        later = [f"after-{uuid.uuid4()}" for _ in range(20)]  # caught up: new decisions use the hand-off again
+        await asyncio.gather(*(recorder.record(decision(i)) for i in later))
+        assert await recorder.wait_delivered(20)
+        assert await crm_rows(recorder.crm, later) == (20, 20) and not recorder.outbox.backlog_on_disk
+    finally:
+        await recorder.close()
+
+
+def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
+    from mlpair.prediction.crm.store import _DECISION_NAMESPACE
+
+    for request_id in ("r1", "", "é" * 64, "x" * 128, "日本語-id"):
+        assert decision_id_for(request_id) == str(uuid.uuid5(_DECISION_NAMESPACE, request_id))
+
+
+def test_a_stored_decision_serialises_every_field():
+    import dataclasses
+    from datetime import datetime, timezone
+
+    d = dataclasses.replace(decision("every-field"), decision_id="d", decided_at=datetime(2026, 1, 2, tzinfo=timezone.utc),
+                            served_from="stale_cache", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN")
+    assert StoredDecision.from_json(d.to_json()) == d
+    assert set(d.to_row()) == {f.name for f in dataclasses.fields(StoredDecision)}

@@ -11,6 +11,12 @@ relay delivers it to the CRM database, exactly once per request id, whenever tha
   down it retries the whole transaction with full-jitter exponential backoff; a commit whose
   acknowledgement was lost is retried harmlessly. Delivered rows stay ``outbox_retention_s``
   so retries keep answering locally, then are purged.
+* **Hand-off in memory.** What this process commits is also handed to the relay in memory
+  (up to ``MAX_FRESH`` decisions), so the relay need not read and decode each row back from
+  the file it has just written: the file is the durable copy, read only for rows committed
+  before this process started, or when the hand-off overflowed (a long CRM outage) or lost
+  track (a failed delivery mark). A row delivered twice that way is skipped by the CRM's
+  ``ON CONFLICT DO NOTHING``.
 
 The outbox is on every request's path, so it uses the standard library's ``sqlite3`` on one
 dedicated thread (one thread hop per group commit) rather than SQLAlchemy's asyncio layer:
@@ -28,6 +34,8 @@ import logging
 import random
 import sqlite3
 import time
+from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -43,6 +51,7 @@ from mlpair.prediction.errors import OutboxUnavailable
 logger = logging.getLogger(__name__)
 
 MAX_COMMIT_ROWS = 500  # keeps each commit's IN (…) list well under SQLite's variable limit
+MAX_FRESH = 20_000  # decisions handed to the relay in memory; beyond, it reads them from the file
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class Outbox:
         self._conn: sqlite3.Connection | None = None
         self._pending: list[tuple[StoredDecision, asyncio.Future[Recorded]]] = []
         self._writer: asyncio.Task | None = None
+        self._fresh: deque[StoredDecision] = deque()  # committed here, not yet taken by the relay
+        self.backlog_on_disk = True  # undelivered rows may exist that are not in the hand-off
+        self.overflows = 0  # times the hand-off had to leave rows to the file (see backlog_on_disk)
 
     async def migrate(self) -> None:
         """Creates or upgrades the outbox table, then opens the outbox's connection.
@@ -92,6 +104,10 @@ class Outbox:
         finally:
             await engine.dispose()
         await self._run(self._open)
+        # rows a previous process left undelivered are read from the file; none, and the relay
+        # starts from the hand-off
+        self.backlog_on_disk = await self._run(
+            self._one, "SELECT 1 FROM outbox WHERE delivered_at IS NULL LIMIT 1", ()) is not None
 
     async def close(self) -> None:
         """Waits for pending commits, then closes the database."""
@@ -111,11 +127,20 @@ class Outbox:
         Raises:
             OutboxUnavailable: the commit failed; the decision must not be returned.
         """
-        future: asyncio.Future[Recorded] = asyncio.get_running_loop().create_future()
-        self._pending.append((decision, future))
+        [outcome] = await self.record_many([decision])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def record_many(self, decisions: Sequence[StoredDecision]) -> list[Recorded | OutboxUnavailable]:
+        """Like :meth:`record` for many decisions at once (one future each, no task each); each
+        outcome is what was recorded for that decision, or the error that kept it from the outbox."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Recorded]] = [loop.create_future() for _ in decisions]
+        self._pending.extend(zip(decisions, futures))
         if self._writer is None or self._writer.done():
-            self._writer = asyncio.get_running_loop().create_task(self._write_pending())
-        return await future
+            self._writer = loop.create_task(self._write_pending())
+        return await asyncio.gather(*futures, return_exceptions=True)
 
     async def find(self, request_id: str) -> StoredDecision | None:
         """The decision recorded for ``request_id`` (delivered or not), if still retained."""
@@ -131,6 +156,28 @@ class Outbox:
     async def mark_delivered(self, seqs: list[int]) -> None:
         await self._run(self._write, f"UPDATE outbox SET delivered_at = ? WHERE seq IN ({_marks(seqs)})",
                         (time.time(), *seqs))
+
+    async def mark_delivered_ids(self, request_ids: list[str]) -> None:
+        await self._run(self._write, f"UPDATE outbox SET delivered_at = ? WHERE request_id IN ({_marks(request_ids)})",
+                        (time.time(), *request_ids))
+
+    def take_fresh(self, limit: int) -> list[StoredDecision]:
+        """Up to ``limit`` decisions committed by this process and not yet taken, oldest first."""
+        return [self._fresh.popleft() for _ in range(min(limit, len(self._fresh)))]
+
+    def return_fresh(self, decisions: list[StoredDecision]) -> None:
+        """Puts taken decisions back at the front (their delivery failed; they are retried first)."""
+        self._fresh.extendleft(reversed(decisions))
+
+    def drop_fresh(self) -> None:
+        """Empties the hand-off (its rows are all in the file)."""
+        self._fresh.clear()
+
+    def leave_to_disk(self) -> None:
+        """Forgets the hand-off: every undelivered row will be read from the file, in order."""
+        self.drop_fresh()
+        self.backlog_on_disk = True
+        self.overflows += 1
 
     async def backlog(self) -> tuple[int, float]:
         """Undelivered decisions and the age in seconds of the oldest (0 when none)."""
@@ -172,6 +219,11 @@ class Outbox:
             metrics.OUTBOX_COMMIT_ROWS.observe(len(batch))
             self.committed.set()
             for (_, future), outcome in zip(batch, outcomes, strict=True):
+                if not outcome.replayed:
+                    if len(self._fresh) < MAX_FRESH:
+                        self._fresh.append(outcome.decision)
+                    else:
+                        self.leave_to_disk()
                 if not future.done():  # a caller that went away still has its decision on record
                     future.set_result(outcome)
 
@@ -220,8 +272,9 @@ class Outbox:
             for d in decisions:
                 if d.request_id in on_record:
                     continue
-                d = replace(d, decision_id=d.decision_id or decision_id_for(d.request_id),
-                            decided_at=d.decided_at or decided_at)
+                if not (d.decision_id and d.decided_at):  # the pipeline sets both; other callers may not
+                    d = replace(d, decision_id=d.decision_id or decision_id_for(d.request_id),
+                                decided_at=d.decided_at or decided_at)
                 on_record[d.request_id] = Recorded(d, False)
                 new_rows.append((d.request_id, d.to_json(), now))
             if new_rows:
@@ -335,26 +388,50 @@ class OutboxRelay:
                     logger.warning("outbox purge failed", exc_info=True)
 
     async def _deliver_batch(self) -> int:
+        """Delivers one batch: from the file while it may hold rows the hand-off lacks (they
+        are then delivered in order, and the hand-off is dropped: its rows are in the file
+        too), otherwise from the in-memory hand-off. Returns how many decisions it delivered."""
         if not self.crm_migrated:
             await self.crm.create_schema()
             self.crm_migrated = True
-        batch = await self.outbox.undelivered(self.batch_size)
-        if not batch:
-            return 0
+        outbox = self.outbox
+        if outbox.backlog_on_disk:
+            overflows = outbox.overflows
+            outbox.drop_fresh()  # every row in the hand-off is in the file too, and is read from it
+            batch = await outbox.undelivered(self.batch_size)
+            await self._deliver([decision for _, decision in batch])
+            await outbox.mark_delivered([seq for seq, _ in batch])
+            if len(batch) < self.batch_size and outbox.overflows == overflows:
+                outbox.backlog_on_disk = False  # the file is caught up: new rows come through the hand-off
+            return len(batch)
+        fresh = outbox.take_fresh(self.batch_size)
+        try:
+            await self._deliver(fresh)
+        except BaseException:
+            outbox.return_fresh(fresh)
+            raise
+        try:
+            await outbox.mark_delivered_ids([d.request_id for d in fresh])
+        except BaseException:
+            outbox.leave_to_disk()  # delivered but not marked: the file is the truth again
+            raise
+        return len(fresh)
+
+    async def _deliver(self, decisions: list[StoredDecision]) -> None:
+        if not decisions:
+            return
         started = time.perf_counter()
         try:
-            inserted = await self.crm.deliver([decision for _, decision in batch])
+            inserted = await self.crm.deliver(decisions)
         except Exception:
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
-            _count_writes(batch, "error")
+            _count_writes(decisions, "error")
             raise
         metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
-        _count_writes(batch, "ok")
-        await self.outbox.mark_delivered([seq for seq, _ in batch])
+        _count_writes(decisions, "ok")
         self.crm_up = True
         metrics.OUTBOX_DELIVERED.inc(len(inserted))
-        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(batch) - len(inserted))
-        return len(batch)
+        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(decisions) - len(inserted))
 
     def _record_failure(self, exc: Exception, failures: int) -> None:
         self.crm_up = False
@@ -364,7 +441,7 @@ class OutboxRelay:
                            failures, type(exc).__name__)
 
 
-def _count_writes(batch, outcome: str) -> None:
+def _count_writes(decisions: list[StoredDecision], outcome: str) -> None:
     """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
-    for model, n in Counter(decision.model_name for _, decision in batch).items():
+    for model, n in Counter(decision.model_name for decision in decisions).items():
         metrics.CRM_WRITES.labels(model, outcome).inc(n)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.outbox import Outbox, OutboxRelay, Recorded
 from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.errors import OutboxUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,14 @@ class DecisionRecorder:
         Raises:
             OutboxUnavailable: it could not be recorded, so it must not be returned.
         """
+        [outcome] = await self.record_many([decision])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def record_many(self, decisions: Sequence[StoredDecision]) -> list[Recorded | OutboxUnavailable]:
+        """Commits many decisions locally together; each outcome is its :class:`Recorded`, or the
+        :class:`OutboxUnavailable` that kept it from being recorded (so it must not be returned)."""
         if self._tracer is None:
             span = contextlib.nullcontext()
         else:
@@ -81,10 +91,11 @@ class DecisionRecorder:
             span = self._tracer.start_as_current_span("outbox INSERT", kind=SpanKind.CLIENT,
                                                       attributes={"db.system": "sqlite", "db.operation.name": "INSERT"})
         with span:
-            recorded = await self.outbox.record(decision)
-        if recorded.replayed:
-            metrics.IDEMPOTENT_REPLAYS.labels(decision.model_name).inc()
-        return recorded
+            outcomes = await self.outbox.record_many(decisions)
+        for outcome in outcomes:
+            if isinstance(outcome, Recorded) and outcome.replayed:
+                metrics.labelled(metrics.IDEMPOTENT_REPLAYS, outcome.decision.model_name).inc()
+        return outcomes
 
     async def wait_delivered(self, timeout_s: float) -> bool:
         """Waits until every decision recorded so far is in the CRM database; False on timeout."""

@@ -1,0 +1,365 @@
+"""The two services as real processes on loopback, and real workloads for them (bench and soak).
+
+* :class:`Service` — one ``mlpair serve inference|prediction`` process on a fixed free port:
+  start, wait for ``grpc.health.v1`` SERVING, SIGTERM or SIGKILL by PID, restart on the same
+  port, resident memory (RSS).
+* :func:`pair` — InferenceService and PredictionService wired together under a work folder
+  (outbox and logs there; the CRM at any SQLAlchemy URL).
+* :func:`credit_workload` — Predict requests built from the real credit-risk holdout
+  applicants with one numeric attribute perturbed, so that every request is a distinct
+  feature row (a cache miss), checked by assembling each row with the served preprocessing.
+* :func:`scratch_postgres` — a throw-away PostgreSQL database on 127.0.0.1, dropped afterwards.
+* :class:`TcpProxy` — a loopback TCP proxy (e.g. in front of PostgreSQL) whose connections
+  can be cut and restored, to take a database away from a service and give it back.
+
+Everything here binds 127.0.0.1 and ends only the processes it started, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO / "config"
+MODEL = "credit-risk"
+SCHEMA = CONFIG_DIR / MODEL / "feature-schema.toml"
+# Loan amount: continuous, range [0, 20000]; a step of 1 changes the standardised float32 value.
+PERTURBED_ATTRIBUTE = "Amount"
+POSTGRES_ADMIN_URL = os.environ.get("MLPAIR_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class Service:
+    """One service process (``mlpair serve <role>``) on a fixed loopback port, restartable."""
+
+    role: str
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+    starts: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, ready_timeout_s: float = 90.0) -> float:
+        """Starts the process and waits for SERVING; returns seconds from spawn to SERVING.
+
+        Raises:
+            RuntimeError: the process exited or was not SERVING within ``ready_timeout_s``.
+        """
+        with open(self.log_path, "a") as log:
+            started = time.monotonic()
+            self.process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", self.role],
+                                            env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
+        self.starts += 1
+        self.wait_serving(ready_timeout_s)
+        return time.monotonic() - started
+
+    def wait_serving(self, timeout_s: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline and self.alive():
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError(f"{self.role} at {self.address} not SERVING; log tail:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL (``kill -9``): no drain, no clean-up; waits for the process to be gone."""
+        if self.alive():
+            self.process.send_signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(30)
+
+    def terminate(self, grace_s: float = 60.0) -> int:
+        """SIGTERM, then wait for the process to exit by itself; returns its exit code (-9 if it had to be killed)."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+                return -9
+        return self.process.returncode if self.process is not None else 0
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """Waits for the process to exit by itself (after a signal sent elsewhere); SIGKILL past
+        ``timeout_s``. Returns its exit code (-9 if it had to be killed)."""
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+            return -9
+
+    def rss_bytes(self) -> int:
+        """Resident set size of the process (0 when it is not running)."""
+        import psutil
+
+        try:
+            return psutil.Process(self.pid).memory_info().rss if self.alive() else 0
+        except psutil.Error:
+            return 0
+
+    def cpu_seconds(self) -> float:
+        import psutil
+
+        try:
+            return sum(psutil.Process(self.pid).cpu_times()[:2]) if self.alive() else 0.0
+        except psutil.Error:
+            return 0.0
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Pair:
+    """InferenceService and PredictionService processes wired together."""
+
+    inference: Service
+    prediction: Service
+    workdir: Path
+    crm_url: str
+    outbox_path: Path
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.startup_s["inference"] = self.inference.start()
+        self.startup_s["prediction"] = self.prediction.start()
+
+    def stop(self) -> dict[str, int]:
+        """SIGTERM to PredictionService first (it drains its callers), then InferenceService."""
+        return {"prediction": self.prediction.terminate(), "inference": self.inference.terminate()}
+
+    def kill(self) -> None:
+        for service in (self.prediction, self.inference):
+            service.kill()
+
+
+def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, prediction_env: dict | None = None,
+         inference_env: dict | None = None, log_level: str = "WARNING") -> Pair:
+    """Builds (does not start) the two services under ``workdir``.
+
+    Args:
+        crm_url: SQLAlchemy async URL of the CRM; default a SQLite file in ``workdir``.
+        prediction_env, inference_env: extra ``PREDICTION_*`` / ``INFERENCE_*`` settings.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    crm_url = crm_url or f"sqlite+aiosqlite:///{workdir / 'crm.sqlite'}"
+    outbox = workdir / "outbox.sqlite"
+    inference = Service("inference", {
+        "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": "0", "INFERENCE_METRICS_PORT": "0",
+        "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MODELS": json.dumps([MODEL]),
+        "INFERENCE_LOG_LEVEL": log_level, **(inference_env or {})}, free_port(), workdir / "inference.log")
+    inference.env["INFERENCE_PORT"] = str(inference.port)
+    prediction = Service("prediction", {
+        "PREDICTION_HOST": "127.0.0.1", "PREDICTION_METRICS_PORT": "0",
+        "PREDICTION_INFERENCE_TARGET": inference.address, "PREDICTION_CRM_URL": crm_url,
+        "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{outbox}", "PREDICTION_MODEL_REPOSITORY": str(model_repository),
+        "PREDICTION_CONFIG_DIR": str(CONFIG_DIR), "PREDICTION_MODEL_NAME": MODEL, "PREDICTION_LOG_LEVEL": log_level,
+        **(prediction_env or {})}, free_port(), workdir / "prediction.log")
+    prediction.env["PREDICTION_PORT"] = str(prediction.port)
+    return Pair(inference, prediction, workdir, crm_url, outbox)
+
+
+@contextlib.contextmanager
+def running(p: Pair) -> Iterator[Pair]:
+    """Starts both services and always ends them (SIGTERM, SIGKILL only if they do not exit)."""
+    try:
+        p.start()
+        yield p
+    finally:
+        p.stop()
+
+
+def trained_model(model_repository: Path):
+    """The credit-risk model entry (trained now, or the latest reused when nothing changed)."""
+    from mlpair.training.pipeline import train_family
+
+    entry, _ = train_family(SCHEMA, model_repository, show_progress=False)
+    return entry
+
+
+def holdout(entry):
+    """The real holdout applicants of ``entry``'s split (records never seen in training)."""
+    from mlpair.contracts.schema import FeatureSchema
+    from mlpair.training.data import load_dataset, stratified_split
+
+    data = load_dataset(FeatureSchema.from_toml(SCHEMA))
+    return data.subset(stratified_split(data.labels, int(entry.manifest.data_source["split"]["seed"]))["holdout"])
+
+
+def credit_workload(entry, run_id: str) -> Iterator[tuple[str, str, dict]]:
+    """Predict requests ``(request_id, entity_id, attributes)``, each a distinct feature row, without end.
+
+    Holdout applicant ``i mod H`` with its loan amount moved by ``i // H`` currency units
+    (within the schema's range, so no guard collapses two rows into one). Every row is assembled
+    with the model's preprocessing and duplicates are skipped, so every request is a cache miss.
+    """
+    from mlpair.contracts.assembly import FeatureAssembler
+
+    records = holdout(entry)
+    assembler = FeatureAssembler(entry.preprocessing)
+    seen: set[bytes] = set()
+    i = made = 0
+    size = len(records.records)
+    while True:
+        base = records.records[i % size]
+        step = i // size
+        amount = base.get(PERTURBED_ATTRIBUTE)
+        i += 1
+        if amount is None:
+            continue
+        value = float(amount) + step if float(amount) + step <= 20000 else float(amount) - step
+        attrs = {**base, PERTURBED_ATTRIBUTE: value}
+        key = assembler.assemble(attrs).vector.tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        yield f"{run_id}-{made}", records.entity_ids[(i - 1) % size], attrs
+        made += 1
+
+
+@contextlib.contextmanager
+def scratch_postgres() -> Iterator[str | None]:
+    """A fresh PostgreSQL database on 127.0.0.1 (its asyncpg SQLAlchemy URL), dropped afterwards;
+    yields None when PostgreSQL is not reachable."""
+    import asyncio
+
+    import asyncpg
+
+    if not reachable("127.0.0.1", 5432):
+        yield None
+        return
+    name = f"mlpair_bench_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+    async def admin(statement: str) -> None:
+        conn = await asyncpg.connect(POSTGRES_ADMIN_URL)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+class TcpProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``upstream``; :meth:`cut` resets every connection and
+    refuses new ones until :meth:`restore`. Runs on the caller's event loop."""
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.port = free_port()
+        self._server = None
+        self._transports: set = set()
+
+    async def start(self) -> None:
+        import asyncio
+
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for transport in list(self._transports):
+            transport.abort()
+        self._transports.clear()
+
+    async def restore(self) -> None:
+        await self.start()
+
+    async def _handle(self, reader, writer) -> None:
+        import asyncio
+
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.transport.abort()
+            return
+        pair_ = {writer.transport, up_writer.transport}
+        self._transports |= pair_
+
+        async def pipe(src, dst) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._transports -= pair_
+
+
+def machine() -> dict:
+    """What the figures ran on: cores, load average at the time, Python."""
+    import platform
+
+    return {"cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(), "cpu_model": _cpu_model()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

@@ -1,0 +1,291 @@
+"""``make bench-predict``: PredictionService end to end, and what its hop adds over a direct Infer call.
+
+A benchmark, not a test: it reports numbers and checks every reply, but asserts no speed.
+
+Both services run as their own processes (``mlpair serve inference`` / ``mlpair serve
+prediction``) on loopback ports, the CRM in a throw-away PostgreSQL database on 127.0.0.1
+(a SQLite file when PostgreSQL is down), the outbox with ``synchronous=FULL`` (the default:
+an fsync per group commit). One load generator (:mod:`bench.load`) drives, in this order:
+
+1. ``direct Infer`` — InferenceService's own ``Infer``, one real applicant's feature row per
+   call, at concurrency 1 and ``--concurrency``: the inference hop alone;
+2. ``Predict`` — one applicant per call, every one a distinct feature row (a cache miss: the
+   holdout applicants with their loan amount perturbed), CRM write on, at concurrency 1 and
+   ``--concurrency``: the two hops end to end;
+3. ``BatchPredict`` — ``--batch-items`` applicants per call (distinct rows again);
+4. optionally ``Predict`` again after restarting PredictionService with the outbox at
+   ``synchronous=NORMAL`` (survives a process crash, not an OS crash), for comparison only.
+
+Each reply is parsed: a decision with a probability in [0, 1], not a fallback, not from the
+cache. One JSON line per phase on stdout, then a table and the targets of issue 8
+(Predict ≥ 1,200/s with p99 ≤ 120 ms; BatchPredict ≥ 20,000 rows/s). The added latency of
+the prediction hop is Predict's p50 minus direct Infer's p50 at the same concurrency.
+Client and servers share this machine's cores: every figure is "client + both servers".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import pair as harness  # noqa: E402
+from bench.load import BadReply, drive  # noqa: E402
+
+PREDICT = "/mlpair.prediction.v1.PredictionService/Predict"
+BATCH_PREDICT = "/mlpair.prediction.v1.PredictionService/BatchPredict"
+INFER = "/mlpair.inference.v1.InferenceService/Infer"
+TARGET_PREDICT_PER_S = 1200
+TARGET_PREDICT_P99_MS = 120
+TARGET_BATCH_ROWS_PER_S = 20_000
+
+
+def emit(line: dict) -> None:
+    print(json.dumps(line), flush=True)
+
+
+class PredictCheck:
+    """Checks a Predict reply; counts replies that came from the cache (should be none)."""
+
+    def __init__(self) -> None:
+        from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+
+        self.pb = pb
+        self.sources: Counter[str] = Counter()
+
+    def predict(self, key: str, raw: bytes) -> str:
+        return self._one(self.pb.PredictResponse.FromString(raw))
+
+    def batch(self, key: str, raw: bytes) -> int:
+        reply = self.pb.BatchPredictResponse.FromString(raw)
+        for result in reply.results:
+            if result.WhichOneof("outcome") != "prediction":
+                raise BadReply(f"item error {result.error.code}")
+            self._one(result.prediction)
+        return len(reply.results)
+
+    def _one(self, r) -> str:
+        if r.fallback or not r.decision_label or not 0.0 <= r.probability <= 1.0:
+            raise BadReply("no model decision")
+        self.sources["cache" if r.from_cache else "inference"] += 1
+        return r.decision_id
+
+
+def predict_payloads(requests, pb, to_attributes) -> list[tuple[str, bytes]]:
+    return [(rid, pb.PredictRequest(request_id=rid, entity_id=eid, model_name=harness.MODEL,
+                                    attributes=to_attributes(attrs)).SerializeToString())
+            for rid, eid, attrs in requests]
+
+
+def batch_payloads(requests, items: int, pb, to_attributes) -> list[tuple[str, bytes]]:
+    out = []
+    while chunk := list(itertools.islice(requests, items)):
+        message = pb.BatchPredictRequest(requests=[
+            pb.PredictRequest(request_id=rid, entity_id=eid, model_name=harness.MODEL, attributes=to_attributes(attrs))
+            for rid, eid, attrs in chunk])
+        out.append((chunk[0][0], message.SerializeToString()))
+    return out
+
+
+def infer_payloads(entry, n: int, rows_per_call: int = 1) -> tuple[list[tuple[str, bytes]], tuple]:
+    """``n`` Infer requests of ``rows_per_call`` real holdout applicants, and the metadata they need."""
+    import numpy as np
+
+    from mlpair.api.inference.v1 import inference_service_pb2 as ipb
+    from mlpair.contracts.assembly import FeatureAssembler
+
+    rows = FeatureAssembler(entry.preprocessing).assemble_many(harness.holdout(entry).records)
+    payloads = []
+    for k in range(n):
+        x = np.ascontiguousarray(np.take(rows, range(k, k + rows_per_call), axis=0, mode="wrap"), "<f4")
+        payloads.append((str(k), ipb.InferRequest(
+            model_name=harness.MODEL, model_version=entry.manifest.model_version,
+            inputs=ipb.Tensor(data_type=ipb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes())).SerializeToString()))
+    return payloads, (("x-feature-version", entry.manifest.versions.feature_schema_version),)
+
+
+def check_infer(key: str, raw: bytes) -> None:
+    from mlpair.api.inference.v1 import inference_service_pb2 as ipb
+
+    reply = ipb.InferResponse.FromString(raw)
+    shape = list(reply.logits.shape)
+    if len(shape) != 2 or shape[1] != 2 or len(reply.logits.content) != 8 * shape[0]:
+        raise BadReply("malformed logits")
+
+
+def infer_calls(metrics_port: int) -> tuple[float, float]:
+    """(Infer calls, rows sent) so far by PredictionService, from its Prometheus endpoint."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    calls = rows = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "prediction_coalesced_call_rows_count":
+                calls += sample.value
+            elif sample.name == "prediction_coalesced_call_rows_sum":
+                rows += sample.value
+    return calls, rows
+
+
+def run(args) -> int:
+    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+    from mlpair.prediction.converters import to_attributes
+
+    root = Path(args.model_repository).resolve()
+    workdir = Path(args.workdir).resolve() / time.strftime("%Y%m%dT%H%M%S")
+    entry = harness.trained_model(root)
+    run_id = f"bench-{workdir.name}"
+    workload = harness.credit_workload(entry, run_id)
+    emit({"phase": "setup", **harness.machine(), "model": harness.MODEL, "model_version": entry.manifest.model_version,
+          "workdir": str(workdir)})
+
+    # Calls a phase can use at most: generous for this machine (a phase stops when its time is up).
+    def budget(concurrency: int, seconds: float) -> int:
+        return int(min(args.max_calls, (120 if concurrency == 1 else 3000) * seconds))
+
+    checker = PredictCheck()
+    results: list[dict] = []
+    timed = args.warmup_s + args.duration_s
+    with harness.scratch_postgres() as pg_url:
+        crm = pg_url or None
+        emit({"phase": "crm", "crm": "postgresql (throw-away database on 127.0.0.1)" if pg_url else "sqlite file"})
+        for synchronous in (["FULL", "NORMAL"] if args.with_normal else ["FULL"]):
+            metrics_port = harness.free_port()
+            p = harness.pair(workdir / synchronous.lower(), root, crm_url=crm,
+                             prediction_env={"PREDICTION_OUTBOX_SYNCHRONOUS": synchronous,
+                                             "PREDICTION_METRICS_PORT": str(metrics_port),
+                                             **dict(e.split("=", 1) for e in args.env)})
+            with harness.running(p):
+                emit({"phase": "started", "outbox_synchronous": synchronous,
+                      "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
+                cpu = {"inference": p.inference.cpu_seconds, "prediction": p.prediction.cpu_seconds}
+                phases = []
+                if synchronous == "FULL":
+                    infer, meta = infer_payloads(entry, budget(args.concurrency, timed))
+                    phases += [("direct Infer", 1, INFER, infer, check_infer, 1, meta),
+                               ("direct Infer", args.concurrency, INFER, infer, check_infer, 1, meta)]
+                phases.append(("Predict", 1, PREDICT, None, checker.predict, 1, ()))
+                phases.append(("Predict", args.concurrency, PREDICT, None, checker.predict, 1, ()))
+                if synchronous == "FULL":
+                    phases.append(("BatchPredict", args.batch_concurrency, BATCH_PREDICT, "batch", checker.batch,
+                                   args.batch_items, ()))
+                for name, concurrency, method, payloads, check, rows, meta in phases:
+                    seconds = timed if concurrency > 1 else args.c1_seconds + 1
+                    if payloads is None:
+                        payloads = predict_payloads(itertools.islice(workload, budget(concurrency, seconds)), pb,
+                                                    to_attributes)
+                    elif payloads == "batch":
+                        n = int(min(args.max_calls * 20, args.batch_rows_budget_per_s * seconds))
+                        payloads = batch_payloads(itertools.islice(workload, n), args.batch_items, pb, to_attributes)
+                    before = checker.sources.copy()
+                    calls0, rows0 = infer_calls(metrics_port)
+                    figures = asyncio.run(drive(
+                        p.prediction.address if method != INFER else p.inference.address, method, payloads,
+                        check=check, concurrency=concurrency, duration_s=args.duration_s if concurrency > 1 else args.c1_seconds,
+                        warmup_s=args.warmup_s if concurrency > 1 else 1.0, metadata=meta, rows_per_call=rows,
+                        cpu_of=cpu))
+                    line = {"phase": name, "outbox_synchronous": synchronous if method != INFER else None,
+                            "concurrency": concurrency, "rows_per_call": rows, **figures}
+                    if method != INFER:
+                        line["replies_from_cache"] = checker.sources["cache"] - before["cache"]
+                        calls1, rows1 = infer_calls(metrics_port)
+                        line["infer_calls"] = int(calls1 - calls0)  # whole phase, warm-up included
+                        line["rows_per_infer_call"] = round((rows1 - rows0) / max(1.0, calls1 - calls0), 2)
+                    emit(line)
+                    results.append(line)
+            emit({"phase": "stopped", "outbox_synchronous": synchronous,
+                  "exit_codes": {"prediction": p.prediction.process.returncode,
+                                 "inference": p.inference.process.returncode}})
+    return summarise(results, args.concurrency)
+
+
+def summarise(results: list[dict], concurrency: int) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="PredictionService end to end (client + both services on this machine)")
+    for column in ("phase", "outbox", "conc", "rows/call", "calls/s", "rows/s", "p50 ms", "p99 ms", "errors",
+                   "CPU % client / prediction / inference"):
+        table.add_column(column, justify="left" if column in ("phase", "outbox") else "right")
+    for r in results:
+        cpu = r.get("cpu_pct", {})
+        table.add_row(r["phase"], r["outbox_synchronous"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
+                      f"{r['calls_per_s']:,.0f}", f"{r['rows_per_s']:,.0f}", str(r["p50_ms"]), str(r["p99_ms"]),
+                      str(r["errors"]), f"{cpu.get('client', 0):.0f} / {cpu.get('prediction', 0):.0f} / "
+                                        f"{cpu.get('inference', 0):.0f}")
+    console = Console(file=sys.stdout, width=160)
+    console.print(table)
+
+    def find(phase: str, conc: int, sync: str | None = "FULL") -> dict | None:
+        return next((r for r in results if r["phase"] == phase and r["concurrency"] == conc
+                     and (sync is None or r["outbox_synchronous"] in (sync, None))), None)
+
+    summary: dict = {"phase": "summary"}
+    for conc in sorted({1, concurrency}):
+        predict, infer = find("Predict", conc), find("direct Infer", conc)
+        if predict and infer and predict["p50_ms"] is not None and infer["p50_ms"] is not None:
+            summary[f"prediction_hop_added_p50_ms_c{conc}"] = round(predict["p50_ms"] - infer["p50_ms"], 2)
+            summary[f"prediction_hop_added_p99_ms_c{conc}"] = round(predict["p99_ms"] - infer["p99_ms"], 2)
+    predict, batch = find("Predict", concurrency), find("BatchPredict", next(
+        (r["concurrency"] for r in results if r["phase"] == "BatchPredict"), 0))
+    failures = sum(r["errors"] for r in results)
+    if predict:
+        summary["predict_per_s"] = predict["calls_per_s"]
+        summary["predict_p99_ms"] = predict["p99_ms"]
+        summary["predict_target_met"] = (predict["calls_per_s"] >= TARGET_PREDICT_PER_S
+                                         and (predict["p99_ms"] or 1e9) <= TARGET_PREDICT_P99_MS)
+    if batch:
+        summary["batch_rows_per_s"] = batch["rows_per_s"]
+        summary["batch_target_met"] = batch["rows_per_s"] >= TARGET_BATCH_ROWS_PER_S
+    if normal := find("Predict", concurrency, "NORMAL"):
+        summary["predict_per_s_outbox_normal"] = normal["calls_per_s"]
+        summary["predict_p99_ms_outbox_normal"] = normal["p99_ms"]
+    summary["errors"] = failures
+    summary["replies_from_cache"] = sum(r.get("replies_from_cache", 0) for r in results)
+    emit(summary)
+    return 1 if failures else 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-repository", default="var/models")
+    parser.add_argument("--workdir", default="var/bench-predict", help="outbox, CRM (SQLite case) and logs")
+    parser.add_argument("--concurrency", type=int, default=64, help="Predict / Infer calls in flight")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="measured seconds per phase")
+    parser.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured seconds before each phase")
+    parser.add_argument("--c1-seconds", type=float, default=5.0, help="measured seconds of the concurrency-1 phases")
+    parser.add_argument("--batch-items", type=int, default=500, help="applicants per BatchPredict call")
+    parser.add_argument("--batch-concurrency", type=int, default=4, help="BatchPredict calls in flight")
+    parser.add_argument("--batch-rows-budget-per-s", type=int, default=40_000,
+                        help="distinct rows prepared per second of the BatchPredict phase (its upper bound)")
+    parser.add_argument("--max-calls", type=int, default=100_000, help="upper bound of calls per phase")
+    parser.add_argument("--with-normal", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure Predict with the outbox at synchronous=NORMAL")
+    parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
+    args = parser.parse_args(argv)
+    if args.concurrency < 1 or args.duration_s <= 0 or args.warmup_s + args.duration_s > 300:
+        parser.error("need concurrency >= 1 and 0 < duration-s, warmup-s + duration-s <= 300")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Client-side micro-batching across the hop: the rows of concurrent requests share one Infer call.
+
+Each Predict call carries one entity, so without this every request would pay a whole
+InferenceService round trip of its own: a second Python gRPC hop per decision, which is where
+a two-service split loses most of its throughput (design.md, "The hop budget"). The
+:class:`InferenceCoalescer` sits between the cache's single-flight calls and the resilient
+caller: concurrent calls for the same (model, model version, feature schema version) wait
+briefly in a *lane* and go out together as one ``Infer``; the logits are scattered back in
+row order.
+
+When a lane's rows are sent:
+
+* at once (after the current event-loop iteration, so calls made together travel together)
+  when no Infer call of that lane is in flight: nothing is gained by waiting, so a lone
+  request pays no delay;
+* otherwise as soon as an in-flight call of the lane returns, or when the oldest queued row
+  has waited ``max_delay_s``, whichever comes first: under load, batches grow with the
+  round-trip time, and no row waits longer than ``max_delay_s`` for company;
+* at once when the queued rows reach ``max_rows`` (keep it at most InferenceService's
+  ``max_batch_size``); one call's rows are never split, and a call that does not fit next to
+  the queued rows starts the next batch.
+
+A merged call runs through the :class:`~mlpair.prediction.resilience.ResilientCaller` once:
+the circuit breaker counts it as one call, retries repeat it whole, and its deadline is the
+earliest of its callers' deadlines. A caller whose budget is already spent when the batch is
+sent is not included (it gets :class:`InferenceTimeout` at once, and falls back), so it
+cannot shorten the others' call to nothing. A caller that goes away is dropped from a batch
+not yet sent; a sent call is cancelled only when every caller in it has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlpair.prediction import metrics
+from mlpair.prediction.errors import InferenceTimeout
+from mlpair.prediction.resilience import ResilientCaller
+
+LaneKey = tuple[str, str, str]  # (model name, model version, feature schema version)
+
+
+@dataclass(eq=False)
+class _Part:
+    """One caller's rows waiting in a lane, and the future its logits are delivered to."""
+
+    rows: np.ndarray  # [n, n_features] float32
+    deadline: float | None
+    future: asyncio.Future
+    call: _Call | None = None
+
+
+@dataclass(eq=False)
+class _Call:
+    """One merged Infer call in flight; cancelled when none of its callers waits any more."""
+
+    task: asyncio.Task | None = None
+    waiting: int = 0
+
+
+@dataclass(eq=False)
+class _Lane:
+    parts: list[_Part] = field(default_factory=list)
+    rows: int = 0
+    in_flight: int = 0
+    flush: asyncio.Handle | None = None  # the scheduled send of the queued parts, if any
+
+
+class InferenceCoalescer:
+    """Merges concurrent Infer calls per model version into one call (see the module docstring).
+
+    Args:
+        client: an :class:`~mlpair.prediction.inference_client.InferenceClient`.
+        caller: deadline budget, retries and circuit breaker, applied to each merged call.
+        max_delay_s: longest a row waits for others while a call of its lane is in flight.
+        max_rows: most rows in one merged call.
+    """
+
+    def __init__(self, client, caller: ResilientCaller, *, max_delay_s: float = 0.002, max_rows: int = 1024) -> None:
+        self.client = client
+        self.caller = caller
+        self.max_delay_s = max(0.0, max_delay_s)
+        self.max_rows = max(1, max_rows)
+        self._lanes: dict[LaneKey, _Lane] = {}
+        self._calls: set[asyncio.Task] = set()
+
+    async def infer(self, model_name: str, model_version: str, feature_version: str, rows: np.ndarray,
+                    deadline: float | None) -> tuple[np.ndarray, str]:
+        """Logits for ``rows`` ``[n, n_features] float32``, sent together with concurrent callers' rows.
+
+        Args:
+            deadline: the caller's deadline in ``time.monotonic()`` seconds, or None.
+
+        Returns:
+            Logits ``[n, n_classes] float32`` (rows in order) and the model version that served them.
+
+        Raises:
+            InferenceTimeout, CircuitOpen, InferenceUnavailable, InferenceContractError,
+            InferenceFailed: as :meth:`ResilientCaller.call` for the merged call.
+        """
+        key = (model_name, model_version, feature_version)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane()
+        part = _Part(rows, deadline, asyncio.get_running_loop().create_future())
+        part.future.add_done_callback(functools.partial(self._left, part))
+        if lane.parts and lane.rows + len(rows) > self.max_rows:
+            self._send(key, lane)
+        lane.parts.append(part)
+        lane.rows += len(rows)
+        if lane.rows >= self.max_rows:
+            self._send(key, lane)
+        elif lane.flush is None:
+            loop = asyncio.get_running_loop()
+            lane.flush = (loop.call_soon(self._send, key, lane) if lane.in_flight == 0
+                          else loop.call_later(self.max_delay_s, self._send, key, lane))
+        return await part.future
+
+    async def close(self) -> None:
+        """Cancels every merged call still in flight."""
+        for task in list(self._calls):
+            task.cancel()
+        await asyncio.gather(*self._calls, return_exceptions=True)
+
+    def _send(self, key: LaneKey, lane: _Lane) -> None:
+        """Sends the lane's queued parts as one call (those still waiting, with budget left)."""
+        if lane.flush is not None:
+            lane.flush.cancel()
+            lane.flush = None
+        parts, lane.parts, lane.rows = lane.parts, [], 0
+        now = time.monotonic()
+        budget = self.caller.budget
+        live = []
+        for part in parts:
+            if part.future.done():  # its caller went away while it was queued
+                continue
+            if budget.call_timeout_s(part.deadline, now) < budget.min_attempt_s:
+                part.future.set_exception(InferenceTimeout("no deadline budget left for an inference call"))
+                continue
+            live.append(part)
+        if not live:
+            return
+        call = _Call(waiting=len(live))
+        for part in live:
+            part.call = call
+        lane.in_flight += 1
+        call.task = asyncio.get_running_loop().create_task(self._call(key, lane, live))
+        self._calls.add(call.task)
+        call.task.add_done_callback(self._calls.discard)
+
+    async def _call(self, key: LaneKey, lane: _Lane, parts: list[_Part]) -> None:
+        model_name, model_version, feature_version = key
+        rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
+        deadline = min((p.deadline for p in parts if p.deadline is not None), default=None)
+        started = time.perf_counter()
+        try:
+            logits, version = await self.caller.call(
+                lambda timeout: self.client.infer(model_name, model_version, feature_version, rows, timeout_s=timeout),
+                deadline, model=model_name)
+        except asyncio.CancelledError:
+            for part in parts:
+                part.future.cancel()
+            raise
+        except Exception as exc:
+            for part in parts:
+                if not part.future.done():
+                    part.future.set_exception(exc)
+        else:
+            metrics.labelled(metrics.INFERENCE_DURATION, model_name).observe(time.perf_counter() - started)
+            metrics.labelled(metrics.COALESCED_CALL_ROWS, model_name).observe(len(rows))
+            metrics.labelled(metrics.COALESCED_CALL_FLIGHTS, model_name).observe(len(parts))
+            offset = 0
+            for part in parts:
+                n = len(part.rows)
+                if not part.future.done():
+                    part.future.set_result((logits[offset:offset + n], version))
+                offset += n
+        finally:
+            lane.in_flight -= 1
+            if lane.parts:  # rows that queued behind this call go now
+                self._send(key, lane)
+
+    @staticmethod
+    def _left(part: _Part, future: asyncio.Future) -> None:
+        """A part's future is done; if its caller went away from a sent call, and it was the
+        last one waiting on that call, the call is cancelled."""
+        if not future.cancelled():
+            future.exception()  # marks it retrieved: a caller that left must not make asyncio log it
+            return
+        if part.call is None:
+            return
+        part.call.waiting -= 1
+        if part.call.waiting == 0 and part.call.task is not None:
+            part.call.task.cancel()

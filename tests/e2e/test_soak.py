@@ -1,0 +1,42 @@
+"""The short soak (``bench/soak.py --short``, what ``make soak`` runs at length) inside ``make test``.
+
+Both services as real processes on loopback, the CRM in a throw-away PostgreSQL database
+behind a TCP proxy: sustained load with bounded memory; InferenceService killed (-9) and back;
+PredictionService killed (-9) and back, with retries reconciled against the CRM; SIGTERM with
+calls in flight on both services (C14); the CRM cut off and restored (C39). About a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+SCENARIOS = {"sustained", "inference-killed", "prediction-killed", "sigterm-drain", "crm-outage"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("MLPAIR_SOAK_IN_TESTS") != "1",
+                    reason="the short soak takes over a minute of kills and restarts; `make soak` runs it "
+                           "(or set MLPAIR_SOAK_IN_TESTS=1)")
+def test_c14_c39_short_soak_loses_nothing_through_kills_drains_and_a_crm_outage(model_repository, postgres_url,
+                                                                                 tmp_path):
+    run = subprocess.run([sys.executable, "bench/soak.py", "--short", "--model-repository", str(model_repository),
+                          "--workdir", str(tmp_path), "--postgres-url", postgres_url],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    scenarios = {line["scenario"]: line for line in lines if "scenario" in line}
+    assert set(scenarios) == SCENARIOS, run.stdout[-3000:] + run.stderr[-3000:]
+    for name, scenario in scenarios.items():
+        assert scenario["ok"], (name, scenario["violations"])
+        assert scenario["lost"] == 0 and scenario["duplicated"] == 0, (name, scenario)
+    assert scenarios["sigterm-drain"]["prediction_in_flight_at_sigterm"] > 0
+    assert scenarios["sigterm-drain"]["prediction_failed"] == scenarios["sigterm-drain"]["inference_failed"] == 0
+    assert scenarios["prediction-killed"]["failed_while_down"] > 0 and scenarios["prediction-killed"]["never_acknowledged"] == 0
+    assert scenarios["crm-outage"]["max_outbox_backlog"] > 0 and scenarios["crm-outage"]["errors"] == 0
+    assert run.returncode == 0, run.stdout[-3000:]
