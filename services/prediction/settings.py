@@ -40,7 +40,7 @@ class PredictionSettings(BaseSettings):
     """Model family → a version also scored for every decision, compared in metrics, never served (JSON)."""
     inference_max_batch_rows: int = 1024
     """Most rows per Infer call; keep at most InferenceService's max_batch_size."""
-    coalesce_max_delay_ms: float = 2.0
+    coalesce_max_delay_ms: float = 5.0
     """Longest a request's rows wait, while an Infer call of the same model version is in flight, to share the next call with other requests' rows, in milliseconds."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
