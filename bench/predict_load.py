@@ -153,7 +153,7 @@ def run(args) -> int:
 
     # Calls a phase can use at most: generous for this machine (a phase stops when its time is up).
     def budget(concurrency: int, seconds: float) -> int:
-        return int(min(args.max_calls, (120 if concurrency == 1 else 3000) * seconds))
+        return int(min(args.max_calls, (400 if concurrency == 1 else 5000) * seconds))
 
     checker = PredictCheck()
     results: list[dict] = []
@@ -172,13 +172,13 @@ def run(args) -> int:
                       "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
                 cpu = {"inference": p.inference.cpu_seconds, "prediction": p.prediction.cpu_seconds}
                 phases = []
-                if synchronous == "FULL":
-                    infer, meta = infer_payloads(entry, budget(args.concurrency, timed))
-                    phases += [("direct Infer", 1, INFER, infer, check_infer, 1, meta),
-                               ("direct Infer", args.concurrency, INFER, infer, check_infer, 1, meta)]
-                phases.append(("Predict", 1, PREDICT, None, checker.predict, 1, ()))
-                phases.append(("Predict", args.concurrency, PREDICT, None, checker.predict, 1, ()))
-                if synchronous == "FULL":
+                levels = [1, *args.concurrency]
+                if synchronous == "FULL" and "infer" in args.phases:
+                    infer, meta = infer_payloads(entry, budget(max(levels), timed))
+                    phases += [("direct Infer", c, INFER, infer, check_infer, 1, meta) for c in levels]
+                if "predict" in args.phases:
+                    phases += [("Predict", c, PREDICT, None, checker.predict, 1, ()) for c in levels]
+                if synchronous == "FULL" and "batch" in args.phases:
                     phases.append(("BatchPredict", args.batch_concurrency, BATCH_PREDICT, "batch", checker.batch,
                                    args.batch_items, ()))
                 for name, concurrency, method, payloads, check, rows, meta in phases:
@@ -211,58 +211,61 @@ def run(args) -> int:
     return summarise(results, args.concurrency)
 
 
-def summarise(results: list[dict], concurrency: int) -> int:
+def summarise(results: list[dict], levels: list[int]) -> int:
+    """Prints the table and one summary line (hop latency, targets); returns 1 if any call failed."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="PredictionService end to end (client + both services on this machine)")
     for column in ("phase", "outbox", "conc", "rows/call", "calls/s", "rows/s", "p50 ms", "p99 ms", "errors",
-                   "CPU % client / prediction / inference"):
+                   "rows/Infer", "CPU % client / prediction / inference / others",
+                   "µs CPU per call: client / prediction / inference"):
         table.add_column(column, justify="left" if column in ("phase", "outbox") else "right")
     for r in results:
-        cpu = r.get("cpu_pct", {})
+        cpu, per_call = r.get("cpu_pct", {}), r.get("cpu_ms_per_call", {})
         table.add_row(r["phase"], r["outbox_synchronous"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
                       f"{r['calls_per_s']:,.0f}", f"{r['rows_per_s']:,.0f}", str(r["p50_ms"]), str(r["p99_ms"]),
-                      str(r["errors"]), f"{cpu.get('client', 0):.0f} / {cpu.get('prediction', 0):.0f} / "
-                                        f"{cpu.get('inference', 0):.0f}")
-    console = Console(file=sys.stdout, width=160)
-    console.print(table)
+                      str(r["errors"]), str(r.get("rows_per_infer_call", "-")),
+                      " / ".join(f"{cpu.get(k, 0):.0f}" for k in ("client", "prediction", "inference"))
+                      + f" / {r.get('cpu_pct_others', 0):.0f}",
+                      " / ".join(f"{1000 * per_call.get(k, 0):,.0f}" for k in ("client", "prediction", "inference")))
+    Console(file=sys.stdout, width=200).print(table)
 
-    def find(phase: str, conc: int, sync: str | None = "FULL") -> dict | None:
+    def find(phase: str, conc: int, sync: str = "FULL") -> dict | None:
         return next((r for r in results if r["phase"] == phase and r["concurrency"] == conc
-                     and (sync is None or r["outbox_synchronous"] in (sync, None))), None)
+                     and r["outbox_synchronous"] in (sync, None)), None)
 
     summary: dict = {"phase": "summary"}
-    for conc in sorted({1, concurrency}):
+    for conc in [1, *levels]:
         predict, infer = find("Predict", conc), find("direct Infer", conc)
         if predict and infer and predict["p50_ms"] is not None and infer["p50_ms"] is not None:
             summary[f"prediction_hop_added_p50_ms_c{conc}"] = round(predict["p50_ms"] - infer["p50_ms"], 2)
             summary[f"prediction_hop_added_p99_ms_c{conc}"] = round(predict["p99_ms"] - infer["p99_ms"], 2)
-    predict, batch = find("Predict", concurrency), find("BatchPredict", next(
-        (r["concurrency"] for r in results if r["phase"] == "BatchPredict"), 0))
-    failures = sum(r["errors"] for r in results)
-    if predict:
-        summary["predict_per_s"] = predict["calls_per_s"]
-        summary["predict_p99_ms"] = predict["p99_ms"]
-        summary["predict_target_met"] = (predict["calls_per_s"] >= TARGET_PREDICT_PER_S
-                                         and (predict["p99_ms"] or 1e9) <= TARGET_PREDICT_P99_MS)
-    if batch:
+    for conc in levels:
+        for sync in ("FULL", "NORMAL"):
+            if predict := find("Predict", conc, sync):
+                suffix = f"c{conc}" + ("_outbox_normal" if sync == "NORMAL" else "")
+                summary[f"predict_per_s_{suffix}"] = predict["calls_per_s"]
+                summary[f"predict_p99_ms_{suffix}"] = predict["p99_ms"]
+                summary[f"predict_target_met_{suffix}"] = (predict["calls_per_s"] >= TARGET_PREDICT_PER_S
+                                                           and (predict["p99_ms"] or 1e9) <= TARGET_PREDICT_P99_MS)
+    if batch := next((r for r in results if r["phase"] == "BatchPredict"), None):
         summary["batch_rows_per_s"] = batch["rows_per_s"]
         summary["batch_target_met"] = batch["rows_per_s"] >= TARGET_BATCH_ROWS_PER_S
-    if normal := find("Predict", concurrency, "NORMAL"):
-        summary["predict_per_s_outbox_normal"] = normal["calls_per_s"]
-        summary["predict_p99_ms_outbox_normal"] = normal["p99_ms"]
-    summary["errors"] = failures
+    summary["targets"] = {"predict_per_s": TARGET_PREDICT_PER_S, "predict_p99_ms": TARGET_PREDICT_P99_MS,
+                          "batch_rows_per_s": TARGET_BATCH_ROWS_PER_S}
+    summary["errors"] = sum(r["errors"] for r in results)
     summary["replies_from_cache"] = sum(r.get("replies_from_cache", 0) for r in results)
     emit(summary)
-    return 1 if failures else 0
+    return 1 if summary["errors"] else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", default="var/models")
     parser.add_argument("--workdir", default="var/bench-predict", help="outbox, CRM (SQLite case) and logs")
-    parser.add_argument("--concurrency", type=int, default=64, help="Predict / Infer calls in flight")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 32],
+                        help="Predict / Infer calls in flight (each level is a phase; concurrency 1 always runs)")
     parser.add_argument("--duration-s", type=float, default=15.0, help="measured seconds per phase")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured seconds before each phase")
     parser.add_argument("--c1-seconds", type=float, default=5.0, help="measured seconds of the concurrency-1 phases")
@@ -274,9 +277,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--with-normal", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure Predict with the outbox at synchronous=NORMAL")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
+    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch"], choices=["infer", "predict", "batch"],
+                        help="which phases to run (all by default)")
     args = parser.parse_args(argv)
-    if args.concurrency < 1 or args.duration_s <= 0 or args.warmup_s + args.duration_s > 300:
-        parser.error("need concurrency >= 1 and 0 < duration-s, warmup-s + duration-s <= 300")
+    if min(args.concurrency) < 2 or args.duration_s <= 0 or args.warmup_s + args.duration_s > 300:
+        parser.error("need concurrency >= 2 (1 always runs) and 0 < duration-s, warmup-s + duration-s <= 300")
     return args
 
 

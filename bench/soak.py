@@ -404,12 +404,11 @@ class Soak:
             acknowledged.update(self.decisions(predicts))
             for items in batches.acknowledged.values():
                 acknowledged.update({k: v[0] for k, v in items.items()})
-            # InferenceService: single-row and large Infer calls in flight when SIGTERM arrives
-            single, metadata = infer_payloads(self.entry, int(4000 * self.timing.before_fault_s))
-            large, _ = infer_payloads(self.entry, 400, rows=2048)
+            # InferenceService: Infer calls of 8,192 rows (its max_request_rows; two fill its queue
+            # bound exactly), each long enough to be in flight when SIGTERM arrives
+            large, metadata = infer_payloads(self.entry, 500, rows=8192)
             await self.terminate_under_load(result, "inference", p.inference, [
-                (INFER, single, check_infer, 32, Outcomes(), metadata),
-                (INFER, large, check_infer, 4, Outcomes(), metadata)])
+                (INFER, large, check_infer, 2, Outcomes(), metadata)])
         finally:
             p.kill()  # only if something above failed before the SIGTERMs: both are normally gone
         # decisions the drain could not deliver in time wait in the outbox: a restart delivers them

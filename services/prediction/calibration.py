@@ -45,7 +45,7 @@ class Calibrator:
             p = self._calibration.probabilities(logits, self.positive_index)
         except ValueError as exc:
             raise InferenceFailed("the model returned logits that cannot be calibrated (not finite)") from exc
-        if not (np.isfinite(p).all() and (p >= 0).all() and (p <= 1).all()):  # defence in depth
+        if not ((p >= 0) & (p <= 1)).all():  # defence in depth (NaN fails both comparisons)
             raise InferenceFailed("calibration produced an invalid probability")
         return p
 

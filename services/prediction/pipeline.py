@@ -277,7 +277,8 @@ class Predictor:
             answers = await _all([self._infer(family, m, matrix, deadline) for m in family.members])
             logits, scored = zip(*(_stack(rows) for rows in answers))
             probabilities = np.stack([m.calibrator.probabilities(z) for m, z in zip(family.members, logits)])
-            primary_margins = family.members[0].calibrator.margins(logits[0])
+            # margins only feed the shadow comparison
+            primary_margins = family.members[0].calibrator.margins(logits[0]) if family.shadow else None
         except ServiceError as exc:
             for it in chunk:
                 it.error = exc
@@ -296,7 +297,7 @@ class Predictor:
                 # an explanation needs every occluded row scored; otherwise decide without one
                 complete = n == 1 or all(mask[offset:offset + n].all() for mask in scored)
                 it.probabilities = probabilities[:, offset:offset + (n if complete else 1)]
-                it.primary_margin = float(primary_margins[offset])
+                it.primary_margin = 0.0 if primary_margins is None else float(primary_margins[offset])
                 it.model_version = "+".join(r.model_version for r in own)
             offset += n
 
@@ -367,7 +368,8 @@ class Predictor:
     def _start_shadows(self, items: list[_Item]) -> None:
         by_family: dict[str, list[ServedRow]] = {}
         for it in items:
-            by_family.setdefault(it.family.name, []).append(ServedRow(it.row.vector, it.primary_margin, it.decision))
+            if it.family.shadow is not None:
+                by_family.setdefault(it.family.name, []).append(ServedRow(it.row.vector, it.primary_margin, it.decision))
         for name, rows in by_family.items():
             self.shadows.start(self.families[name], rows)
 

@@ -39,9 +39,10 @@ class PredictionSettings(BaseSettings):
     """Model family → versions whose mean calibrated probability decides (JSON); absent = the latest alone."""
     shadows: dict[str, str] = {}
     """Model family → a version also scored for every decision, compared in metrics, never served (JSON)."""
-    inference_max_batch_rows: int = 128
-    """Most rows per Infer call; keep at most InferenceService's max_batch_size (default 128)."""
-    coalesce_max_delay_ms: float = 2.0
+    inference_max_batch_rows: int = 1024
+    """Most rows per Infer call; InferenceService runs a call above its max_batch_size as several
+    batches (up to its max_request_rows, default 8192), so this may exceed it."""
+    coalesce_max_delay_ms: float = 5.0
     """Longest a request's rows wait, while an Infer call of the same model version is in flight, to share the next call with other requests' rows, in milliseconds."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""

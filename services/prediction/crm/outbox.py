@@ -140,6 +140,11 @@ class Outbox:
         self._pending.extend(zip(decisions, futures))
         if self._writer is None or self._writer.done():
             self._writer = loop.create_task(self._write_pending())
+        if len(futures) == 1:  # a single Predict: no gathering future
+            try:
+                return [await futures[0]]
+            except OutboxUnavailable as exc:
+                return [exc]
         return await asyncio.gather(*futures, return_exceptions=True)
 
     async def find(self, request_id: str) -> StoredDecision | None:
