@@ -55,7 +55,7 @@ SHADOW_LOGIT_DIFFERENCE = Histogram(
 SHADOW_DECISIONS = Counter("prediction_shadow_decisions_total",
                            "Shadow decisions compared with the served ones, by agreement (agree or disagree).",
                            ["model", "primary_version", "shadow_version", "agreement"])
-SHADOW_FAILURES = Counter("prediction_shadow_failures_total", "Shadow calls that failed or were skipped (never affects the served decision).",
+SHADOW_FAILURES = Counter("prediction_shadow_failures_total", "Rows whose shadow comparison failed or was skipped (never affects the served decision).",
                           ["model", "shadow_version", "cause"])
 
 # Cache, single-flight and degraded service (cache.py, resilience.py).

@@ -4,8 +4,8 @@ For every decided row the shadow version's logits are compared with the served (
 version's: ``|margin_shadow - margin_primary|`` in logits, and whether the shadow's own
 calibrated probability falls in the same decision band as the served decision. Both land in
 ``prediction_shadow_*`` metrics, the evidence a canary promotion needs. Calls run in the
-background after the response, bounded in number; a failing or busy shadow is counted and
-never affects a served decision.
+background after the response, many decisions' rows per call, with a bounded queue; a failing
+or busy shadow is counted per row and never affects a served decision.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mlpair.prediction.families import ModelFamily, ModelVersion
 
 logger = logging.getLogger(__name__)
 
-MAX_IN_FLIGHT = 64  # background comparisons; beyond this a comparison is skipped and counted
+MAX_PENDING_ROWS = 10_000  # rows waiting for a shadow call; beyond this a row is skipped and counted
 
 Infer = Callable[[ModelFamily, ModelVersion, np.ndarray], Awaitable[tuple[np.ndarray, str]]]
 
@@ -38,7 +38,13 @@ class ServedRow:
 
 
 class ShadowComparison:
-    """Runs and records shadow comparisons in the background."""
+    """Runs and records shadow comparisons in the background.
+
+    Served rows queue per family (at most ``MAX_PENDING_ROWS`` in all) and one background task
+    per family sends them to the shadow version in calls of up to ``max_rows`` rows: under load
+    the comparisons of many concurrent decisions share one Infer call instead of one each, and a
+    burst is never dropped for want of a free task — only past the row bound.
+    """
 
     def __init__(self, infer: Infer, max_rows: int) -> None:
         """Args:
@@ -47,40 +53,54 @@ class ShadowComparison:
         """
         self._infer = infer
         self._max_rows = max_rows
-        self._tasks: set[asyncio.Task] = set()
+        self._pending: dict[str, list[ServedRow]] = {}
+        self._pending_rows = 0
+        self._workers: dict[str, asyncio.Task] = {}
 
     def start(self, family: ModelFamily, rows: list[ServedRow]) -> None:
-        """Compares ``rows`` against ``family.shadow`` in the background (no-op without a shadow)."""
+        """Queues ``rows`` for comparison against ``family.shadow`` (no-op without a shadow)."""
         if family.shadow is None or not rows:
             return
-        if len(self._tasks) >= MAX_IN_FLIGHT:
-            metrics.SHADOW_FAILURES.labels(family.name, family.shadow.version, "skipped_busy").inc()
-            return
-        task = asyncio.create_task(self._compare(family, rows))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        room = max(0, MAX_PENDING_ROWS - self._pending_rows)
+        if len(rows) > room:
+            metrics.SHADOW_FAILURES.labels(family.name, family.shadow.version, "skipped_busy").inc(len(rows) - room)
+            rows = rows[:room]
+            if not rows:
+                return
+        self._pending.setdefault(family.name, []).extend(rows)
+        self._pending_rows += len(rows)
+        if family.name not in self._workers:
+            task = asyncio.create_task(self._work(family))
+            self._workers[family.name] = task
 
     async def drain(self) -> None:
-        """Waits for the comparisons still running."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Waits until every queued comparison has been made (or has failed and been counted)."""
+        while self._workers:
+            await asyncio.gather(*self._workers.values(), return_exceptions=True)
 
-    async def _compare(self, family: ModelFamily, rows: list[ServedRow]) -> None:
+    async def _work(self, family: ModelFamily) -> None:
+        try:
+            while queue := self._pending.get(family.name):
+                chunk, self._pending[family.name] = queue[:self._max_rows], queue[self._max_rows:]
+                self._pending_rows -= len(chunk)
+                await self._compare(family, chunk)
+        finally:
+            del self._workers[family.name]
+
+    async def _compare(self, family: ModelFamily, chunk: list[ServedRow]) -> None:
         shadow = family.shadow
         primary_version = family.members[0].version
-        for start in range(0, len(rows), self._max_rows):
-            chunk = rows[start:start + self._max_rows]
-            try:
-                logits, served = await self._infer(family, shadow, np.stack([r.vector for r in chunk]))
-                margins = shadow.calibrator.margins(logits)
-                probabilities = shadow.calibrator.probabilities(logits)
-            except Exception as exc:  # noqa: BLE001  (the shadow never affects serving)
-                cause = exc.reason if isinstance(exc, ServiceError) else "unexpected"
-                logger.warning("shadow version %s of %s failed: %s", shadow.version, family.name, cause)
-                metrics.SHADOW_FAILURES.labels(family.name, shadow.version, cause).inc()
-                continue
-            for row, margin, p in zip(chunk, margins, probabilities):
-                metrics.SHADOW_LOGIT_DIFFERENCE.labels(family.name, primary_version, served).observe(
-                    abs(float(margin) - row.primary_margin))
-                agreement = "agree" if family.policy.band(float(p)).decision == row.decision else "disagree"
-                metrics.SHADOW_DECISIONS.labels(family.name, primary_version, served, agreement).inc()
+        try:
+            logits, served = await self._infer(family, shadow, np.stack([r.vector for r in chunk]))
+            margins = shadow.calibrator.margins(logits)
+            probabilities = shadow.calibrator.probabilities(logits)
+        except Exception as exc:  # noqa: BLE001  (the shadow never affects serving)
+            cause = exc.reason if isinstance(exc, ServiceError) else "unexpected"
+            logger.warning("shadow version %s of %s failed: %s", shadow.version, family.name, cause)
+            metrics.SHADOW_FAILURES.labels(family.name, shadow.version, cause).inc(len(chunk))
+            return
+        for row, margin, p in zip(chunk, margins, probabilities):
+            metrics.SHADOW_LOGIT_DIFFERENCE.labels(family.name, primary_version, served).observe(
+                abs(float(margin) - row.primary_margin))
+            agreement = "agree" if family.policy.band(float(p)).decision == row.decision else "disagree"
+            metrics.SHADOW_DECISIONS.labels(family.name, primary_version, served, agreement).inc()
