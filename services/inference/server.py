@@ -37,7 +37,7 @@ from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import set_process_model_version
 from mlpair.observability.interceptors import server_interceptors
-from mlpair.rpc import bind_port, guard_servicer, message_size_options, server_credentials
+from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,10 @@ class InferenceServer:
                                       options=message_size_options(settings.max_message_bytes))
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
-        pb_grpc.add_InferenceServiceServicer_to_server(own_api, self.server)
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(open_inference, self.server)
+        # add_servicer: bytes that are not a valid request message are refused INVALID_ARGUMENT
+        # (MALFORMED_REQUEST), not UNKNOWN with the parser's exception text
+        add_servicer(pb_grpc.add_InferenceServiceServicer_to_server, own_api, self.server)
+        add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, open_inference, self.server)
         self.health.add_to(self.server)
         tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
         self.port = bind_port(self.server, f"{settings.host}:{settings.port}", tls)

@@ -289,3 +289,31 @@ def test_valid_requests_in_any_row_count_match_the_model(server, credit_entry, h
             np.testing.assert_allclose(got, session.run(None, {"features": x})[0], atol=1e-5)
 
     check()
+
+
+def test_bytes_that_are_not_a_message_are_invalid_argument(server, credit_entry):
+    """Raw request bytes, both protocols: a valid message of some shape or INVALID_ARGUMENT with
+    reason MALFORMED_REQUEST — never UNKNOWN with the protobuf parser's text."""
+    from mlpair.rpc import error_info
+
+    channel = server[1]
+    methods = ["/mlpair.inference.v1.InferenceService/Infer", "/inference.GRPCInferenceService/ModelInfer",
+               "/inference.GRPCInferenceService/ModelMetadata"]
+    refused = 0
+
+    @FUZZ
+    @given(raw=st.one_of(st.binary(max_size=2048), st.sampled_from([b"\xff", b"\x0a\x05ab", b"\x08\x80"])))
+    def check(raw):
+        nonlocal refused
+        for method in methods:
+            try:
+                channel.unary_unary(method)(raw, timeout=10)  # raw bytes out and in
+            except grpc.RpcError as exc:
+                assert exc.code() in CLIENT_ERRORS, f"{method}: {exc.code().name}: {exc.details()}"
+                if exc.code() is grpc.StatusCode.INVALID_ARGUMENT and error_info(exc).reason == "MALFORMED_REQUEST":
+                    assert "Error parsing" not in exc.details() and "DecodeError" not in exc.details()
+                    refused += 1
+
+    check()
+    _assert_still_serving(server, credit_entry)
+    assert refused > 0  # the sampled cases are truncated messages: each is refused as malformed
