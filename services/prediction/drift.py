@@ -35,6 +35,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
+# at import, not on first use: importing scipy.stats takes ~0.5 s holding the GIL, which would
+# stall the serving event loop at the first drift report under load
+from scipy.stats import chi2_contingency, kstwo
 
 from mlpair.contracts.manifest import SCORE_BASELINE, ModelEntry
 from mlpair.prediction import metrics
@@ -109,8 +112,6 @@ def ks_against_quantiles(sample: np.ndarray, quantiles: np.ndarray, reference_ro
     D is evaluated at every sample point and knot, from both sides, so it is exact for that CDF.
     Sample values are rounded to the baseline's 6 decimals first, so shared atoms coincide.
     """
-    from scipy.stats import kstwo
-
     x = np.sort(np.asarray(sample, dtype=np.float64).round(BASELINE_DECIMALS))
     q = np.asarray(quantiles, dtype=np.float64)
     n, k = len(x), len(q)
@@ -143,8 +144,6 @@ def chi2_against_frequencies(counts: np.ndarray, frequencies: np.ndarray,
     Returns:
         (chi-square statistic, p-value, total variation distance in [0, 1]).
     """
-    from scipy.stats import chi2_contingency
-
     observed = np.asarray(counts, dtype=np.float64)
     reference = np.asarray(frequencies, dtype=np.float64) * reference_rows
     n = observed.sum()
