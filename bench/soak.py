@@ -38,6 +38,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -400,15 +401,16 @@ class Soak:
             predicts, batches = Outcomes(), Outcomes()
             await self.terminate_under_load(result, "prediction", p.prediction, [
                 (PREDICT, self.predicts(prefix, int(1500 * self.timing.before_fault_s)), classify, 48, predicts, ()),
-                (BATCH_PREDICT, self.batches(f"{prefix}-batch", 40, 500), classify_batch, 4, batches, ())])
+                (BATCH_PREDICT, self.batches(f"{prefix}-batch", 100, 500), classify_batch, 4, batches, ())])
             acknowledged.update(self.decisions(predicts))
             for items in batches.acknowledged.values():
                 acknowledged.update({k: v[0] for k, v in items.items()})
             # InferenceService: Infer calls of 8,192 rows (its max_request_rows; two fill its queue
-            # bound exactly), each long enough to be in flight when SIGTERM arrives
-            large, metadata = infer_payloads(self.entry, 500, rows=8192)
+            # bound exactly), 16 distinct payloads sent over and over until the signal itself: one
+            # takes only a few ms here, so any pause before SIGTERM would let every call finish
+            large, metadata = infer_payloads(self.entry, 16, rows=8192)
             await self.terminate_under_load(result, "inference", p.inference, [
-                (INFER, large, check_infer, 2, Outcomes(), metadata)])
+                (INFER, Repeated(large, 20_000), check_infer, 2, Outcomes(), metadata)], prestop_s=0.0)
         finally:
             p.kill()  # only if something above failed before the SIGTERMs: both are normally gone
         # decisions the drain could not deliver in time wait in the outbox: a restart delivers them
@@ -423,10 +425,12 @@ class Soak:
                 await asyncio.to_thread(p.stop)
         return result
 
-    async def terminate_under_load(self, result: Result, name: str, service: harness.Service, loads: list) -> None:
+    async def terminate_under_load(self, result: Result, name: str, service: harness.Service, loads: list,
+                                   prestop_s: float = PRESTOP_S) -> None:
         """Sends SIGTERM to ``service`` while ``loads`` (method, payloads, check, concurrency,
         outcomes, metadata) keep calls in flight; checks that every call sent before the signal
-        succeeds and that the process exits by itself with 0."""
+        succeeds and that the process exits by itself with 0. New calls stop ``prestop_s``
+        before the signal."""
         freeze = asyncio.Event()
         marks: dict[str, float] = {}
         seconds = self.timing.before_fault_s + 60
@@ -434,7 +438,7 @@ class Soak:
         async def signal_later() -> None:
             await asyncio.sleep(self.timing.before_fault_s)
             freeze.set()  # no new call from here on: the load balancer has moved on (the preStop pause)
-            await asyncio.sleep(PRESTOP_S)
+            await asyncio.sleep(prestop_s)
             marks["sigterm"] = time.monotonic()
             service.process.send_signal(signal.SIGTERM)
 
@@ -584,6 +588,21 @@ def gauge(metrics_port: int, name: str) -> float:
                 if sample.name == name:
                     return sample.value
     return 0.0
+
+
+class Repeated(Sequence):
+    """``n`` calls cycling through ``payloads`` (key, request), each with its own key."""
+
+    def __init__(self, payloads: Sequence[tuple[str, bytes]], n: int) -> None:
+        self.payloads, self.n = payloads, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[str, bytes]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return str(index), self.payloads[index % len(self.payloads)][1]
 
 
 def infer_payloads(entry, n: int, rows: int = 1):
