@@ -67,7 +67,8 @@ bench-inference: $(STAMP)
 	$(PY) bench/inference.py --model-repository $(MODEL_REPOSITORY)
 
 # Benchmark (not a test): PredictionService end to end (Predict, BatchPredict; CRM write on, cache
-# misses) and the added latency of the prediction hop over a direct Infer call; JSON lines + a table.
+# misses) and the added latency of the prediction hop over a direct Infer call, beside a do-nothing
+# PredictionService (bench/null_prediction.py, the floor of a Python gRPC hop); JSON lines + a table.
 bench-predict: $(STAMP)
 	$(PY) bench/predict_load.py --model-repository $(MODEL_REPOSITORY)
 

@@ -68,6 +68,21 @@ class Outcomes:
         return sum(1 for key, t0 in self.started.items() if t0 < moment < self.finished.get(key, float("inf")))
 
 
+class Repeated(Sequence):
+    """``n`` calls cycling through ``payloads`` (key, request), each with its own key."""
+
+    def __init__(self, payloads: Sequence[tuple[str, bytes]], n: int) -> None:
+        self.payloads, self.n = payloads, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[str, bytes]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return str(index), self.payloads[index % len(self.payloads)][1]
+
+
 class BadReply(Exception):
     """``check`` found a reply that is not what the call should return."""
 

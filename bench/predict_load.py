@@ -14,7 +14,9 @@ an fsync per group commit). One load generator (:mod:`bench.load`) drives, in th
    ``--concurrency``: the two hops end to end;
 3. ``BatchPredict`` — ``--batch-items`` applicants per call (distinct rows again);
 4. optionally ``Predict`` again after restarting PredictionService with the outbox at
-   ``synchronous=NORMAL`` (survives a process crash, not an OS crash), for comparison only.
+   ``synchronous=NORMAL`` (survives a process crash, not an OS crash), for comparison only;
+5. ``null Predict`` and ``null BatchPredict`` — the same calls against ``bench/null_prediction.py``,
+   a do-nothing PredictionService: the floor a Python gRPC prediction hop cannot beat here.
 
 Each reply is parsed: a decision with a probability in [0, 1], not a fallback, not from the
 cache. One JSON line per phase on stdout, then a table and the targets of issue 8
@@ -27,18 +29,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import pair as harness  # noqa: E402
-from bench.load import BadReply, drive  # noqa: E402
+from bench.load import BadReply, Repeated, drive  # noqa: E402
 
 PREDICT = "/mlpair.prediction.v1.PredictionService/Predict"
 BATCH_PREDICT = "/mlpair.prediction.v1.PredictionService/BatchPredict"
@@ -161,7 +166,9 @@ def run(args) -> int:
     with harness.scratch_postgres() as pg_url:
         crm = pg_url or None
         emit({"phase": "crm", "crm": "postgresql (throw-away database on 127.0.0.1)" if pg_url else "sqlite file"})
-        for synchronous in (["FULL", "NORMAL"] if args.with_normal else ["FULL"]):
+        real = {"infer", "predict", "batch"} & set(args.phases)
+        outboxes = (["FULL", "NORMAL"] if args.with_normal else ["FULL"]) if real else []
+        for synchronous in outboxes:
             metrics_port = harness.free_port()
             p = harness.pair(workdir / synchronous.lower(), root, crm_url=crm,
                              prediction_env={"PREDICTION_OUTBOX_SYNCHRONOUS": synchronous,
@@ -208,7 +215,45 @@ def run(args) -> int:
             emit({"phase": "stopped", "outbox_synchronous": synchronous,
                   "exit_codes": {"prediction": p.prediction.process.returncode,
                                  "inference": p.inference.process.returncode}})
+    if "null" in args.phases:
+        null_check = PredictCheck()
+        with null_prediction(workdir) as null:
+            cpu = {"prediction": null.cpu_seconds}
+            phases = [("null Predict", c, PREDICT, null_check.predict, 1) for c in [1, *args.concurrency]]
+            phases.append(("null BatchPredict", args.batch_concurrency, BATCH_PREDICT, null_check.batch,
+                           args.batch_items))
+            # distinct requests do not matter to a server that does nothing: a few, sent over and over
+            predicts = predict_payloads(itertools.islice(workload, 2000), pb, to_attributes)
+            batches = batch_payloads(itertools.islice(workload, 8 * args.batch_items), args.batch_items, pb,
+                                     to_attributes)
+            for name, concurrency, method, check, rows in phases:
+                payloads = Repeated(predicts if method == PREDICT else batches, args.max_calls)
+                figures = asyncio.run(drive(
+                    null.address, method, payloads, check=check, concurrency=concurrency,
+                    duration_s=args.duration_s if concurrency > 1 else args.c1_seconds,
+                    warmup_s=args.warmup_s if concurrency > 1 else 1.0, rows_per_call=rows, cpu_of=cpu))
+                line = {"phase": name, "outbox_synchronous": None, "concurrency": concurrency, "rows_per_call": rows,
+                        **figures}
+                emit(line)
+                results.append(line)
     return summarise(results, args.concurrency)
+
+
+@contextlib.contextmanager
+def null_prediction(workdir: Path) -> Iterator[harness.Service]:
+    """``bench/null_prediction.py`` (a do-nothing PredictionService) as a process on a free
+    loopback port, SERVING; stopped by PID on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    service = harness.Service("null-prediction", {}, harness.free_port(), workdir / "null-prediction.log")
+    with open(service.log_path, "a") as log:
+        service.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("null_prediction.py")), "--port", str(service.port)],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        service.wait_serving(30.0)
+        yield service
+    finally:
+        service.terminate(10.0)
 
 
 def summarise(results: list[dict], levels: list[int]) -> int:
@@ -252,6 +297,14 @@ def summarise(results: list[dict], levels: list[int]) -> int:
     if batch := next((r for r in results if r["phase"] == "BatchPredict"), None):
         summary["batch_rows_per_s"] = batch["rows_per_s"]
         summary["batch_target_met"] = batch["rows_per_s"] >= TARGET_BATCH_ROWS_PER_S
+    # the real service as a share of the do-nothing one (bench/null_prediction.py): 1.0 = the floor
+    for conc in levels:
+        predict, null = find("Predict", conc), find("null Predict", conc)
+        if predict and null and null["calls_per_s"]:
+            summary[f"predict_share_of_null_c{conc}"] = round(predict["calls_per_s"] / null["calls_per_s"], 2)
+    null_batch = next((r for r in results if r["phase"] == "null BatchPredict"), None)
+    if batch and null_batch and null_batch["rows_per_s"]:
+        summary["batch_share_of_null"] = round(batch["rows_per_s"] / null_batch["rows_per_s"], 2)
     summary["targets"] = {"predict_per_s": TARGET_PREDICT_PER_S, "predict_p99_ms": TARGET_PREDICT_P99_MS,
                           "batch_rows_per_s": TARGET_BATCH_ROWS_PER_S}
     summary["errors"] = sum(r["errors"] for r in results)
@@ -277,8 +330,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--with-normal", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure Predict with the outbox at synchronous=NORMAL")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
-    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch"], choices=["infer", "predict", "batch"],
-                        help="which phases to run (all by default)")
+    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch", "null"],
+                        choices=["infer", "predict", "batch", "null"],
+                        help="which phases to run (all by default); null = Predict and BatchPredict against "
+                             "bench/null_prediction.py, a do-nothing PredictionService")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 2 or args.duration_s <= 0 or args.warmup_s + args.duration_s > 300:
         parser.error("need concurrency >= 2 (1 always runs) and 0 < duration-s, warmup-s + duration-s <= 300")

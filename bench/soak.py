@@ -38,7 +38,6 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import pair as harness  # noqa: E402
-from bench.load import BadReply, Outcomes, drive  # noqa: E402
+from bench.load import BadReply, Outcomes, Repeated, drive  # noqa: E402
 
 PREDICT = "/mlpair.prediction.v1.PredictionService/Predict"
 BATCH_PREDICT = "/mlpair.prediction.v1.PredictionService/BatchPredict"
@@ -588,21 +587,6 @@ def gauge(metrics_port: int, name: str) -> float:
                 if sample.name == name:
                     return sample.value
     return 0.0
-
-
-class Repeated(Sequence):
-    """``n`` calls cycling through ``payloads`` (key, request), each with its own key."""
-
-    def __init__(self, payloads: Sequence[tuple[str, bytes]], n: int) -> None:
-        self.payloads, self.n = payloads, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> tuple[str, bytes]:
-        if not 0 <= index < self.n:
-            raise IndexError(index)
-        return str(index), self.payloads[index % len(self.payloads)][1]
 
 
 def infer_payloads(entry, n: int, rows: int = 1):
