@@ -15,7 +15,7 @@ Configured once, in ``main()``, by :func:`configure_logging`; code elsewhere onl
 
 plus whatever the call passes as ``extra={...}``. Lines of an Infer call also carry
 ``inference_id`` and ``batch_id``; the one DEBUG line per Infer call (emitted by
-:class:`mlpair.observability.interceptors.RequestContextInterceptor`) adds the
+:func:`mlpair.observability.calls.observe_servicer`) adds the
 ``input_fingerprint`` (a BLAKE2b hash, never the values) and ``timings_ms`` per stage. The
 one line per decision (:func:`log_decision`) carries ``decision``, ``reason_codes`` and
 ``from_cache``.

@@ -1,7 +1,7 @@
 """OpenTelemetry tracing for both services: provider, exporter choice, gRPC and CRM spans.
 
 One trace follows a decision across the pair: the PredictionService server span (from
-OpenTelemetry's gRPC instrumentation) → the client span of its ``Infer`` call, which injects
+mlpair.observability.calls) → the client span of its ``Infer`` call, which injects
 W3C ``traceparent`` metadata → the InferenceService server span → back in PredictionService,
 one span per CRM statement (``crm INSERT`` …) under the same Predict span.
 

@@ -36,7 +36,7 @@ from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import set_process_model_version
-from mlpair.observability.interceptors import server_interceptors
+from mlpair.observability.calls import observe_servicer
 from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -58,13 +58,15 @@ class InferenceServer:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
         self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
-        # Errors map to statuses through mlpair.rpc's guard (the interceptor's mapping, minus its per-call cost).
-        # Tracing and per-call log context (settings.tracing); tracer_provider None = the global one.
-        observability = server_interceptors("inference", tracer_provider, log_calls=True) if settings.tracing else None
-        self.server = grpc.aio.server(interceptors=observability,
-                                      options=message_size_options(settings.max_message_bytes))
+        # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
+        # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
+        # by wrappers of the servicers' methods; tracer_provider None = the global one.
+        self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
+        if settings.tracing:
+            observe_servicer(own_api, SERVICE_NAME, "inference", tracer_provider, log_calls=True)
+            observe_servicer(open_inference, OIP_SERVICE_NAME, "inference", tracer_provider, log_calls=True)
         # add_servicer: bytes that are not a valid request message are refused INVALID_ARGUMENT
         # (MALFORMED_REQUEST), not UNKNOWN with the parser's exception text
         add_servicer(pb_grpc.add_InferenceServiceServicer_to_server, own_api, self.server)

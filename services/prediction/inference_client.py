@@ -17,12 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from mlpair.observability.calls import CallTracer
 from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceTimeout, InferenceUnavailable
 from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
 FEATURE_VERSION_KEY = "x-feature-version"
+SERVICE = "mlpair.inference.v1.InferenceService"
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
 # Only UNAVAILABLE is safe and useful to retry: the call did not reach a model (gRPC's own
 # guidance); RESOURCE_EXHAUSTED means the server is shedding load and a retry would add to it.
@@ -40,17 +42,19 @@ class InferenceClient:
         reconnect_backoff_max_ms: longest wait between reconnection attempts after the server
             went away (gRPC's default of 120 s would delay recovery by minutes).
         credentials: TLS to InferenceService when given, else plaintext.
-        interceptors: e.g. :func:`mlpair.observability.interceptors.client_interceptors` (trace context).
+        tracer: opens each call's CLIENT span and adds its trace context and the request id to the
+            metadata (:class:`mlpair.observability.calls.CallTracer`); None = no tracing.
     """
 
     def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
                  reconnect_backoff_max_ms: int = 1000, credentials: grpc.ChannelCredentials | None = None,
-                 interceptors=None) -> None:
+                 tracer: CallTracer | None = None) -> None:
         options = [*message_size_options(max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms)]
-        self._channel = open_channel(target, options, credentials, interceptors)
+        self._channel = open_channel(target, options, credentials)
+        self._tracer = tracer
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout_s = timeout_ms / 1000.0
@@ -97,7 +101,10 @@ class InferenceClient:
 
     async def _call(self, method, request, metadata, timeout: float):
         try:
-            return await method(request, timeout=timeout, metadata=metadata)
+            if self._tracer is None:
+                return await method(request, timeout=timeout, metadata=metadata)
+            with self._tracer.call(SERVICE, "Infer", metadata) as traced:
+                return await method(request, timeout=timeout, metadata=traced)
         except grpc.RpcError as exc:
             code = exc.code()
             info = error_info(exc)

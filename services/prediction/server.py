@@ -14,7 +14,7 @@ import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.logs import add_personal_fields, set_process_model_version
-from mlpair.observability.interceptors import client_interceptors, server_interceptors
+from mlpair.observability.calls import CallTracer, observe_servicer
 from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.drift import DriftMonitors, drift_config
@@ -51,7 +51,7 @@ def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> Cache
     client = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
                              max_message_bytes=settings.max_message_bytes,
                              reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms, credentials=tls,
-                             interceptors=client_interceptors(tracer_provider) if settings.tracing else None)
+                             tracer=CallTracer(tracer_provider) if settings.tracing else None)
     caller = ResilientCaller(
         CircuitBreaker("inference", failure_threshold=settings.breaker_failure_threshold,
                        open_s=settings.breaker_open_ms / 1000, half_open_probes=settings.breaker_half_open_probes),
@@ -106,12 +106,13 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
 def create_server(settings: PredictionSettings, predictor: Predictor, *,
                   tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health and binds its port (0 = free port)."""
-    observability = server_interceptors("prediction", tracer_provider) if settings.tracing else None
-    server = grpc.aio.server(interceptors=observability, options=message_size_options(settings.max_message_bytes))
-    # the interceptor's mapping applied to the servicer's methods: grpc.aio runs an interceptor
-    # in Python on every call, a cost the request path does not need (see guard_servicer)
-    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, guard_servicer(PredictionServicer(predictor), DOMAIN),
-                 server)
+    # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
+    # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
+    server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
+    servicer = guard_servicer(PredictionServicer(predictor), DOMAIN)
+    if settings.tracing:
+        observe_servicer(servicer, SERVICE_NAME, "prediction", tracer_provider)
+    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, servicer, server)
     health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
     tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)

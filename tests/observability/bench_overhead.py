@@ -9,8 +9,8 @@ before/after so a shared machine's noise hits both alike; the median round is re
     .venv/bin/python tests/observability/bench_overhead.py [--base 7fdd9b4] [--requests 400]
     .venv/bin/python tests/observability/bench_overhead.py --components
 
-``--components`` instead prices each interceptor on one in-process gRPC hop with a trivial
-echo handler: client plus server CPU per call, the minimum over alternating blocks (the
+``--components`` instead prices each piece of per-call instrumentation (OpenTelemetry's gRPC
+interceptors, :mod:`mlpair.observability.calls`) on one in-process gRPC hop with a trivial echo handler: client plus server CPU per call, the minimum over alternating blocks (the
 minimum is what a busy machine disturbs least).
 
 Prints one JSON line per variant and round (client p50/p99, throughput, and the servers' CPU
@@ -158,44 +158,57 @@ async def drive(port: int, records: list[dict], ids: list[str], tag: str, concur
 
 
 async def components(blocks: int = 25, calls: int = 200) -> dict[str, float]:
-    """CPU microseconds per echo call (client + server, one process) with each interceptor alone."""
+    """CPU microseconds per echo call (client + server, one process) with each piece alone:
+    OpenTelemetry's gRPC interceptors (what the services used before) and the in-handler
+    instrumentation of :mod:`mlpair.observability.calls` (what they use now)."""
     import grpc
     from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 
-    from mlpair.observability import interceptors as oi
+    from mlpair import logs
+    from mlpair.observability.calls import CallTracer, observe_servicer
     from mlpair.observability.tracing import build_tracer_provider
 
     provider = build_tracer_provider("mlpair-bench")  # production default: no exporter
+
+    class Echo:
+        async def Call(self, request, context):  # noqa: N802  (gRPC method name)
+            return request
+
+    # name: (server interceptors, client interceptors, wrap the servicer, trace the client call)
     variants = {
-        "none": ([], None),
-        "server: OpenTelemetry": ([aio_server_interceptor(tracer_provider=provider)], None),
-        "server: RequestContext (log context + Infer line check)": ([oi.RequestContextInterceptor("inference", log_calls=True)], None),
-        "client: OpenTelemetry": ([], [aio_client_interceptors(tracer_provider=provider)[0]]),
-        "client: x-request-id": ([], [oi.RequestIdClientInterceptor()]),
-        "all of the above": (oi.server_interceptors("inference", provider, log_calls=True), oi.client_interceptors(provider)),
+        "none": ([], None, False, False),
+        "server: OpenTelemetry interceptor": ([aio_server_interceptor(tracer_provider=provider)], None, False, False),
+        "client: OpenTelemetry interceptor": ([], [aio_client_interceptors(tracer_provider=provider)[0]], False, False),
+        "server: observe_servicer (span, log context, Infer line check)": ([], None, True, False),
+        "client: CallTracer (span, traceparent, x-request-id)": ([], None, False, True),
+        "both of ours": ([], None, True, True),
     }
-
-    async def echo(request, context):
-        return request
-
+    tracer = CallTracer(provider)
     calls_by_variant, keep = {}, []
-    for name, (server_side, client_side) in variants.items():
+    for name, (server_side, client_side, wrap, traced) in variants.items():
         server = grpc.aio.server(interceptors=server_side)
+        echo = observe_servicer(Echo(), "bench.Echo", "inference", provider, log_calls=True) if wrap else Echo()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)}),))
+            "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo.Call)}),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=client_side)
         keep.append((server, channel))
-        calls_by_variant[name] = channel.unary_unary("/bench.Echo/Call")
+        calls_by_variant[name] = (channel.unary_unary("/bench.Echo/Call"), traced)
     best = dict.fromkeys(variants, float("inf"))
     payload = b"x" * 256
+    token = logs.begin_request(logs.RequestContext("prediction", request_id="bench-request-1"))
     for _ in range(blocks):
-        for name, call in calls_by_variant.items():
+        for name, (call, traced) in calls_by_variant.items():
             started = time.process_time()
             for _ in range(calls):
-                await call(payload)
+                if traced:
+                    with tracer.call("bench.Echo", "Call", ()) as metadata:
+                        await call(payload, metadata=metadata)
+                else:
+                    await call(payload)
             best[name] = min(best[name], (time.process_time() - started) / calls * 1e6)
+    logs.end_request(token)
     for server, channel in keep:
         await channel.close()
         await server.stop(0)
@@ -208,7 +221,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="Predict calls per round [default: 400]")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per variant, alternating [default: 3]")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="calls in flight [default: 1 16]")
-    parser.add_argument("--components", action="store_true", help="price each interceptor on one echo hop instead")
+    parser.add_argument("--components", action="store_true", help="price each piece of per-call instrumentation on one echo hop instead")
     args = parser.parse_args()
     if args.components:
         best = asyncio.run(components())

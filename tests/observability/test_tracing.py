@@ -102,3 +102,25 @@ def test_otlp_endpoint_setting_builds_an_exporting_provider():
         assert "TraceIdRatioBased{0.5}" in provider.sampler.get_description()
     finally:
         provider.shutdown()  # nothing was recorded, so nothing is sent
+
+
+async def test_server_spans_carry_rpc_attributes_and_a_refusal_is_not_a_server_fault(pair, credit_holdout):
+    import grpc
+    from opentelemetry.trace import StatusCode
+
+    pair.clear()
+    await pair.stub.Predict(predict_request("trace-3", credit_holdout.entity_ids[2], credit_holdout.records[2]))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await pair.stub.Predict(predict_request("", credit_holdout.entity_ids[3], credit_holdout.records[3]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ok, bad = [s for s in pair.spans() if s.name == PREDICT and s.kind == SpanKind.SERVER]
+    for span in (ok, bad):
+        assert span.attributes["rpc.system"] == "grpc"
+        assert span.attributes["rpc.service"] == "mlpair.prediction.v1.PredictionService"
+        assert span.attributes["rpc.method"] == "Predict"
+    assert ok.attributes["rpc.grpc.status_code"] == 0 and ok.status.status_code == StatusCode.UNSET
+    # a client's bad request is not the server's failure (OpenTelemetry's RPC conventions)
+    assert bad.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert bad.status.status_code == StatusCode.UNSET
+    infer_client = [s for s in pair.spans() if s.name == INFER and s.kind == SpanKind.CLIENT]
+    assert infer_client and infer_client[0].attributes["rpc.grpc.status_code"] == 0
