@@ -8,6 +8,7 @@ Readiness and per-dependency health are described in :mod:`mlpair.prediction.hea
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import grpc
@@ -153,9 +154,19 @@ async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Pre
     await predictor.recorder.close(drain_timeout_s=min(grace_s, SHUTDOWN_DELIVERY_S))
 
 
+def freeze_startup_heap() -> None:
+    """Moves every object alive now (modules, models, SQLAlchemy, gRPC: about 300,000 objects)
+    into the collector's permanent generation, so full collections scan only what requests
+    create. Measured (``bench/batch_cpu.py``): a full collection took about 170 ms of CPU and
+    one ran every ~10,000 decided rows, about 17 µs per row; frozen, about 5 ms. Startup
+    objects are never garbage, so nothing is kept that would have been freed."""
+    gc.freeze()
+
+
 async def serve(settings: PredictionSettings) -> None:
     """Runs until SIGTERM/SIGINT, then drains."""
     server, _, health, predictor = await start(settings)
+    freeze_startup_heap()
     await wait_for_termination_signal()
     await stop(server, health, predictor, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)
     logger.info("PredictionService stopped")
