@@ -80,11 +80,14 @@ def error_status(error: ServiceError) -> status_pb2.Status:
 
 
 def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.BatchPredictResponse:
-    return pb.BatchPredictResponse(results=[
-        pb.BatchPredictResult(error=error_status(o)) if isinstance(o, ServiceError)
-        else pb.BatchPredictResult(prediction=predict_response(o))
-        for o in outcomes
-    ])
+    response = pb.BatchPredictResponse()
+    results = response.results
+    for o in outcomes:  # added in place: a BatchPredictResult built first would be copied in again
+        if isinstance(o, ServiceError):
+            results.add(error=error_status(o))
+        else:
+            results.add(prediction=predict_response(o))
+    return response
 
 
 def to_attributes(record: dict[str, Any]) -> dict[str, pb.AttributeValue]:
