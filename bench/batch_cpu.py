@@ -166,7 +166,7 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
     return {"bench": "batch_cpu", "batch_items": args.batch_items, "concurrency": args.concurrency,
             "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
             "cpu_us_per_row_median": figures[len(figures) // 2], "cpu_us_per_row_min": figures[0],
-            "passes": passes, "infer_calls": fake.calls}
+            "passes": passes, "infer_calls": fake.calls, "outbox_overflows": predictor.recorder.outbox.overflows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,9 +137,6 @@ class Predictor:
         self.explain_top_k = explain_top_k
         self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
-        # per family, not per decision: "temperature", or "temperature+platt" for a mixed ensemble
-        self._calibration_methods = {name: "+".join(dict.fromkeys(m.calibrator.method for m in family.members))
-                                     for name, family in self.families.items()}
         for family in self.families.values():
             if len(family.schema.features) + 1 > max_inference_rows:
                 raise ConfigurationError(
@@ -332,7 +329,7 @@ class Predictor:
         else:
             probability, spread = float(it.probabilities[0, 0]), 0.0
         defaulted = {g.feature for g in it.row.guards if g.action in DEFAULTED_ACTIONS}
-        verdict = family.policy.decide(probability, spread, len(defaulted) / len(family.schema.features))
+        verdict = family.policy.decide(probability, spread, len(defaulted) / family.n_schema_features)
         self.drift.observe(family.name, it.row.vector, probability)
         if family.is_ensemble:
             metrics.ENSEMBLE_SPREAD.labels(family.name).observe(spread)
@@ -344,18 +341,18 @@ class Predictor:
             explanation = explain(family.schema, probability, occluded, self.explain_top_k)
             metrics.EXPLANATIONS.labels(family.name).inc()
         it.decision = verdict.decision
-        stale = (STALE_REASON,) if it.served.source is Source.STALE_CACHE else ()
+        served = it.served
+        stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
         stored = StoredDecision(
             decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
             entity_id=it.request.entity_id, decided_at=decided_at,
             model_name=family.name, model_version=it.model_version, feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=probability, decision=verdict.decision,
             reason_codes=(*verdict.reason_codes, *stale, *dict.fromkeys(g.reason_code for g in it.row.guards)),
-            served_from=it.served.source.value, cache_age_ms=it.served.age_ms,
-            degraded_reason=it.served.degraded_reason,
+            served_from=served.source.value, cache_age_ms=served.age_ms, degraded_reason=served.degraded_reason,
         )
-        return PredictionResult(stored, from_cache=it.served.source in (Source.CACHE, Source.STALE_CACHE), spread=spread,
-                                calibration_method=self._calibration_methods[family.name], explanation=explanation)
+        return PredictionResult(stored, from_cache=served.source in (Source.CACHE, Source.STALE_CACHE), spread=spread,
+                                calibration_method=family.calibration_method, explanation=explanation)
 
     @staticmethod
     def _fallback(it: _Item, decided_at: datetime) -> PredictionResult:
