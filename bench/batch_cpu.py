@@ -95,7 +95,7 @@ class _Context:
 async def measure(args, crm_url: str, workdir: Path) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.prediction.converters import to_attributes
-    from mlpair.prediction.server import build_predictor, freeze_startup_heap
+    from mlpair.prediction.server import build_predictor, tune_collector
     from mlpair.prediction.servicer import PredictionServicer
     from mlpair.prediction.settings import PredictionSettings
 
@@ -140,8 +140,8 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
         return rows
 
     gc_time = _GcTimer()
-    if not args.no_freeze:
-        freeze_startup_heap()  # as serve() does once the service is up (the payloads with it)
+    if not args.no_gc_tuning:
+        tune_collector()  # as serve() does once the service is up (the payloads with it)
     await drive(args.warmup_calls)
     passes = []
     for _ in range(args.repeats):
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-calls", type=int, default=8)
     parser.add_argument("--cache", default="memory", choices=["memory", "off"])
     parser.add_argument("--sqlite-crm", action="store_true", help="a SQLite CRM even when PostgreSQL is up")
-    parser.add_argument("--no-freeze", action="store_true", help="skip serve()'s gc.freeze() after start-up")
+    parser.add_argument("--no-gc-tuning", action="store_true", help="skip serve()'s tune_collector() after start-up")
     parser.add_argument("--profile", help="write a cProfile of one extra pass to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
