@@ -12,9 +12,11 @@ parsed back as gRPC would. ``--concurrency`` calls are in flight at a time.
 
 The figure is ``time.process_time()`` (every thread of the process: the event loop, the
 outbox thread, the relay's database driver) from the first measured call until the relay has
-delivered every decision to the CRM, divided by the rows decided: **CPU µs per row**. It is
-immune to other processes on a shared machine, unlike rows/s. ``--profile FILE`` writes a
-cProfile of the event loop thread for one extra pass.
+delivered every decision to the CRM, divided by the rows decided: **CPU µs per row**, with the
+garbage collector's share. Other processes on a shared machine move it much less than rows/s,
+but still by about ±10%: compare interleaved runs. The collector is tuned as ``serve()`` tunes
+it (``--no-gc-tuning`` to skip). ``--profile FILE`` writes a cProfile of the event loop thread
+for one extra pass.
 
     .venv/bin/python bench/batch_cpu.py --calls 40 --repeats 3
 """
@@ -95,7 +97,7 @@ class _Context:
 async def measure(args, crm_url: str, workdir: Path) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.prediction.converters import to_attributes
-    from mlpair.prediction.server import build_predictor, tune_collector
+    from mlpair.prediction import server
     from mlpair.prediction.servicer import PredictionServicer
     from mlpair.prediction.settings import PredictionSettings
 
@@ -105,7 +107,7 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
         model_repository=root, config_dir=harness.CONFIG_DIR, model_name=harness.MODEL, crm_url=crm_url,
         outbox_url=f"sqlite+aiosqlite:///{workdir / 'outbox.sqlite'}", outbox_synchronous="NORMAL",
         cache_backend=args.cache)
-    predictor = build_predictor(settings)
+    predictor = server.build_predictor(settings)
     fake = FakeInference(entry.preprocessing.n_features)
     predictor.scorer.client = predictor.scorer.coalescer.client = predictor.inference = fake
     await predictor.recorder.start()
@@ -141,7 +143,7 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
 
     gc_time = _GcTimer()
     if not args.no_gc_tuning:
-        tune_collector()  # as serve() does once the service is up (the payloads with it)
+        server.tune_collector()  # as serve() does once the service is up (the payloads with it)
     await drive(args.warmup_calls)
     passes = []
     for _ in range(args.repeats):
