@@ -21,7 +21,7 @@ import numpy as np
 
 from mlpair.contracts.conversion import (  # noqa: F401  (actions re-exported for callers)
     CLAMPED_MAX, CLAMPED_MIN, MISSING_DEFAULTED, SENTINEL_DEFAULTED, UNKNOWN_CATEGORY,
-    ConversionProblem, guard_number, to_category, to_number,
+    ConversionProblem, guard_number, missing_values, to_category, to_number,
 )
 from mlpair.contracts.schema import Preprocessing, reason_prefix
 
@@ -79,7 +79,7 @@ class FeatureAssembler:
             params = preprocessing.categorical[f.name]
             index = {v: offset + i for i, v in enumerate(params.vocabulary)}
             unknown = offset + len(params.vocabulary)
-            self._categorical.append((f, index, unknown, params.default))
+            self._categorical.append((f, index, unknown, params.default, missing_values(f)))
             slices[f.name] = slice(offset, unknown + 1)
             offset = unknown + 1
         self.feature_slices: dict[str, slice] = slices
@@ -100,7 +100,7 @@ class FeatureAssembler:
         Raises:
             ConversionError: naming every attribute whose value no conversion rule accepts.
         """
-        out = np.zeros(self.n_features, dtype=np.float32)
+        out = [0.0] * self.n_features  # Python floats, cast to float32 once at the end
         guards: list[GuardEvent] = []
         problems: dict[str, str] = {}
         for i, (feat, params, inv_std) in enumerate(self._numeric):
@@ -115,9 +115,9 @@ class FeatureAssembler:
             if feat.transform == "log1p":
                 x = math.log1p(x)
             out[i] = (x - params.mean) * inv_std
-        for feat, index, unknown, default in self._categorical:
+        for feat, index, unknown, default, missing in self._categorical:
             try:
-                value = to_category(attributes.get(feat.name), feat)
+                value = to_category(attributes.get(feat.name), feat, missing)
             except ConversionProblem as exc:
                 problems[feat.name] = str(exc)
                 continue
@@ -131,8 +131,10 @@ class FeatureAssembler:
             out[slot] = 1.0
         if problems:
             raise ConversionError(problems)
-        unknown_attrs = tuple(sorted(k for k in attributes if k not in self._known))
-        return AssembledRow(out, tuple(guards), unknown_attrs)
+        # most records carry only schema attributes: one set comparison instead of a scan
+        unknown_attrs = () if attributes.keys() <= self._known else tuple(
+            sorted(k for k in attributes if k not in self._known))
+        return AssembledRow(np.array(out, dtype=np.float32), tuple(guards), unknown_attrs)
 
     def assemble_many(self, rows: Sequence[Mapping[str, Any]]) -> np.ndarray:
         """Assembles raw records into ``[len(rows), n_features] float32`` (training's path).

@@ -54,9 +54,13 @@ def to_number(value: Any, feature: NumericFeature) -> float | None:
         ConversionProblem: the value's kind is refused by the rules, or a string is not a decimal,
             or an ``integer`` feature gets a fraction, or a ``boolean`` feature gets anything but 0/1.
     """
-    if is_missing(value):
+    if type(value) is float:  # the wire's number: the common case, decided here as the branches below would
+        if math.isnan(value):
+            return None
+        x = value
+    elif is_missing(value):
         return None
-    if isinstance(value, str):
+    elif isinstance(value, str):
         text = value.strip()
         if not text:
             return None
@@ -106,15 +110,20 @@ def guard_number(x: float | None, feature: NumericFeature, default: float) -> tu
     return x, None
 
 
-def to_category(value: Any, feature: CategoricalFeature) -> str | None:
+def to_category(value: Any, feature: CategoricalFeature, missing: frozenset[str] | None = None) -> str | None:
     """Converts and normalises a raw value by the feature's rules; None means missing.
+
+    Args:
+        missing: ``missing_values(feature)``, when the caller keeps it at hand (it is looked up otherwise).
 
     Raises:
         ConversionProblem: a number or boolean where the rules refuse one, or a fractional number.
     """
-    if is_missing(value):
+    if type(value) is str:  # the wire's string: the common case, no rule below applies to it
+        pass
+    elif is_missing(value):
         return None
-    if isinstance(value, (bool, np.bool_)):
+    elif isinstance(value, (bool, np.bool_)):
         if feature.booleans != "yes_no":
             raise ConversionProblem("expected a category string, got a boolean")
         value = "yes" if value else "no"
@@ -127,11 +136,12 @@ def to_category(value: Any, feature: CategoricalFeature) -> str | None:
     elif not isinstance(value, str):
         raise ConversionProblem(f"expected a category string, got {_kind(value)}")
     text = normalize_category(value, feature.normalize)
-    if not text.strip() or text in _missing_values(feature):
+    if not text.strip() or text in (missing_values(feature) if missing is None else missing):
         return None
     return text
 
 
 @functools.lru_cache(maxsize=256)
-def _missing_values(feature: CategoricalFeature) -> frozenset[str]:
+def missing_values(feature: CategoricalFeature) -> frozenset[str]:
+    """The feature's ``missing_values`` after its normalisation (what :func:`to_category` compares)."""
     return frozenset(normalize_category(v, feature.normalize) for v in feature.missing_values)

@@ -311,17 +311,20 @@ class CachedInference:
         results: dict[str, Scored] = {}
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
         leading: list[str] = []
+        hits = coalesced = 0
         for key in unique:
             entry = cached[key]
             if entry is not None and entry.age_s < self.fresh_ttl_s:
                 results[key] = Scored(entry.logits, entry.model_version, Source.CACHE, int(entry.age_s * 1000))
-                metrics.labelled(metrics.CACHE_REQUESTS, model_name, "hit").inc()
+                hits += 1
             elif (flight := self._flights.get(key)) is not None:
                 flights.setdefault(id(flight), (flight, [], False))[1].append(key)
-                metrics.labelled(metrics.CACHE_REQUESTS, model_name, "coalesced").inc()
+                coalesced += 1
             else:
                 leading.append(key)
-                metrics.labelled(metrics.CACHE_REQUESTS, model_name, "miss").inc()
+        for result, n in (("hit", hits), ("coalesced", coalesced), ("miss", len(leading))):
+            if n:  # counted once per call, not per row
+                metrics.labelled(metrics.CACHE_REQUESTS, model_name, result).inc(n)
         if leading:
             first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
             lead_rows = rows[[first_row[key] for key in leading]]

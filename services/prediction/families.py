@@ -8,6 +8,7 @@ optional shadow version. Nothing here is specific to one family.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,21 +58,32 @@ class ModelFamily:
     members: tuple[ModelVersion, ...]
     shadow: ModelVersion | None = None
 
-    @property
+    # Cached: read several times per decision, and the fields they derive from never change.
+    @functools.cached_property
     def name(self) -> str:
         return self.entry.manifest.model_name
 
-    @property
+    @functools.cached_property
     def schema(self) -> FeatureSchema:
         return self.entry.preprocessing.feature_schema
 
-    @property
+    @functools.cached_property
+    def n_schema_features(self) -> int:
+        """Features in the schema (not vector columns: a categorical feature is one)."""
+        return len(self.schema.features)
+
+    @functools.cached_property
     def feature_version(self) -> str:
         return self.entry.manifest.versions.feature_schema_version
 
-    @property
+    @functools.cached_property
     def is_ensemble(self) -> bool:
         return len(self.members) > 1
+
+    @functools.cached_property
+    def calibration_method(self) -> str:
+        """The members' calibration methods, e.g. ``temperature`` or ``temperature+platt``."""
+        return "+".join(dict.fromkeys(m.calibrator.method for m in self.members))
 
     @classmethod
     def load(cls, name: str, config_dir: Path, model_repository: Path, *,

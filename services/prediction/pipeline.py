@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -203,6 +204,7 @@ class Predictor:
                 outcomes[it.index] = _as_item_error(exc)
         recorded = await self._record([result.stored for _, result in decided]) if decided else []
         served = []
+        decisions: Counter[tuple[str, str]] = Counter()  # counted once per batch, not per item
         for (it, result), record in zip(decided, recorded):
             if isinstance(record, BaseException):
                 outcomes[it.index] = _as_item_error(record)
@@ -215,13 +217,18 @@ class Predictor:
                 outcomes[it.index] = result if stored is result.stored else dataclasses.replace(result, stored=stored)
                 if not it.fallback:
                     served.append(it)
-            metrics.labelled(metrics.DECISIONS, it.family.name, stored.decision).inc()
+            decisions[it.family.name, stored.decision] += 1
+        for labels, n in decisions.items():
+            metrics.labelled(metrics.DECISIONS, *labels).inc(n)
         self._start_shadows(served)
 
+        requests_by_outcome: Counter[tuple[str, str]] = Counter()
         for request, outcome in zip(requests, outcomes):
             name = request.model_name or self.default_model
             label = name if name in self.families else "unknown"  # clients must not mint label values
-            metrics.labelled(metrics.REQUESTS, label, outcome.code if isinstance(outcome, ServiceError) else "OK").inc()
+            requests_by_outcome[label, outcome.code if isinstance(outcome, ServiceError) else "OK"] += 1
+        for labels, n in requests_by_outcome.items():
+            metrics.labelled(metrics.REQUESTS, *labels).inc(n)
         return outcomes  # type: ignore[return-value]  # every slot is filled above
 
     def _prepare(self, index: int, request: PredictInput, seen: set[str]) -> _Item:
@@ -298,7 +305,7 @@ class Predictor:
                 complete = n == 1 or all(mask[offset:offset + n].all() for mask in scored)
                 it.probabilities = probabilities[:, offset:offset + (n if complete else 1)]
                 it.primary_margin = 0.0 if primary_margins is None else float(primary_margins[offset])
-                it.model_version = "+".join(r.model_version for r in own)
+                it.model_version = own[0].model_version if len(own) == 1 else "+".join(r.model_version for r in own)
             offset += n
 
     async def _infer(self, family: ModelFamily, model: ModelVersion, features: np.ndarray,
@@ -322,7 +329,7 @@ class Predictor:
         else:
             probability, spread = float(it.probabilities[0, 0]), 0.0
         defaulted = {g.feature for g in it.row.guards if g.action in DEFAULTED_ACTIONS}
-        verdict = family.policy.decide(probability, spread, len(defaulted) / len(family.schema.features))
+        verdict = family.policy.decide(probability, spread, len(defaulted) / family.n_schema_features)
         self.drift.observe(family.name, it.row.vector, probability)
         if family.is_ensemble:
             metrics.ENSEMBLE_SPREAD.labels(family.name).observe(spread)
@@ -334,19 +341,18 @@ class Predictor:
             explanation = explain(family.schema, probability, occluded, self.explain_top_k)
             metrics.EXPLANATIONS.labels(family.name).inc()
         it.decision = verdict.decision
-        stale = (STALE_REASON,) if it.served.source is Source.STALE_CACHE else ()
+        served = it.served
+        stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
         stored = StoredDecision(
             decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
             entity_id=it.request.entity_id, decided_at=decided_at,
             model_name=family.name, model_version=it.model_version, feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=probability, decision=verdict.decision,
             reason_codes=(*verdict.reason_codes, *stale, *dict.fromkeys(g.reason_code for g in it.row.guards)),
-            served_from=it.served.source.value, cache_age_ms=it.served.age_ms,
-            degraded_reason=it.served.degraded_reason,
+            served_from=served.source.value, cache_age_ms=served.age_ms, degraded_reason=served.degraded_reason,
         )
-        methods = "+".join(dict.fromkeys(m.calibrator.method for m in family.members))
-        return PredictionResult(stored, from_cache=it.served.source in (Source.CACHE, Source.STALE_CACHE), spread=spread,
-                                calibration_method=methods, explanation=explanation)
+        return PredictionResult(stored, from_cache=served.source in (Source.CACHE, Source.STALE_CACHE), spread=spread,
+                                calibration_method=family.calibration_method, explanation=explanation)
 
     @staticmethod
     def _fallback(it: _Item, decided_at: datetime) -> PredictionResult:
@@ -417,6 +423,8 @@ def _stack(rows: list[Scored]) -> tuple[np.ndarray, np.ndarray]:
 def _served(own: list[Scored]) -> Scored:
     """How an item's own row was scored across ensemble members: fallback if any member has no
     output, stale if any member's is stale, from cache only if all are, else fresh inference."""
+    if len(own) == 1:  # one member: each rule above picks its result
+        return own[0]
     for source in (Source.FALLBACK, Source.STALE_CACHE):
         if found := next((r for r in own if r.source is source), None):
             return found

@@ -302,3 +302,18 @@ def test_occlusion_rows_equal_assembling_without_that_attribute(assemblers, data
     for k, name in enumerate(names):
         without = assembler.assemble({a: v for a, v in record.items() if a != name}).vector
         np.testing.assert_array_equal(occluded[k], without)
+
+
+# -- values as the wire delivers them --------------------------------------------------------------
+
+def _wire_like(record: dict) -> dict:
+    """The record as the wire delivers it: every number a Python float."""
+    return {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in record.items()}
+
+
+def test_wire_numbers_convert_exactly_as_other_numbers(assemblers, datasets):
+    """The float fast path of ``to_number`` gives the vectors the general path gives."""
+    for family, assembler in assemblers.items():
+        for record in datasets[family].records[:200]:
+            wire, plain = assembler.assemble(_wire_like(record)), assembler.assemble(record)
+            assert wire.vector.tobytes() == plain.vector.tobytes() and wire.guards == plain.guards

@@ -145,3 +145,57 @@ async def test_empty_batch_and_too_many_items(prediction, credit_holdout):
         await stub.BatchPredict(pb.BatchPredictRequest(requests=[
             item(f"many-{i}", "e", credit_holdout.records[0]) for i in range(101)]))
     assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+COUNTED = ("prediction_feature_guard_total", "prediction_unknown_attributes_total", "prediction_requests_total",
+           "prediction_decisions_total")
+
+
+def counted() -> dict[tuple, float]:
+    """The counters a decision moves, by sample name and labels."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for metric in REGISTRY.collect() for s in metric.samples if s.name in COUNTED}
+
+
+def moved(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+async def test_a_batch_decides_and_counts_exactly_as_the_same_predict_calls(prediction, credit_holdout, churn_holdout):
+    """Batch-wide assembly and metrics: every item's decision, reason codes and counter increments
+    are those of a Predict call with the same attributes (guards, unknown attributes, errors)."""
+    stub, _ = prediction
+    cases = [
+        (credit_holdout.records[10], "credit-risk"),
+        ({**credit_holdout.records[11], "Income": 99999999, "Age": None, "FavouriteColour": "blue"}, "credit-risk"),
+        ({"Age": "thirty", "Home": 4.0}, "credit-risk"),                                   # unconvertible values
+        ({**churn_holdout.records[3], "tenure": -5, "Zodiac": "leo"}, "churn"),
+        ({**credit_holdout.records[12], "Home": "castle", "Job": ""}, "credit-risk"),
+        (credit_holdout.records[13], "fraud"),                                             # unknown family
+        (churn_holdout.records[4], "churn"),
+    ]
+
+    before = counted()
+    reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+        item(f"same-batch-{i}", f"e{i}", attrs, model_name=model) for i, (attrs, model) in enumerate(cases)]))
+    by_batch = moved(before, counted())
+
+    before = counted()
+    singles = []
+    for i, (attrs, model) in enumerate(cases):
+        try:
+            singles.append(await stub.Predict(item(f"same-single-{i}", f"e{i}", attrs, model_name=model)))
+        except grpc.aio.AioRpcError as exc:
+            singles.append(exc.code())
+    by_predict = moved(before, counted())
+
+    assert by_batch == by_predict
+    assert any(k[0] == "prediction_feature_guard_total" for k in by_batch)
+    assert any(k[0] == "prediction_unknown_attributes_total" for k in by_batch)
+    for result, single in zip(reply.results, singles):
+        if isinstance(single, grpc.StatusCode):
+            assert result.WhichOneof("outcome") == "error" and result.error.code == single.value[0]
+            continue
+        p = result.prediction
+        assert (p.decision_label, p.probability, list(p.reason_codes), p.model_version) == \
+            (single.decision_label, single.probability, list(single.reason_codes), single.model_version)

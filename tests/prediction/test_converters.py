@@ -54,3 +54,11 @@ def test_wire_values_round_trip_to_python_values():
     request = pb.PredictRequest(request_id="r", entity_id="e", attributes=wire, explain=True)
     parsed = converters.predict_input(request)
     assert parsed.attributes == {"a": 1.0, "b": "x", "c": True, "d": None, "e": None} and parsed.explain
+
+
+def test_set_zero_values_are_values_and_only_an_unset_oneof_is_missing():
+    wire = {"n": pb.AttributeValue(number_value=0.0), "s": pb.AttributeValue(string_value=""),
+            "b": pb.AttributeValue(bool_value=False), "unset": pb.AttributeValue()}
+    parsed = converters.predict_input(pb.PredictRequest(request_id="r", entity_id="e", attributes=wire))
+    assert parsed.attributes == {"n": 0.0, "s": "", "b": False, "unset": None}
+    assert type(parsed.attributes["n"]) is float and type(parsed.attributes["b"]) is bool

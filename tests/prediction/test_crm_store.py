@@ -99,3 +99,54 @@ async def test_a_batch_with_some_rows_already_delivered_inserts_only_the_rest(st
     ids = [f"crm-{uuid.uuid4()}" for _ in range(5)]
     await store.deliver([decision(ids[1]), decision(ids[3])])
     assert sorted(await store.deliver([decision(i) for i in ids])) == sorted([ids[0], ids[2], ids[4]])
+
+
+def varied_decisions(prefix: str) -> list[StoredDecision]:
+    """Decisions with every kind of value a column holds: None, non-ASCII, empty, fallback."""
+    from datetime import datetime, timedelta, timezone
+
+    at = datetime(2026, 11, 30, 4, 35, 43, 123456, tzinfo=timezone.utc)
+    return [StoredDecision(decision_id_for(f"{prefix}{i}"), f"{prefix}{i}", f"entité-{i}", "credit-risk",
+                           "1+2" if i % 3 else "", "credit-risk/v1", "policy/v2",
+                           None if i % 7 == 0 else (i / 49) ** 0.37, "REVIEW", ("A", "B_ü") if i % 2 else (),
+                           "fallback" if i % 7 == 0 else "cache", i * 1000, "CIRCUIT_OPEN" if i % 7 == 0 else "",
+                           None if i % 11 == 0 else at + timedelta(microseconds=i))
+            for i in range(50)]
+
+
+async def test_postgresql_column_array_delivery_stores_what_a_row_insert_stores(postgres_url):
+    from sqlalchemy.dialects import postgresql
+
+    from mlpair.prediction.crm.models import DecisionRecord
+
+    crm = CrmStore(postgres_url)
+    try:
+        await crm.create_schema()
+        tag = uuid.uuid4().hex[:8]
+        delivered = varied_decisions(f"arrays-{tag}-")
+        inserted = varied_decisions(f"rows-{tag}-")
+        assert sorted(await crm.deliver(delivered)) == sorted(d.request_id for d in delivered)
+        assert await crm.deliver(delivered) == []
+        async with crm.engine.begin() as conn:  # the generic row-by-row statement, for reference
+            await conn.execute(postgresql.insert(DecisionRecord).on_conflict_do_nothing(), [d.to_row() for d in inserted])
+        for a, b in zip(delivered, inserted):
+            got, expected = await crm.find(a.request_id), await crm.find(b.request_id)
+            assert got == a
+            assert {**got.__dict__, "decision_id": "", "request_id": ""} == \
+                {**expected.__dict__, "decision_id": "", "request_id": ""}
+    finally:
+        await crm.close()
+
+
+async def test_postgresql_refuses_a_value_longer_than_its_column_never_truncates(postgres_url):
+    from sqlalchemy.exc import DBAPIError
+
+    crm = CrmStore(postgres_url)
+    try:
+        await crm.create_schema()
+        request_id = f"long-{uuid.uuid4()}"
+        with pytest.raises(DBAPIError):
+            await crm.deliver([decision(request_id, degraded_reason="X" * 65)])  # degraded_reason is VARCHAR(64)
+        assert await crm.find(request_id) is None
+    finally:
+        await crm.close()

@@ -214,3 +214,18 @@ def test_a_stored_decision_serialises_every_field():
                             served_from="stale_cache", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN")
     assert StoredDecision.from_json(d.to_json()) == d
     assert set(d.to_row()) == {f.name for f in dataclasses.fields(StoredDecision)}
+
+
+async def test_recording_nothing_returns_at_once(outbox):
+    assert await outbox.record_many([]) == []
+
+
+async def test_a_call_larger_than_one_commit_gets_every_outcome_in_order(outbox):
+    from mlpair.prediction.crm.outbox import MAX_COMMIT_ROWS
+
+    first = [decision(f"split-a-{i}") for i in range(3)]
+    large = [decision(f"split-b-{i}") for i in range(MAX_COMMIT_ROWS + 7)]
+    recorded_first, recorded_large = await asyncio.gather(outbox.record_many(first), outbox.record_many(large))
+    assert [r.decision.request_id for r in recorded_first] == [d.request_id for d in first]
+    assert [r.decision.request_id for r in recorded_large] == [d.request_id for d in large]
+    assert not any(r.replayed for r in recorded_first + recorded_large)

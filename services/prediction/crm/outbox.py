@@ -86,7 +86,7 @@ class Outbox:
         self.writable = True
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox")
         self._conn: sqlite3.Connection | None = None
-        self._pending: list[tuple[StoredDecision, asyncio.Future[Recorded]]] = []
+        self._pending: list[tuple[StoredDecision, _Caller, int]] = []  # decision, its caller, its index there
         self._writer: asyncio.Task | None = None
         self._fresh: deque[StoredDecision] = deque()  # committed here, not yet taken by the relay
         self.backlog_on_disk = True  # undelivered rows may exist that are not in the hand-off
@@ -133,19 +133,16 @@ class Outbox:
         return outcome
 
     async def record_many(self, decisions: Sequence[StoredDecision]) -> list[Recorded | OutboxUnavailable]:
-        """Like :meth:`record` for many decisions at once (one future each, no task each); each
+        """Like :meth:`record` for many decisions at once (one future per call, no task); each
         outcome is what was recorded for that decision, or the error that kept it from the outbox."""
+        if not decisions:
+            return []
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Recorded]] = [loop.create_future() for _ in decisions]
-        self._pending.extend(zip(decisions, futures))
+        caller = _Caller(loop.create_future(), [None] * len(decisions), len(decisions))
+        self._pending.extend((decision, caller, k) for k, decision in enumerate(decisions))
         if self._writer is None or self._writer.done():
             self._writer = loop.create_task(self._write_pending())
-        if len(futures) == 1:  # a single Predict: no gathering future
-            try:
-                return [await futures[0]]
-            except OutboxUnavailable as exc:
-                return [exc]
-        return await asyncio.gather(*futures, return_exceptions=True)
+        return await caller.future
 
     async def find(self, request_id: str) -> StoredDecision | None:
         """The decision recorded for ``request_id`` (delivered or not), if still retained."""
@@ -210,27 +207,24 @@ class Outbox:
             batch, self._pending = self._pending[:MAX_COMMIT_ROWS], self._pending[MAX_COMMIT_ROWS:]
             started = time.perf_counter()
             try:
-                outcomes = await self._run(self._commit, [decision for decision, _ in batch])
+                outcomes = await self._run(self._commit, [decision for decision, _, _ in batch])
             except Exception:
                 self.writable = False
                 logger.exception("outbox commit failed; %d decision(s) not recorded", len(batch))
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(OutboxUnavailable(
-                            "the decision could not be recorded; retry with the same request_id"))
+                for _, caller, k in batch:
+                    caller.settle(k, OutboxUnavailable("the decision could not be recorded; retry with the same request_id"))
                 continue
             self.writable = True
             metrics.OUTBOX_COMMIT_DURATION.observe(time.perf_counter() - started)
             metrics.OUTBOX_COMMIT_ROWS.observe(len(batch))
             self.committed.set()
-            for (_, future), outcome in zip(batch, outcomes, strict=True):
+            for (_, caller, k), outcome in zip(batch, outcomes, strict=True):
                 if not outcome.replayed:
                     if len(self._fresh) < MAX_FRESH:
                         self._fresh.append(outcome.decision)
                     else:
                         self.leave_to_disk()
-                if not future.done():  # a caller that went away still has its decision on record
-                    future.set_result(outcome)
+                caller.settle(k, outcome)
 
     # Everything below runs on the outbox thread, one call at a time.
 
@@ -290,6 +284,23 @@ class Outbox:
             outcomes.append(first if d.request_id not in seen else Recorded(first.decision, True))
             seen.add(d.request_id)
         return outcomes
+
+
+@dataclass(eq=False)
+class _Caller:
+    """One ``record_many`` call waiting for its decisions' commits (one future per call, not per
+    decision: 500 futures gathered cost about 1.8 µs of CPU per decision)."""
+
+    future: asyncio.Future[list[Recorded | OutboxUnavailable]]
+    outcomes: list[Recorded | OutboxUnavailable | None]
+    remaining: int  # decisions whose commit has not ended yet
+
+    def settle(self, index: int, outcome: Recorded | OutboxUnavailable) -> None:
+        """Records one decision's outcome; the call resumes once every decision has one."""
+        self.outcomes[index] = outcome
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():  # a caller that went away still has its decisions on record
+            self.future.set_result(self.outcomes)
 
 
 def _marks(values: list) -> str:

@@ -1,0 +1,197 @@
+"""PredictionService's CPU per BatchPredict row, measured in one process (no network, no client).
+
+A benchmark, not a test: it reports numbers and asserts no speed.
+
+The real :class:`~mlpair.prediction.servicer.PredictionServicer` and
+:class:`~mlpair.prediction.pipeline.Predictor` (as ``build_predictor`` wires them: cache,
+coalescing, outbox with ``synchronous=NORMAL``, relay to a CRM database) with one thing
+replaced: InferenceService is a fake client that answers with a fixed linear model of the
+features, so the process's CPU time is PredictionService's own work. Requests are real holdout
+applicants, each row distinct (every row a cache miss), serialised as BatchPredict requests and
+parsed back as gRPC would. ``--concurrency`` calls are in flight at a time.
+
+The figure is ``time.process_time()`` (every thread of the process: the event loop, the
+outbox thread, the relay's database driver) from the first measured call until the relay has
+delivered every decision to the CRM, divided by the rows decided: **CPU µs per row**, with the
+garbage collector's share. Other processes on a shared machine move it much less than rows/s,
+but still by about ±10%: compare interleaved runs. The collector is tuned as ``serve()`` tunes
+it (``--no-gc-tuning`` to skip). ``--profile FILE`` writes a cProfile of the event loop thread
+for one extra pass.
+
+    .venv/bin/python bench/batch_cpu.py --calls 40 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import pair as harness  # noqa: E402
+
+
+class FakeInference:
+    """Stands in for :class:`~mlpair.prediction.inference_client.InferenceClient`: logits
+    ``[batch, 2] float32`` of a fixed random linear model; ``calls`` and ``rows`` count the work."""
+
+    def __init__(self, n_features: int) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(7)
+        self.weights = rng.normal(0.0, 0.6, size=(n_features, 2)).astype(np.float32)
+        self.calls = self.rows = 0
+
+    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None):
+        self.calls += 1
+        self.rows += len(features)
+        return features @ self.weights, model_version
+
+    async def ready(self, timeout_s: float) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+class _GcTimer:
+    """CPU seconds spent in the garbage collector (any thread) since :meth:`reset`, and (runs, CPU ms) per generation."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds, self.runs, self._started = 0.0, {}, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._started
+            runs, ms = self.runs.get(info["generation"], (0, 0.0))
+            self.runs[info["generation"]] = (runs + 1, round(ms + 1000 * (time.thread_time() - self._started), 1))
+
+    def reset(self) -> None:
+        self.seconds, self.runs = 0.0, {}
+
+    def close(self) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
+class _Context:
+    """The part of ``grpc.aio.ServicerContext`` the servicer reads."""
+
+    def time_remaining(self):
+        return 30.0
+
+
+async def measure(args, crm_url: str, workdir: Path) -> dict:
+    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+    from mlpair.prediction.converters import to_attributes
+    from mlpair.prediction import server
+    from mlpair.prediction.servicer import PredictionServicer
+    from mlpair.prediction.settings import PredictionSettings
+
+    root = Path(args.model_repository).resolve()
+    entry = harness.trained_model(root)
+    settings = PredictionSettings(
+        model_repository=root, config_dir=harness.CONFIG_DIR, model_name=harness.MODEL, crm_url=crm_url,
+        outbox_url=f"sqlite+aiosqlite:///{workdir / 'outbox.sqlite'}", outbox_synchronous="NORMAL",
+        cache_backend=args.cache)
+    predictor = server.build_predictor(settings)
+    fake = FakeInference(entry.preprocessing.n_features)
+    predictor.scorer.client = predictor.scorer.coalescer.client = predictor.inference = fake
+    await predictor.recorder.start()
+    servicer = PredictionServicer(predictor)
+    context = _Context()
+
+    workload = harness.credit_workload(entry, f"cpu-{workdir.name}")
+    total_calls = args.warmup_calls + args.calls * args.repeats + (args.calls if args.profile else 0)
+    payloads = []
+    for _ in range(total_calls):
+        chunk = list(itertools.islice(workload, args.batch_items))
+        payloads.append(pb.BatchPredictRequest(requests=[
+            pb.PredictRequest(request_id=rid, entity_id=eid, model_name=harness.MODEL, attributes=to_attributes(a))
+            for rid, eid, a in chunk]).SerializeToString())
+    queue = iter(payloads)
+
+    async def one(raw: bytes) -> int:
+        reply = await servicer.BatchPredict(pb.BatchPredictRequest.FromString(raw), context)
+        raw_reply = reply.SerializeToString()  # as grpc would
+        errors = sum(1 for r in reply.results if r.WhichOneof("outcome") != "prediction")
+        if errors:
+            raise RuntimeError(f"{errors} item errors in one call")
+        return len(raw_reply) and len(reply.results)
+
+    async def drive(calls: int) -> int:
+        rows = 0
+        remaining = iter(itertools.islice(queue, calls))
+        while batch := list(itertools.islice(remaining, args.concurrency)):
+            rows += sum(await asyncio.gather(*(one(raw) for raw in batch)))
+        if not await predictor.recorder.wait_delivered(60):
+            raise RuntimeError("the relay did not deliver every decision within 60 s")
+        return rows
+
+    gc_time = _GcTimer()
+    if not args.no_gc_tuning:
+        server.tune_collector()  # as serve() does once the service is up (the payloads with it)
+    await drive(args.warmup_calls)
+    passes = []
+    for _ in range(args.repeats):
+        gc_time.reset()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        rows = await drive(args.calls)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        passes.append({"rows": rows, "cpu_us_per_row": round(1e6 * cpu / rows, 2), "wall_s": round(wall, 3),
+                       "gc_us_per_row": round(1e6 * gc_time.seconds / rows, 2), "gc_runs": gc_time.runs})
+    gc_time.close()
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        await drive(args.calls)
+        profiler.disable()
+        profiler.dump_stats(args.profile)
+    await predictor.recorder.close()
+    await predictor.scorer.close()
+    figures = sorted(p["cpu_us_per_row"] for p in passes)
+    return {"bench": "batch_cpu", "batch_items": args.batch_items, "concurrency": args.concurrency,
+            "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
+            "cpu_us_per_row_median": figures[len(figures) // 2], "cpu_us_per_row_min": figures[0],
+            "passes": passes, "infer_calls": fake.calls, "outbox_overflows": predictor.recorder.outbox.overflows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-repository", default="var/models")
+    parser.add_argument("--batch-items", type=int, default=500, help="applicants per BatchPredict call")
+    parser.add_argument("--concurrency", type=int, default=4, help="BatchPredict calls in flight")
+    parser.add_argument("--calls", type=int, default=40, help="measured calls per pass")
+    parser.add_argument("--repeats", type=int, default=3, help="measured passes")
+    parser.add_argument("--warmup-calls", type=int, default=8)
+    parser.add_argument("--cache", default="memory", choices=["memory", "off"])
+    parser.add_argument("--sqlite-crm", action="store_true", help="a SQLite CRM even when PostgreSQL is up")
+    parser.add_argument("--no-gc-tuning", action="store_true", help="skip serve()'s tune_collector() after start-up")
+    parser.add_argument("--profile", help="write a cProfile of one extra pass to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="batch-cpu-") as tmp, harness.scratch_postgres() as pg_url:
+        crm_url = pg_url if pg_url and not args.sqlite_crm else f"sqlite+aiosqlite:///{tmp}/crm.sqlite"
+        print(json.dumps(asyncio.run(measure(args, crm_url, Path(tmp)))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
