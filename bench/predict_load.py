@@ -126,22 +126,26 @@ def check_infer(key: str, raw: bytes) -> None:
         raise BadReply("malformed logits")
 
 
-def infer_calls(metrics_port: int) -> tuple[float, float]:
-    """(Infer calls, rows sent) so far by PredictionService, from its Prometheus endpoint."""
+SCRAPED = ("prediction_coalesced_call_rows_count", "prediction_coalesced_call_rows_sum",
+           "prediction_outbox_delivered_total", "prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """PredictionService's figures this bench reads, from its Prometheus endpoint: Infer calls and
+    rows sent so far (``prediction_coalesced_call_rows_count``/``_sum``), decisions the relay has
+    delivered to the CRM, and the outbox's depth and oldest undelivered age now."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    calls = rows = 0.0
+    found = dict.fromkeys(SCRAPED, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "prediction_coalesced_call_rows_count":
-                calls += sample.value
-            elif sample.name == "prediction_coalesced_call_rows_sum":
-                rows += sample.value
-    return calls, rows
+            if sample.name in found:
+                found[sample.name] += sample.value
+    return found
 
 
 def run(args) -> int:
@@ -197,7 +201,7 @@ def run(args) -> int:
                         n = int(min(args.max_calls * 20, args.batch_rows_budget_per_s * seconds))
                         payloads = batch_payloads(itertools.islice(workload, n), args.batch_items, pb, to_attributes)
                     before = checker.sources.copy()
-                    calls0, rows0 = infer_calls(metrics_port)
+                    scraped0, phase_started = scrape(metrics_port), time.monotonic()
                     figures = asyncio.run(drive(
                         p.prediction.address if method != INFER else p.inference.address, method, payloads,
                         check=check, concurrency=concurrency, duration_s=args.duration_s if concurrency > 1 else args.c1_seconds,
@@ -207,9 +211,17 @@ def run(args) -> int:
                             "concurrency": concurrency, "rows_per_call": rows, **figures}
                     if method != INFER:
                         line["replies_from_cache"] = checker.sources["cache"] - before["cache"]
-                        calls1, rows1 = infer_calls(metrics_port)
-                        line["infer_calls"] = int(calls1 - calls0)  # whole phase, warm-up included
-                        line["rows_per_infer_call"] = round((rows1 - rows0) / max(1.0, calls1 - calls0), 2)
+                        scraped1, phase_s = scrape(metrics_port), time.monotonic() - phase_started
+                        calls = scraped1["prediction_coalesced_call_rows_count"] - scraped0["prediction_coalesced_call_rows_count"]
+                        rows_sent = scraped1["prediction_coalesced_call_rows_sum"] - scraped0["prediction_coalesced_call_rows_sum"]
+                        line["infer_calls"] = int(calls)  # whole phase, warm-up included
+                        line["rows_per_infer_call"] = round(rows_sent / max(1.0, calls), 2)
+                        # did the relay keep up? decisions it delivered to the CRM per second over the
+                        # whole phase, and what waited in the outbox when the phase ended
+                        delivered = scraped1["prediction_outbox_delivered_total"] - scraped0["prediction_outbox_delivered_total"]
+                        line["crm_delivered_per_s"] = round(delivered / phase_s, 1)
+                        line["outbox_depth_at_end"] = int(scraped1["prediction_outbox_depth"])
+                        line["outbox_oldest_age_s_at_end"] = round(scraped1["prediction_outbox_oldest_age_seconds"], 2)
                     emit(line)
                     results.append(line)
             emit({"phase": "stopped", "outbox_synchronous": synchronous,
@@ -263,7 +275,7 @@ def summarise(results: list[dict], levels: list[int]) -> int:
 
     table = Table(title="PredictionService end to end (client + both services on this machine)")
     for column in ("phase", "outbox", "conc", "rows/call", "calls/s", "rows/s", "p50 ms", "p99 ms", "errors",
-                   "rows/Infer", "CPU % client / prediction / inference / others",
+                   "rows/Infer", "outbox at end: rows / oldest s", "CPU % client / prediction / inference / others",
                    "µs CPU per call: client / prediction / inference"):
         table.add_column(column, justify="left" if column in ("phase", "outbox") else "right")
     for r in results:
@@ -271,6 +283,7 @@ def summarise(results: list[dict], levels: list[int]) -> int:
         table.add_row(r["phase"], r["outbox_synchronous"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
                       f"{r['calls_per_s']:,.0f}", f"{r['rows_per_s']:,.0f}", str(r["p50_ms"]), str(r["p99_ms"]),
                       str(r["errors"]), str(r.get("rows_per_infer_call", "-")),
+                      f"{r['outbox_depth_at_end']:,} / {r['outbox_oldest_age_s_at_end']}" if "outbox_depth_at_end" in r else "-",
                       " / ".join(f"{cpu.get(k, 0):.0f}" for k in ("client", "prediction", "inference"))
                       + f" / {r.get('cpu_pct_others', 0):.0f}",
                       " / ".join(f"{1000 * per_call.get(k, 0):,.0f}" for k in ("client", "prediction", "inference")))

@@ -102,7 +102,7 @@ class PredictionSettings(BaseSettings):
     """Milliseconds an outbox write waits for another holder of the file's write lock before failing."""
     outbox_retention_s: float = 86400.0
     """Seconds delivered decisions stay in the outbox to answer retried request ids locally."""
-    relay_batch_size: int = 256
+    relay_batch_size: int = 2048
     """Most decisions the relay delivers to the CRM in one transaction."""
     relay_linger_ms: int = 50
     """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many."""

@@ -321,7 +321,7 @@ class OutboxRelay:
         retention_s: how long delivered rows stay in the outbox.
     """
 
-    def __init__(self, outbox: Outbox, crm: CrmStore, *, batch_size: int = 256, backoff_base_s: float = 0.05,
+    def __init__(self, outbox: Outbox, crm: CrmStore, *, batch_size: int = 2048, backoff_base_s: float = 0.05,
                  backoff_max_s: float = 5.0, poll_s: float = 1.0, linger_s: float = 0.05,
                  retention_s: float = 86400.0) -> None:
         self.outbox = outbox

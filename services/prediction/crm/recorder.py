@@ -42,7 +42,7 @@ class DecisionRecorder:
     @classmethod
     def open(cls, outbox_url: str, crm_url: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0,
              crm_timeout_s: float = 5.0,
-             batch_size: int = 256, linger_s: float = 0.05, backoff_max_s: float = 5.0,
+             batch_size: int = 2048, linger_s: float = 0.05, backoff_max_s: float = 5.0,
              retention_s: float = 86400.0) -> DecisionRecorder:
         """Builds the three parts (no I/O yet)."""
         outbox = Outbox(outbox_url, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
