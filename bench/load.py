@@ -87,7 +87,7 @@ class BadReply(Exception):
     """``check`` found a reply that is not what the call should return."""
 
 
-async def drive(target: str, method: str, payloads: Sequence[tuple[str, bytes]], *,
+async def drive(target: str | Sequence[str], method: str, payloads: Sequence[tuple[str, bytes]], *,
                 check: Callable[[str, bytes], object], concurrency: int, duration_s: float, warmup_s: float = 0.0,
                 rate_per_s: float | None = None, timeout_s: float = 10.0, metadata: tuple = (),
                 rows_per_call: int = 1, cpu_of: dict[str, Callable[[], float]] | None = None,
@@ -95,6 +95,8 @@ async def drive(target: str, method: str, payloads: Sequence[tuple[str, bytes]],
     """Sends ``payloads`` (key, serialised request) to ``method`` at ``target``; returns the figures.
 
     Args:
+        target: ``host:port``, or several (replicas of one service): one channel each, the
+            ``concurrency`` workers spread over them round-robin, the figures for all together.
         check: ``check(key, reply_bytes)`` parses and checks one reply; raises :class:`BadReply`.
         cpu_of: name → a function giving that process's CPU seconds, sampled over the window.
         outcomes: filled with every call's outcome when given.
@@ -104,21 +106,23 @@ async def drive(target: str, method: str, payloads: Sequence[tuple[str, bytes]],
         calls, calls/s, rows/s, p50/p90/p99/max latency in ms, error counts by code, CPU % per
         process over the window (100 = one core), and whether the payloads ran out.
     """
-    if not target.startswith(LOOPBACK):
-        raise ValueError(f"refusing non-loopback target {target!r}")
+    targets = [target] if isinstance(target, str) else list(target)
+    if not targets or not all(t.startswith(LOOPBACK) for t in targets):
+        raise ValueError(f"refusing non-loopback target(s) {target!r}")
     if duration_s <= 0 or warmup_s < 0 or warmup_s + duration_s > 900:
         raise ValueError("need 0 < duration_s and warmup_s + duration_s <= 900")
     outcomes = outcomes if outcomes is not None else Outcomes()
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     next_index = 0
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-        call = channel.unary_unary(method)  # bytes in, bytes out: no serialiser on either side
+    async with contextlib.AsyncExitStack() as channels:
+        calls = [(await channels.enter_async_context(grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS)))
+                 .unary_unary(method) for t in targets]  # bytes in, bytes out: no serialiser on either side
         started = time.perf_counter()
         t_measure = started + warmup_s
         t_end = t_measure + duration_s
 
-        async def worker() -> None:
+        async def worker(call) -> None:
             nonlocal next_index
             while next_index < len(payloads) and not (stop and stop.is_set()):
                 index = next_index
@@ -179,7 +183,7 @@ async def drive(target: str, method: str, payloads: Sequence[tuple[str, bytes]],
             cpu1["machine"] = _machine_busy()
 
         sampler = asyncio.create_task(sample())
-        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        workers = [asyncio.create_task(worker(calls[i % len(calls)])) for i in range(concurrency)]
         await asyncio.gather(*workers)
         measured_s = min(duration_s, max(1e-9, time.perf_counter() - t_measure))
         if cpu0 and not cpu1:  # the payloads ran out (or stop was set) before the window's end

@@ -169,27 +169,39 @@ class Pair:
     crm_url: str
     outbox_path: Path
     startup_s: dict[str, float] = field(default_factory=dict)
+    # further PredictionService replicas (own port, outbox and metrics port), as a Service of
+    # several pods would run them; empty unless pair(..., prediction_replicas=n > 1)
+    more_predictions: list[Service] = field(default_factory=list)
+
+    @property
+    def predictions(self) -> list[Service]:
+        return [self.prediction, *self.more_predictions]
 
     def start(self) -> None:
         self.startup_s["inference"] = self.inference.start()
-        self.startup_s["prediction"] = self.prediction.start()
+        for i, replica in enumerate(self.predictions):
+            self.startup_s["prediction" if i == 0 else f"prediction-{i + 1}"] = replica.start()
 
     def stop(self) -> dict[str, int]:
         """SIGTERM to PredictionService first (it drains its callers), then InferenceService."""
-        return {"prediction": self.prediction.terminate(), "inference": self.inference.terminate()}
+        codes = {"prediction" if i == 0 else f"prediction-{i + 1}": replica.terminate()
+                 for i, replica in enumerate(self.predictions)}
+        return {**codes, "inference": self.inference.terminate()}
 
     def kill(self) -> None:
-        for service in (self.prediction, self.inference):
+        for service in (*self.predictions, self.inference):
             service.kill()
 
 
 def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, prediction_env: dict | None = None,
-         inference_env: dict | None = None, log_level: str = "WARNING") -> Pair:
+         inference_env: dict | None = None, log_level: str = "WARNING", prediction_replicas: int = 1) -> Pair:
     """Builds (does not start) the two services under ``workdir``.
 
     Args:
         crm_url: SQLAlchemy async URL of the CRM; default a SQLite file in ``workdir``.
         prediction_env, inference_env: extra ``PREDICTION_*`` / ``INFERENCE_*`` settings.
+        prediction_replicas: PredictionService processes, each with its own port, outbox file and
+            (when ``PREDICTION_METRICS_PORT`` is set) metrics port, sharing InferenceService and the CRM.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     crm_url = crm_url or f"sqlite+aiosqlite:///{workdir / 'crm.sqlite'}"
@@ -206,7 +218,15 @@ def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, p
         "PREDICTION_CONFIG_DIR": str(CONFIG_DIR), "PREDICTION_MODEL_NAME": MODEL, "PREDICTION_LOG_LEVEL": log_level,
         **(prediction_env or {})}, free_port(), workdir / "prediction.log")
     prediction.env["PREDICTION_PORT"] = str(prediction.port)
-    return Pair(inference, prediction, workdir, crm_url, outbox)
+    more = []
+    for n in range(2, prediction_replicas + 1):
+        env = {**prediction.env, "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{workdir / f'outbox-{n}.sqlite'}"}
+        if env.get("PREDICTION_METRICS_PORT", "0") != "0":
+            env["PREDICTION_METRICS_PORT"] = str(free_port())
+        replica = Service("prediction", env, free_port(), workdir / f"prediction-{n}.log")
+        replica.env["PREDICTION_PORT"] = str(replica.port)
+        more.append(replica)
+    return Pair(inference, prediction, workdir, crm_url, outbox, more_predictions=more)
 
 
 @contextlib.contextmanager

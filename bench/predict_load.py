@@ -130,21 +130,25 @@ SCRAPED = ("prediction_coalesced_call_rows_count", "prediction_coalesced_call_ro
            "prediction_outbox_delivered_total", "prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")
 
 
-def scrape(metrics_port: int) -> dict[str, float]:
-    """PredictionService's figures this bench reads, from its Prometheus endpoint: Infer calls and
-    rows sent so far (``prediction_coalesced_call_rows_count``/``_sum``), decisions the relay has
-    delivered to the CRM, and the outbox's depth and oldest undelivered age now."""
+def scrape(metrics_ports: list[int]) -> dict[str, float]:
+    """PredictionService's figures this bench reads, from the Prometheus endpoint of each replica:
+    Infer calls and rows sent so far (``prediction_coalesced_call_rows_count``/``_sum``),
+    decisions the relay has delivered to the CRM, and the outbox's depth now (summed over the
+    replicas) and its oldest undelivered age (the largest)."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
     found = dict.fromkeys(SCRAPED, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in found:
-                found[sample.name] += sample.value
+    for port in metrics_ports:
+        with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "prediction_outbox_oldest_age_seconds":
+                    found[sample.name] = max(found[sample.name], sample.value)
+                elif sample.name in found:
+                    found[sample.name] += sample.value
     return found
 
 
@@ -177,11 +181,15 @@ def run(args) -> int:
             p = harness.pair(workdir / synchronous.lower(), root, crm_url=crm,
                              prediction_env={"PREDICTION_OUTBOX_SYNCHRONOUS": synchronous,
                                              "PREDICTION_METRICS_PORT": str(metrics_port),
-                                             **dict(e.split("=", 1) for e in args.env)})
+                                             **dict(e.split("=", 1) for e in args.env)},
+                             prediction_replicas=args.prediction_replicas)
+            metrics_ports = [int(r.env["PREDICTION_METRICS_PORT"]) for r in p.predictions]
+            replicas = [r.address for r in p.predictions]
             with harness.running(p):
-                emit({"phase": "started", "outbox_synchronous": synchronous,
+                emit({"phase": "started", "outbox_synchronous": synchronous, "prediction_replicas": len(replicas),
                       "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
-                cpu = {"inference": p.inference.cpu_seconds, "prediction": p.prediction.cpu_seconds}
+                cpu = {"inference": p.inference.cpu_seconds,
+                       "prediction": lambda: sum(r.cpu_seconds() for r in p.predictions)}
                 phases = []
                 levels = [1, *args.concurrency]
                 if synchronous == "FULL" and "infer" in args.phases:
@@ -201,9 +209,9 @@ def run(args) -> int:
                         n = int(min(args.max_calls * 20, args.batch_rows_budget_per_s * seconds))
                         payloads = batch_payloads(itertools.islice(workload, n), args.batch_items, pb, to_attributes)
                     before = checker.sources.copy()
-                    scraped0, phase_started = scrape(metrics_port), time.monotonic()
+                    scraped0, phase_started = scrape(metrics_ports), time.monotonic()
                     figures = asyncio.run(drive(
-                        p.prediction.address if method != INFER else p.inference.address, method, payloads,
+                        replicas if method != INFER else p.inference.address, method, payloads,
                         check=check, concurrency=concurrency, duration_s=args.duration_s if concurrency > 1 else args.c1_seconds,
                         warmup_s=args.warmup_s if concurrency > 1 else 1.0, metadata=meta, rows_per_call=rows,
                         cpu_of=cpu))
@@ -211,7 +219,7 @@ def run(args) -> int:
                             "concurrency": concurrency, "rows_per_call": rows, **figures}
                     if method != INFER:
                         line["replies_from_cache"] = checker.sources["cache"] - before["cache"]
-                        scraped1, phase_s = scrape(metrics_port), time.monotonic() - phase_started
+                        scraped1, phase_s = scrape(metrics_ports), time.monotonic() - phase_started
                         calls = scraped1["prediction_coalesced_call_rows_count"] - scraped0["prediction_coalesced_call_rows_count"]
                         rows_sent = scraped1["prediction_coalesced_call_rows_sum"] - scraped0["prediction_coalesced_call_rows_sum"]
                         line["infer_calls"] = int(calls)  # whole phase, warm-up included
@@ -225,7 +233,8 @@ def run(args) -> int:
                     emit(line)
                     results.append(line)
             emit({"phase": "stopped", "outbox_synchronous": synchronous,
-                  "exit_codes": {"prediction": p.prediction.process.returncode,
+                  "exit_codes": {**{f"prediction-{i + 1}" if i else "prediction": r.process.returncode
+                                    for i, r in enumerate(p.predictions)},
                                  "inference": p.inference.process.returncode}})
     if "null" in args.phases:
         null_check = PredictCheck()
@@ -343,6 +352,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--with-normal", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure Predict with the outbox at synchronous=NORMAL")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
+    parser.add_argument("--prediction-replicas", type=int, default=1,
+                        help="PredictionService processes (own port and outbox each, one InferenceService and CRM); "
+                             "calls are spread over them round-robin, as a Service over several pods would")
     parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch", "null"],
                         choices=["infer", "predict", "batch", "null"],
                         help="which phases to run (all by default); null = Predict and BatchPredict against "
