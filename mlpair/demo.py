@@ -306,7 +306,8 @@ def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
     example = run.explained[0] if run.explained else None
     lines = [
         ("holdout records", str(len(run.requests))),
-        ("decisions returned", f"{len(ids)} ({sum(result.failures.values())} failed {dict(result.failures) or ''})"),
+        ("decisions returned", f"{len(ids)} ({sum(result.failures.values())} failed"
+                               + (f": {dict(result.failures)})" if result.failures else ")")),
         ("holdout ROC AUC (returned probabilities)", f"{auc:.4f}  (target ≥ {min_auc:.2f}: {mark[auc_ok]})"),
         ("Brier score before → after calibration", f"{brier_score(labels, before):.4f} → {brier_score(labels, after):.4f}"),
         ("ECE (15 bins) before → after calibration",
