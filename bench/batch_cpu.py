@@ -96,8 +96,9 @@ class _Context:
 
 async def measure(args, crm_url: str, workdir: Path) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-    from mlpair.prediction.converters import to_attributes
+    from mlpair.collector import tune_collector
     from mlpair.prediction import server
+    from mlpair.prediction.converters import to_attributes
     from mlpair.prediction.servicer import PredictionServicer
     from mlpair.prediction.settings import PredictionSettings
 
@@ -143,7 +144,7 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
 
     gc_time = _GcTimer()
     if not args.no_gc_tuning:
-        server.tune_collector()  # as serve() does once the service is up (the payloads with it)
+        tune_collector()  # as serve() does once the service is up (the payloads with it)
     await drive(args.warmup_calls)
     passes = []
     for _ in range(args.repeats):

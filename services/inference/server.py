@@ -36,6 +36,7 @@ from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import set_process_model_version
+from mlpair.collector import tune_collector
 from mlpair.observability.calls import observe_servicer
 from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
 
@@ -150,6 +151,8 @@ async def serve(settings: InferenceSettings) -> None:
         stopped.cancel()
         await server.stop()
         raise load.exception()
+    if load.done():
+        tune_collector()  # serving from here on (mlpair.collector)
     await stopped
     logger.info("termination signal received; draining (grace %.1f s)", settings.shutdown_grace_s)
     if not load.done():

@@ -8,13 +8,13 @@ Readiness and per-dependency health are described in :mod:`mlpair.prediction.hea
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.logs import add_personal_fields, set_process_model_version
+from mlpair.collector import tune_collector
 from mlpair.observability.calls import CallTracer, observe_servicer
 from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
 from mlpair.prediction.crm.recorder import DecisionRecorder
@@ -153,26 +153,6 @@ async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Pre
     await predictor.scorer.close()
     await predictor.inference.close()
     await predictor.recorder.close(drain_timeout_s=min(grace_s, SHUTDOWN_DELIVERY_S))
-
-
-YOUNG_GC_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
-
-
-def tune_collector() -> None:
-    """Readies the garbage collector for serving, once the service is up.
-
-    * ``gc.freeze()`` moves every object alive now (modules, models, SQLAlchemy, gRPC: about
-      300,000 objects) into the permanent generation, so full collections scan only what
-      requests create. Measured (``bench/batch_cpu.py``): a full collection took about 170 ms
-      of CPU and one ran every ~10,000 decided rows, about 17 µs per row; frozen, about 5 ms.
-      Start-up objects are never garbage, so nothing is kept that would have been freed.
-    * Young collections every 10,000 allocations instead of 700: most of a request's objects
-      are freed by reference counting before the collector would examine them. Measured: the
-      collector's CPU fell from 2.5-3.7 to 1.5-2.2 µs per row.
-    """
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, middle, old)
 
 
 async def serve(settings: PredictionSettings) -> None:
