@@ -151,7 +151,8 @@ async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository
                                  tls_client_ca_file=certs["ca"]) as inference_target:
         settings = PredictionSettings(
             host="127.0.0.1", port=0, metrics_port=0, inference_target=inference_target,
-            crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}", model_repository=model_repository,
+            crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
+            outbox_url=f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}", model_repository=model_repository,
             config_dir=CONFIG_DIR, tls_cert_file=certs["server_cert"], tls_key_file=certs["server_key"],
             inference_tls_ca_file=certs["ca"], inference_tls_cert_file=certs["client_cert"],
             inference_tls_key_file=certs["client_key"])
