@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import sys
 import time
@@ -27,17 +26,12 @@ import time
 import grpc
 import numpy as np
 
-LOOPBACK = ("127.", "localhost:", "[::1]")
+if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.load import LOOPBACK, percentile  # noqa: E402
+
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile of an ascending list (q in 0..100)."""
-    if not sorted_values:
-        return None
-    k = (len(sorted_values) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -17,6 +17,7 @@ Everything here binds 127.0.0.1 and ends only the processes it started, by PID.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -88,20 +89,10 @@ class Service:
         return time.monotonic() - started
 
     def wait_serving(self, timeout_s: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from mlpair.rpc import wait_until_serving
 
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline and self.alive():
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.05)
-        raise RuntimeError(f"{self.role} at {self.address} not SERVING; log tail:\n{self.log_tail()}")
+        if not wait_until_serving(self.address, timeout_s, self.alive):
+            raise RuntimeError(f"{self.role} at {self.address} not SERVING; log tail:\n{self.log_tail()}")
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -288,17 +279,15 @@ def credit_workload(entry, run_id: str) -> Iterator[tuple[str, str, dict]]:
 
 
 @contextlib.contextmanager
-def scratch_postgres() -> Iterator[str | None]:
-    """A fresh PostgreSQL database on 127.0.0.1 (its asyncpg SQLAlchemy URL), dropped afterwards;
-    yields None when PostgreSQL is not reachable."""
-    import asyncio
-
+def scratch_postgres(prefix: str = "mlpair_bench") -> Iterator[str | None]:
+    """A fresh PostgreSQL database on 127.0.0.1 named ``<prefix>_<pid>_<random>`` (its asyncpg
+    SQLAlchemy URL), dropped afterwards; yields None when PostgreSQL is not reachable."""
     import asyncpg
 
     if not reachable("127.0.0.1", 5432):
         yield None
         return
-    name = f"mlpair_bench_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
     async def admin(statement: str) -> None:
         conn = await asyncpg.connect(POSTGRES_ADMIN_URL)
@@ -316,55 +305,70 @@ def scratch_postgres() -> Iterator[str | None]:
 
 
 class TcpProxy:
-    """Forwards ``127.0.0.1:<port>`` to ``upstream``; :meth:`cut` resets every connection and
-    refuses new ones until :meth:`restore`. Runs on the caller's event loop."""
+    """Forwards 127.0.0.1:<port> to ``upstream``; :meth:`cut` drops every connection and refuses
+    new ones until :meth:`restore`; :meth:`lose_reply_after` drops one connection right after
+    the client sent a given message, so the server acts on it but the client never hears back."""
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.port = free_port()
-        self._server = None
-        self._transports: set = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._lose_after: bytes | None = None
+        self.connections = 0
+        self.replies_lost = 0
+
+    def lose_reply_after(self, marker: bytes) -> None:
+        """The next time a client sends bytes containing ``marker`` (e.g. ``b"COMMIT"``), they
+        reach the server, the client's side is reset at once and the server's side shortly after."""
+        self._lose_after = marker
 
     async def start(self) -> None:
-        import asyncio
-
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
 
     async def cut(self) -> None:
+        """Stops listening and resets every open connection (both sides see it broken)."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
-        for transport in list(self._transports):
-            transport.abort()
-        self._transports.clear()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
 
     async def restore(self) -> None:
         await self.start()
 
-    async def _handle(self, reader, writer) -> None:
-        import asyncio
+    async def close(self) -> None:
+        await self.cut()
 
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
             writer.transport.abort()
             return
-        pair_ = {writer.transport, up_writer.transport}
-        self._transports |= pair_
+        self.connections += 1
+        self._writers |= {writer, up_writer}
 
-        async def pipe(src, dst) -> None:
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_client: bool) -> None:
             try:
                 while data := await src.read(65536):
                     dst.write(data)
                     await dst.drain()
+                    if from_client and self._lose_after is not None and self._lose_after in data:
+                        self._lose_after = None
+                        self.replies_lost += 1
+                        writer.transport.abort()  # the client never sees the reply...
+                        await asyncio.sleep(0.2)  # ...while the server has time to act on the message
+                        break
             except (ConnectionError, OSError):
                 pass
             finally:
                 dst.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        self._transports -= pair_
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+        self._writers -= {writer, up_writer}
 
 
 def machine() -> dict:

@@ -89,21 +89,10 @@ def wait_ready(target: str, process: subprocess.Popen, log_path: Path) -> None:
     Raises:
         RuntimeError: the process exited or did not become ready in time (log tail included).
     """
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from mlpair.rpc import wait_until_serving
 
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                break
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
+    if wait_until_serving(target, READY_TIMEOUT_S, lambda: process.poll() is None, poll_s=0.1):
+        return
     tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
     raise RuntimeError(f"service at {target} did not become ready:\n{tail}")
 

@@ -102,25 +102,9 @@ def postgres_url():
     A sync fixture (it runs its own short event loop), so parametrised fixtures can request it.
     Skips when PostgreSQL is down (fails under CI=true): see ``require_service``.
     """
-    import asyncio
-    import os
-    import uuid
-
-    import asyncpg
-
-    from tests.support import POSTGRES_ADMIN_URL, POSTGRES_HOST, POSTGRES_PORT, require_service
+    from bench.pair import scratch_postgres
+    from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 
     require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
-    name = f"mlpair_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-
-    async def admin(statement: str) -> None:
-        conn = await asyncpg.connect(POSTGRES_ADMIN_URL)
-        try:
-            await conn.execute(statement)
-        finally:
-            await conn.close()
-
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
-    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
-    yield f"{base}/{name}"
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with scratch_postgres(prefix="mlpair_test") as url:
+        yield url

@@ -11,87 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.pair import TcpProxy, free_port  # noqa: F401  (the tests' fault helpers, re-exported)
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class TcpProxy:
-    """Forwards 127.0.0.1:<port> to ``upstream``; :meth:`cut` drops every connection and refuses
-    new ones until :meth:`restore`; :meth:`lose_reply_after` drops one connection right after
-    the client sent a given message, so the server acts on it but the client never hears back."""
-
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
-        self.upstream = (upstream_host, upstream_port)
-        self.port = free_port()
-        self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._lose_after: bytes | None = None
-        self.connections = 0
-        self.replies_lost = 0
-
-    def lose_reply_after(self, marker: bytes) -> None:
-        """The next time a client sends bytes containing ``marker`` (e.g. ``b"COMMIT"``), they
-        reach the server, the client's side is reset at once and the server's side shortly after."""
-        self._lose_after = marker
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
-
-    async def cut(self) -> None:
-        """Stops listening and resets every open connection (both sides see it broken)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for writer in list(self._writers):
-            writer.transport.abort()
-        self._writers.clear()
-
-    async def restore(self) -> None:
-        await self.start()
-
-    async def close(self) -> None:
-        await self.cut()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        except OSError:
-            writer.transport.abort()
-            return
-        self.connections += 1
-        self._writers |= {writer, up_writer}
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_client: bool) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-                    if from_client and self._lose_after is not None and self._lose_after in data:
-                        self._lose_after = None
-                        self.replies_lost += 1
-                        writer.transport.abort()  # the client never sees the reply...
-                        await asyncio.sleep(0.2)  # ...while the server has time to act on the message
-                        break
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
-        self._writers -= {writer, up_writer}
 
 
 class InferenceForwarder(ipb_grpc.InferenceServiceServicer):

@@ -12,10 +12,10 @@ CHURN_SCHEMA = CONFIG_DIR / "churn" / "feature-schema.toml"
 import os
 import socket
 
+# Tests never use PostgreSQL's `test` database directly: each session creates its own
+# throw-away database (the `postgres_url` fixture, bench.pair.scratch_postgres), so parallel
+# runs and schema changes never collide.
 POSTGRES_HOST, POSTGRES_PORT = "127.0.0.1", 5432
-# Tests never use this database directly: each session creates its own throw-away database
-# from it (see the `postgres_url` fixture), so parallel runs and schema changes never collide.
-POSTGRES_ADMIN_URL = os.environ.get("MLPAIR_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def require_service(name: str, host: str, port: int) -> None:

@@ -13,12 +13,10 @@ tests/inference/test_fuzz.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -31,6 +29,7 @@ from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from mlpair.rpc import wait_until_serving
 
 EXAMPLES = int(os.environ.get("MLPAIR_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
@@ -61,7 +60,8 @@ def server(model_repository, tmp_path_factory):
                                    stdout=out, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        _wait_serving(channel, process)
+        assert wait_until_serving(f"127.0.0.1:{port}", 60, lambda: process.poll() is None), \
+            f"the server did not report SERVING: {log.read_text()[-2000:]}"
         yield process, channel, log
     finally:
         channel.close()
@@ -71,20 +71,6 @@ def server(model_repository, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
-
-
-def _wait_serving(channel, process, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    stub = health_pb2_grpc.HealthStub(channel)
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the server process exited during start-up"
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("the server did not report SERVING")
 
 
 def _assert_still_serving(server, credit_entry) -> None:

@@ -60,20 +60,10 @@ def export_revision(revision: str, into: Path) -> Path:
 
 
 def wait_serving(port: int, timeout_s: float = 60.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from mlpair.rpc import wait_until_serving
 
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"port {port} not serving after {timeout_s} s")
+    if not wait_until_serving(f"127.0.0.1:{port}", timeout_s, poll_s=0.2):
+        raise TimeoutError(f"port {port} not serving after {timeout_s} s")
 
 
 class PairProcesses:
