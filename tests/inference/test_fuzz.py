@@ -146,6 +146,14 @@ def payload(draw, shape: list[int], item_size: int = 4) -> bytes:
     return draw(st.binary(max_size=2048))
 
 
+@st.composite
+def valid_rows(draw, n_features: int) -> np.ndarray:
+    """A well-formed input: one random row repeated, any row count up to MAX_ROWS ``[rows, n] float32``."""
+    row = np.asarray(draw(st.lists(st.floats(-1e6, 1e6, width=32), min_size=n_features, max_size=n_features)),
+                     np.float32)
+    return np.tile(row, (draw(st.integers(0, MAX_ROWS)), 1))
+
+
 # -- the properties -------------------------------------------------------------------------------
 
 
@@ -159,8 +167,7 @@ def test_own_api_requests_never_fail_internally(server, credit_entry):
     @given(data=st.data())
     def check(data):
         if data.draw(st.integers(0, 4)) == 0:  # now and then a well-formed request, any row count
-            x = np.asarray(data.draw(st.lists(st.floats(-1e6, 1e6, width=32), min_size=n, max_size=n)), np.float32)
-            x = np.tile(x, (data.draw(st.integers(0, MAX_ROWS)), 1))
+            x = data.draw(valid_rows(n))
             request = pb.InferRequest(model_name="credit-risk", inputs=pb.Tensor(
                 data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()))
             seen.add(_call(stub.Infer, request, (("x-feature-version", version),)))
@@ -228,8 +235,7 @@ def test_open_inference_protocol_requests_never_fail_internally(server, credit_e
     @given(data=st.data())
     def check(data):
         if data.draw(st.integers(0, 4)) == 0:  # now and then a well-formed request, any row count
-            x = np.asarray(data.draw(st.lists(st.floats(-1e6, 1e6, width=32), min_size=n, max_size=n)), np.float32)
-            x = np.tile(x, (data.draw(st.integers(0, MAX_ROWS)), 1))
+            x = data.draw(valid_rows(n))
             tensor = oip.ModelInferRequest.InferInputTensor(name="features", datatype="FP32", shape=list(x.shape))
             request = oip.ModelInferRequest(model_name="credit-risk", id=data.draw(st.text(max_size=500)),
                                             inputs=[tensor], raw_input_contents=[x.tobytes()])
