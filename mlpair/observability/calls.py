@@ -29,7 +29,6 @@ fraction of that (see the ``--components`` figures in docs/observability.md).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -39,6 +38,7 @@ from opentelemetry import propagate, trace
 
 from mlpair import logs
 from mlpair.observability.tracing import INSTRUMENTATION_NAME
+from mlpair.rpc import rpc_methods
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,8 @@ def observe_servicer(servicer, service: str, layer: str, tracer_provider: trace.
         ``servicer``, its RPC methods (the CamelCase coroutine methods) wrapped in place.
     """
     tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
-    for name in dir(type(servicer)):
-        if name[:1].isupper() and inspect.iscoroutinefunction(getattr(type(servicer), name)):
-            setattr(servicer, name, _observed(getattr(servicer, name), service, name, layer, tracer, log_calls))
+    for name in rpc_methods(servicer):
+        setattr(servicer, name, _observed(getattr(servicer, name), service, name, layer, tracer, log_calls))
     return servicer
 
 

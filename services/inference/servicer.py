@@ -1,7 +1,7 @@
 """gRPC servicers: thin adapters from both protocols onto one :class:`InferenceEngine`.
 
 They convert (``converters``) and delegate, nothing more; errors are mapped to statuses by
-:func:`mlpair.rpc.guard_servicer` (the ErrorInterceptor's mapping), so there is no try/except here.
+:func:`mlpair.rpc.guard_servicer`, so there is no try/except here.
 """
 
 from __future__ import annotations
