@@ -3,8 +3,9 @@
 * :class:`Service` — one ``mlpair serve inference|prediction`` process on a fixed free port:
   start, wait for ``grpc.health.v1`` SERVING, SIGTERM or SIGKILL by PID, restart on the same
   port, resident memory (RSS).
-* :func:`pair` — InferenceService and PredictionService wired together under a work folder
-  (outbox and logs there; the CRM at any SQLAlchemy URL).
+* :func:`pair` — InferenceService and PredictionService (one or several replicas sharing one
+  decision ledger) wired together under a work folder (logs there; the ledger and the CRM at any
+  SQLAlchemy URL, SQLite files in the folder by default), migrated with ``mlpair migrate``.
 * :func:`credit_workload` — Predict requests built from the real credit-risk holdout
   applicants with one numeric attribute perturbed, so that every request is a distinct
   feature row (a cache miss), checked by assembling each row with the served preprocessing.
@@ -158,17 +159,29 @@ class Pair:
     prediction: Service
     workdir: Path
     crm_url: str
-    outbox_path: Path
+    ledger_url: str
     startup_s: dict[str, float] = field(default_factory=dict)
-    # further PredictionService replicas (own port, outbox and metrics port), as a Service of
-    # several pods would run them; empty unless pair(..., prediction_replicas=n > 1)
+    # further PredictionService replicas (own port and metrics port, the same ledger and CRM), as
+    # a Service of several pods would run them; empty unless pair(..., prediction_replicas=n > 1)
     more_predictions: list[Service] = field(default_factory=list)
 
     @property
     def predictions(self) -> list[Service]:
         return [self.prediction, *self.more_predictions]
 
+    def migrate(self) -> None:
+        """``mlpair migrate`` for the ledger and the CRM, as the pre-deploy job does.
+
+        Raises:
+            RuntimeError: the command failed (its one-line reason).
+        """
+        done = subprocess.run([sys.executable, "-m", "mlpair.cli", "migrate", "--ledger-url", self.ledger_url,
+                               "--crm-url", self.crm_url], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"mlpair migrate failed: {done.stderr.strip()}")
+
     def start(self) -> None:
+        self.migrate()
         self.startup_s["inference"] = self.inference.start()
         for i, replica in enumerate(self.predictions):
             self.startup_s["prediction" if i == 0 else f"prediction-{i + 1}"] = replica.start()
@@ -184,19 +197,23 @@ class Pair:
             service.kill()
 
 
-def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, prediction_env: dict | None = None,
-         inference_env: dict | None = None, log_level: str = "WARNING", prediction_replicas: int = 1) -> Pair:
+def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, ledger_url: str | None = None,
+         prediction_env: dict | None = None, inference_env: dict | None = None, log_level: str = "WARNING",
+         prediction_replicas: int = 1) -> Pair:
     """Builds (does not start) the two services under ``workdir``.
 
     Args:
         crm_url: SQLAlchemy async URL of the CRM; default a SQLite file in ``workdir``.
+        ledger_url: SQLAlchemy async URL of the decision ledger; default the CRM's database when
+            that is PostgreSQL (the ledger has a schema of its own there), else a SQLite file in ``workdir``.
         prediction_env, inference_env: extra ``PREDICTION_*`` / ``INFERENCE_*`` settings.
-        prediction_replicas: PredictionService processes, each with its own port, outbox file and
-            (when ``PREDICTION_METRICS_PORT`` is set) metrics port, sharing InferenceService and the CRM.
+        prediction_replicas: PredictionService processes, each with its own port and (when
+            ``PREDICTION_METRICS_PORT`` is set) metrics port, sharing InferenceService, the ledger and the CRM.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     crm_url = crm_url or f"sqlite+aiosqlite:///{workdir / 'crm.sqlite'}"
-    outbox = workdir / "outbox.sqlite"
+    if ledger_url is None:
+        ledger_url = crm_url if crm_url.startswith("postgresql") else f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite'}"
     inference = Service("inference", {
         "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": "0", "INFERENCE_METRICS_PORT": "0",
         "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MODELS": json.dumps([MODEL]),
@@ -205,19 +222,19 @@ def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, p
     prediction = Service("prediction", {
         "PREDICTION_HOST": "127.0.0.1", "PREDICTION_METRICS_PORT": "0",
         "PREDICTION_INFERENCE_TARGET": inference.address, "PREDICTION_CRM_URL": crm_url,
-        "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{outbox}", "PREDICTION_MODEL_REPOSITORY": str(model_repository),
+        "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_MODEL_REPOSITORY": str(model_repository),
         "PREDICTION_CONFIG_DIR": str(CONFIG_DIR), "PREDICTION_MODEL_NAME": MODEL, "PREDICTION_LOG_LEVEL": log_level,
         **(prediction_env or {})}, free_port(), workdir / "prediction.log")
     prediction.env["PREDICTION_PORT"] = str(prediction.port)
     more = []
     for n in range(2, prediction_replicas + 1):
-        env = {**prediction.env, "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{workdir / f'outbox-{n}.sqlite'}"}
+        env = dict(prediction.env)
         if env.get("PREDICTION_METRICS_PORT", "0") != "0":
             env["PREDICTION_METRICS_PORT"] = str(free_port())
         replica = Service("prediction", env, free_port(), workdir / f"prediction-{n}.log")
         replica.env["PREDICTION_PORT"] = str(replica.port)
         more.append(replica)
-    return Pair(inference, prediction, workdir, crm_url, outbox, more_predictions=more)
+    return Pair(inference, prediction, workdir, crm_url, ledger_url, more_predictions=more)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The ``mlpair`` command: train, serve inference, serve prediction, demo, health, drift-report.
+"""The ``mlpair`` command: train, migrate, serve inference, serve prediction, demo, health, drift-report.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
 ``PREDICTION_*``); a flag wins over the environment, which wins over the default.
@@ -105,6 +105,35 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _migrate(args: argparse.Namespace) -> int:
+    import logging
+
+    from mlpair.logs import configure_logging
+    from mlpair.prediction.crm.admin import migrate
+    from mlpair.prediction.settings import PredictionSettings
+
+    configure_logging("prediction", "WARNING")
+    defaults = PredictionSettings()  # PREDICTION_LEDGER_URL and PREDICTION_CRM_URL, as the services read them
+    ledger_url, crm_url = args.ledger_url or defaults.ledger_url, args.crm_url or defaults.crm_url
+    try:
+        report = asyncio.run(migrate(ledger_url, crm_url, serving_role=args.serving_role,
+                                     import_outboxes=[Path(p) for p in args.import_outbox or []],
+                                     backfill_from_crm=args.backfill_from_crm))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"mlpair migrate: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001  (a database refused or is unreachable: one line, detail with --debug)
+        logging.getLogger("mlpair").debug("migration failed", exc_info=True)
+        print(f"mlpair migrate: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'failed'}",
+              file=sys.stderr)
+        return 1
+    print(f"ledger at {report.revisions['ledger']}, CRM at {report.revisions['crm']}"
+          + (f"; serving role {report.granted_to} granted" if report.granted_to else "")
+          + (f"; {report.imported_from_outboxes} decision(s) imported from outboxes" if args.import_outbox else "")
+          + (f"; {report.backfilled_from_crm} decision(s) backfilled from the CRM" if args.backfill_from_crm else ""))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from mlpair.demo import run_demo
 
@@ -164,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weight-initialisation seed instead of the family's training.toml one (an ensemble member; "
                             "the data split stays the same)")
     train.set_defaults(func=_train)
+
+    migrate = sub.add_parser("migrate", help="create or upgrade the decision ledger and CRM schemas, as their owner "
+                                             "(before each deploy: the services never migrate)")
+    migrate.add_argument("--ledger-url", default=None,
+                         help="decision ledger URL [env PREDICTION_LEDGER_URL; default as `serve prediction`]")
+    migrate.add_argument("--crm-url", default=None, help="CRM database URL [env PREDICTION_CRM_URL; default as `serve prediction`]")
+    migrate.add_argument("--serving-role", default=None,
+                         help="PostgreSQL role the services connect as: granted exactly what they use, no DDL")
+    migrate.add_argument("--import-outbox", action="append", metavar="FILE",
+                         help="an outbox file of the previous release (per-pod SQLite) whose decisions join the ledger "
+                              "(repeatable)")
+    migrate.add_argument("--backfill-from-crm", action="store_true",
+                         help="add every CRM decision the ledger lacks (once, when moving to the shared ledger)")
+    migrate.set_defaults(func=_migrate)
 
     serve = sub.add_parser("serve", help="run one of the two services")
     roles = serve.add_subparsers(dest="role", required=True)

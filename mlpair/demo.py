@@ -183,7 +183,7 @@ async def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
 
 
 async def crm_rows(crm_url: str, request_ids: list[str], wait_s: float = 10.0) -> int:
-    """Rows in the CRM for these request ids. Decisions reach the CRM through the outbox relay
+    """Rows in the CRM for these request ids. Decisions reach the CRM through the ledger's relay
     moments after they are returned, so this waits up to ``wait_s`` for all of them."""
     from sqlalchemy import func, select
 
@@ -236,8 +236,15 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
                       f"source {m.data_source['source']}, {m.data_source['rows']} rows, holdout {len(run.requests)}")
 
     crm_url = f"sqlite+aiosqlite:///{(workdir / 'crm.sqlite').resolve()}"
+    ledger_url = f"sqlite+aiosqlite:///{(workdir / 'ledger.sqlite').resolve()}"
     ports = {name: free_port() for name in ("inference", "inference_metrics", "prediction", "prediction_metrics")}
-    console.rule("[bold]2. Start both services")
+    console.rule("[bold]2. Migrate the decision ledger and the CRM, start both services")
+    migrated = subprocess.run([sys.executable, "-m", "mlpair.cli", "migrate", "--ledger-url", ledger_url,
+                               "--crm-url", crm_url], capture_output=True, text=True)
+    if migrated.returncode != 0:
+        console.print(f"[red]mlpair migrate failed: {migrated.stderr.strip()}")
+        return 1
+    console.print(f"mlpair migrate: {migrated.stdout.strip()}")
     inference = start_service("inference", {
         "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(ports["inference"]),
         "INFERENCE_METRICS_PORT": str(ports["inference_metrics"]),
@@ -252,7 +259,7 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
             "PREDICTION_HOST": "127.0.0.1", "PREDICTION_PORT": str(ports["prediction"]),
             "PREDICTION_METRICS_PORT": str(ports["prediction_metrics"]),
             "PREDICTION_INFERENCE_TARGET": inference_target, "PREDICTION_CRM_URL": crm_url,
-            "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{(workdir / 'outbox.sqlite').resolve()}",
+            "PREDICTION_LEDGER_URL": ledger_url,
             "PREDICTION_MODEL_REPOSITORY": str(model_repository.resolve()),
             "PREDICTION_CONFIG_DIR": str(config_dir.resolve()), "PREDICTION_MODELS": json.dumps(names),
             "PREDICTION_MODEL_NAME": names[0],

@@ -87,9 +87,10 @@ async def inference_forwarder(target: str):
 async def prediction_service(settings):
     """A real PredictionService for ``settings`` (port 0); yields (stub, predictor, health, address)."""
     from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-    from mlpair.prediction.server import start, stop
+    from mlpair.prediction.server import stop
+    from tests.support import start_prediction
 
-    server, port, health, predictor = await start(settings)
+    server, port, health, predictor = await start_prediction(settings)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield pb_grpc.PredictionServiceStub(channel), predictor, health, f"127.0.0.1:{port}"
@@ -98,14 +99,14 @@ async def prediction_service(settings):
 
 
 def prediction_settings(tmp_path, model_repository, inference_target: str, **overrides):
-    """PredictionSettings for a test: free port, no metrics port, CRM and outbox under ``tmp_path``."""
+    """PredictionSettings for a test: free port, no metrics port, CRM and decision ledger under ``tmp_path``."""
     from mlpair.prediction.settings import PredictionSettings
     from tests.support import CONFIG_DIR
 
     values = dict(host="127.0.0.1", port=0, metrics_port=0, inference_target=inference_target,
                   crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
-                  outbox_url=f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}",
-                  outbox_synchronous="NORMAL", model_repository=model_repository, config_dir=CONFIG_DIR,
+                  ledger_url=f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}",
+                  ledger_synchronous="NORMAL", model_repository=model_repository, config_dir=CONFIG_DIR,
                   health_interval_ms=200)
     values.update(overrides)
     return PredictionSettings(**values)

@@ -29,3 +29,18 @@ def require_service(name: str, host: str, port: int) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"{message}; CI must run against the real service")
         pytest.skip(f"{message}; start it to run this test")
+
+
+async def migrate_for(settings) -> None:
+    """What the pre-deploy job does (`mlpair migrate`) for the settings' ledger and CRM."""
+    from mlpair.prediction.crm.admin import migrate
+
+    await migrate(settings.ledger_url, settings.crm_url)
+
+
+async def start_prediction(settings, **kwargs):
+    """`mlpair migrate` for ``settings``, then :func:`mlpair.prediction.server.start`."""
+    from mlpair.prediction.server import start
+
+    await migrate_for(settings)
+    return await start(settings, **kwargs)

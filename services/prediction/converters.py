@@ -62,8 +62,10 @@ def predict_response(result: PredictionResult) -> pb.PredictResponse:
         feature_schema_version=s.feature_schema_version, from_cache=result.from_cache,
         policy_version=s.policy_version, spread=result.spread, calibration_method=result.calibration_method,
         stale=s.served_from == "stale_cache", cache_age_ms=s.cache_age_ms, degraded_reason=s.degraded_reason,
-        fallback=s.served_from == "fallback",
+        fallback=s.served_from == "fallback", replayed=result.replayed,
     )
+    if s.decided_at is not None:
+        response.decided_at.FromDatetime(s.decided_at)
     if result.explanation is not None:
         response.contributions.extend(
             pb.FeatureContribution(feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text)

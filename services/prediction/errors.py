@@ -63,15 +63,17 @@ class InferenceFailed(PredictionError):
     reason = "INFERENCE_FAILED"
 
 
-class CrmUnavailable(PredictionError):
-    """The decision could not be recorded in the CRM, so it is not returned."""
-
-    code = "UNAVAILABLE"
-    reason = "CRM_UNAVAILABLE"
-
-
-class OutboxUnavailable(PredictionError):
-    """The decision could not be recorded durably in the local outbox, so it is not returned."""
+class LedgerUnavailable(PredictionError):
+    """The decision could not be recorded durably in the decision ledger, so it is not returned
+    (the ledger is unreachable or refused the commit); a retry with the same request id is safe."""
 
     code = "UNAVAILABLE"
     reason = "DECISION_NOT_RECORDED"
+
+
+class IdempotencyKeyReused(PredictionError):
+    """The request id is already on record for another payload (another entity, family or other
+    attribute values); nothing is decided or returned for this one."""
+
+    code = "ALREADY_EXISTS"
+    reason = "IDEMPOTENCY_KEY_REUSED"

@@ -3,17 +3,19 @@
 ``grpc.health.v1`` names served:
 
 * ``""`` and ``mlpair.prediction.v1.PredictionService`` — **readiness**: SERVING while the
-  configuration is loaded (the process started) and the local outbox takes writes. Nothing
-  else: with InferenceService down requests are still answered (stale or fallback), and with
-  the CRM database down decisions still wait durably in the outbox.
+  configuration is loaded (the process started) and the decision ledger answers: without it no
+  decision can be recorded, so none is made (fail closed). Nothing else: with InferenceService
+  down requests are still answered (stale or fallback), and with the CRM database down
+  decisions still wait durably in the ledger.
 * ``mlpair.prediction.v1.PredictionService/<dependency>`` for ``inference``, ``crm``,
-  ``cache`` and ``outbox`` — SERVING when that dependency is healthy. The service is
+  ``cache`` and ``ledger`` — SERVING when that dependency is healthy. The service is
   **degraded** when it is ready while inference, CRM or cache is not; the
   ``prediction_degraded`` and ``prediction_dependency_up`` gauges say the same to Prometheus.
 
-A background check runs every ``health_interval_ms``: an outbox write probe, ``SELECT 1`` on
-the CRM database, a cache ping, InferenceService's own health (and the circuit breaker, which
-must not be open), and the outbox backlog gauges.
+A background check runs every ``health_interval_ms``: a read of the ledger table, ``SELECT 1``
+on the CRM database, a cache ping, InferenceService's own health (and the circuit breaker, which
+must not be open), and the ledger backlog gauges (the backlog is the shared ledger's: every
+replica reports the same figure).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mlpair.rpc import Health
 
 logger = logging.getLogger(__name__)
 
-DEPENDENCIES = ("inference", "crm", "cache", "outbox")
+DEPENDENCIES = ("inference", "crm", "cache", "ledger")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -62,18 +64,19 @@ class PredictionHealth(Health):
             except Exception:  # a hung or failing check is an unhealthy dependency
                 return False
 
-        outbox, crm, cache, inference_ready = await asyncio.gather(
-            bounded(recorder.outbox.probe()), bounded(recorder.crm.ping()), bounded(scorer.cache.ping()),
+        ledger, crm, cache, inference_ready = await asyncio.gather(
+            bounded(recorder.ledger.probe()), bounded(recorder.crm.ping()), bounded(scorer.cache.ping()),
             bounded(scorer.client.ready(timeout_s)))
         inference = inference_ready and scorer.caller.breaker.state is not CircuitState.OPEN
-        status = {"inference": inference, "crm": crm, "cache": cache, "outbox": outbox}
-        try:
-            async with asyncio.timeout(timeout_s):
-                depth, age_s = await recorder.outbox.backlog()
-            metrics.OUTBOX_DEPTH.set(depth)
-            metrics.OUTBOX_OLDEST_AGE.set(age_s)
-        except Exception:
-            logger.debug("outbox backlog unavailable", exc_info=True)
+        status = {"inference": inference, "crm": crm, "cache": cache, "ledger": ledger}
+        if ledger:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    depth, age_s = await recorder.ledger.backlog()
+                metrics.OUTBOX_DEPTH.set(depth)
+                metrics.OUTBOX_OLDEST_AGE.set(age_s)
+            except Exception:
+                logger.debug("ledger backlog unavailable", exc_info=True)
         await self._publish(status)
         return status
 
@@ -84,7 +87,7 @@ class PredictionHealth(Health):
             metrics.DEPENDENCY_UP.labels(dep).set(1 if healthy else 0)
             await self.servicer.set(self.dependency_names[dep], _SERVING if healthy else _NOT_SERVING)
         self.status = dict(status)
-        await self.set_serving(status["outbox"])
+        await self.set_serving(status["ledger"])
         metrics.DEGRADED.set(0 if status["inference"] and status["crm"] and status["cache"] else 1)
 
     def start_monitoring(self, predictor, interval_s: float) -> None:

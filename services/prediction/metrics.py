@@ -33,7 +33,11 @@ FEATURE_GUARDS = Counter("prediction_feature_guard_total", "Feature guards fired
                          ["model", "feature", "action"])
 UNKNOWN_ATTRIBUTES = Counter("prediction_unknown_attributes_total", "Request attributes the schema does not know (ignored).",
                              ["model"])
-IDEMPOTENT_REPLAYS = Counter("prediction_idempotent_replays_total", "Retries answered from the CRM record.", ["model"])
+IDEMPOTENT_REPLAYS = Counter("prediction_idempotent_replays_total",
+                             "Request ids answered with the decision already on record in the ledger (any replica's).",
+                             ["model"])
+IDEMPOTENCY_KEY_REUSED = Counter("prediction_idempotency_key_reused_total",
+                                 "Request ids on record refused because they came with another payload.", ["model"])
 INFERENCE_ROWS = Histogram("prediction_inference_call_rows", "Rows per Infer call (packed rows of one or many requests).",
                            ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
 COALESCED_CALL_ROWS = Histogram("prediction_coalesced_call_rows",
@@ -76,14 +80,17 @@ CIRCUIT_STATE = Gauge("prediction_circuit_state", "Circuit breaker state: 0 clos
 CIRCUIT_TRANSITIONS = Counter("prediction_circuit_transitions_total", "Circuit breaker state changes, by new state.",
                               ["dependency", "state"])
 
-# Outbox and relay (crm/).
-OUTBOX_COMMIT_DURATION = Histogram("prediction_outbox_commit_duration_seconds",
-                                   "One local outbox commit (group commit of concurrent decisions).",
+# The decision ledger and its relay (crm/). The ledger's undelivered rows are the CRM's outbox:
+# the prediction_outbox_* series keep their names and now count the shared ledger's backlog (every
+# replica reports the same figure: aggregate them with max, not sum).
+LEDGER_COMMIT_DURATION = Histogram("prediction_ledger_commit_duration_seconds",
+                                   "One decision ledger commit (group commit of concurrent decisions).",
                                    buckets=LATENCY_BUCKETS)
-OUTBOX_COMMIT_ROWS = Histogram("prediction_outbox_commit_rows", "Decisions written by one outbox commit.",
-                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-OUTBOX_DEPTH = Gauge("prediction_outbox_depth", "Decisions recorded locally and not yet delivered to the CRM.")
-OUTBOX_OLDEST_AGE = Gauge("prediction_outbox_oldest_age_seconds", "Age of the oldest undelivered decision (0 when none).")
+LEDGER_COMMIT_ROWS = Histogram("prediction_ledger_commit_rows", "Decisions written by one decision ledger commit.",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+OUTBOX_DEPTH = Gauge("prediction_outbox_depth", "Decisions on record in the shared ledger and not yet delivered to the CRM.")
+OUTBOX_OLDEST_AGE = Gauge("prediction_outbox_oldest_age_seconds",
+                          "Age of the oldest decision the ledger has not delivered to the CRM (0 when none).")
 OUTBOX_DELIVERED = Counter("prediction_outbox_delivered_total", "Decisions the relay inserted into the CRM database.")
 OUTBOX_ALREADY_IN_CRM = Counter("prediction_outbox_already_in_crm_total",
                                 "Decisions the relay found already in the CRM (a retried transaction); not doubled.")

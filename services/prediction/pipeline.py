@@ -5,11 +5,13 @@ feature assembly with guards (the same code training used) → the rows of all i
 into InferenceService calls of at most ``max_inference_rows`` rows, per model family and
 model version, through the cache, single-flight, the caller's deadline budget, retries and
 the circuit breaker (``cache``, ``resilience``) → calibration → decision policy (with the
-ensemble spread) → explanation → durable record in the outbox, delivered to the CRM by the
+ensemble spread) → explanation → durable record in the decision ledger, delivered to the CRM by the
 relay (``crm``). A bad item gets its own error and never fails the others; results come
-back in request order. A retried request id returns the recorded decision unchanged. With a
-shadow version, the same rows also go to it in the background and the comparison is
-recorded as metrics, never served.
+back in request order. A decision is recorded in the decision ledger every replica shares
+before it is returned: a request id already on record (by any replica, at any time) returns
+the recorded decision unchanged, marked ``replayed``, and one sent with another payload is
+refused (``IDEMPOTENCY_KEY_REUSED``). With a shadow version, the same rows also go to it in the
+background and the comparison is recorded as metrics, never served.
 
 When InferenceService cannot be used (unavailable, timed out, circuit open) a stale cached
 result is served if one exists; otherwise the policy's fallback decision (REVIEW) is made
@@ -40,9 +42,10 @@ from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.store import StoredDecision, decision_id_for
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
+from mlpair.prediction.idempotency import request_fingerprint
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
 __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor"]
@@ -75,7 +78,7 @@ class PredictionResult:
     """A recorded decision plus how it was served.
 
     ``spread``, ``calibration_method`` and ``explanation`` describe a fresh decision; a
-    replayed one (retried request id) carries only what was recorded.
+    replayed one (a request id already on record, by any replica) carries only what was recorded.
     """
 
     stored: StoredDecision
@@ -83,7 +86,7 @@ class PredictionResult:
     spread: float = 0.0
     calibration_method: str = ""
     explanation: Explanation | None = None
-    replayed: bool = False  # the request id was already recorded: this is that decision
+    replayed: bool = False  # the request id was already on record: this is that decision
 
 
 class UnexpectedFailure(PredictionError):
@@ -102,6 +105,7 @@ class _Item:
     family: ModelFamily
     row: AssembledRow
     rows: np.ndarray  # [1 or 1 + n_schema_features, n_features] float32 sent to inference
+    fingerprint: str  # the canonical request's SHA-256 (idempotency.request_fingerprint)
     probabilities: np.ndarray | None = None  # [n_members, 1 or len(rows)] calibrated
     primary_margin: float = 0.0  # first member's margin of the row itself (shadow comparison)
     model_version: str = ""
@@ -144,13 +148,15 @@ class Predictor:
                     f"in one inference call but max_inference_rows is {max_inference_rows}")
 
     async def predict(self, request: PredictInput) -> PredictionResult:
-        """Decides and records one request; a retried ``request_id`` returns the recorded decision.
+        """Decides and records one request; a ``request_id`` already on record returns the
+        recorded decision (``replayed``).
 
         Raises:
             InvalidRequest: bad ids or attribute values (all problems named together).
             UnknownModel: the named model family is not served here.
+            IdempotencyKeyReused: the request id is on record for another payload.
             InferenceContractError, InferenceFailed: InferenceService refused or failed; no decision.
-            OutboxUnavailable: the decision could not be recorded (and so is not returned).
+            LedgerUnavailable: the decision could not be recorded (and so is not returned).
         """
         started = time.perf_counter()
         [outcome] = await self._run([request])
@@ -202,7 +208,7 @@ class Predictor:
                 decided.append((it, self._fallback(it, decided_at) if it.fallback else self._decide(it, decided_at)))
             except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
                 outcomes[it.index] = _as_item_error(exc)
-        recorded = await self._record([result.stored for _, result in decided]) if decided else []
+        recorded = await self._record(decided) if decided else []
         served = []
         decisions: Counter[tuple[str, str]] = Counter()  # counted once per batch, not per item
         for (it, result), record in zip(decided, recorded):
@@ -210,12 +216,20 @@ class Predictor:
                 outcomes[it.index] = _as_item_error(record)
                 continue
             stored = record.decision
-            if record.replayed:  # a retry: return what was recorded, not what was just computed
+            if record.replayed:  # on record already: return that, not what was just computed
+                if record.fingerprint and record.fingerprint != it.fingerprint:
+                    metrics.labelled(metrics.IDEMPOTENCY_KEY_REUSED, it.family.name).inc()
+                    outcomes[it.index] = _key_reused(it.request.request_id)
+                    continue
+                metrics.labelled(metrics.IDEMPOTENT_REPLAYS, it.family.name).inc()
                 from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
                 outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True)
             else:
                 outcomes[it.index] = result if stored is result.stored else dataclasses.replace(result, stored=stored)
-                if not it.fallback:
+                if it.fallback:
+                    metrics.FALLBACKS.labels(it.family.name, it.served.degraded_reason).inc()
+                else:
+                    self.drift.observe(it.family.name, it.row.vector, stored.probability)
                     served.append(it)
             decisions[it.family.name, stored.decision] += 1
         for labels, n in decisions.items():
@@ -255,7 +269,8 @@ class Predictor:
         if row.unknown_attributes:
             metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(row.unknown_attributes))
         rows = explanation_rows(family.assembler, row.vector) if request.explain else row.vector[None, :]
-        return _Item(index, request, family, row, rows)
+        return _Item(index, request, family, row, rows,
+                     request_fingerprint(family.name, request.entity_id, request.attributes))
 
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
@@ -330,7 +345,6 @@ class Predictor:
             probability, spread = float(it.probabilities[0, 0]), 0.0
         defaulted = {g.feature for g in it.row.guards if g.action in DEFAULTED_ACTIONS}
         verdict = family.policy.decide(probability, spread, len(defaulted) / family.n_schema_features)
-        self.drift.observe(family.name, it.row.vector, probability)
         if family.is_ensemble:
             metrics.ENSEMBLE_SPREAD.labels(family.name).observe(spread)
             if verdict.uncertain:
@@ -359,7 +373,6 @@ class Predictor:
         """The documented decision without model output: the policy's fallback (REVIEW) with
         reason ``INFERENCE_UNAVAILABLE`` and no probability."""
         family = it.family
-        metrics.FALLBACKS.labels(family.name, it.served.degraded_reason).inc()
         it.decision = family.policy.fallback_decision
         stored = StoredDecision(
             decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
@@ -379,12 +392,14 @@ class Predictor:
         for name, rows in by_family.items():
             self.shadows.start(self.families[name], rows)
 
-    async def _record(self, decisions: list[StoredDecision]) -> list:
-        """The one write site: commits the decisions to the outbox (in one group commit when they
-        fit) before any is returned; a retried request id gets the decision recorded first
-        (``Recorded.replayed``). Each outcome is a ``Recorded`` or the ``OutboxUnavailable`` that
-        kept that decision from the record (it is then not returned)."""
-        return await self.recorder.record_many(decisions)
+    async def _record(self, decided: list[tuple[_Item, PredictionResult]]) -> list:
+        """The one write site: commits the decisions to the shared decision ledger (in one group
+        commit when they fit) before any is returned; a request id already on record gets the
+        decision recorded first (``Recorded.replayed``, with the recorded request's fingerprint).
+        Each outcome is a ``Recorded`` or the ``LedgerUnavailable`` that kept that decision from
+        the record (it is then not returned)."""
+        return await self.recorder.record_many([result.stored for _, result in decided],
+                                               [it.fingerprint for it, _ in decided])
 
 
 def pack(items: Sequence[_Item], max_rows: int) -> list[list[_Item]]:
@@ -441,6 +456,12 @@ def _as_item_error(exc: BaseException) -> PredictionError:
         return UnexpectedFailure(exc.message)
     logger.error("unexpected failure deciding one item", exc_info=exc)
     return UnexpectedFailure("internal error")
+
+
+def _key_reused(request_id: str) -> IdempotencyKeyReused:
+    return IdempotencyKeyReused(
+        f"request_id {request_id!r} is already on record for another request (model family, entity or "
+        "attributes differ); a new decision needs a new request_id", metadata={"request_id": request_id})
 
 
 def _check_id(field: str, value: str) -> None:

@@ -1,9 +1,11 @@
 """PredictionService process: wiring, start-up checks, readiness and graceful drain.
 
 Start-up refuses to run when the configured feature schema is not the one the model was
-trained on, or the local outbox cannot be written. The CRM database and InferenceService may
-be down: decisions wait in the outbox, and requests are served stale or by the fallback.
-Readiness and per-dependency health are described in :mod:`mlpair.prediction.health`.
+trained on, or when the decision ledger or the CRM database lacks the schema this release uses
+(``mlpair migrate`` has not run; the server never migrates). The CRM database and InferenceService
+may be down: decisions wait in the ledger, and requests are served stale or by the fallback. The
+ledger may be down at start-up too: the server then starts not ready. Readiness and
+per-dependency health are described in :mod:`mlpair.prediction.health`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mlpair.rpc import (add_servicer, bind_port, channel_credentials, drain, gua
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mlpair.prediction.v1.PredictionService"
-SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering the outbox backlog
+SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering what this replica recorded
 
 
 def build_cache(settings: PredictionSettings) -> LogitsCache:
@@ -87,11 +89,11 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
                                        ensemble=settings.ensembles.get(name, ()), shadow=settings.shadows.get(name))
                 for name in names}
     recorder = DecisionRecorder.open(
-        settings.outbox_url, settings.crm_url, synchronous=settings.outbox_synchronous,
-        busy_timeout_s=settings.outbox_busy_timeout_ms / 1000,
-        crm_timeout_s=settings.crm_timeout_ms / 1000, batch_size=settings.relay_batch_size,
-        linger_s=settings.relay_linger_ms / 1000,
-        backoff_max_s=settings.relay_backoff_max_ms / 1000, retention_s=settings.outbox_retention_s)
+        settings.ledger_url, settings.crm_url, ledger_timeout_s=settings.ledger_timeout_ms / 1000,
+        synchronous=settings.ledger_synchronous, pool_size=settings.ledger_pool_size,
+        statement_cache_size=settings.ledger_statement_cache_size, crm_timeout_s=settings.crm_timeout_ms / 1000,
+        batch_size=settings.relay_batch_size, linger_s=settings.relay_linger_ms / 1000,
+        backoff_max_s=settings.relay_backoff_max_ms / 1000)
     # Observability (issue 6): CRM spans, personal fields kept out of logs, drift monitoring.
     if settings.tracing:
         recorder.instrument(tracer_provider)
@@ -123,11 +125,11 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
 
 async def start(settings: PredictionSettings, *,
                 tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
-    """Migrates the outbox, starts the relay and the server, and reports readiness.
+    """Opens the decision ledger, starts the relay and the server, and reports readiness.
 
     Raises:
         ConfigurationError: inconsistent configuration.
-        sqlalchemy.exc.SQLAlchemyError, OSError: the outbox cannot be created or written.
+        SchemaNotReady: the ledger or the CRM database has not been migrated (``mlpair migrate``).
     """
     predictor = build_predictor(settings, tracer_provider=tracer_provider)
     await predictor.recorder.start()
@@ -144,8 +146,8 @@ async def start(settings: PredictionSettings, *,
 
 async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float,
                accept_s: float = 0.0) -> None:
-    """Drains in-flight calls (see :func:`mlpair.rpc.drain`), delivers what it can of the outbox,
-    then closes every connection."""
+    """Drains in-flight calls (see :func:`mlpair.rpc.drain`), delivers what it can of the ledger's
+    backlog, then closes every connection."""
     await health.stop_monitoring()
     await drain(server, health, grace_s, accept_s)
     await predictor.drift.stop()

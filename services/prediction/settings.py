@@ -93,15 +93,17 @@ class PredictionSettings(BaseSettings):
     breaker_half_open_probes: int = 1
     """Infer calls allowed at once while half-open; their outcome closes or reopens the circuit."""
 
-    # Durable decisions: local outbox and relay to the CRM database (crm/).
-    outbox_url: str = "sqlite+aiosqlite:///var/prediction-outbox.sqlite"
-    """SQLAlchemy async URL of the local outbox, where each decision is recorded before it is returned."""
-    outbox_synchronous: Literal["FULL", "NORMAL"] = "FULL"
-    """SQLite synchronous mode of the outbox: FULL survives power loss, NORMAL only a process crash."""
-    outbox_busy_timeout_ms: int = 5000
-    """Milliseconds an outbox write waits for another holder of the file's write lock before failing."""
-    outbox_retention_s: float = 86400.0
-    """Seconds delivered decisions stay in the outbox to answer retried request ids locally."""
+    # Durable decisions: the shared decision ledger and its relay to the CRM database (crm/).
+    ledger_url: str = "sqlite+aiosqlite:///var/prediction-ledger.sqlite"
+    """SQLAlchemy async URL of the decision ledger every replica shares (postgresql+asyncpg://… for replicas; a SQLite file for one machine); created by `mlpair migrate`."""
+    ledger_timeout_ms: int = 2000
+    """Connect, pool and statement timeout of the decision ledger, in milliseconds; a decision not recorded in time is UNAVAILABLE."""
+    ledger_pool_size: int = 4
+    """Most PostgreSQL connections to the ledger per process (group commits, relay claims, probes)."""
+    ledger_statement_cache_size: int = 100
+    """Prepared statements asyncpg keeps per ledger connection; 0 behind PgBouncer in transaction mode."""
+    ledger_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    """SQLite ledger only: FULL fsyncs each commit (survives power loss), NORMAL survives a process crash only."""
     relay_batch_size: int = 2048
     """Most decisions the relay delivers to the CRM in one transaction."""
     relay_linger_ms: int = 50
@@ -111,7 +113,7 @@ class PredictionSettings(BaseSettings):
     crm_timeout_ms: int = 5000
     """Connect and statement timeout of the CRM database, in milliseconds."""
     health_interval_ms: int = 1000
-    """Milliseconds between checks of the outbox, CRM, cache and InferenceService for health."""
+    """Milliseconds between checks of the ledger, CRM, cache and InferenceService for health."""
 
     # -- Observability (issue 6) ----------------------------------------------------------------
     tracing: bool = True
@@ -150,6 +152,12 @@ class PredictionSettings(BaseSettings):
     """PEM client certificate presented to InferenceService (when it requires mutual TLS)."""
     inference_tls_key_file: Path | None = None
     """PEM private key of inference_tls_cert_file."""
+
+    @model_validator(mode="after")
+    def _ledger_is_its_own(self) -> PredictionSettings:
+        if self.ledger_url.startswith("sqlite") and self.ledger_url == self.crm_url:
+            raise ValueError("a SQLite decision ledger is a file of its own: ledger_url must differ from crm_url")
+        return self
 
     @model_validator(mode="after")
     def _tls_is_consistent(self) -> PredictionSettings:

@@ -125,7 +125,8 @@ async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
 
 @contextlib.asynccontextmanager
 async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: str):
-    from mlpair.prediction.server import start, stop
+    from mlpair.prediction.server import stop
+    from tests.support import start_prediction
     from mlpair.prediction.settings import PredictionSettings
 
     settings = settings_for(
@@ -138,7 +139,7 @@ async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local
         otlp_endpoint="",
         **local,
     )
-    server, port, health, predictor = await start(settings)
+    server, port, health, predictor = await start_prediction(settings)
     try:
         yield f"127.0.0.1:{port}", predictor
     finally:

@@ -21,18 +21,19 @@ ENSEMBLE_SEEDS = (7, 11)  # versions 2 and 3 of credit-risk; version 1 is the se
 @contextlib.asynccontextmanager
 async def prediction_service(inference_target: str, model_repository: Path, crm_dir: Path, **overrides):
     """A real PredictionService (SQLite CRM) in front of ``inference_target``; yields (stub, predictor)."""
-    from mlpair.prediction.server import start, stop
+    from mlpair.prediction.server import stop
+    from tests.support import start_prediction
     from mlpair.prediction.settings import PredictionSettings
 
     settings = PredictionSettings(**{
         "host": "127.0.0.1", "port": 0, "metrics_port": 0, "inference_target": inference_target,
         "crm_url": f"sqlite+aiosqlite:///{crm_dir / 'crm.sqlite'}",
-        "outbox_url": f"sqlite+aiosqlite:///{crm_dir / 'outbox.sqlite'}", "model_repository": model_repository,
+        "ledger_url": f"sqlite+aiosqlite:///{crm_dir / 'ledger.sqlite'}", "model_repository": model_repository,
         "config_dir": CONFIG_DIR, "models": ["credit-risk", "churn"],
         "inference_max_batch_rows": INFERENCE_MAX_BATCH,
         # a shared, loaded 2-core machine: no spurious deadlines or open circuits outside the fault tests
         "inference_timeout_ms": 10_000, **overrides})
-    server, port, health, predictor = await start(settings)
+    server, port, health, predictor = await start_prediction(settings)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield pb_grpc.PredictionServiceStub(channel), predictor
@@ -41,7 +42,7 @@ async def prediction_service(inference_target: str, model_repository: Path, crm_
 
 
 async def crm_count(predictor) -> int:
-    """CRM rows once the outbox relay has delivered every decision recorded so far."""
+    """CRM rows once the relay has delivered every decision recorded so far."""
     assert await predictor.recorder.wait_delivered(10)
     return await predictor.crm.count()
 

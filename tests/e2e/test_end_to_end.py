@@ -22,7 +22,7 @@ from mlpair.prediction.policy import DecisionPolicy
 from mlpair.prediction.server import build_predictor
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import crm_count, prediction_service
-from tests.support import CONFIG_DIR
+from tests.support import CONFIG_DIR, migrate_for
 
 N_ENTITIES = 60
 
@@ -198,15 +198,16 @@ async def test_c31_schema_version_mismatch_is_refused_and_not_decided(inference_
     settings = PredictionSettings(inference_target=inference_server, config_dir=tmp_path / "config",
                                   model_repository=tmp_path / "models", models=[family], model_name=family,
                                   crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
-                                  outbox_url=f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}")
+                                  ledger_url=f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}")
     predictor = build_predictor(settings)
+    await migrate_for(settings)
     await predictor.recorder.start()
     try:
         with pytest.raises(InferenceContractError):
             await predictor.predict(PredictInput("c31-1", "e1", holdout.records[0]))
         [outcome] = await predictor.predict_batch([PredictInput("c31-2", "e2", holdout.records[1])])
         assert isinstance(outcome, InferenceContractError)
-        assert await predictor.recorder.outbox.backlog() == (0, 0.0)
+        assert await predictor.recorder.ledger.backlog() == (0, 0.0)
         assert await crm_count(predictor) == 0
     finally:
         await predictor.scorer.close()

@@ -169,7 +169,7 @@ async def test_crm_connection_cut_and_restored_every_decision_lands_exactly_once
                         and await health_of(address, SERVICE) == health_pb2.HealthCheckResponse.SERVING)
 
             await eventually(crm_down_but_ready)
-            assert (await predictor.recorder.outbox.backlog())[0] > 0
+            assert (await predictor.recorder.ledger.backlog())[0] > 0
             await proxy.restore()
             replies += await send(range(2 * third, N_PREDICTIONS))
             assert await predictor.recorder.wait_delivered(30)
@@ -199,8 +199,8 @@ async def test_c39_a_retry_after_a_timeout_that_followed_the_commit_returns_the_
         slow = asyncio.Event()
         slow.set()
 
-        async def record_then_stall(decisions):  # the commit happens; the answer is late
-            recorded = await record_many(decisions)
+        async def record_then_stall(decisions, fingerprints):  # the commit happens; the answer is late
+            recorded = await record_many(decisions, fingerprints)
             if slow.is_set():
                 await asyncio.sleep(5)
             return recorded
@@ -210,8 +210,9 @@ async def test_c39_a_retry_after_a_timeout_that_followed_the_commit_returns_the_
         with pytest.raises(grpc.aio.AioRpcError) as excinfo:
             await stub.Predict(request, timeout=0.5)
         assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        committed = await recorder.outbox.find("c39-timeout")
-        assert committed is not None
+        on_record = await recorder.ledger.find("c39-timeout")
+        assert on_record is not None
+        committed = on_record.decision
         slow.clear()
         retry = await stub.Predict(request, timeout=5)
         assert retry.decision_id == committed.decision_id and retry.probability == committed.probability

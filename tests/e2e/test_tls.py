@@ -145,18 +145,19 @@ async def test_inference_service_mutual_tls_requires_a_client_certificate(model_
 
 async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository, credit_holdout, certs, tmp_path):
     """Business caller --TLS--> PredictionService --mTLS--> InferenceService, on 127.0.0.1."""
-    from mlpair.prediction.server import start, stop
+    from mlpair.prediction.server import stop
+    from tests.support import start_prediction
 
     async with inference_service(model_repository, tls_cert_file=certs["server_cert"], tls_key_file=certs["server_key"],
                                  tls_client_ca_file=certs["ca"]) as inference_target:
         settings = PredictionSettings(
             host="127.0.0.1", port=0, metrics_port=0, inference_target=inference_target,
             crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
-            outbox_url=f"sqlite+aiosqlite:///{tmp_path / 'outbox.sqlite'}", model_repository=model_repository,
+            ledger_url=f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}", model_repository=model_repository,
             config_dir=CONFIG_DIR, tls_cert_file=certs["server_cert"], tls_key_file=certs["server_key"],
             inference_tls_ca_file=certs["ca"], inference_tls_cert_file=certs["client_cert"],
             inference_tls_key_file=certs["client_key"])
-        server, port, health, predictor = await start(settings)
+        server, port, health, predictor = await start_prediction(settings)
         try:
             target = f"127.0.0.1:{port}"
             async with open_channel(target, [], channel_credentials(certs["ca"])) as channel:

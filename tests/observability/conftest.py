@@ -25,7 +25,7 @@ from tests.support import CONFIG_DIR
 async def pair(model_repository, tmp_path_factory):
     from mlpair.inference.server import start as start_inference
     from mlpair.inference.settings import InferenceSettings
-    from mlpair.prediction.server import start as start_prediction
+    from tests.support import start_prediction
     from mlpair.prediction.server import stop as stop_prediction
     from mlpair.prediction.settings import PredictionSettings
 
@@ -48,7 +48,7 @@ async def pair(model_repository, tmp_path_factory):
     settings = PredictionSettings(host="127.0.0.1", port=0, metrics_port=0,
                                   inference_target=f"127.0.0.1:{inference_port}",
                                   crm_url=f"sqlite+aiosqlite:///{crm}",
-                                  outbox_url=f"sqlite+aiosqlite:///{crm.with_name('outbox.sqlite')}",
+                                  ledger_url=f"sqlite+aiosqlite:///{crm.with_name('ledger.sqlite')}",
                                   model_repository=model_repository,
                                   config_dir=CONFIG_DIR, drift_interval_s=0,
                                   cache_backend="off",  # every Predict reaches InferenceService and logs there

@@ -29,13 +29,13 @@ async def test_one_trace_spans_predict_infer_and_the_crm_write(pair, credit_hold
 
     infer_client = _one(spans, INFER, SpanKind.CLIENT)
     infer_server = _one(spans, INFER, SpanKind.SERVER)
-    outbox_write = _one(spans, "outbox INSERT", SpanKind.CLIENT)
+    ledger_write = _one(spans, "ledger INSERT", SpanKind.CLIENT)
     # Parent chain: Predict → Infer (client) → Infer (server, other process's provider); the
-    # durable write the response waits for (the outbox commit) under Predict.
+    # durable write the response waits for (the ledger commit) under Predict.
     assert predict.parent is None
     assert infer_client.parent.span_id == predict.context.span_id
     assert infer_server.parent.span_id == infer_client.context.span_id and infer_server.parent.is_remote
-    assert outbox_write.parent.span_id == predict.context.span_id
+    assert ledger_write.parent.span_id == predict.context.span_id
     # Each service reports under its own name.
     assert predict.resource.attributes["service.name"] == "mlpair-prediction"
     assert infer_server.resource.attributes["service.name"] == "mlpair-inference"
@@ -45,7 +45,7 @@ async def test_one_trace_spans_predict_infer_and_the_crm_write(pair, credit_hold
     crm_writes = [s for s in pair.spans() if s.name == "crm INSERT"]
     assert crm_writes, [s.name for s in pair.spans()]
     assert crm_writes[0].attributes["db.system"] == "sqlite"
-    assert not any("param" in key for s in crm_writes + [outbox_write] for key in s.attributes)
+    assert not any("param" in key for s in crm_writes + [ledger_write] for key in s.attributes)
 
 
 async def test_caller_trace_context_is_continued(pair, credit_holdout):
@@ -53,7 +53,7 @@ async def test_caller_trace_context_is_continued(pair, credit_holdout):
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     await pair.stub.Predict(predict_request("trace-2", credit_holdout.entity_ids[1], credit_holdout.records[1]),
                             metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),))
-    spans = [s for s in pair.spans() if s.name in (PREDICT, INFER, "outbox INSERT")]
+    spans = [s for s in pair.spans() if s.name in (PREDICT, INFER, "ledger INSERT")]
     predict = _one(spans, PREDICT, SpanKind.SERVER)
     assert format(predict.parent.span_id, "016x") == parent_id
     assert len(spans) == 4 and {format(s.context.trace_id, "032x") for s in spans} == {trace_id}

@@ -18,28 +18,28 @@ SERVICE = "mlpair.prediction.v1.PredictionService"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def test_inference_down_is_degraded_but_ready_and_an_unwritable_outbox_is_not_ready(
+async def test_inference_down_is_degraded_but_ready_and_an_unwritable_ledger_is_not_ready(
         model_repository, credit_holdout, tmp_path):
     nobody = f"127.0.0.1:{free_port()}"  # no InferenceService at all
-    settings = prediction_settings(tmp_path, model_repository, nobody, outbox_busy_timeout_ms=200)
+    settings = prediction_settings(tmp_path, model_repository, nobody, ledger_timeout_ms=200)
     async with prediction_service(settings) as (stub, _, _, address):
         async def statuses() -> dict[str, int]:
-            names = {"": "", "service": SERVICE, **{d: f"{SERVICE}/{d}" for d in ("inference", "crm", "cache", "outbox")}}
+            names = {"": "", "service": SERVICE, **{d: f"{SERVICE}/{d}" for d in ("inference", "crm", "cache", "ledger")}}
             return {k: await health_of(address, name) for k, name in names.items()}
 
         assert await statuses() == {"": SERVING, "service": SERVING, "inference": NOT_SERVING, "crm": SERVING,
-                                    "cache": SERVING, "outbox": SERVING}
+                                    "cache": SERVING, "ledger": SERVING}
         assert REGISTRY.get_sample_value("prediction_degraded") == 1
         reply = await stub.Predict(pb.PredictRequest(request_id="h1", entity_id="e",
                                                      attributes=to_attributes(credit_holdout.records[0])), timeout=5)
         assert reply.fallback and reply.decision == pb.DECISION_REVIEW
 
-        holder = sqlite3.connect(tmp_path / "outbox.sqlite", isolation_level=None)
-        holder.execute("BEGIN IMMEDIATE")  # the outbox can no longer take writes
+        holder = sqlite3.connect(tmp_path / "ledger.sqlite", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # the ledger can no longer take writes
         try:
             async def not_ready() -> bool:
                 s = await statuses()
-                return s[""] == s["service"] == s["outbox"] == NOT_SERVING
+                return s[""] == s["service"] == s["ledger"] == NOT_SERVING
 
             await eventually(not_ready)
             with pytest.raises(grpc.aio.AioRpcError) as excinfo:
@@ -53,6 +53,6 @@ async def test_inference_down_is_degraded_but_ready_and_an_unwritable_outbox_is_
 
         async def ready_again() -> bool:
             s = await statuses()
-            return s[""] == s["outbox"] == SERVING
+            return s[""] == s["ledger"] == SERVING
 
         await eventually(ready_again)

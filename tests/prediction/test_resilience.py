@@ -14,6 +14,7 @@ from mlpair.prediction.errors import CircuitOpen, InferenceContractError, Infere
 from mlpair.prediction.pipeline import PredictInput
 from mlpair.prediction.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
+from tests.support import migrate_for
 
 
 class Clock:
@@ -158,7 +159,7 @@ async def test_c22_slow_model_ends_in_a_recorded_fallback_before_the_callers_dea
             reply = await stub.Predict(predict("c22-slow", credit_holdout.records[0]), timeout=1.5)
             assert reply.fallback and reply.decision == pb.DECISION_REVIEW
             assert reply.degraded_reason == "INFERENCE_TIMEOUT" and reply.reason_codes[0] == "INFERENCE_UNAVAILABLE"
-            recorded = await predictor.recorder.outbox.find("c22-slow")
+            recorded = (await predictor.recorder.ledger.find("c22-slow")).decision
             assert recorded.decision_id == reply.decision_id and recorded.probability is None
             for _ in range(100):  # the Infer call's own deadline has passed: InferenceService stops working on it
                 if forwarder.cancelled:
@@ -172,7 +173,9 @@ async def test_c22_no_inference_call_when_the_budget_is_already_spent(
     from mlpair.prediction.server import build_predictor
 
     async with inference_forwarder(inference_server) as (target, forwarder):
-        predictor = build_predictor(prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=50))
+        settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=50)
+        predictor = build_predictor(settings)
+        await migrate_for(settings)
         await predictor.recorder.start()
         try:
             result = await predictor.predict(PredictInput("c22-spent", "e", credit_holdout.records[0],
@@ -202,7 +205,7 @@ async def test_c22_a_caller_that_gives_up_cancels_the_inference_call_and_nothing
                     break
                 await asyncio.sleep(0.02)
             assert forwarder.cancelled == 1
-            assert await predictor.recorder.outbox.find("c22-gone") is None
+            assert await predictor.recorder.ledger.find("c22-gone") is None
 
 
 async def test_unavailable_is_retried_once_and_the_decision_is_fresh(

@@ -4,24 +4,30 @@
 Two databases, two metadata objects:
 
 * the **CRM database** (``CrmBase``): ``decisions``, one row per request id, what the business reads;
-* the **local outbox** (``OutboxBase``): ``outbox``, where PredictionService durably records each
-  decision before returning it; the relay delivers its rows to the CRM.
+* the **decision ledger** (``LedgerBase``): ``decision_ledger``, PredictionService's own table,
+  shared by every replica: one row per request id, written before the decision is returned, with
+  the request's fingerprint and its delivery state; the relay delivers its rows to the CRM. On
+  PostgreSQL it lives in the ``prediction`` schema (:data:`LEDGER_SCHEMA`); a SQLite ledger (the
+  embedded default) is a file of its own.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import DateTime, Float, Integer, String, Text, func
+from sqlalchemy import BigInteger, DateTime, Float, Index, Integer, String, Text, func, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+LEDGER_SCHEMA = "prediction"  # PostgreSQL schema owned by PredictionService (SQLite has none)
+LEDGER_TABLE = "decision_ledger"
 
 
 class CrmBase(DeclarativeBase):
     """Tables of the CRM database."""
 
 
-class OutboxBase(DeclarativeBase):
-    """Tables of PredictionService's local outbox database."""
+class LedgerBase(DeclarativeBase):
+    """Tables of PredictionService's decision ledger."""
 
 
 class DecisionRecord(CrmBase):
@@ -46,13 +52,43 @@ class DecisionRecord(CrmBase):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
 
 
-class OutboxEntry(OutboxBase):
-    """A decision recorded locally, with its CRM delivery state; ``request_id`` is unique here too."""
+class LedgerEntry(LedgerBase):
+    """A decision on record for its request id, shared by every replica (see ``crm/ledger.py``).
 
-    __tablename__ = "outbox"
+    The decision's columns are the CRM's; ``fingerprint`` is the SHA-256 of the canonical request
+    (empty when unknown: a decision imported from an outbox or backfilled from the CRM).
+    ``recorded_at``, ``delivered_at`` and ``lease_until`` are timestamps on PostgreSQL and Unix
+    seconds on SQLite, whose ledger is read and written by plain ``sqlite3``.
+    """
 
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    __tablename__ = LEDGER_TABLE
+    __table_args__ = (
+        # the relay's work list: undelivered rows in commit order, cheap however long the ledger grows
+        Index("ix_decision_ledger_undelivered", "seq", postgresql_where=text("delivered_at IS NULL"),
+              sqlite_where=text("delivered_at IS NULL")),
+        {"schema": LEDGER_SCHEMA},
+    )
+
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True,
+                                     autoincrement=True)
     request_id: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)
-    payload: Mapped[str] = mapped_column(Text, nullable=False)  # the decision as JSON
-    recorded_at: Mapped[float] = mapped_column(Float, nullable=False)  # Unix seconds
-    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)  # Unix seconds
+    fingerprint: Mapped[str] = mapped_column(String(64), nullable=False, server_default="")
+    decision_id: Mapped[str] = mapped_column(String(36), nullable=False)
+    entity_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    model_name: Mapped[str] = mapped_column(String(64), nullable=False)
+    model_version: Mapped[str] = mapped_column(String(32), nullable=False)
+    feature_schema_version: Mapped[str] = mapped_column(String(64), nullable=False)
+    policy_version: Mapped[str] = mapped_column(String(64), nullable=False)
+    probability: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decision: Mapped[str] = mapped_column(String(32), nullable=False)
+    reason_codes: Mapped[str] = mapped_column(Text, nullable=False)  # JSON list
+    served_from: Mapped[str] = mapped_column(String(16), nullable=False)
+    cache_age_ms: Mapped[int] = mapped_column(Integer, nullable=False)
+    degraded_reason: Mapped[str] = mapped_column(String(64), nullable=False)
+    decided_at: Mapped[datetime] = mapped_column(DateTime(timezone=True).with_variant(Text(), "sqlite"), nullable=False)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True).with_variant(Float(), "sqlite"),
+                                                  nullable=False)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True).with_variant(Float(), "sqlite"),
+                                                          nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True).with_variant(Float(), "sqlite"),
+                                                         nullable=True)

@@ -1,8 +1,9 @@
-"""Durable, exactly-once decision recording: the outbox now, the CRM database soon after.
+"""Durable, exactly-once decision recording: the shared decision ledger now, the CRM database soon after.
 
-The one object the prediction core talks to about the CRM: :meth:`DecisionRecorder.record`
-returns only after the decision is committed locally, and the relay delivers it to the CRM
-database whether that is up now or comes back later.
+The one object the prediction core talks to about decisions on record:
+:meth:`DecisionRecorder.record_many` returns only after the decisions are committed to the ledger
+(or what another replica recorded first for the same request id), and the relay delivers them to
+the CRM database whether that is up now or comes back later.
 """
 
 from __future__ import annotations
@@ -11,25 +12,26 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
-from mlpair.prediction import metrics
-from mlpair.prediction.crm.outbox import Outbox, OutboxRelay, Recorded
+from mlpair.prediction.crm.ledger import DecisionLedger, Recorded, open_ledger
+from mlpair.prediction.crm.migrate import CRM_BRANCH, SchemaNotReady, check_columns
+from mlpair.prediction.crm.relay import LedgerRelay
 from mlpair.prediction.crm.store import CrmStore, StoredDecision
-from mlpair.prediction.errors import OutboxUnavailable
+from mlpair.prediction.errors import LedgerUnavailable
 
 logger = logging.getLogger(__name__)
 
 
 class DecisionRecorder:
-    """The outbox, its relay and the CRM database, started and stopped together."""
+    """The decision ledger, its relay and the CRM database, started and stopped together."""
 
-    def __init__(self, outbox: Outbox, crm: CrmStore, relay: OutboxRelay) -> None:
-        self.outbox = outbox
+    def __init__(self, ledger: DecisionLedger, crm: CrmStore, relay: LedgerRelay) -> None:
+        self.ledger = ledger
         self.crm = crm
         self.relay = relay
         self._tracer = None  # set by instrument(): spans for the durable write of each decision
 
     def instrument(self, tracer_provider=None) -> None:
-        """Traces each outbox commit (``outbox INSERT``, child of the Predict span: the durable
+        """Traces each ledger commit (``ledger INSERT``, child of the Predict span: the durable
         write the response waits for) and each CRM statement of the relay (``crm INSERT``, in the
         relay's own trace, since delivery happens after the response)."""
         from opentelemetry import trace
@@ -40,73 +42,63 @@ class DecisionRecorder:
         instrument_engine(self.crm.engine, tracer_provider)
 
     @classmethod
-    def open(cls, outbox_url: str, crm_url: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0,
-             crm_timeout_s: float = 5.0,
-             batch_size: int = 2048, linger_s: float = 0.05, backoff_max_s: float = 5.0,
-             retention_s: float = 86400.0) -> DecisionRecorder:
-        """Builds the three parts (no I/O yet)."""
-        outbox = Outbox(outbox_url, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
+    def open(cls, ledger_url: str, crm_url: str, *, ledger_timeout_s: float = 2.0, synchronous: str = "FULL",
+             pool_size: int = 4, statement_cache_size: int = 100, crm_timeout_s: float = 5.0,
+             batch_size: int = 2048, linger_s: float = 0.05, backoff_max_s: float = 5.0) -> DecisionRecorder:
+        """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments."""
+        ledger = open_ledger(ledger_url, timeout_s=ledger_timeout_s, synchronous=synchronous, pool_size=pool_size,
+                             statement_cache_size=statement_cache_size)
         crm = CrmStore(crm_url, timeout_s=crm_timeout_s)
-        relay = OutboxRelay(outbox, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s,
-                            retention_s=retention_s)
-        return cls(outbox, crm, relay)
+        relay = LedgerRelay(ledger, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s)
+        return cls(ledger, crm, relay)
 
     async def start(self) -> None:
-        """Migrates the outbox and the CRM database, and starts the relay. The CRM database may
-        be down: then the relay migrates it before its first delivery, retrying until it can.
+        """Opens the ledger, checks both schemas where reachable, and starts the relay. Nothing is
+        migrated here (``mlpair migrate`` does that, with a schema-owner role). The CRM database
+        may be down: decisions then wait in the ledger.
 
         Raises:
-            sqlalchemy.exc.SQLAlchemyError, OSError: the outbox cannot be created or written.
+            SchemaNotReady: the ledger or the CRM database lacks what this release uses.
         """
-        await self.outbox.migrate()
-        if not await self.outbox.probe():
-            raise OSError("the outbox database is not writable")
+        await self.ledger.open()
         try:
-            await self.crm.create_schema()
-            self.relay.crm_migrated = True
-        except Exception as exc:
-            logger.warning("CRM database not reachable at start-up (%s); decisions wait in the outbox",
+            await check_columns(self.crm.engine, CRM_BRANCH)
+        except SchemaNotReady:
+            raise
+        except Exception as exc:  # noqa: BLE001  (down now: the relay keeps trying)
+            logger.warning("CRM database not reachable at start-up (%s); decisions wait in the ledger",
                            type(exc).__name__)
         self.relay.start()
 
-    async def record(self, decision: StoredDecision) -> Recorded:
-        """Commits ``decision`` locally (see :meth:`Outbox.record`); the relay delivers it later.
-
-        Raises:
-            OutboxUnavailable: it could not be recorded, so it must not be returned.
-        """
-        [outcome] = await self.record_many([decision])
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    async def record_many(self, decisions: Sequence[StoredDecision]) -> list[Recorded | OutboxUnavailable]:
-        """Commits many decisions locally together; each outcome is its :class:`Recorded`, or the
-        :class:`OutboxUnavailable` that kept it from being recorded (so it must not be returned)."""
+    async def record_many(self, decisions: Sequence[StoredDecision],
+                          fingerprints: Sequence[str]) -> list[Recorded | LedgerUnavailable]:
+        """Commits the decisions to the ledger together; each outcome is what is on record for
+        its request id (:class:`Recorded`), or the :class:`LedgerUnavailable` that kept it from
+        being recorded (so it must not be returned)."""
         if self._tracer is None:
             span = contextlib.nullcontext()
         else:
             from opentelemetry.trace import SpanKind
 
-            span = self._tracer.start_as_current_span("outbox INSERT", kind=SpanKind.CLIENT,
-                                                      attributes={"db.system": "sqlite", "db.operation.name": "INSERT"})
+            span = self._tracer.start_as_current_span(
+                "ledger INSERT", kind=SpanKind.CLIENT,
+                attributes={"db.system": self.ledger.db_system, "db.operation.name": "INSERT"})
         with span:
-            outcomes = await self.outbox.record_many(decisions)
-        for outcome in outcomes:
-            if isinstance(outcome, Recorded) and outcome.replayed:
-                metrics.labelled(metrics.IDEMPOTENT_REPLAYS, outcome.decision.model_name).inc()
-        return outcomes
+            return await self.ledger.record_many(decisions, fingerprints)
 
     async def wait_delivered(self, timeout_s: float) -> bool:
-        """Waits until every decision recorded so far is in the CRM database; False on timeout."""
+        """Waits until every decision on record is in the CRM database; False on timeout."""
         return await self.relay.wait_delivered(timeout_s)
 
     async def close(self, drain_timeout_s: float = 0.0) -> None:
         """Stops the relay after delivering what it can within ``drain_timeout_s``; what is left
-        stays in the outbox and is delivered after the next start."""
+        stays in the ledger, where any replica's relay delivers it."""
         await self.relay.stop(drain_timeout_s)
-        backlog, _ = await self.outbox.backlog()
+        try:
+            backlog, _ = await self.ledger.backlog()
+        except Exception:  # noqa: BLE001
+            backlog = 0
         if backlog:
-            logger.warning("%d decision(s) not yet in the CRM stay in the outbox for the next start", backlog)
-        await self.outbox.close()
+            logger.info("%d decision(s) not yet in the CRM wait in the ledger for any replica's relay", backlog)
+        await self.ledger.close()
         await self.crm.close()

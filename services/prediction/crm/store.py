@@ -1,4 +1,4 @@
-"""The CRM database: decisions delivered by the outbox relay, exactly once per request id.
+"""The CRM database: decisions delivered by the ledger's relay, exactly once per request id.
 
 Delivery is one transaction per batch, ``INSERT … ON CONFLICT DO NOTHING``: if a connection
 drops after the commit but before the acknowledgement, the relay retries the whole
@@ -50,7 +50,7 @@ def decision_id_for(request_id: str) -> str:
 
 @dataclass(frozen=True)
 class StoredDecision:
-    """A decision as recorded (in the outbox, then in the CRM).
+    """A decision as recorded (in the decision ledger, then in the CRM).
 
     ``probability`` is None when no model output was used (``served_from = "fallback"``);
     ``served_from`` is one of ``inference``, ``cache``, ``stale_cache``, ``fallback``.
@@ -73,7 +73,7 @@ class StoredDecision:
 
     def _fields(self) -> dict[str, Any]:
         # Field by field, not dataclasses.asdict: asdict deep-copies every value, which cost more
-        # than the rest of the outbox write on the request path (profiled).
+        # than the rest of the decision's write on the request path (profiled).
         return {"decision_id": self.decision_id, "request_id": self.request_id, "entity_id": self.entity_id,
                 "model_name": self.model_name, "model_version": self.model_version,
                 "feature_schema_version": self.feature_schema_version, "policy_version": self.policy_version,
@@ -98,15 +98,23 @@ class StoredDecision:
         return cls(r.decision_id, r.request_id, r.entity_id, r.model_name, r.model_version,
                    r.feature_schema_version, r.policy_version, r.probability, r.decision,
                    tuple(json.loads(r.reason_codes)), r.served_from, r.cache_age_ms, r.degraded_reason,
-                   _utc(r.decided_at))
+                   as_utc(r.decided_at))
 
     def to_row(self) -> dict[str, Any]:
         row = self._fields()
-        row["reason_codes"] = _JSON.encode(list(self.reason_codes))
+        row["reason_codes"] = self.reason_codes_json()
         return row
 
+    def reason_codes_json(self) -> str:
+        """The reason codes as stored: a JSON list."""
+        return _JSON.encode(list(self.reason_codes))
 
-def _utc(value: datetime | None) -> datetime | None:
+    @staticmethod
+    def reason_codes_from_json(stored: str) -> tuple[str, ...]:
+        return tuple(json.loads(stored))
+
+
+def as_utc(value: datetime | None) -> datetime | None:
     """SQLite returns naive datetimes; every timestamp here is UTC."""
     if value is not None and value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)

@@ -52,7 +52,9 @@ class PredictionServiceServicer:
     """
 
     def Predict(self, request, context):
-        """Assembles features, runs inference, calibrates, decides and records one decision.
+        """Assembles features, runs inference, calibrates, decides and records one decision in the
+        shared decision ledger before answering (UNAVAILABLE, reason DECISION_NOT_RECORDED, when the
+        ledger cannot be reached: nothing is answered that is not on record; retry with the same id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -60,7 +62,7 @@ class PredictionServiceServicer:
 
     def BatchPredict(self, request, context):
         """Decides many items in one call. Results come in request order; each item succeeds or
-        fails on its own. The rows are packed into inference calls no larger than the inference
+        fails on its own (a request id on record for another payload fails that item alone). The rows are packed into inference calls no larger than the inference
         service's max batch size. The whole call fails only when it carries too many items.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,267 @@
+"""The decision ledger: one durable decision per request id, shared by every replica.
+
+Every PredictionService replica writes each decision to the ledger **before** returning it, and
+reads from it what any replica recorded first for the same request id (the idempotency key):
+
+* **One decision per request id, everywhere.** ``request_id`` is unique in the ledger. A commit
+  inserts what is new and reads back what is already on record (:class:`Recorded` with
+  ``replayed = True``), so a retry on any replica, at any time, gets the decision recorded first,
+  and concurrent first calls on several replicas all get the one that won the insert. Rows are
+  never purged by PredictionService: the ledger keeps a request id as long as the CRM keeps its row.
+* **The payload is checked.** Each row keeps the request's fingerprint
+  (:func:`mlpair.prediction.idempotency.request_fingerprint`); the pipeline refuses a recorded id
+  sent with another payload.
+* **Durable before acknowledged.** :meth:`DecisionLedger.record_many` returns once the commit is
+  durable; a failed commit is :class:`LedgerUnavailable` for each of its decisions, which are then
+  never returned (fail closed: no answer the ledger could later contradict).
+* **Group commit.** Decisions arriving while a commit is in progress go together into the next
+  transaction, so the per-request cost stays near one commit however many requests are in flight.
+* **It is the CRM's outbox.** Rows start undelivered; :mod:`mlpair.prediction.crm.relay` on any
+  replica claims a batch (:meth:`DecisionLedger.claim`), delivers it to the CRM database with
+  ``INSERT … ON CONFLICT DO NOTHING`` and marks it delivered in the same claim.
+
+Two engines implement it: PostgreSQL for replicas (:mod:`.ledger_postgres`, the production one;
+docs/design.md says why PostgreSQL rather than NATS JetStream, with measured figures) and a SQLite
+file for one machine (:mod:`.ledger_sqlite`, the embedded default of ``make demo``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from mlpair.prediction import metrics
+from mlpair.prediction.crm.store import StoredDecision, decision_id_for
+from mlpair.prediction.errors import LedgerUnavailable
+
+logger = logging.getLogger(__name__)
+
+# The decision's columns in the ledger, in the order every statement of both engines uses.
+DECISION_COLUMNS = ("request_id", "fingerprint", "decision_id", "entity_id", "model_name", "model_version",
+                    "feature_schema_version", "policy_version", "probability", "decision", "reason_codes",
+                    "served_from", "cache_age_ms", "degraded_reason", "decided_at")
+NOT_RECORDED = "the decision could not be recorded; retry with the same request_id"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the ledger holds for a request id after a commit.
+
+    ``replayed`` is True when the decision was on record before this call (a retry, or a
+    concurrent call that won); ``fingerprint`` is the recorded request's ("" when unknown: a
+    decision imported from an outbox or backfilled from the CRM).
+    """
+
+    decision: StoredDecision
+    replayed: bool
+    fingerprint: str = ""
+
+
+Entry = tuple[StoredDecision, str]  # a decision and the fingerprint of its request
+
+
+def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[[datetime], Any]) -> tuple:
+    """The :data:`DECISION_COLUMNS` values of a decision; ``decided_at`` encodes the timestamp."""
+    d = decision
+    return (d.request_id, fingerprint, d.decision_id, d.entity_id, d.model_name, d.model_version,
+            d.feature_schema_version, d.policy_version, d.probability, d.decision, d.reason_codes_json(),
+            d.served_from, d.cache_age_ms, d.degraded_reason, decided_at(d.decided_at))
+
+
+def decision_from_row(row: Sequence, decided_at: Callable[[Any], datetime]) -> tuple[StoredDecision, str]:
+    """A decision and its fingerprint from the :data:`DECISION_COLUMNS` values of a row."""
+    (request_id, fingerprint, decision_id, entity_id, model_name, model_version, schema_version, policy_version,
+     probability, decision, reason_codes, served_from, cache_age_ms, degraded_reason, decided) = row
+    return StoredDecision(decision_id, request_id, entity_id, model_name, model_version, schema_version,
+                          policy_version, probability, decision, StoredDecision.reason_codes_from_json(reason_codes),
+                          served_from, cache_age_ms, degraded_reason, decided_at(decided)), fingerprint
+
+
+def settle(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list[Recorded]:
+    """Each entry's outcome, given what is on record per request id after the commit; a request
+    id repeated within one group commit is a retry of its first occurrence."""
+    outcomes, seen = [], set()
+    for decision, _ in entries:
+        first = on_record[decision.request_id]
+        outcomes.append(first if decision.request_id not in seen else Recorded(first.decision, True, first.fingerprint))
+        seen.add(decision.request_id)
+    return outcomes
+
+
+def unique_new(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list[Entry]:
+    """The first entry of each request id not on record yet, sorted by request id (concurrent
+    transactions then take the unique index's locks in one order and cannot deadlock)."""
+    first: dict[str, Entry] = {}
+    for entry in entries:
+        if entry[0].request_id not in on_record:
+            first.setdefault(entry[0].request_id, entry)
+    return [first[k] for k in sorted(first)]
+
+
+class DecisionLedger(abc.ABC):
+    """The ledger's interface and its group commit; the engines implement the statements.
+
+    Attributes:
+        committed: set after each commit; wakes this process's relay.
+        reachable: whether the last commit or probe reached the ledger.
+    """
+
+    max_commit_rows = 500  # decisions per transaction
+    db_system = ""  # OpenTelemetry's name of the engine
+
+    def __init__(self) -> None:
+        self.committed = asyncio.Event()
+        self.reachable = True
+        self._pending: list[tuple[Entry, _Caller, int]] = []  # entry, its caller, its index there
+        self._writer: asyncio.Task | None = None
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connects (lazily where the engine allows) and checks the schema when reachable.
+
+        Raises:
+            mlpair.prediction.crm.migrate.SchemaNotReady: the ledger table lacks what this release
+                uses (``mlpair migrate`` has not run).
+        """
+
+    async def close(self) -> None:
+        """Waits for pending commits, then releases the connections."""
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
+
+    async def record_many(self, decisions: Sequence[StoredDecision],
+                          fingerprints: Sequence[str]) -> list[Recorded | LedgerUnavailable]:
+        """Commits the decisions not yet on record, all in one group commit when they fit.
+
+        Args:
+            decisions: the decisions made; an empty ``decision_id`` becomes :func:`decision_id_for`
+                the request id, an unset ``decided_at`` now (UTC).
+            fingerprints: the fingerprint of each decision's request.
+
+        Returns:
+            Per decision, what is on record for its request id, or the
+            :class:`LedgerUnavailable` that kept it from the record (then it must not be returned).
+        """
+        if not decisions:
+            return []
+        loop = asyncio.get_running_loop()
+        caller = _Caller(loop.create_future(), [None] * len(decisions), len(decisions))
+        self._pending.extend(((complete(d), f), caller, k) for k, (d, f) in enumerate(zip(decisions, fingerprints)))
+        if self._writer is None or self._writer.done():
+            self._writer = loop.create_task(self._write_pending())
+        return await caller.future
+
+    @abc.abstractmethod
+    async def find(self, request_id: str) -> Recorded | None:
+        """What is on record for ``request_id`` (``replayed`` True), if anything."""
+
+    @abc.abstractmethod
+    def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[list[StoredDecision]]:
+        """Claims up to ``limit`` undelivered decisions, oldest first, that no other relay holds.
+
+        On a normal exit of the ``async with`` body the decisions are marked delivered; on an
+        exception they are released, undelivered, for the next claim (of any replica).
+        """
+
+    @abc.abstractmethod
+    async def backlog(self) -> tuple[int, float]:
+        """Undelivered decisions and the age in seconds of the oldest (0 when none)."""
+
+    @abc.abstractmethod
+    async def probe(self) -> bool:
+        """Whether the ledger answers a read of its table now (sets :attr:`reachable`)."""
+
+    @abc.abstractmethod
+    async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
+        """Adds decisions recorded elsewhere (an old outbox, the CRM) with an unknown fingerprint;
+        request ids already on record are left alone. Returns how many were added."""
+
+    @abc.abstractmethod
+    async def _commit(self, entries: list[Entry]) -> list[Recorded]:
+        """One transaction: inserts what is new, reads back what was on record (see :func:`settle`)."""
+
+    async def _write_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:self.max_commit_rows], self._pending[self.max_commit_rows:]
+            started = time.perf_counter()
+            try:
+                outcomes = await self._commit([entry for entry, _, _ in batch])
+            except Exception as exc:  # noqa: BLE001  (every waiting caller gets a retryable error)
+                self.reachable = False
+                logger.warning("decision ledger commit failed (%s); %d decision(s) not recorded",
+                               type(exc).__name__, len(batch))
+                for _, caller, k in batch:
+                    caller.settle(k, LedgerUnavailable(NOT_RECORDED))
+                continue
+            self.reachable = True
+            metrics.LEDGER_COMMIT_DURATION.observe(time.perf_counter() - started)
+            metrics.LEDGER_COMMIT_ROWS.observe(len(batch))
+            self.committed.set()
+            for (_, caller, k), outcome in zip(batch, outcomes, strict=True):
+                caller.settle(k, outcome)
+
+
+def complete(decision: StoredDecision) -> StoredDecision:
+    """The decision with its id and time set (derived from the request id, and now, when unset)."""
+    if decision.decision_id and decision.decided_at:  # the pipeline sets both; other callers may not
+        return decision
+    return replace(decision, decision_id=decision.decision_id or decision_id_for(decision.request_id),
+                   decided_at=decision.decided_at or datetime.now(timezone.utc))
+
+
+@dataclass(eq=False)
+class _Caller:
+    """One ``record_many`` call waiting for its decisions' commits (one future per call, not per
+    decision: 500 futures gathered cost about 1.8 µs of CPU per decision)."""
+
+    future: asyncio.Future[list[Recorded | LedgerUnavailable]]
+    outcomes: list[Recorded | LedgerUnavailable | None]
+    remaining: int  # decisions whose commit has not ended yet
+
+    def settle(self, index: int, outcome: Recorded | LedgerUnavailable) -> None:
+        """Records one decision's outcome; the call resumes once every decision has one."""
+        self.outcomes[index] = outcome
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():  # a caller that went away still has its decisions on record
+            self.future.set_result(self.outcomes)
+
+
+def open_ledger(url: str, *, timeout_s: float = 2.0, synchronous: str = "FULL", pool_size: int = 4,
+                statement_cache_size: int = 100) -> DecisionLedger:
+    """The ledger at ``url`` (no I/O yet): ``postgresql+asyncpg://…`` for replicas, or
+    ``sqlite+aiosqlite:///path`` for one machine.
+
+    Args:
+        url: SQLAlchemy URL of the ledger database.
+        timeout_s: connect and statement timeout (PostgreSQL), lock wait (SQLite), in seconds.
+        synchronous: SQLite only: ``FULL`` (fsync per commit) or ``NORMAL`` (survives a process crash).
+        pool_size: PostgreSQL only: most connections of this process.
+        statement_cache_size: PostgreSQL only: asyncpg's prepared statements per connection
+            (0 behind PgBouncer in transaction mode).
+
+    Raises:
+        ValueError: neither a PostgreSQL nor a SQLite URL.
+    """
+    if url.startswith("postgresql"):
+        from mlpair.prediction.crm.ledger_postgres import PostgresLedger
+
+        return PostgresLedger(url, timeout_s=timeout_s, pool_size=pool_size,
+                              statement_cache_size=statement_cache_size)
+    if url.startswith("sqlite"):
+        from mlpair.prediction.crm.ledger_sqlite import SqliteLedger
+
+        return SqliteLedger(url, synchronous=synchronous, busy_timeout_s=timeout_s)
+    raise ValueError(f"the decision ledger is a PostgreSQL or SQLite database, not {url.split(':', 1)[0]!r}")
+
+
+@contextlib.asynccontextmanager
+async def nothing_claimed() -> AsyncIterator[list[StoredDecision]]:
+    """An empty claim (for engines that found nothing to claim)."""
+    yield []

@@ -1,0 +1,164 @@
+"""The decision ledger on PostgreSQL: one table shared by every replica (the production engine).
+
+``prediction.decision_ledger`` holds one row per request id (a unique index). A group commit is one
+transaction: ``INSERT … SELECT FROM unnest(…) ON CONFLICT (request_id) DO NOTHING RETURNING``,
+then, for request ids that were on record, a read of the recorded rows. Under READ COMMITTED an
+insert that meets a concurrent, uncommitted insert of the same id waits for it; if that commits,
+the insert does nothing and the read that follows sees the winner's row, so concurrent first calls
+on several replicas all return one decision. Each batch is sorted by request id, so two replicas'
+transactions take the index's locks in one order and cannot deadlock.
+
+Relays on any number of replicas claim undelivered rows with ``SELECT … FOR UPDATE SKIP LOCKED``
+inside a transaction that stays open while the batch is delivered to the CRM, then marks the rows
+delivered and commits: each row is delivered by one relay, and a relay that dies releases its
+locks with its connection (nothing waits for a lease to expire).
+
+Statements go straight through an asyncpg pool (no SQLAlchemy on the request path: its
+per-statement processing cost more CPU than the statement); Alembic owns the schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+
+import asyncpg
+from sqlalchemy import make_url
+
+from mlpair.prediction.crm.ledger import (DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
+                                          decision_from_row, row_values, settle, unique_new)
+from mlpair.prediction.crm.migrate import SchemaNotReady
+from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
+from mlpair.prediction.crm.store import StoredDecision
+
+TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
+_COLUMNS = ", ".join(DECISION_COLUMNS)
+# each column's base type: an array cast to varchar(n) would truncate, while the assignment into
+# the column refuses a value that is too long, as a row-by-row insert does
+_ARRAY_TYPES = ("text", "text", "text", "text", "text", "text", "text", "text", "float8", "text", "text", "text",
+                "int4", "text", "timestamptz")
+_UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(_ARRAY_TYPES, start=1))
+INSERT = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT * FROM unnest({_UNNEST}) "
+          "ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
+CLAIM = (f"SELECT seq, {_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
+         "FOR UPDATE SKIP LOCKED")
+MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
+IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
+          f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING")
+
+
+def _same(value: datetime) -> datetime:
+    return value
+
+
+def _decode(row: Sequence) -> tuple[StoredDecision, str]:
+    return decision_from_row(row, _same)
+
+
+def _columns(rows: Sequence[tuple]) -> list[list]:
+    """Row tuples → one list per column (asyncpg sends each as a typed array)."""
+    return [list(column) for column in zip(*rows)] if rows else [[] for _ in DECISION_COLUMNS]
+
+
+class PostgresLedger(DecisionLedger):
+    """The ledger in ``prediction.decision_ledger`` of a PostgreSQL database.
+
+    Args:
+        url: SQLAlchemy URL (``postgresql+asyncpg://user@host/db``); the serving role needs
+            SELECT, INSERT and UPDATE on the table (``mlpair migrate --serving-role``).
+        timeout_s: connect, pool acquisition and statement timeout, in seconds.
+        pool_size: most connections of this process (group commits, relay claims, probes).
+        statement_cache_size: asyncpg's prepared statements per connection (0 behind PgBouncer
+            in transaction mode, which cannot keep them).
+    """
+
+    max_commit_rows = 2048
+    db_system = "postgresql"
+
+    def __init__(self, url: str, *, timeout_s: float = 2.0, pool_size: int = 4, statement_cache_size: int = 100) -> None:
+        super().__init__()
+        self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        self.timeout_s = timeout_s
+        self.pool_size = pool_size
+        self.statement_cache_size = statement_cache_size
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        """Creates the pool (connections are made on first use, so a ledger that is down now only
+        delays readiness) and, when reachable, checks the table's columns."""
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.pool_size,
+                                               timeout=self.timeout_s, command_timeout=self.timeout_s,
+                                               statement_cache_size=self.statement_cache_size)
+        try:
+            async with self._connection() as conn:
+                await conn.execute(f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false")
+        except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
+            raise SchemaNotReady(f"the decision ledger lacks the {TABLE} table or columns this release uses: "
+                                 "run `mlpair migrate`") from exc
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            self.reachable = False  # not ready until a probe reaches it
+
+    async def close(self) -> None:
+        await super().close()
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def find(self, request_id: str) -> Recorded | None:
+        async with self._connection() as conn:
+            row = await conn.fetchrow(SELECT_RECORDED, [request_id])
+        if row is None:
+            return None
+        decision, fingerprint = _decode(row)
+        return Recorded(decision, True, fingerprint)
+
+    @contextlib.asynccontextmanager
+    async def claim(self, limit: int) -> AsyncIterator[list[StoredDecision]]:
+        async with self._connection() as conn, conn.transaction():
+            rows = await conn.fetch(CLAIM, limit)
+            yield [_decode(row[1:])[0] for row in rows]
+            if rows:
+                await conn.execute(MARK_DELIVERED, [row[0] for row in rows])
+
+    async def backlog(self) -> tuple[int, float]:
+        async with self._connection() as conn:
+            count, age_s = await conn.fetchrow(
+                f"SELECT count(*), COALESCE(extract(epoch FROM now() - min(recorded_at)), 0) FROM {TABLE} "
+                "WHERE delivered_at IS NULL")
+        return int(count), float(age_s)
+
+    async def probe(self) -> bool:
+        try:
+            async with self._connection() as conn:
+                await conn.execute(f"SELECT 1 FROM {TABLE} WHERE false")
+        except Exception:  # noqa: BLE001  (unreachable or refusing, for whatever reason: not ready)
+            self.reachable = False
+            return False
+        self.reachable = True
+        return True
+
+    async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
+        rows = [row_values(d, "", _same) for d in map(complete, decisions)]
+        async with self._connection() as conn:
+            status = await conn.execute(IMPORT, *_columns(rows), delivered)
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def _commit(self, entries: list[Entry]) -> list[Recorded]:
+        new = unique_new(entries, {})
+        async with self._connection() as conn, conn.transaction():
+            inserted = {r[0] for r in await conn.fetch(INSERT, *_columns([row_values(d, f, _same) for d, f in new]))}
+            on_record = {d.request_id: Recorded(d, False, f) for d, f in new if d.request_id in inserted}
+            if len(inserted) < len(new):
+                for row in await conn.fetch(SELECT_RECORDED, [d.request_id for d, _ in new if d.request_id not in inserted]):
+                    decision, fingerprint = _decode(row)
+                    on_record[decision.request_id] = Recorded(decision, True, fingerprint)
+        return settle(entries, on_record)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        if self._pool is None:
+            raise RuntimeError("the ledger is not open")
+        async with self._pool.acquire(timeout=self.timeout_s) as conn:
+            yield conn

@@ -1,0 +1,153 @@
+"""The relay: delivers the decision ledger's undelivered rows to the CRM database.
+
+Every replica runs one. Each round claims a batch (:meth:`DecisionLedger.claim`: no two relays
+hold the same row), delivers it in one CRM transaction (``INSERT … ON CONFLICT DO NOTHING``) and
+marks it delivered. While the CRM is down it retries with full-jitter exponential backoff and the
+rows wait in the ledger, where any replica — this one after a restart, or another after a scale
+down — finds them. A CRM commit whose acknowledgement was lost is retried harmlessly: the rows
+already there are skipped, so each request id is in the CRM exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+
+from mlpair.prediction import metrics
+from mlpair.prediction.crm.ledger import DecisionLedger
+from mlpair.prediction.crm.store import CrmStore, StoredDecision
+
+logger = logging.getLogger(__name__)
+
+
+class LedgerRelay:
+    """Delivers the ledger to the CRM database in the background.
+
+    Args:
+        ledger: where decisions are recorded.
+        crm: the CRM database (migrated by ``mlpair migrate``).
+        batch_size: most decisions per claim and CRM transaction.
+        backoff_base_s, backoff_max_s: full-jitter exponential backoff between failed attempts.
+        poll_s: longest sleep between looks at the ledger when no local commit wakes the relay
+            (rows committed by other replicas, or left by a replica that went away).
+        linger_s: once woken by a commit, how long to wait for more decisions before claiming, so
+            one CRM transaction carries many decisions even under light load.
+    """
+
+    def __init__(self, ledger: DecisionLedger, crm: CrmStore, *, batch_size: int = 2048, backoff_base_s: float = 0.05,
+                 backoff_max_s: float = 5.0, poll_s: float = 1.0, linger_s: float = 0.05) -> None:
+        self.ledger = ledger
+        self.crm = crm
+        self.batch_size = batch_size
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.poll_s = poll_s
+        self.linger_s = linger_s
+        self.crm_up: bool | None = None  # None until the first attempt
+        self.delivered = 0  # decisions this relay inserted into the CRM
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-relay")
+
+    def backoff_s(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` consecutive failed attempts: full jitter,
+        ``uniform(0, min(max, base·2^failures))``; the exponent is capped so an outage of any
+        length never overflows."""
+        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** min(failures, 30)))
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Delivers what it can within ``drain_timeout_s``, then stops; the rest waits in the ledger."""
+        if drain_timeout_s > 0:
+            await self.wait_delivered(drain_timeout_s)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def wait_delivered(self, timeout_s: float) -> bool:
+        """Waits until nothing on record is undelivered (whichever replica delivers it); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._idle.clear()
+            self.ledger.committed.set()  # wake the relay for a fresh look
+            try:
+                if (await self.ledger.backlog())[0] == 0:
+                    return True
+            except Exception:  # noqa: BLE001  (the ledger is unreachable: keep waiting)
+                logger.debug("ledger backlog unavailable", exc_info=True)
+            try:
+                async with asyncio.timeout(max(0.0, min(self.poll_s, deadline - time.monotonic()))):
+                    await self._idle.wait()
+            except TimeoutError:
+                pass
+        try:
+            return (await self.ledger.backlog())[0] == 0
+        except Exception:  # noqa: BLE001
+            return False
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            try:  # asyncio.timeout, not wait_for, which can swallow stop()'s cancellation (gh-86296)
+                async with asyncio.timeout(self.poll_s):
+                    await self.ledger.committed.wait()
+                await asyncio.sleep(self.linger_s)
+            except TimeoutError:
+                pass
+            self.ledger.committed.clear()
+            while True:
+                try:
+                    delivered = await self._deliver_batch()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001  (the CRM or the ledger is down: back off, retry)
+                    failures += 1
+                    self._record_failure(exc, failures)
+                    await asyncio.sleep(self.backoff_s(failures))
+                    continue
+                if failures:
+                    logger.warning("CRM delivery works again after %d failed attempt(s)", failures)
+                failures = 0
+                if delivered < self.batch_size:
+                    break
+            self._idle.set()
+
+    async def _deliver_batch(self) -> int:
+        """Claims one batch, delivers it and marks it delivered; returns how many it claimed."""
+        async with self.ledger.claim(self.batch_size) as batch:
+            await self._deliver(batch)
+        return len(batch)
+
+    async def _deliver(self, decisions: list[StoredDecision]) -> None:
+        if not decisions:
+            return
+        started = time.perf_counter()
+        try:
+            inserted = await self.crm.deliver(decisions)
+        except Exception:
+            self.crm_up = False
+            metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
+            _count_writes(decisions, "error")
+            raise
+        metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
+        _count_writes(decisions, "ok")
+        self.crm_up = True
+        self.delivered += len(inserted)
+        metrics.OUTBOX_DELIVERED.inc(len(inserted))
+        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(decisions) - len(inserted))
+
+    def _record_failure(self, exc: Exception, failures: int) -> None:
+        metrics.RELAY_FAILURES.inc()
+        if failures == 1 or failures % 20 == 0:  # one line per outage, then a reminder, not one per retry
+            logger.warning("CRM delivery failed (%d attempt(s) so far): %s; decisions wait in the ledger",
+                           failures, type(exc).__name__)
+
+
+def _count_writes(decisions: list[StoredDecision], outcome: str) -> None:
+    """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
+    for model, n in Counter(decision.model_name for decision in decisions).items():
+        metrics.CRM_WRITES.labels(model, outcome).inc(n)

@@ -1,0 +1,339 @@
+"""The decision ledger and its relay, on both engines: one decision per request id, durable before
+the answer, exactly once in the CRM (C39, C40), whatever number of ledger clients and relays share it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import uuid
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import make_url
+
+from bench.pair import scratch_postgres
+from mlpair.prediction.crm.admin import migrate
+from mlpair.prediction.crm.ledger import open_ledger
+from mlpair.prediction.crm.migrate import SchemaNotReady
+from mlpair.prediction.crm.recorder import DecisionRecorder
+from mlpair.prediction.crm.relay import LedgerRelay
+from mlpair.prediction.crm.store import CrmStore, StoredDecision, decision_id_for
+from mlpair.prediction.errors import LedgerUnavailable
+from tests.fault_support import TcpProxy
+from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+
+ENGINES = ["sqlite", "postgresql"]
+
+
+def decision(request_id: str, probability: float = 0.2, decision: str = "APPROVE") -> StoredDecision:
+    return StoredDecision("", request_id, "e", "credit-risk", "1", "credit-risk/v1", "policy/v1", probability,
+                          decision, ("LOW_DEFAULT_RISK",))
+
+
+@dataclasses.dataclass
+class Databases:
+    ledger_url: str
+    crm_url: str
+    proxy: TcpProxy | None = None  # PostgreSQL only: both URLs through it, when asked for
+
+    def proxied(self) -> tuple[str, str]:
+        """Both URLs through the proxy (the test cuts and restores it)."""
+        def through(url: str) -> str:
+            return make_url(url).set(host="127.0.0.1", port=self.proxy.port).render_as_string(hide_password=False)
+        return through(self.ledger_url), through(self.crm_url)
+
+
+@pytest.fixture(params=ENGINES)
+def fresh_database(request, tmp_path):
+    """Two SQLite files, or one fresh PostgreSQL database for both (a sync fixture: creating the
+    database runs its own short event loop)."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}", f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
+        return
+    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
+    with scratch_postgres(prefix="mlpair_ledger") as url:
+        yield url, url
+
+
+@pytest.fixture
+async def databases(fresh_database):
+    """A migrated ledger and CRM: two SQLite files, or one PostgreSQL database holding both (the
+    ledger in its ``prediction`` schema), with a TCP proxy in front of it."""
+    ledger_url, crm_url = fresh_database
+    await migrate(ledger_url, crm_url)
+    if ledger_url.startswith("sqlite"):
+        yield Databases(ledger_url, crm_url)
+        return
+    target = make_url(ledger_url)
+    proxy = TcpProxy(target.host, target.port)
+    await proxy.start()
+    try:
+        yield Databases(ledger_url, crm_url, proxy)
+    finally:
+        await proxy.close()
+
+
+@pytest.fixture
+async def ledger(databases):
+    ledger = open_ledger(databases.ledger_url, synchronous="NORMAL")
+    await ledger.open()
+    yield ledger
+    await ledger.close()
+
+
+async def record(ledger, d: StoredDecision, fingerprint: str = "fp"):
+    [outcome] = await ledger.record_many([d], [fingerprint])
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+async def test_c39_a_retried_request_id_gets_the_decision_recorded_first(ledger):
+    first = await record(ledger, decision("r1", probability=0.2), "fp-1")
+    retry = await record(ledger, decision("r1", probability=0.9, decision="DECLINE"), "fp-2")
+    assert not first.replayed and retry.replayed
+    assert retry.decision == first.decision and retry.decision.decision_id == decision_id_for("r1")
+    assert retry.fingerprint == "fp-1"  # the recorded request's, for the payload check
+    assert (await ledger.find("r1")).decision == first.decision
+    assert (await ledger.backlog())[0] == 1
+
+
+async def test_c40_two_ledger_clients_on_one_database_make_one_decision_per_request_id(databases):
+    """Two replicas' ledgers, concurrent first calls with the same 50 ids: each id has one winner,
+    and both replicas answer with it."""
+    ids = [f"both-{i}" for i in range(50)]
+    a, b = (open_ledger(databases.ledger_url, synchronous="NORMAL") for _ in range(2))
+    await a.open()
+    await b.open()
+    try:
+        from_a, from_b = await asyncio.gather(
+            a.record_many([decision(i, 0.1, "APPROVE") for i in ids], ["fp"] * 50),
+            b.record_many([decision(i, 0.9, "DECLINE") for i in reversed(ids)], ["fp"] * 50))
+    finally:
+        await a.close()
+        await b.close()
+    answers_a = {r.decision.request_id: r for r in from_a}
+    answers_b = {r.decision.request_id: r for r in from_b}
+    for rid in ids:
+        assert answers_a[rid].decision == answers_b[rid].decision
+        assert answers_a[rid].replayed != answers_b[rid].replayed  # exactly one of them made it
+    assert sum(not r.replayed for r in from_a + from_b) == 50
+
+
+async def test_concurrent_decisions_share_commits(ledger):
+    commits_before = REGISTRY.get_sample_value("prediction_ledger_commit_rows_count") or 0
+    recorded = await asyncio.gather(*(record(ledger, decision(f"g{i}")) for i in range(200)))
+    commits = REGISTRY.get_sample_value("prediction_ledger_commit_rows_count") - commits_before
+    assert len({r.decision.decision_id for r in recorded}) == 200 and not any(r.replayed for r in recorded)
+    assert commits <= 2  # group commit: not one transaction per decision
+    assert (await ledger.backlog())[0] == 200
+
+
+async def test_c39_duplicates_in_one_commit_are_recorded_once(ledger):
+    recorded = await asyncio.gather(*(record(ledger, decision("dup", probability=p)) for p in (0.1, 0.5, 0.9)))
+    assert [r.replayed for r in recorded] == [False, True, True]
+    assert {r.decision.probability for r in recorded} == {0.1}
+    assert (await ledger.backlog())[0] == 1
+
+
+async def test_a_call_larger_than_one_commit_gets_every_outcome_in_order(ledger):
+    first = [decision(f"split-a-{i}") for i in range(3)]
+    large = [decision(f"split-b-{i}") for i in range(ledger.max_commit_rows + 7)]
+    recorded_first, recorded_large = await asyncio.gather(ledger.record_many(first, ["fp"] * 3),
+                                                          ledger.record_many(large, ["fp"] * len(large)))
+    assert [r.decision.request_id for r in recorded_first] == [d.request_id for d in first]
+    assert [r.decision.request_id for r in recorded_large] == [d.request_id for d in large]
+    assert not any(r.replayed for r in recorded_first + recorded_large)
+
+
+async def test_recording_nothing_returns_at_once(ledger):
+    assert await ledger.record_many([], []) == []
+
+
+async def test_a_ledger_that_cannot_be_reached_refuses_the_decision_then_recovers(databases, tmp_path):
+    """Fail closed: a decision the ledger did not commit is never returned (UNAVAILABLE), and the
+    ledger takes decisions again once it is back."""
+    if databases.proxy is None:  # SQLite: another process holds the file's write lock
+        ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=0.2)
+        await ledger.open()
+        holder = sqlite3.connect(make_url(databases.ledger_url).database, isolation_level=None)
+        cut, restore = (lambda: holder.execute("BEGIN IMMEDIATE")), (lambda: holder.execute("ROLLBACK"))
+    else:
+        ledger = open_ledger(databases.proxied()[0], timeout_s=0.5)
+        await ledger.open()
+        cut, restore = databases.proxy.cut, databases.proxy.restore
+    try:
+        await record(ledger, decision("before"))
+        await _maybe_await(cut())
+        assert not await ledger.probe()
+        with pytest.raises(LedgerUnavailable):
+            await record(ledger, decision("during"))
+        await _maybe_await(restore())
+        assert await ledger.probe()
+        assert await ledger.find("during") is None and await ledger.find("before") is not None
+        assert not (await record(ledger, decision("after"))).replayed
+    finally:
+        await ledger.close()
+
+
+async def _maybe_await(value):
+    if asyncio.iscoroutine(value):
+        await value
+
+
+async def test_a_ledger_without_its_schema_refuses_to_open(tmp_path):
+    missing = open_ledger(f"sqlite+aiosqlite:///{tmp_path / 'never-migrated.sqlite'}")
+    with pytest.raises(SchemaNotReady, match="mlpair migrate"):
+        await missing.open()
+    assert not (tmp_path / "never-migrated.sqlite").exists()  # opening never creates it
+
+
+@pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)
+async def test_a_postgresql_ledger_without_its_schema_refuses_to_open(fresh_database):
+    ledger = open_ledger(fresh_database[0])
+    with pytest.raises(SchemaNotReady, match="mlpair migrate"):
+        await ledger.open()
+    await ledger.close()
+
+
+async def crm_rows(crm: CrmStore, request_ids: list[str]) -> tuple[int, int]:
+    from sqlalchemy import func, select
+
+    from mlpair.prediction.crm.models import DecisionRecord
+
+    async with crm.engine.connect() as conn:
+        total, distinct = (await conn.execute(
+            select(func.count(), func.count(func.distinct(DecisionRecord.request_id)))
+            .where(DecisionRecord.request_id.in_(request_ids)))).one()
+    return total, distinct
+
+
+@pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)  # a server behind a TCP proxy
+async def test_c39_decisions_wait_durably_through_a_crm_outage_and_a_restart_then_arrive_once(databases):
+    ids = [f"outage-{uuid.uuid4()}" for _ in range(30)]
+    _, crm_url = databases.proxied()
+    recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, backoff_max_s=0.2)
+    await recorder.start()
+    await databases.proxy.cut()
+    recorded = await recorder.record_many([decision(i) for i in ids], ["fp"] * 30)  # answered while the CRM is down
+    assert not any(isinstance(r, BaseException) for r in recorded)
+    assert not await recorder.wait_delivered(1.0)
+    await recorder.close()  # the process stops with the CRM still down
+    await databases.proxy.restore()
+    other = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, backoff_max_s=0.2)  # another replica
+    await other.start()
+    try:
+        assert await other.wait_delivered(20)
+        assert await crm_rows(other.crm, ids) == (30, 30)
+        assert (await other.crm.find(ids[0])).decision_id == recorded[0].decision.decision_id
+    finally:
+        await other.close()
+
+
+async def test_three_relays_deliver_each_decision_exactly_once(databases):
+    """Three replicas' relays working through one backlog at once: every decision is inserted
+    into the CRM by exactly one of them (none skipped as already there: no double delivery)."""
+    ids = [f"relays-{uuid.uuid4()}" for _ in range(900)]
+    writer = open_ledger(databases.ledger_url, synchronous="NORMAL")
+    await writer.open()
+    await writer.record_many([decision(i) for i in ids], ["fp"] * len(ids))
+    skipped_before = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
+    parts = []
+    for _ in range(3):
+        ledger = open_ledger(databases.ledger_url, synchronous="NORMAL")
+        await ledger.open()
+        crm = CrmStore(databases.crm_url, timeout_s=5)
+        parts.append((ledger, crm, LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0)))
+    try:
+        for _, _, relay in parts:
+            relay.start()
+        assert await parts[0][2].wait_delivered(30)
+        assert sum(relay.delivered for _, _, relay in parts) == 900
+        assert all(relay.delivered > 0 for _, _, relay in parts)  # all three took part
+        assert REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") - skipped_before == 0
+        assert await crm_rows(parts[0][1], ids) == (900, 900)
+    finally:
+        for ledger, crm, relay in parts:
+            await relay.stop()
+            await ledger.close()
+            await crm.close()
+        await writer.close()
+
+
+@pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)  # a server behind a TCP proxy
+async def test_c39_connections_cut_in_the_middle_of_deliveries_lose_and_double_nothing(databases):
+    ids = [f"cut-{uuid.uuid4()}" for _ in range(600)]
+    _, crm_url = databases.proxied()
+    recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, batch_size=20, backoff_max_s=0.1)
+    await recorder.start()
+    failures_before = REGISTRY.get_sample_value("prediction_relay_failures_total") or 0
+    try:
+        await databases.proxy.cut()  # the relay starts against a CRM that is down...
+        await recorder.record_many([decision(i) for i in ids[:300]], ["fp"] * 300)
+        await asyncio.sleep(0.1)
+        await databases.proxy.restore()
+        await recorder.record_many([decision(i) for i in ids[300:]], ["fp"] * 300)
+        for _ in range(5):  # ...then loses its connection again and again while working through the backlog
+            await asyncio.sleep(0.05)
+            await databases.proxy.cut()
+            await asyncio.sleep(0.1)
+            await databases.proxy.restore()
+        assert await recorder.wait_delivered(30)
+        assert await crm_rows(recorder.crm, ids) == (600, 600)
+        assert REGISTRY.get_sample_value("prediction_relay_failures_total") > failures_before
+    finally:
+        await recorder.close()
+
+
+@pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)  # a server behind a TCP proxy
+async def test_c39_a_commit_whose_acknowledgement_is_lost_is_retried_without_doubling(databases):
+    ids = [f"lost-ack-{uuid.uuid4()}" for _ in range(10)]
+    _, crm_url = databases.proxied()
+    recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, backoff_max_s=0.1)
+    await recorder.start()
+    skipped_before = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
+    databases.proxy.lose_reply_after(b"COMMIT")  # the delivery transaction commits; the relay never hears of it
+    try:
+        await recorder.record_many([decision(i) for i in ids], ["fp"] * 10)
+        assert await recorder.wait_delivered(20)
+        assert databases.proxy.replies_lost == 1
+        assert await crm_rows(recorder.crm, ids) == (10, 10)
+        # the retried transaction found every row already there and inserted none of them again
+        assert REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") - skipped_before == 10
+    finally:
+        await recorder.close()
+
+
+def test_relay_backoff_is_bounded_however_long_the_outage():
+    relay = LedgerRelay(None, None, backoff_base_s=0.05, backoff_max_s=5.0)
+    waits = [relay.backoff_s(failures) for failures in (1, 10, 2000, 10**6)]
+    assert all(0.0 <= w <= 5.0 for w in waits)
+
+
+def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
+    from mlpair.prediction.crm.store import _DECISION_NAMESPACE
+
+    for request_id in ("r1", "", "é" * 64, "x" * 128, "日本語-id"):
+        assert decision_id_for(request_id) == str(uuid.uuid5(_DECISION_NAMESPACE, request_id))
+
+
+def test_a_stored_decision_serialises_every_field():
+    from datetime import datetime, timezone
+
+    d = dataclasses.replace(decision("every-field"), decision_id="d", decided_at=datetime(2026, 1, 2, tzinfo=timezone.utc),
+                            served_from="stale_cache", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN")
+    assert StoredDecision.from_json(d.to_json()) == d
+    assert set(d.to_row()) == {f.name for f in dataclasses.fields(StoredDecision)}
+
+
+async def test_every_field_survives_the_ledger(ledger):
+    from datetime import datetime, timezone
+
+    d = dataclasses.replace(decision("round-trip", probability=None, decision="REVIEW"), decision_id="d-1",
+                            decided_at=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc),
+                            served_from="fallback", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN",
+                            reason_codes=("INFERENCE_UNAVAILABLE", "INCOME_MISSING_DEFAULTED"))
+    await record(ledger, d, "fingerprint-1")
+    found = await ledger.find("round-trip")
+    assert found.decision == d and found.fingerprint == "fingerprint-1" and found.replayed
