@@ -1,9 +1,11 @@
 """``make soak``: sustained load and faults through both services, as real processes on loopback.
 
 Both services run as their own processes (``mlpair serve inference`` / ``mlpair serve
-prediction``); the CRM is a throw-away PostgreSQL database on 127.0.0.1 reached through a TCP
-proxy this script controls. Requests are real credit applicants, each a distinct feature row
-unless a scenario says otherwise. Scenarios, each on a fresh pair of processes:
+prediction``), PredictionService as ``--prediction-replicas`` processes (at least 2, a
+round-robin client over them) sharing one decision ledger; the CRM is a throw-away PostgreSQL
+database on 127.0.0.1 reached through a TCP proxy this script controls (the ledger is in the same
+database, reached directly). Requests are real credit applicants, each a distinct feature row
+unless a scenario says otherwise. Scenarios, each on fresh processes:
 
 1. ``sustained`` — Predict at a target rate for a while: zero errors, and the resident
    memory of both processes plateaus (the in-process cache is bounded low so that its bound is
@@ -12,17 +14,19 @@ unless a scenario says otherwise. Scenarios, each on a fresh pair of processes:
    after a few seconds: every Predict is still answered — stale from the cache (half the
    requests repeat an applicant seen seconds before) or by the fallback — and fresh inference
    resumes once it is back;
-3. ``prediction-killed`` — ``kill -9`` of PredictionService mid-load, restarted: the calls it
-   dropped are retried with the same request ids, and every acknowledged decision is in the
-   CRM exactly once (the outbox is what makes this true; reconciliation: 0 lost, 0 duplicated);
-4. ``sigterm-drain`` — SIGTERM to PredictionService with Predict and BatchPredict calls in
-   flight, then to InferenceService with Infer calls in flight: no in-flight call fails and
-   both exit cleanly within their grace period;
+3. ``prediction-killed`` — ``kill -9`` of one PredictionService replica mid-load, restarted:
+   the calls it dropped are retried with the same request ids on any replica, and every
+   acknowledged decision is in the CRM exactly once, as answered (the shared ledger is what makes
+   this true; reconciliation: 0 lost, 0 duplicated, 0 contradicting);
+4. ``sigterm-drain`` — SIGTERM to one PredictionService replica with Predict and BatchPredict
+   calls in flight (what it leaves undelivered, the other replicas' relays deliver), then to
+   InferenceService with Infer calls in flight: no in-flight call fails and every process exits
+   cleanly within its grace period;
 5. ``crm-outage`` — the CRM database cut off mid-load, then restored: every Predict is still
    answered, readiness stays SERVING, and every decision reaches the CRM once it is back.
 
 Every scenario is bounded in time and requests, ends only processes it started (by PID), and
-checks the CRM at the end. One JSON line per scenario, then a summary table; the exit code is
+checks the CRM at the end: every acknowledged answer equals the CRM row of its request id. One JSON line per scenario, then a summary table; the exit code is
 1 if any check failed. ``--short`` scales every phase down (the version ``make test`` runs).
 """
 
@@ -95,7 +99,10 @@ def classify(key: str, raw: bytes) -> tuple[str, str, float, str, float]:
     return r.decision_id, source, time.monotonic(), r.decision_label, r.probability
 
 
-def classify_batch(key: str, raw: bytes) -> dict[str, tuple[str, str, float]]:
+Answer = tuple[str, str, float]  # (decision id, decision, probability) as a caller got it, or the CRM holds it
+
+
+def classify_batch(key: str, raw: bytes) -> dict[str, Answer]:
     """A BatchPredict reply → request id → (decision id, decision, probability) of every item;
     raises BadReply."""
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
@@ -121,6 +128,9 @@ class Soak:
         self.entry = entry
         self.crm_url = crm_url  # what the services use (through the proxy when there is one)
         self.direct_crm_url = args.crm_direct_url or crm_url  # what reconciliation reads
+        # the shared ledger: in the CRM's PostgreSQL database, reached directly (a CRM outage is not a
+        # ledger outage); without PostgreSQL, a SQLite file in each scenario's folder
+        self.ledger_url = args.crm_direct_url
         self.proxy = proxy
         self.timing = Timing.of(args.short, args.sustained_s)
         self.run_id = f"soak-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -132,7 +142,13 @@ class Soak:
 
     def pair(self, name: str, prediction_env: dict | None = None) -> harness.Pair:
         return harness.pair(self.workdir / name, Path(self.args.model_repository).resolve(), crm_url=self.crm_url,
+                            ledger_url=self.ledger_url, prediction_replicas=self.args.prediction_replicas,
                             prediction_env={"PREDICTION_HEALTH_INTERVAL_MS": "500", **(prediction_env or {})})
+
+    @staticmethod
+    def addresses(p: harness.Pair) -> list[str]:
+        """Every PredictionService replica (the load goes round robin over them)."""
+        return [replica.address for replica in p.predictions]
 
     def predicts(self, prefix: str, n: int, *, repeat_lag: int = 0) -> list[tuple[str, bytes]]:
         """``n`` Predict requests with ids ``<prefix>-<k>``; with ``repeat_lag``, every odd
@@ -159,8 +175,8 @@ class Soak:
             out.append((f"{prefix}-{c}", self.pb.BatchPredictRequest(requests=requests).SerializeToString()))
         return out
 
-    async def crm_rows(self, prefix: str) -> dict[str, list[str]]:
-        """request id → the decision ids the CRM holds for it (one, if all is well)."""
+    async def crm_rows(self, prefix: str) -> dict[str, list[Answer]]:
+        """request id → the decisions the CRM holds for it (one, if all is well)."""
         from sqlalchemy import select
 
         from mlpair.prediction.crm.models import DecisionRecord
@@ -169,18 +185,20 @@ class Soak:
         engine = make_engine(self.direct_crm_url, timeout_s=10)
         try:
             async with engine.connect() as conn:
-                rows = (await conn.execute(select(DecisionRecord.request_id, DecisionRecord.decision_id)
+                rows = (await conn.execute(select(DecisionRecord.request_id, DecisionRecord.decision_id,
+                                                  DecisionRecord.decision, DecisionRecord.probability)
                                            .where(DecisionRecord.request_id.like(f"{prefix}-%")))).all()
         finally:
             await engine.dispose()
-        out: dict[str, list[str]] = {}
-        for request_id, decision_id in rows:
-            out.setdefault(request_id, []).append(decision_id)
+        out: dict[str, list[Answer]] = {}
+        for request_id, decision_id, decision, probability in rows:
+            out.setdefault(request_id, []).append((decision_id, decision, probability or 0.0))
         return out
 
-    async def reconcile(self, result: Result, prefix: str, acknowledged: dict[str, str], *,
+    async def reconcile(self, result: Result, prefix: str, acknowledged: dict[str, Answer], *,
                         wait_s: float = 60.0) -> None:
-        """Waits for the acknowledged decisions to reach the CRM, then counts lost and duplicated."""
+        """Waits for the acknowledged decisions to reach the CRM, then counts lost, duplicated and
+        contradicting (an answer whose decision id, decision or probability differs from the CRM row)."""
         started = time.monotonic()
         while True:
             crm = await self.crm_rows(prefix)
@@ -188,17 +206,18 @@ class Soak:
             if not lost or time.monotonic() - started > wait_s:
                 break
             await asyncio.sleep(0.5)
-        duplicated = sum(len(ids) - 1 for ids in crm.values())
-        mismatched = sum(1 for rid, did in acknowledged.items() if rid in crm and crm[rid] != [did])
+        duplicated = sum(len(rows) - 1 for rows in crm.values())
+        contradicting = sum(1 for rid, answer in acknowledged.items() if rid in crm and crm[rid] != [answer])
         result.figures.update({"acknowledged": len(acknowledged), "crm_rows": sum(len(v) for v in crm.values()),
-                               "lost": len(lost), "duplicated": duplicated, "decision_id_mismatch": mismatched})
+                               "lost": len(lost), "duplicated": duplicated, "contradicting": contradicting})
         result.check(not lost, f"{len(lost)} acknowledged decision(s) missing from the CRM")
         result.check(duplicated == 0, f"{duplicated} duplicated CRM row(s)")
-        result.check(mismatched == 0, f"{mismatched} CRM row(s) with another decision id than acknowledged")
+        result.check(contradicting == 0, f"{contradicting} answer(s) that differ from the CRM row of their request id")
 
     @staticmethod
-    def decisions(outcomes: Outcomes) -> dict[str, str]:
-        return {key: value[0] for key, value in outcomes.acknowledged.items()}
+    def decisions(outcomes: Outcomes) -> dict[str, Answer]:
+        """request id → (decision id, decision, probability) of every acknowledged Predict."""
+        return {key: (value[0], value[3], value[4]) for key, value in outcomes.acknowledged.items()}
 
     @staticmethod
     async def at(t0: float, seconds: float) -> None:
@@ -216,13 +235,13 @@ class Soak:
         rate, seconds = self.args.rate, self.timing.sustained_s
         p = self.pair("sustained", {"PREDICTION_CACHE_MAX_ENTRIES": "2000"})
         await asyncio.to_thread(p.start)
-        samples: list[tuple[float, int, int]] = []
+        samples: list[tuple[float, ...]] = []  # (seconds, InferenceService RSS, each replica's RSS)
         done = asyncio.Event()
 
         async def sample() -> None:
             t0 = time.monotonic()
             while not done.is_set():
-                samples.append((time.monotonic() - t0, p.inference.rss_bytes(), p.prediction.rss_bytes()))
+                samples.append((time.monotonic() - t0, p.inference.rss_bytes(), *(r.rss_bytes() for r in p.predictions)))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
                         await done.wait()
@@ -230,10 +249,11 @@ class Soak:
         sampler = asyncio.create_task(sample())
         outcomes = Outcomes()
         try:
-            figures = await drive(p.prediction.address, PREDICT, self.predicts(f"{self.run_id}-sustained", int(rate * seconds)),
+            figures = await drive(self.addresses(p), PREDICT, self.predicts(f"{self.run_id}-sustained", int(rate * seconds)),
                                   check=classify, concurrency=64, rate_per_s=rate, duration_s=seconds, timeout_s=2.0,
                                   outcomes=outcomes, cpu_of={"inference": p.inference.cpu_seconds,
-                                                             "prediction": p.prediction.cpu_seconds})
+                                                             **{f"prediction-{k + 1}": r.cpu_seconds
+                                                                for k, r in enumerate(p.predictions)}})
         finally:
             done.set()
             await sampler
@@ -243,7 +263,7 @@ class Soak:
                                "cpu_pct": figures.get("cpu_pct"), "cpu_pct_others": figures.get("cpu_pct_others")})
         result.check(figures["errors"] == 0, f"{figures['errors']} failed call(s): {figures.get('error_codes')}")
         result.check(figures["calls_per_s"] >= 0.95 * rate, f"rate {figures['calls_per_s']}/s below 95% of {rate}/s")
-        for index, name in ((1, "inference"), (2, "prediction")):
+        for index, name in ((1, "inference"), *((2 + k, f"prediction-{k + 1}") for k in range(len(p.predictions)))):
             growth, start, end = memory_growth(samples, index)
             result.figures[f"rss_{name}_mib"] = {"start": round(start / MiB, 1), "end": round(end / MiB, 1),
                                                  "growth_second_half": round(growth / MiB, 1)}
@@ -278,7 +298,7 @@ class Soak:
         t0 = time.monotonic()
         try:
             figures, _ = await asyncio.gather(
-                drive(p.prediction.address, PREDICT, self.predicts(f"{self.run_id}-inference-killed",
+                drive(self.addresses(p), PREDICT, self.predicts(f"{self.run_id}-inference-killed",
                                                                    int(rate * bound_s), repeat_lag=int(2 * rate)),
                       check=classify, concurrency=64, rate_per_s=rate, duration_s=bound_s, timeout_s=2.0,
                       outcomes=outcomes, stop=done),
@@ -313,8 +333,8 @@ class Soak:
         p = self.pair("prediction-killed")
         await asyncio.to_thread(p.start)
         payloads = self.predicts(prefix, int(rate * bound_s))
-        # a burst of BatchPredict calls just before the kill, so that some decisions are committed
-        # to the outbox but their answer never leaves the process
+        # a burst of BatchPredict calls to the replica about to be killed, just before the kill, so
+        # that some decisions are committed to the ledger but their answer never leaves the process
         burst_payloads = self.batches(f"{prefix}-burst", 3, 300)
         outcomes, burst, done = Outcomes(), Outcomes(), asyncio.Event()
         marks: dict[str, float] = {}
@@ -338,17 +358,17 @@ class Soak:
         t0 = time.monotonic()
         try:
             figures, _ = await asyncio.gather(
-                drive(p.prediction.address, PREDICT, payloads, check=classify, concurrency=64, rate_per_s=rate,
+                drive(self.addresses(p), PREDICT, payloads, check=classify, concurrency=64, rate_per_s=rate,
                       duration_s=bound_s, timeout_s=2.0, outcomes=outcomes, stop=done),
                 fault(t0))
             acknowledged = self.decisions(outcomes)
             for items in burst.acknowledged.values():
-                acknowledged.update({k: v[0] for k, v in items.items()})
+                acknowledged.update(items)
             failed = set(outcomes.failed)
             failed_items = {f"{key}-{i}" for key in burst.failed for i in range(300)}
-            # what the outbox holds of what the client never heard back about
-            committed = await asyncio.to_thread(outbox_has, p.outbox_path, sorted(failed | failed_items))
-            # a client retries what failed with the same request ids, as the API asks it to
+            # what the shared ledger holds of what the client never heard back about
+            committed = await ledger_has(p.ledger_url, sorted(failed | failed_items))
+            # a client retries what failed with the same request ids, on any replica, as the API asks it to
             retries, burst_retries = Outcomes(), Outcomes()
             for _ in range(5):
                 todo = [(k, v) for k, v in payloads if k in failed and k not in retries.acknowledged]
@@ -356,12 +376,12 @@ class Soak:
                 if not todo and not todo_burst:
                     break
                 if todo:
-                    await drive(p.prediction.address, PREDICT, todo, check=classify, concurrency=16, duration_s=60,
+                    await drive(self.addresses(p), PREDICT, todo, check=classify, concurrency=16, duration_s=60,
                                 timeout_s=5.0, outcomes=retries)
                 if todo_burst:
-                    await drive(p.prediction.address, BATCH_PREDICT, todo_burst, check=classify_batch, concurrency=3,
+                    await drive(self.addresses(p), BATCH_PREDICT, todo_burst, check=classify_batch, concurrency=3,
                                 duration_s=60, timeout_s=10.0, outcomes=burst_retries)
-            retried = self.replies(retries)
+            retried = self.decisions(retries)
             for items in burst_retries.acknowledged.values():
                 retried.update(items)
         finally:
@@ -369,7 +389,7 @@ class Soak:
         never = (failed | failed_items) - set(retried)
         # a retry of a request id committed before the kill must get that recorded decision back
         replayed_differently = [k for k, recorded in committed.items() if k in retried and retried[k] != recorded]
-        acknowledged.update({k: v[0] for k, v in retried.items()})
+        acknowledged.update(retried)
         result.figures.update({
             "rate_per_s": rate, "sent": len(outcomes.started) + 300 * len(burst.started), "p99_ms": figures["p99_ms"],
             "in_flight_at_kill": marks.get("in_flight_at_kill"), "failed_while_down": len(failed | failed_items),
@@ -383,45 +403,36 @@ class Soak:
         await self.reconcile(result, prefix, acknowledged)
         return result
 
-    @staticmethod
-    def replies(outcomes: Outcomes) -> dict[str, tuple]:
-        """request id → (decision id, decision, probability) of every acknowledged Predict."""
-        return {key: (value[0], value[3], value[4]) for key, value in outcomes.acknowledged.items()}
-
     async def sigterm_drain(self) -> Result:
         result = Result("sigterm-drain")
         prefix = f"{self.run_id}-sigterm"
         p = self.pair("sigterm-drain", {"PREDICTION_SHUTDOWN_GRACE_S": "20"})
         p.inference.env["INFERENCE_SHUTDOWN_GRACE_S"] = "20"
         await asyncio.to_thread(p.start)
-        acknowledged: dict[str, str] = {}
+        acknowledged: dict[str, Answer] = {}
         try:
-            # PredictionService: Predict and BatchPredict calls in flight when SIGTERM arrives
+            # one PredictionService replica: Predict and BatchPredict calls in flight when SIGTERM arrives
             predicts, batches = Outcomes(), Outcomes()
             await self.terminate_under_load(result, "prediction", p.prediction, [
                 (PREDICT, self.predicts(prefix, int(1500 * self.timing.before_fault_s)), classify, 48, predicts, ()),
                 (BATCH_PREDICT, self.batches(f"{prefix}-batch", 100, 500), classify_batch, 4, batches, ())])
             acknowledged.update(self.decisions(predicts))
             for items in batches.acknowledged.values():
-                acknowledged.update({k: v[0] for k, v in items.items()})
+                acknowledged.update(items)
             # InferenceService: Infer calls of 8,192 rows (its max_request_rows; two fill its queue
             # bound exactly), 16 distinct payloads sent over and over until the signal itself: one
             # takes only a few ms here, so any pause before SIGTERM would let every call finish
             large, metadata = infer_payloads(self.entry, 16, rows=8192)
             await self.terminate_under_load(result, "inference", p.inference, [
                 (INFER, Repeated(large, 20_000), check_infer, 2, Outcomes(), metadata)], prestop_s=0.0)
+            # what the drained replica had not delivered when it exited, the others' relays deliver:
+            # a replica that goes away strands nothing
+            await self.reconcile(result, prefix, acknowledged)
+            codes = {f"prediction-{k + 2}": await asyncio.to_thread(r.terminate) for k, r in enumerate(p.more_predictions)}
+            result.figures["other_replicas_exit"] = codes
+            result.check(all(code == 0 for code in codes.values()), f"unclean exit of the other replicas: {codes}")
         finally:
-            p.kill()  # only if something above failed before the SIGTERMs: both are normally gone
-        # decisions the drain could not deliver in time wait in the outbox: a restart delivers them
-        await self.reconcile(result, prefix, acknowledged, wait_s=5.0)
-        if result.figures["lost"]:
-            result.violations = [v for v in result.violations if "missing from the CRM" not in v]
-            result.figures["left_in_outbox_at_exit"] = result.figures["lost"]
-            await asyncio.to_thread(p.start)
-            try:
-                await self.reconcile(result, prefix, acknowledged)
-            finally:
-                await asyncio.to_thread(p.stop)
+            p.kill()  # only if something above failed: every process is normally gone by now
         return result
 
     async def terminate_under_load(self, result: Result, name: str, service: harness.Service, loads: list,
@@ -482,7 +493,7 @@ class Soak:
             await self.proxy.cut()
             marks["cut"] = time.monotonic()
             while time.monotonic() < t0 + t.before_fault_s + t.fault_s:
-                readiness.append(await health(p.prediction.address, ""))
+                readiness.extend([await health(address, "") for address in self.addresses(p)])
                 backlog.append(await asyncio.to_thread(gauge, metrics_port, "prediction_outbox_depth"))
                 await asyncio.sleep(0.5)
             await self.proxy.restore()
@@ -499,7 +510,7 @@ class Soak:
         t0 = time.monotonic()
         try:
             figures, _ = await asyncio.gather(
-                drive(p.prediction.address, PREDICT, self.predicts(prefix, int(rate * total_s)), check=classify,
+                drive(self.addresses(p), PREDICT, self.predicts(prefix, int(rate * total_s)), check=classify,
                       concurrency=64, rate_per_s=rate, duration_s=total_s, timeout_s=2.0, outcomes=outcomes),
                 fault(t0))
             await self.reconcile(result, prefix, self.decisions(outcomes))
@@ -513,13 +524,13 @@ class Soak:
 
         result.figures.update({"rate_per_s": rate, "errors": figures["errors"], "p99_ms": figures["p99_ms"],
                                "outage_s": round(marks["restored"] - marks["cut"], 2),
-                               "max_outbox_backlog": int(max(backlog, default=0)),
+                               "max_ledger_backlog": int(max(backlog, default=0)),
                                "ready_during_outage": f"{readiness.count(health_pb2.HealthCheckResponse.SERVING)}"
                                                       f"/{len(readiness)} checks"})
         result.check(not outcomes.failed, f"{len(outcomes.failed)} Predict call(s) failed during the CRM outage")
         result.check(bool(readiness) and all(s == health_pb2.HealthCheckResponse.SERVING for s in readiness),
                      "readiness left SERVING while only the CRM was down")
-        result.check(max(backlog, default=0) > 0, "no decision waited in the outbox: the outage did not bite")
+        result.check(max(backlog, default=0) > 0, "no decision waited in the ledger: the outage did not bite")
         return result
 
 
@@ -541,26 +552,22 @@ def count(sources: list[str]) -> dict[str, int]:
     return out
 
 
-def outbox_has(path: Path, request_ids: list[str]) -> dict[str, tuple[str, str, float]]:
-    """request id → (decision id, decision, probability), for those of ``request_ids`` the
-    outbox file holds (read-only)."""
-    import sqlite3
+async def ledger_has(ledger_url: str, request_ids: list[str]) -> dict[str, Answer]:
+    """request id → (decision id, decision, probability), for those of ``request_ids`` the shared
+    ledger holds."""
+    from mlpair.prediction.crm.ledger import open_ledger
 
-    if not request_ids:
-        return {}
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    ledger = open_ledger(ledger_url)
+    await ledger.open()
     try:
         found = {}
-        for i in range(0, len(request_ids), 500):
-            chunk = request_ids[i:i + 500]
-            rows = conn.execute(f"SELECT request_id, payload FROM outbox WHERE request_id IN ({','.join('?' * len(chunk))})",
-                                chunk).fetchall()
-            for rid, payload in rows:
-                d = json.loads(payload)
-                found[rid] = (d["decision_id"], d["decision"], d["probability"] or 0.0)
+        for rid in request_ids:
+            if (recorded := await ledger.find(rid)) is not None:
+                d = recorded.decision
+                found[rid] = (d.decision_id, d.decision, d.probability or 0.0)
         return found
     finally:
-        conn.close()
+        await ledger.close()
 
 
 async def health(address: str, service: str) -> int:
@@ -647,17 +654,17 @@ def summarise(results: list[Result]) -> None:
     table = Table(title="make soak: both services as processes, loopback only")
     for column in ("scenario", "result", "figures", "violations"):
         table.add_column(column)
-    keys = {"sustained": ("achieved_per_s", "p99_ms", "errors", "rss_inference_mib", "rss_prediction_mib", "lost",
-                          "duplicated"),
+    keys = {"sustained": ("achieved_per_s", "p99_ms", "errors", "rss_inference_mib", "rss_prediction-1_mib", "rss_prediction-2_mib", "lost",
+                          "duplicated", "contradicting"),
             "inference-killed": ("down_s", "while_down", "after_recovery", "fresh_again_after_s", "errors", "lost",
-                                 "duplicated"),
+                                 "duplicated", "contradicting"),
             "prediction-killed": ("in_flight_at_kill", "failed_while_down", "committed_but_unanswered", "retried_ok",
-                                  "never_acknowledged", "replayed_differently", "lost", "duplicated"),
+                                  "never_acknowledged", "replayed_differently", "lost", "duplicated", "contradicting"),
             "sigterm-drain": ("prediction_in_flight_at_sigterm", "prediction_failed", "prediction_exit",
                               "inference_in_flight_at_sigterm", "inference_failed", "inference_exit", "lost",
-                              "duplicated"),
-            "crm-outage": ("outage_s", "errors", "max_outbox_backlog", "ready_during_outage",
-                           "backlog_cleared_after_s", "lost", "duplicated")}
+                              "duplicated", "contradicting"),
+            "crm-outage": ("outage_s", "errors", "max_ledger_backlog", "ready_during_outage",
+                           "backlog_cleared_after_s", "lost", "duplicated", "contradicting")}
     for r in results:
         figures = "\n".join(f"{k}: {r.figures[k]}" for k in keys.get(r.name, ()) if k in r.figures)
         table.add_row(r.name, "skipped" if r.skipped and not r.violations else "FAIL" if r.violations else "ok",
@@ -668,7 +675,9 @@ def summarise(results: list[Result]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", default="var/models")
-    parser.add_argument("--workdir", default="var/soak", help="outboxes and service logs")
+    parser.add_argument("--workdir", default="var/soak", help="service logs (and SQLite ledgers without PostgreSQL)")
+    parser.add_argument("--prediction-replicas", type=int, default=2,
+                        help="PredictionService processes sharing the ledger, round robin (at least 2)")
     parser.add_argument("--short", action="store_true", help="every phase scaled down (the make test version)")
     parser.add_argument("--rate", type=float, default=300.0, help="Predict calls/s of the sustained scenario")
     parser.add_argument("--fault-rate", type=float, default=150.0, help="Predict calls/s during the fault scenarios")
@@ -681,6 +690,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rate, args.fault_rate = min(args.rate, 100.0), min(args.fault_rate, 100.0)
     if args.rate <= 0 or args.fault_rate <= 0 or not 0 < args.sustained_s <= 600:
         parser.error("need positive rates and 0 < sustained-s <= 600")
+    if not 2 <= args.prediction_replicas <= 10:
+        parser.error("--prediction-replicas: 2 to 10 (every promise is about several replicas)")
     if args.postgres_url and "127.0.0.1" not in args.postgres_url and "localhost" not in args.postgres_url:
         parser.error("the CRM database must be on 127.0.0.1")
     return args
