@@ -337,3 +337,15 @@ async def test_every_field_survives_the_ledger(ledger):
     await record(ledger, d, "fingerprint-1")
     found = await ledger.find("round-trip")
     assert found.decision == d and found.fingerprint == "fingerprint-1" and found.replayed
+
+
+async def test_callers_arriving_as_a_commit_ends_are_never_left_waiting(ledger):
+    """Eight callers, each recording its next decision as soon as the last one returns: some
+    arrive just as a writer finishes its last commit; each must be picked up (regression: such a
+    caller once waited forever while the finished writer still counted as running)."""
+    async def caller(k: int) -> None:
+        for i in range(60):
+            await record(ledger, decision(f"arrive-{k}-{i}"))
+
+    await asyncio.wait_for(asyncio.gather(*(caller(k) for k in range(8))), timeout=60)
+    assert (await ledger.backlog())[0] == 480

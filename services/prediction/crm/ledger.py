@@ -16,6 +16,8 @@ reads from it what any replica recorded first for the same request id (the idemp
   never returned (fail closed: no answer the ledger could later contradict).
 * **Group commit.** Decisions arriving while a commit is in progress go together into the next
   transaction, so the per-request cost stays near one commit however many requests are in flight.
+  An engine may run a few commits at once (``commit_concurrency``): PostgreSQL then flushes
+  their WAL together, and a decision never waits for a whole commit before its own starts.
 * **It is the CRM's outbox.** Rows start undelivered; :mod:`mlpair.prediction.crm.relay` on any
   replica claims a batch (:meth:`DecisionLedger.claim`), delivers it to the CRM database with
   ``INSERT … ON CONFLICT DO NOTHING`` and marks it delivered in the same claim.
@@ -114,13 +116,14 @@ class DecisionLedger(abc.ABC):
     """
 
     max_commit_rows = 500  # decisions per transaction
+    commit_concurrency = 1  # transactions in progress at once
     db_system = ""  # OpenTelemetry's name of the engine
 
     def __init__(self) -> None:
         self.committed = asyncio.Event()
         self.reachable = True
         self._pending: list[tuple[Entry, _Caller, int]] = []  # entry, its caller, its index there
-        self._writer: asyncio.Task | None = None
+        self._writers: set[asyncio.Task] = set()
 
     @abc.abstractmethod
     async def open(self) -> None:
@@ -133,8 +136,8 @@ class DecisionLedger(abc.ABC):
 
     async def close(self) -> None:
         """Waits for pending commits, then releases the connections."""
-        if self._writer is not None:
-            await asyncio.gather(self._writer, return_exceptions=True)
+        if self._writers:
+            await asyncio.gather(*self._writers, return_exceptions=True)
 
     async def record_many(self, decisions: Sequence[StoredDecision],
                           fingerprints: Sequence[str]) -> list[Recorded | LedgerUnavailable]:
@@ -154,8 +157,12 @@ class DecisionLedger(abc.ABC):
         loop = asyncio.get_running_loop()
         caller = _Caller(loop.create_future(), [None] * len(decisions), len(decisions))
         self._pending.extend(((complete(d), f), caller, k) for k, (d, f) in enumerate(zip(decisions, fingerprints)))
-        if self._writer is None or self._writer.done():
-            self._writer = loop.create_task(self._write_pending())
+        # a writer that is not done re-reads the pending list after its commit: one is enough unless
+        # the engine takes more commits at once (done ones are discarded only by a later callback)
+        if sum(not w.done() for w in self._writers) < self.commit_concurrency:
+            writer = loop.create_task(self._write_pending())
+            self._writers.add(writer)
+            writer.add_done_callback(self._writers.discard)
         return await caller.future
 
     @abc.abstractmethod
