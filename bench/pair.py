@@ -404,3 +404,31 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+# The last release before the shared decision ledger (per-pod outboxes, CRM at crm_0002): the
+# baseline of `make bench-predict`'s A/B, and the code tests/prediction/test_migrate.py runs against
+# this release's schema. Update it to the previous release whenever a release changes a schema.
+PREVIOUS_RELEASE = "1c204043f24fc9358b71bb9a0017bc12b0a2ff27"
+
+
+def previous_release(dest: Path, ref: str = PREVIOUS_RELEASE) -> Path | None:
+    """Release ``ref``'s code from this repository's git history, laid out under ``dest`` as its
+    installed ``mlpair`` package would be (``dest/package`` for ``PYTHONPATH``; its ``config/``
+    under ``dest/source``). Returns ``dest``, or None when git or that commit is not available
+    (a clone without history)."""
+    import shutil
+
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{ref}^{{commit}}"],
+                                                     capture_output=True).returncode != 0:
+        return None
+    source, package = dest / "source", dest / "package"
+    source.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "mlpair", "services", "training", "config"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    shutil.copytree(source / "mlpair", package / "mlpair")
+    for folder, name in (("services/prediction", "prediction"), ("services/inference", "inference"),
+                         ("training", "training")):
+        shutil.copytree(source / folder, package / "mlpair" / name)
+    return dest

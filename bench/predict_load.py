@@ -3,20 +3,27 @@
 A benchmark, not a test: it reports numbers and checks every reply, but asserts no speed.
 
 Both services run as their own processes (``mlpair serve inference`` / ``mlpair serve
-prediction``) on loopback ports, the CRM in a throw-away PostgreSQL database on 127.0.0.1
-(a SQLite file when PostgreSQL is down), the outbox with ``synchronous=FULL`` (the default:
-an fsync per group commit). One load generator (:mod:`bench.load`) drives, in this order:
+prediction``) on loopback ports, the CRM and the shared decision ledger in a throw-away
+PostgreSQL database on 127.0.0.1 (SQLite files when PostgreSQL is down; ``--ledgers sqlite`` adds
+the one-machine SQLite ledger). One load generator (:mod:`bench.load`) drives, in this order:
 
 1. ``direct Infer`` — InferenceService's own ``Infer``, one real applicant's feature row per
    call, at concurrency 1 and ``--concurrency``: the inference hop alone;
 2. ``Predict`` — one applicant per call, every one a distinct feature row (a cache miss: the
    holdout applicants with their loan amount perturbed), CRM write on, at concurrency 1 and
    ``--concurrency``: the two hops end to end;
-3. ``BatchPredict`` — ``--batch-items`` applicants per call (distinct rows again);
-4. optionally ``Predict`` again after restarting PredictionService with the outbox at
-   ``synchronous=NORMAL`` (survives a process crash, not an OS crash), for comparison only;
+3. ``BatchPredict`` — ``--batch-items`` applicants per call (distinct rows again), with the
+   relay's delivery rate to the CRM and the ledger backlog at the end of the phase;
+4. ``A/B Predict`` — the previous release's PredictionService (per-pod SQLite outbox, from git
+   history: :data:`bench.pair.PREVIOUS_RELEASE`) and this release's (shared PostgreSQL ledger),
+   both running over the same InferenceService and CRM, loaded in turn (A, B, A, B, …) at
+   ``--ab-concurrency``: the cost of the shared ledger, interleaved on one machine;
 5. ``null Predict`` and ``null BatchPredict`` — the same calls against ``bench/null_prediction.py``,
    a do-nothing PredictionService: the floor a Python gRPC prediction hop cannot beat here.
+
+Every phase of PredictionService also reports the ledger's commit latency p50/p99 over the phase
+(``prediction_ledger_commit_duration_seconds``, interpolated within its buckets as Prometheus's
+``histogram_quantile`` does).
 
 Each reply is parsed: a decision with a probability in [0, 1], not a fallback, not from the
 cache. One JSON line per phase on stdout, then a table and the targets of issue 8
@@ -128,28 +135,64 @@ def check_infer(key: str, raw: bytes) -> None:
 
 SCRAPED = ("prediction_coalesced_call_rows_count", "prediction_coalesced_call_rows_sum",
            "prediction_outbox_delivered_total", "prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")
+COMMIT_BUCKETS = "prediction_ledger_commit_duration_seconds_bucket"
+MAX_OF_REPLICAS = ("prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")  # the shared ledger's
 
 
-def scrape(metrics_ports: list[int]) -> dict[str, float]:
+def scrape(metrics_ports: list[int]) -> dict:
     """PredictionService's figures this bench reads, from the Prometheus endpoint of each replica:
     Infer calls and rows sent so far (``prediction_coalesced_call_rows_count``/``_sum``),
-    decisions the relay has delivered to the CRM, and the outbox's depth now (summed over the
-    replicas) and its oldest undelivered age (the largest)."""
+    decisions the relays have delivered to the CRM (summed), the shared ledger's backlog and its
+    oldest undelivered age (every replica reports the same: the largest), and the ledger commit
+    histogram's cumulative buckets (``le`` → count, summed)."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    found = dict.fromkeys(SCRAPED, 0.0)
+    found: dict = dict.fromkeys(SCRAPED, 0.0)
+    found[COMMIT_BUCKETS] = Counter()
     for port in metrics_ports:
         with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "prediction_outbox_oldest_age_seconds":
+                if sample.name in MAX_OF_REPLICAS:
                     found[sample.name] = max(found[sample.name], sample.value)
-                elif sample.name in found:
+                elif sample.name in found and sample.name != COMMIT_BUCKETS:
                     found[sample.name] += sample.value
+                elif sample.name == COMMIT_BUCKETS:
+                    found[COMMIT_BUCKETS][float(sample.labels["le"])] += sample.value
     return found
+
+
+def histogram_quantile(q: float, before: Counter, after: Counter) -> float | None:
+    """The ``q`` quantile (0–1) of what a cumulative histogram counted between two scrapes, by
+    linear interpolation inside the bucket it falls in (Prometheus's ``histogram_quantile``);
+    None when nothing was counted."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / max(count - below, 1e-12))
+        lower, below = bound, count
+    return lower
+
+
+def ledger_figures(scraped0: dict, scraped1: dict, phase_s: float) -> dict:
+    """What the ledger and its relays did over a phase: commit latency p50/p99 (ms), decisions
+    delivered to the CRM per second, and the backlog left when the phase ended."""
+    delivered = scraped1["prediction_outbox_delivered_total"] - scraped0["prediction_outbox_delivered_total"]
+    quantiles = {q: histogram_quantile(q, scraped0[COMMIT_BUCKETS], scraped1[COMMIT_BUCKETS]) for q in (0.5, 0.99)}
+    return {"ledger_commit_p50_ms": None if quantiles[0.5] is None else round(1000 * quantiles[0.5], 2),
+            "ledger_commit_p99_ms": None if quantiles[0.99] is None else round(1000 * quantiles[0.99], 2),
+            "crm_delivered_per_s": round(delivered / phase_s, 1),
+            "backlog_at_end": int(scraped1["prediction_outbox_depth"]),
+            "backlog_oldest_age_s_at_end": round(scraped1["prediction_outbox_oldest_age_seconds"], 2)}
 
 
 def run(args) -> int:
@@ -175,29 +218,30 @@ def run(args) -> int:
         crm = pg_url or None
         emit({"phase": "crm", "crm": "postgresql (throw-away database on 127.0.0.1)" if pg_url else "sqlite file"})
         real = {"infer", "predict", "batch"} & set(args.phases)
-        outboxes = (["FULL", "NORMAL"] if args.with_normal else ["FULL"]) if real else []
-        for synchronous in outboxes:
+        for ledger in args.ledgers if real else []:
             metrics_port = harness.free_port()
-            p = harness.pair(workdir / synchronous.lower(), root, crm_url=crm,
-                             prediction_env={"PREDICTION_OUTBOX_SYNCHRONOUS": synchronous,
-                                             "PREDICTION_METRICS_PORT": str(metrics_port),
+            # PostgreSQL: the shared ledger in the CRM's database (its own schema), as replicas run it
+            ledger_url = f"sqlite+aiosqlite:///{workdir / 'sqlite' / 'ledger.sqlite'}" if ledger == "sqlite" or not pg_url else None
+            p = harness.pair(workdir / ledger, root, crm_url=crm, ledger_url=ledger_url,
+                             prediction_env={"PREDICTION_METRICS_PORT": str(metrics_port),
                                              **dict(e.split("=", 1) for e in args.env)},
                              prediction_replicas=args.prediction_replicas)
             metrics_ports = [int(r.env["PREDICTION_METRICS_PORT"]) for r in p.predictions]
             replicas = [r.address for r in p.predictions]
             with harness.running(p):
-                emit({"phase": "started", "outbox_synchronous": synchronous, "prediction_replicas": len(replicas),
+                emit({"phase": "started", "ledger": ledger, "prediction_replicas": len(replicas),
                       "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
                 cpu = {"inference": p.inference.cpu_seconds,
                        "prediction": lambda: sum(r.cpu_seconds() for r in p.predictions)}
                 phases = []
                 levels = [1, *args.concurrency]
-                if synchronous == "FULL" and "infer" in args.phases:
+                first = ledger == args.ledgers[0]
+                if first and "infer" in args.phases:
                     infer, meta = infer_payloads(entry, budget(max(levels), timed))
                     phases += [("direct Infer", c, INFER, infer, check_infer, 1, meta) for c in levels]
                 if "predict" in args.phases:
                     phases += [("Predict", c, PREDICT, None, checker.predict, 1, ()) for c in levels]
-                if synchronous == "FULL" and "batch" in args.phases:
+                if first and "batch" in args.phases:
                     phases.append(("BatchPredict", args.batch_concurrency, BATCH_PREDICT, "batch", checker.batch,
                                    args.batch_items, ()))
                 for name, concurrency, method, payloads, check, rows, meta in phases:
@@ -215,7 +259,7 @@ def run(args) -> int:
                         check=check, concurrency=concurrency, duration_s=args.duration_s if concurrency > 1 else args.c1_seconds,
                         warmup_s=args.warmup_s if concurrency > 1 else 1.0, metadata=meta, rows_per_call=rows,
                         cpu_of=cpu))
-                    line = {"phase": name, "outbox_synchronous": synchronous if method != INFER else None,
+                    line = {"phase": name, "ledger": ledger if method != INFER else None,
                             "concurrency": concurrency, "rows_per_call": rows, **figures}
                     if method != INFER:
                         line["replies_from_cache"] = checker.sources["cache"] - before["cache"]
@@ -224,15 +268,14 @@ def run(args) -> int:
                         rows_sent = scraped1["prediction_coalesced_call_rows_sum"] - scraped0["prediction_coalesced_call_rows_sum"]
                         line["infer_calls"] = int(calls)  # whole phase, warm-up included
                         line["rows_per_infer_call"] = round(rows_sent / max(1.0, calls), 2)
-                        # did the relay keep up? decisions it delivered to the CRM per second over the
-                        # whole phase, and what waited in the outbox when the phase ended
-                        delivered = scraped1["prediction_outbox_delivered_total"] - scraped0["prediction_outbox_delivered_total"]
-                        line["crm_delivered_per_s"] = round(delivered / phase_s, 1)
-                        line["outbox_depth_at_end"] = int(scraped1["prediction_outbox_depth"])
-                        line["outbox_oldest_age_s_at_end"] = round(scraped1["prediction_outbox_oldest_age_seconds"], 2)
+                        # did the relays keep up? decisions delivered to the CRM per second over the
+                        # whole phase, and what waited in the ledger when the phase ended
+                        line.update(ledger_figures(scraped0, scraped1, phase_s))
                     emit(line)
                     results.append(line)
-            emit({"phase": "stopped", "outbox_synchronous": synchronous,
+                if first and "ab" in args.phases:
+                    results += ab_predict(args, p, metrics_ports, workdir, workload, checker, pb, to_attributes)
+            emit({"phase": "stopped", "ledger": ledger,
                   "exit_codes": {**{f"prediction-{i + 1}" if i else "prediction": r.process.returncode
                                     for i, r in enumerate(p.predictions)},
                                  "inference": p.inference.process.returncode}})
@@ -253,11 +296,55 @@ def run(args) -> int:
                     null.address, method, payloads, check=check, concurrency=concurrency,
                     duration_s=args.duration_s if concurrency > 1 else args.c1_seconds,
                     warmup_s=args.warmup_s if concurrency > 1 else 1.0, rows_per_call=rows, cpu_of=cpu))
-                line = {"phase": name, "outbox_synchronous": None, "concurrency": concurrency, "rows_per_call": rows,
+                line = {"phase": name, "ledger": None, "concurrency": concurrency, "rows_per_call": rows,
                         **figures}
                 emit(line)
                 results.append(line)
     return summarise(results, args.concurrency)
+
+
+def ab_predict(args, p: harness.Pair, metrics_ports: list[int], workdir: Path, workload, checker: PredictCheck, pb,
+               to_attributes) -> list[dict]:
+    """Interleaved A/B of Predict at ``--ab-concurrency``: A is the previous release's
+    PredictionService (its own SQLite outbox, synchronous FULL, from git history), B this
+    release's replicas of ``p`` (the shared ledger); both over ``p``'s InferenceService and CRM,
+    loaded in turn for ``--ab-rounds`` rounds. Returns one line per variant and round."""
+    release = harness.previous_release(workdir / "previous-release", args.baseline)
+    if release is None:
+        emit({"phase": "A/B Predict", "skipped": f"no git history with {args.baseline}"})
+        return []
+    baseline_metrics = harness.free_port()
+    baseline = harness.Service("prediction", {
+        **p.prediction.env, "PYTHONPATH": str(release / "package"),
+        "PREDICTION_CONFIG_DIR": str(release / "source" / "config"),
+        "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{workdir / 'previous-release' / 'outbox.sqlite'}",
+        "PREDICTION_OUTBOX_SYNCHRONOUS": "FULL", "PREDICTION_METRICS_PORT": str(baseline_metrics)},
+        harness.free_port(), workdir / "previous-release.log")
+    baseline.env["PREDICTION_PORT"] = str(baseline.port)
+    baseline.start()
+    variants = {"A: previous release, per-pod outbox": ([baseline.address], baseline.cpu_seconds, None),
+                "B: this release, shared ledger": ([r.address for r in p.predictions],
+                                                   lambda: sum(r.cpu_seconds() for r in p.predictions), metrics_ports)}
+    lines = []
+    try:
+        for round_ in range(args.ab_rounds):
+            for variant, (addresses, cpu, ports) in variants.items():
+                n = int(min(args.max_calls, 5000 * (args.warmup_s + args.duration_s)))
+                payloads = predict_payloads(itertools.islice(workload, n), pb, to_attributes)
+                scraped0, started = (scrape(ports), time.monotonic()) if ports else (None, 0.0)
+                figures = asyncio.run(drive(addresses, PREDICT, payloads, check=checker.predict,
+                                            concurrency=args.ab_concurrency, duration_s=args.duration_s,
+                                            warmup_s=args.warmup_s, cpu_of={"inference": p.inference.cpu_seconds,
+                                                                            "prediction": cpu}))
+                line = {"phase": "A/B Predict", "variant": variant, "round": round_ + 1, "ledger": variant[:1],
+                        "concurrency": args.ab_concurrency, "rows_per_call": 1, **figures}
+                if ports:
+                    line.update(ledger_figures(scraped0, scrape(ports), time.monotonic() - started))
+                emit(line)
+                lines.append(line)
+    finally:
+        baseline.terminate()
+    return lines
 
 
 @contextlib.contextmanager
@@ -283,24 +370,27 @@ def summarise(results: list[dict], levels: list[int]) -> int:
     from rich.table import Table
 
     table = Table(title="PredictionService end to end (client + both services on this machine)")
-    for column in ("phase", "outbox", "conc", "rows/call", "calls/s", "rows/s", "p50 ms", "p99 ms", "errors",
-                   "rows/Infer", "outbox at end: rows / oldest s", "CPU % client / prediction / inference / others",
-                   "µs CPU per call: client / prediction / inference"):
-        table.add_column(column, justify="left" if column in ("phase", "outbox") else "right")
+    for column in ("phase", "ledger", "conc", "rows/call", "calls/s", "rows/s", "p50 ms", "p99 ms", "errors",
+                   "rows/Infer", "ledger commit p50 / p99 ms", "CRM delivered/s", "backlog at end: rows / oldest s",
+                   "CPU % client / prediction / inference / others", "µs CPU per call: client / prediction / inference"):
+        table.add_column(column, justify="left" if column in ("phase", "ledger") else "right")
     for r in results:
         cpu, per_call = r.get("cpu_pct", {}), r.get("cpu_ms_per_call", {})
-        table.add_row(r["phase"], r["outbox_synchronous"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
+        phase = f"{r['phase']} {r['variant'][:1]}{r['round']}" if "variant" in r else r["phase"]
+        table.add_row(phase, r["ledger"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
                       f"{r['calls_per_s']:,.0f}", f"{r['rows_per_s']:,.0f}", str(r["p50_ms"]), str(r["p99_ms"]),
                       str(r["errors"]), str(r.get("rows_per_infer_call", "-")),
-                      f"{r['outbox_depth_at_end']:,} / {r['outbox_oldest_age_s_at_end']}" if "outbox_depth_at_end" in r else "-",
+                      f"{r['ledger_commit_p50_ms']} / {r['ledger_commit_p99_ms']}" if "ledger_commit_p50_ms" in r else "-",
+                      f"{r['crm_delivered_per_s']:,.0f}" if "crm_delivered_per_s" in r else "-",
+                      f"{r['backlog_at_end']:,} / {r['backlog_oldest_age_s_at_end']}" if "backlog_at_end" in r else "-",
                       " / ".join(f"{cpu.get(k, 0):.0f}" for k in ("client", "prediction", "inference"))
                       + f" / {r.get('cpu_pct_others', 0):.0f}",
                       " / ".join(f"{1000 * per_call.get(k, 0):,.0f}" for k in ("client", "prediction", "inference")))
     Console(file=sys.stdout, width=200).print(table)
 
-    def find(phase: str, conc: int, sync: str = "FULL") -> dict | None:
+    def find(phase: str, conc: int, ledger: str = "postgresql") -> dict | None:
         return next((r for r in results if r["phase"] == phase and r["concurrency"] == conc
-                     and r["outbox_synchronous"] in (sync, None)), None)
+                     and r["ledger"] in (ledger, None)), None)
 
     summary: dict = {"phase": "summary"}
     for conc in [1, *levels]:
@@ -309,15 +399,17 @@ def summarise(results: list[dict], levels: list[int]) -> int:
             summary[f"prediction_hop_added_p50_ms_c{conc}"] = round(predict["p50_ms"] - infer["p50_ms"], 2)
             summary[f"prediction_hop_added_p99_ms_c{conc}"] = round(predict["p99_ms"] - infer["p99_ms"], 2)
     for conc in levels:
-        for sync in ("FULL", "NORMAL"):
-            if predict := find("Predict", conc, sync):
-                suffix = f"c{conc}" + ("_outbox_normal" if sync == "NORMAL" else "")
+        for ledger in ("postgresql", "sqlite"):
+            if predict := find("Predict", conc, ledger):
+                suffix = f"c{conc}" + ("_sqlite_ledger" if ledger == "sqlite" else "")
                 summary[f"predict_per_s_{suffix}"] = predict["calls_per_s"]
                 summary[f"predict_p99_ms_{suffix}"] = predict["p99_ms"]
                 summary[f"predict_target_met_{suffix}"] = (predict["calls_per_s"] >= TARGET_PREDICT_PER_S
                                                            and (predict["p99_ms"] or 1e9) <= TARGET_PREDICT_P99_MS)
     if batch := next((r for r in results if r["phase"] == "BatchPredict"), None):
         summary["batch_rows_per_s"] = batch["rows_per_s"]
+        summary["batch_crm_delivered_per_s"] = batch.get("crm_delivered_per_s")
+        summary["batch_backlog_at_end"] = batch.get("backlog_at_end")
         summary["batch_target_met"] = batch["rows_per_s"] >= TARGET_BATCH_ROWS_PER_S
     # the real service as a share of the do-nothing one (bench/null_prediction.py): 1.0 = the floor
     for conc in levels:
@@ -327,6 +419,15 @@ def summarise(results: list[dict], levels: list[int]) -> int:
     null_batch = next((r for r in results if r["phase"] == "null BatchPredict"), None)
     if batch and null_batch and null_batch["rows_per_s"]:
         summary["batch_share_of_null"] = round(batch["rows_per_s"] / null_batch["rows_per_s"], 2)
+    ab = [r for r in results if r["phase"] == "A/B Predict"]
+    if ab:  # this release's shared ledger against the previous release's per-pod outbox, same rounds
+        rates = {v: [r["calls_per_s"] for r in ab if r["ledger"] == v] for v in ("A", "B")}
+        summary["ab_predict_per_s"] = {v: rates[v] for v in rates}
+        summary["ab_p99_ms"] = {v: [r["p99_ms"] for r in ab if r["ledger"] == v] for v in ("A", "B")}
+        if rates["A"] and rates["B"]:
+            summary["ab_rate_ratio_b_over_a"] = round(sum(rates["B"]) / sum(rates["A"]), 3)
+        summary["ab_ledger_commit_p50_p99_ms"] = [(r.get("ledger_commit_p50_ms"), r.get("ledger_commit_p99_ms"))
+                                                  for r in ab if r["ledger"] == "B"]
     summary["targets"] = {"predict_per_s": TARGET_PREDICT_PER_S, "predict_p99_ms": TARGET_PREDICT_P99_MS,
                           "batch_rows_per_s": TARGET_BATCH_ROWS_PER_S}
     summary["errors"] = sum(r["errors"] for r in results)
@@ -338,7 +439,7 @@ def summarise(results: list[dict], levels: list[int]) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", default="var/models")
-    parser.add_argument("--workdir", default="var/bench-predict", help="outbox, CRM (SQLite case) and logs")
+    parser.add_argument("--workdir", default="var/bench-predict", help="logs, and SQLite ledger and CRM files")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 32],
                         help="Predict / Infer calls in flight (each level is a phase; concurrency 1 always runs)")
     parser.add_argument("--duration-s", type=float, default=15.0, help="measured seconds per phase")
@@ -349,16 +450,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-rows-budget-per-s", type=int, default=40_000,
                         help="distinct rows prepared per second of the BatchPredict phase (its upper bound)")
     parser.add_argument("--max-calls", type=int, default=100_000, help="upper bound of calls per phase")
-    parser.add_argument("--with-normal", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure Predict with the outbox at synchronous=NORMAL")
+    parser.add_argument("--ledgers", nargs="+", default=["postgresql"], choices=["postgresql", "sqlite"],
+                        help="decision ledgers to run the phases with (the first also runs Infer, BatchPredict and A/B)")
+    parser.add_argument("--ab-concurrency", type=int, default=32, help="Predict calls in flight in the A/B phases")
+    parser.add_argument("--ab-rounds", type=int, default=2, help="interleaved A/B rounds (A then B in each)")
+    parser.add_argument("--baseline", default=harness.PREVIOUS_RELEASE,
+                        help="git commit of the A side of the A/B [default: the previous release]")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
     parser.add_argument("--prediction-replicas", type=int, default=1,
-                        help="PredictionService processes (own port and outbox each, one InferenceService and CRM); "
+                        help="PredictionService processes (own port each; one InferenceService, ledger and CRM); "
                              "calls are spread over them round-robin, as a Service over several pods would")
-    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch", "null"],
-                        choices=["infer", "predict", "batch", "null"],
-                        help="which phases to run (all by default); null = Predict and BatchPredict against "
-                             "bench/null_prediction.py, a do-nothing PredictionService")
+    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch", "ab", "null"],
+                        choices=["infer", "predict", "batch", "ab", "null"],
+                        help="which phases to run (all by default); ab = Predict, previous release against this "
+                             "one, interleaved; null = Predict and BatchPredict against bench/null_prediction.py, a "
+                             "do-nothing PredictionService")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 2 or args.duration_s <= 0 or args.warmup_s + args.duration_s > 300:
         parser.error("need concurrency >= 2 (1 always runs) and 0 < duration-s, warmup-s + duration-s <= 300")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import uuid
@@ -21,21 +20,15 @@ import grpc
 import pytest
 from sqlalchemy import make_url
 
+from bench import pair as harness
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.prediction.converters import to_attributes
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from tests.fault_support import free_port, prediction_service, prediction_settings
-from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)
-# The last release before the shared decision ledger (per-pod outboxes, CRM at crm_0002). Its code
-# must keep working against this release's schema while a rollout runs both; update this to the
-# previous release whenever a release changes a schema.
-PREVIOUS_RELEASE = "1c204043f24fc9358b71bb9a0017bc12b0a2ff27"
-
-
 def mlpair_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     environment = {**os.environ, **(env or {})}
@@ -144,22 +137,12 @@ async def test_the_serving_role_decides_but_cannot_change_any_schema(
 
 
 def previous_release(tmp_path: Path) -> Path:
-    """The previous release's code from git history, laid out as its installed ``mlpair`` package."""
-    if shutil.which("git") is None or subprocess.run(["git", "-C", str(REPO_ROOT), "cat-file", "-e",
-                                                      f"{PREVIOUS_RELEASE}^{{commit}}"]).returncode != 0:
+    """The previous release's code from git history (see :func:`bench.pair.previous_release`)."""
+    if (release := harness.previous_release(tmp_path / "previous")) is None:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"git history with {PREVIOUS_RELEASE} is needed to run the previous release's code")
-        pytest.skip(f"no git history with {PREVIOUS_RELEASE} (a clone with history runs this test)")
-    source, package = tmp_path / "source", tmp_path / "package"
-    source.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", PREVIOUS_RELEASE, "mlpair", "services",
-                              "training", "config"], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-    shutil.copytree(source / "mlpair", package / "mlpair")
-    for folder, name in (("services/prediction", "prediction"), ("services/inference", "inference"),
-                         ("training", "training")):
-        shutil.copytree(source / folder, package / "mlpair" / name)
-    return source
+            pytest.fail(f"git history with {harness.PREVIOUS_RELEASE} is needed to run the previous release's code")
+        pytest.skip(f"no git history with {harness.PREVIOUS_RELEASE} (a clone with history runs this test)")
+    return release
 
 
 async def test_the_previous_release_runs_against_this_schema_beside_this_release(
@@ -167,14 +150,14 @@ async def test_the_previous_release_runs_against_this_schema_beside_this_release
     """Expand/contract: during a rollout the previous release's pods (own outbox, CRM at the same
     database, migrating at start-up as they did) keep deciding and delivering against the schema
     `mlpair migrate` made, and once `--backfill-from-crm` has run this release replays what they decided."""
-    source = previous_release(tmp_path)
+    release = previous_release(tmp_path)
     assert mlpair_cli("migrate", "--ledger-url", fresh_postgres, "--crm-url", fresh_postgres).returncode == 0
     port = free_port()
     env = {"PREDICTION_HOST": "127.0.0.1", "PREDICTION_PORT": str(port), "PREDICTION_METRICS_PORT": "0",
            "PREDICTION_INFERENCE_TARGET": inference_server, "PREDICTION_CRM_URL": fresh_postgres,
            "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{tmp_path / 'old-outbox.sqlite'}",
-           "PREDICTION_MODEL_REPOSITORY": str(model_repository), "PREDICTION_CONFIG_DIR": str(source / "config"),
-           "PYTHONPATH": str(tmp_path / "package")}
+           "PREDICTION_MODEL_REPOSITORY": str(model_repository), "PREDICTION_CONFIG_DIR": str(release / "source" / "config"),
+           "PYTHONPATH": str(release / "package")}
     log = open(tmp_path / "previous-release.log", "w")
     old = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "prediction"], env={**os.environ, **env},
                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)

@@ -34,13 +34,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from mlpair.prediction import metrics
-from mlpair.prediction.crm.store import StoredDecision, decision_id_for
+from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, StoredDecision, decision_id_for
 from mlpair.prediction.errors import LedgerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,10 @@ class DecisionLedger(abc.ABC):
         """What is on record for ``request_id`` (``replayed`` True), if anything."""
 
     @abc.abstractmethod
-    def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[list[StoredDecision]]:
-        """Claims up to ``limit`` undelivered decisions, oldest first, that no other relay holds.
+    def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[list[CrmRow]]:
+        """Claims up to ``limit`` undelivered decisions, oldest first, that no other relay holds,
+        as the CRM rows to insert (:data:`~mlpair.prediction.crm.store.CRM_COLUMNS` tuples: no
+        decoding into objects on the way from one table to the other).
 
         On a normal exit of the ``async with`` body the decisions are marked delivered; on an
         exception they are released, undelivered, for the next claim (of any replica).
@@ -268,7 +270,4 @@ def open_ledger(url: str, *, timeout_s: float = 2.0, synchronous: str = "FULL", 
     raise ValueError(f"the decision ledger is a PostgreSQL or SQLite database, not {url.split(':', 1)[0]!r}")
 
 
-@contextlib.asynccontextmanager
-async def nothing_claimed() -> AsyncIterator[list[StoredDecision]]:
-    """An empty claim (for engines that found nothing to claim)."""
-    yield []
+CLAIMED_COLUMNS = ", ".join(CRM_COLUMNS)  # what a claim selects, in the CRM's order

@@ -26,11 +26,11 @@ from datetime import datetime
 import asyncpg
 from sqlalchemy import make_url
 
-from mlpair.prediction.crm.ledger import (DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
+from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
                                           decision_from_row, row_values, settle, unique_new)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
-from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.crm.store import CrmRow, StoredDecision
 
 TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
 _COLUMNS = ", ".join(DECISION_COLUMNS)
@@ -42,7 +42,7 @@ _UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(_ARRAY_TYPES, start=1))
 INSERT = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT * FROM unnest({_UNNEST}) "
           "ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
 SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
-CLAIM = (f"SELECT seq, {_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
+CLAIM = (f"SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
          "FOR UPDATE SKIP LOCKED")
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
 IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
@@ -116,10 +116,10 @@ class PostgresLedger(DecisionLedger):
         return Recorded(decision, True, fingerprint)
 
     @contextlib.asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[list[StoredDecision]]:
+    async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
         async with self._connection() as conn, conn.transaction():
             rows = await conn.fetch(CLAIM, limit)
-            yield [_decode(row[1:])[0] for row in rows]
+            yield [row[1:] for row in rows]
             if rows:
                 await conn.execute(MARK_DELIVERED, [row[0] for row in rows])
 

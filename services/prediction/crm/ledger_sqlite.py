@@ -27,11 +27,11 @@ from pathlib import Path
 
 from sqlalchemy import make_url
 
-from mlpair.prediction.crm.ledger import (DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
+from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
                                           decision_from_row, row_values, settle, unique_new)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
-from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.crm.store import CrmRow, StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
 _COLUMNS = ", ".join(DECISION_COLUMNS)
@@ -83,16 +83,16 @@ class SqliteLedger(DecisionLedger):
         return Recorded(decision, True, fingerprint)
 
     @contextlib.asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[list[StoredDecision]]:
+    async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
         now = time.time()
         rows = await self._run(self._write_returning,
                                f"UPDATE {LEDGER_TABLE} SET lease_until = ? WHERE seq IN (SELECT seq FROM {LEDGER_TABLE} "
                                "WHERE delivered_at IS NULL AND (lease_until IS NULL OR lease_until < ?) ORDER BY seq "
-                               f"LIMIT ?) RETURNING seq, {_COLUMNS}", (now + LEASE_S, now, limit))
+                               f"LIMIT ?) RETURNING seq, {CLAIMED_COLUMNS}", (now + LEASE_S, now, limit))
         rows.sort(key=lambda row: row[0])  # RETURNING does not keep the subquery's order
         seqs = [row[0] for row in rows]
         try:
-            yield [_decode(row[1:])[0] for row in rows]
+            yield [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows]  # decided_at is ISO text here
         except BaseException:
             if seqs:
                 await asyncio.shield(self._run(self._write, f"UPDATE {LEDGER_TABLE} SET lease_until = NULL "

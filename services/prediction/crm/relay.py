@@ -18,7 +18,7 @@ from collections import Counter
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.ledger import DecisionLedger
-from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, CrmStore
 
 logger = logging.getLogger(__name__)
 
@@ -122,23 +122,23 @@ class LedgerRelay:
             await self._deliver(batch)
         return len(batch)
 
-    async def _deliver(self, decisions: list[StoredDecision]) -> None:
-        if not decisions:
+    async def _deliver(self, rows: list[CrmRow]) -> None:
+        if not rows:
             return
         started = time.perf_counter()
         try:
-            inserted = await self.crm.deliver(decisions)
+            inserted = await self.crm.deliver_rows(rows)
         except Exception:
             self.crm_up = False
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
-            _count_writes(decisions, "error")
+            _count_writes(rows, "error")
             raise
         metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
-        _count_writes(decisions, "ok")
+        _count_writes(rows, "ok")
         self.crm_up = True
         self.delivered += len(inserted)
         metrics.OUTBOX_DELIVERED.inc(len(inserted))
-        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(decisions) - len(inserted))
+        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(rows) - len(inserted))
 
     def _record_failure(self, exc: Exception, failures: int) -> None:
         metrics.RELAY_FAILURES.inc()
@@ -147,7 +147,10 @@ class LedgerRelay:
                            failures, type(exc).__name__)
 
 
-def _count_writes(decisions: list[StoredDecision], outcome: str) -> None:
+_MODEL = CRM_COLUMNS.index("model_name")
+
+
+def _count_writes(rows: list[CrmRow], outcome: str) -> None:
     """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
-    for model, n in Counter(decision.model_name for decision in decisions).items():
+    for model, n in Counter(row[_MODEL] for row in rows).items():
         metrics.CRM_WRITES.labels(model, outcome).inc(n)

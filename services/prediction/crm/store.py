@@ -105,6 +105,12 @@ class StoredDecision:
         row["reason_codes"] = self.reason_codes_json()
         return row
 
+    def crm_row(self) -> tuple:
+        """The decision's :data:`CRM_COLUMNS` values."""
+        return (self.decision_id, self.request_id, self.entity_id, self.model_name, self.model_version,
+                self.feature_schema_version, self.policy_version, self.probability, self.decision,
+                self.reason_codes_json(), self.served_from, self.cache_age_ms, self.degraded_reason, self.decided_at)
+
     def reason_codes_json(self) -> str:
         """The reason codes as stored: a JSON list."""
         return _JSON.encode(list(self.reason_codes))
@@ -149,7 +155,9 @@ def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL
 
 
 _ARRAY_TYPES = {String: "text", Text: "text", Float: "float8", Integer: "int4", DateTime: "timestamptz"}
-_DELIVERED_COLUMNS = tuple(StoredDecision.__dataclass_fields__)  # the decision's fields, in order
+# The CRM columns a delivery writes: the decision's fields, in order (reason_codes as JSON text).
+CRM_COLUMNS = tuple(StoredDecision.__dataclass_fields__)
+CrmRow = tuple  # one decision's CRM_COLUMNS values
 
 
 def _unnest_insert() -> str:
@@ -160,8 +168,8 @@ def _unnest_insert() -> str:
     long, as a row-by-row insert does)."""
     columns = DecisionRecord.__table__.columns
     arrays = ", ".join(f"CAST(${k} AS {_ARRAY_TYPES[type(columns[name].type)]}[])"
-                       for k, name in enumerate(_DELIVERED_COLUMNS, start=1))
-    return (f"INSERT INTO {DecisionRecord.__tablename__} ({', '.join(_DELIVERED_COLUMNS)}) "
+                       for k, name in enumerate(CRM_COLUMNS, start=1))
+    return (f"INSERT INTO {DecisionRecord.__tablename__} ({', '.join(CRM_COLUMNS)}) "
             f"SELECT * FROM unnest({arrays}) ON CONFLICT DO NOTHING RETURNING request_id")
 
 
@@ -194,7 +202,12 @@ class CrmStore:
         await self.engine.dispose()
 
     async def deliver(self, decisions: list[StoredDecision]) -> list[str]:
-        """Inserts ``decisions`` in one transaction; request ids already recorded are skipped.
+        """Inserts ``decisions`` in one transaction (see :meth:`deliver_rows`)."""
+        return await self.deliver_rows([d.crm_row() for d in decisions])
+
+    async def deliver_rows(self, rows: list[CrmRow]) -> list[str]:
+        """Inserts decisions given as :data:`CRM_COLUMNS` tuples in one transaction; request ids
+        already recorded are skipped.
 
         Returns:
             The request ids actually inserted by this call.
@@ -203,19 +216,18 @@ class CrmStore:
             sqlalchemy.exc.SQLAlchemyError, OSError: the database is unreachable or refused the
                 transaction (nothing of it was committed, or all of it was — retry it whole).
         """
-        if not decisions:
+        if not rows:
             return []
         if self.engine.dialect.driver == "asyncpg":
             # 14 column arrays, not 14 parameters per row: SQLAlchemy's per-row parameter
             # processing cost more CPU than the rest of the delivery (same rows; see the tests)
-            rows = [d.to_row() for d in decisions]
-            columns = tuple([row[name] for row in rows] for name in _DELIVERED_COLUMNS)
+            columns = [list(column) for column in zip(*rows)]
             async with self.engine.begin() as conn:
-                result = await conn.exec_driver_sql(_UNNEST_INSERT, columns)
+                result = await conn.exec_driver_sql(_UNNEST_INSERT, tuple(columns))
                 return list(result.scalars())
         stmt = _insert(self.engine.dialect.name).on_conflict_do_nothing().returning(DecisionRecord.request_id)
         async with self.engine.begin() as conn:
-            result = await conn.execute(stmt, [d.to_row() for d in decisions])
+            result = await conn.execute(stmt, [dict(zip(CRM_COLUMNS, row)) for row in rows])
             return list(result.scalars())
 
     async def ping(self) -> bool:
