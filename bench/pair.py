@@ -295,30 +295,35 @@ def credit_workload(entry, run_id: str) -> Iterator[tuple[str, str, dict]]:
         made += 1
 
 
-@contextlib.contextmanager
-def scratch_postgres(prefix: str = "mlpair_bench") -> Iterator[str | None]:
-    """A fresh PostgreSQL database on 127.0.0.1 named ``<prefix>_<pid>_<random>`` (its asyncpg
-    SQLAlchemy URL), dropped afterwards; yields None when PostgreSQL is not reachable."""
+def postgres_admin(statement: str) -> None:
+    """Runs one statement on the local PostgreSQL as its administrator (databases, roles), from
+    synchronous code (it runs its own short event loop)."""
     import asyncpg
 
-    if not reachable("127.0.0.1", 5432):
-        yield None
-        return
-    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-
-    async def admin(statement: str) -> None:
+    async def admin() -> None:
         conn = await asyncpg.connect(POSTGRES_ADMIN_URL)
         try:
             await conn.execute(statement)
         finally:
             await conn.close()
 
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(admin())
+
+
+@contextlib.contextmanager
+def scratch_postgres(prefix: str = "mlpair_bench") -> Iterator[str | None]:
+    """A fresh PostgreSQL database on 127.0.0.1 named ``<prefix>_<pid>_<random>`` (its asyncpg
+    SQLAlchemy URL), dropped afterwards; yields None when PostgreSQL is not reachable."""
+    if not reachable("127.0.0.1", 5432):
+        yield None
+        return
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    postgres_admin(f'CREATE DATABASE "{name}"')
     base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://", 1)
     try:
         yield f"{base}/{name}"
     finally:
-        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        postgres_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 class TcpProxy:

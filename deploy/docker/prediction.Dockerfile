@@ -32,12 +32,13 @@ RUN pip install --no-cache-dir '.[prediction]' \
 
 # ---- runtime: the same base (same interpreter path), the virtualenv, a non-root user ----
 FROM ${PYTHON_IMAGE} AS runtime
-# The outbox folder belongs to the service user: every decision is committed there before it is
-# returned (PREDICTION_OUTBOX_URL below). Kubernetes mounts the pod's own claim over it
-# (deploy/k8s/prediction-track/statefulset.yaml); plain Docker should mount a named volume.
+# No volume and no writable folder: every decision is recorded in the decision ledger the
+# replicas share (PREDICTION_LEDGER_URL, a PostgreSQL URL given at run time with the CRM's, as
+# the Kubernetes Secret prediction-ledger does), so the container keeps nothing a restart could
+# lose and can run with a read-only root filesystem. `mlpair migrate` (the same image, run before
+# the service) creates the schemas.
 RUN groupadd --system --gid 10001 mlpair \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin mlpair \
-    && install -d -o 10001 -g 10001 -m 0750 /var/lib/mlpair/outbox
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin mlpair
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -46,9 +47,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PREDICTION_PORT=9001 \
     PREDICTION_METRICS_PORT=9002 \
     PREDICTION_MODEL_REPOSITORY=/models \
-    PREDICTION_CONFIG_DIR=/etc/mlpair/config \
-    PREDICTION_OUTBOX_URL=sqlite+aiosqlite:////var/lib/mlpair/outbox/prediction-outbox.sqlite
-VOLUME ["/var/lib/mlpair/outbox"]
+    PREDICTION_CONFIG_DIR=/etc/mlpair/config
 USER 10001:10001
 # 9001 gRPC (PredictionService, grpc.health.v1); 9002 Prometheus metrics.
 EXPOSE 9001 9002

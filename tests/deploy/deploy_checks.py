@@ -393,6 +393,17 @@ def workloads(objects: Iterable[Obj], app: str | None = None) -> list[Obj]:
     ]
 
 
+def jobs(objects: Iterable[Obj]) -> list[Obj]:
+    """Jobs of the render (the schema migration): pods that run to completion, not workloads."""
+    return of_kind(objects, "Job")
+
+
+def pod_owners(objects: Iterable[Obj]) -> list[Obj]:
+    """Every object with a pod template: the workloads and the Jobs."""
+    objects = list(objects)
+    return workloads(objects) + jobs(objects)
+
+
 def app_of(workload: Obj) -> str:
     return pod_labels(workload)["app.kubernetes.io/name"]
 
@@ -548,59 +559,13 @@ def release_problems(objects: list[Obj]) -> list[str]:
     return problems
 
 
-# --------------------------------------------------------------------------- the outbox
-
-
 def sqlite_path(url: str) -> str | None:
     """The file of a SQLAlchemy SQLite URL (sqlite+aiosqlite:////abs/path -> /abs/path)."""
     match = re.match(r"^sqlite(\+\w+)?:///(?P<path>.+)$", url)
     return match["path"] if match else None
 
 
-def outbox_problems(workload: Obj, objects: list[Obj]) -> list[str]:
-    """Whether a prediction workload's outbox survives restarts and rescheduling and can be written.
-
-    Each pod commits every decision to its outbox before answering; what the relay has not yet
-    delivered exists nowhere else. So the file must be an absolute path (a relative one lands on
-    the read-only root filesystem) inside a writable mount of a volumeClaimTemplate of a
-    StatefulSet (one ReadWriteOnce claim per pod, kept when the pod goes away), never an emptyDir,
-    a shared claim or the image.
-    """
-    where = name_of(workload)
-    url = settings_of(workload, objects).get("PREDICTION_OUTBOX_URL")
-    if url is None:
-        return [f"{where}: PREDICTION_OUTBOX_URL not set (the default is a relative path)"]
-    path = sqlite_path(url)
-    if path is None:
-        return [f"{where}: PREDICTION_OUTBOX_URL {url!r} is not a SQLite file URL"]
-    if not path.startswith("/"):
-        return [f"{where}: outbox {path!r} is relative: it would be written on the root filesystem"]
-    found = mount_for(workload, path)
-    if found is None:
-        return [f"{where}: outbox {path} is on the read-only root filesystem, no volume holds it"]
-    mount, volume = found
-    problems = []
-    if mount.get("readOnly"):
-        problems.append(f"{where}: outbox {path} is on a read-only mount")
-    if mount.get("subPath"):
-        problems.append(f"{where}: outbox volume mounted with a subPath")
-    template = (volume or {}).get("volumeClaimTemplate")
-    if workload["kind"] != "StatefulSet" or template is None:
-        kind = "nothing" if volume is None else next(iter(set(volume) - {"name"}), "?")
-        problems.append(
-            f"{where}: outbox {path} is on {kind}, not a claim of its own "
-            "(a StatefulSet volumeClaimTemplate): undelivered decisions would not survive the pod"
-        )
-        return problems
-    if template["spec"].get("accessModes") != ["ReadWriteOnce"]:
-        problems.append(f"{where}: outbox claim is not ReadWriteOnce (one writer per outbox)")
-    retention = workload["spec"].get("persistentVolumeClaimRetentionPolicy") or {}
-    for event in ("whenDeleted", "whenScaled"):
-        if retention.get(event, "Retain") != "Retain":
-            problems.append(
-                f"{where}: outbox claims are deleted {event}: undelivered decisions too"
-            )
-    return problems
+# --------------------------------------------------------------------------- lint
 
 
 def grpc_port(container: Obj) -> int | None:
@@ -613,19 +578,18 @@ def grpc_port(container: Obj) -> int | None:
 _IMAGE_REFERENCE = re.compile(r"^[a-z0-9.\-/:_]+(?::[\w][\w.\-]{0,127}|@sha256:[0-9a-f]{64})$")
 
 
-def lint_workload(workload: Obj) -> list[str]:
-    """Problems of one workload: missing resources, probes or hardening.
+def lint_pod(owner: Obj) -> list[str]:
+    """Problems of any pod this project runs (a workload's or a Job's): missing resources or
+    hardening.
 
-    The rules this project holds every pod to: a dedicated service account without an API
-    token, non-root with a RuntimeDefault seccomp profile; per container an immutable image
-    reference, CPU and memory requests and limits (requests <= limits), all three probes as
-    native gRPC probes on the container's gRPC port, a preStop hook, and a locked-down
-    securityContext (no privilege escalation, read-only root filesystem, every capability
-    dropped).
+    A dedicated service account without an API token, non-root with a RuntimeDefault seccomp
+    profile, a termination grace period; per container an immutable image reference, CPU and
+    memory requests and limits (requests <= limits), and a locked-down securityContext (no
+    privilege escalation, read-only root filesystem, every capability dropped).
     """
-    where = name_of(workload)
+    where = name_of(owner)
     problems: list[str] = []
-    spec = pod_spec(workload)
+    spec = pod_spec(owner)
     if spec.get("serviceAccountName") in (None, "", "default"):
         problems.append(f"{where}: no dedicated serviceAccountName")
     if spec.get("automountServiceAccountToken") is not False:
@@ -644,8 +608,46 @@ def lint_workload(workload: Obj) -> list[str]:
         problems.append(f"{where}: securityContext.seccompProfile is not RuntimeDefault")
     if "terminationGracePeriodSeconds" not in spec:
         problems.append(f"{where}: terminationGracePeriodSeconds is not set")
-    for container in containers(workload):
+    for container in containers(owner):
         problems.extend(_lint_container(f"{where} container {container.get('name')}", container))
+    return problems
+
+
+def lint_workload(workload: Obj) -> list[str]:
+    """Problems of one serving workload: :func:`lint_pod`, and per container all three probes as
+    native gRPC probes on the container's gRPC port and a preStop hook."""
+    problems = lint_pod(workload)
+    where = name_of(workload)
+    for container in containers(workload):
+        problems.extend(_lint_serving(f"{where} container {container.get('name')}", container))
+    return problems
+
+
+def _lint_serving(where: str, container: Obj) -> list[str]:
+    problems: list[str] = []
+    port = grpc_port(container)
+    if port is None:
+        problems.append(f"{where}: no container port named grpc")
+    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(probe_name)
+        if not probe:
+            problems.append(f"{where}: {probe_name} missing")
+        elif "grpc" not in probe:
+            problems.append(f"{where}: {probe_name} is not a native gRPC probe")
+        elif port is not None and probe["grpc"].get("port") != port:
+            problems.append(
+                f"{where}: {probe_name} checks port {probe['grpc'].get('port')}, gRPC is on {port}"
+            )
+    for probe_name in ("startupProbe", "readinessProbe"):
+        probe = container.get(probe_name) or {}
+        if "grpc" in probe and not probe["grpc"].get("service"):
+            problems.append(
+                f"{where}: {probe_name} does not name the service whose health it checks"
+            )
+    if not (container.get("lifecycle") or {}).get("preStop"):
+        problems.append(
+            f"{where}: lifecycle.preStop missing (endpoint removal needs time before SIGTERM)"
+        )
     return problems
 
 
@@ -672,29 +674,6 @@ def _lint_container(where: str, container: Obj) -> list[str]:
                 problems.append(f"{where}: request {resource}={request} exceeds limit {limit}")
         except ValueError:
             pass  # already reported above for cpu/memory; others are checked by the schema
-    port = grpc_port(container)
-    if port is None:
-        problems.append(f"{where}: no container port named grpc")
-    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
-        probe = container.get(probe_name)
-        if not probe:
-            problems.append(f"{where}: {probe_name} missing")
-        elif "grpc" not in probe:
-            problems.append(f"{where}: {probe_name} is not a native gRPC probe")
-        elif port is not None and probe["grpc"].get("port") != port:
-            problems.append(
-                f"{where}: {probe_name} checks port {probe['grpc'].get('port')}, gRPC is on {port}"
-            )
-    for probe_name in ("startupProbe", "readinessProbe"):
-        probe = container.get(probe_name) or {}
-        if "grpc" in probe and not probe["grpc"].get("service"):
-            problems.append(
-                f"{where}: {probe_name} does not name the service whose health it checks"
-            )
-    if not (container.get("lifecycle") or {}).get("preStop"):
-        problems.append(
-            f"{where}: lifecycle.preStop missing (endpoint removal needs time before SIGTERM)"
-        )
     security = container.get("securityContext") or {}
     if security.get("allowPrivilegeEscalation") is not False:
         problems.append(f"{where}: securityContext.allowPrivilegeEscalation is not false")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import deploy_checks as dc
+import ledger_checks as lc
 import pytest
 import yaml
 
@@ -178,6 +179,9 @@ def problems_of(objects: list[dict], istio_schemas: dc.IstioSchemas | None) -> l
             problems += dc.kubernetes_schema_errors(obj, dc.KUBERNETES_VERSIONS[-1])
         if obj["kind"] in dc.WORKLOAD_KINDS:
             problems += dc.lint_workload(obj)
+            if dc.app_of(obj) == "prediction":
+                problems += lc.ledger_problems(obj, objects) + lc.rollout_problems(obj, objects)
+    problems += lc.migrate_job_problems(objects) + lc.migrate_order_problems(objects)
     # Each subset selects exactly one running track, and each running track has a subset.
     rule = dc.by_name(objects, "DestinationRule", "prediction")
     tracks = {dc.pod_labels(w)["mlpair.io/track"] for w in dc.workloads(objects, "prediction")}

@@ -159,21 +159,16 @@ def image_env(dockerfile: Path) -> dict[str, str]:
     return env
 
 
-def test_prediction_image_gives_the_outbox_a_folder_of_its_own(rendered: dict) -> None:
-    # The settings' default outbox is a relative path under the working folder "/", which the
-    # service user cannot write (and a read-only root cannot take): the image names a folder the
-    # user owns, the same one the pods mount their claim at.
-    dockerfile = IMAGES["prediction"][0]
-    url = image_env(dockerfile)["PREDICTION_OUTBOX_URL"]
-    folder = str(Path(dc.sqlite_path(url)).parent)
-    assert folder.startswith("/")
-    runs = " ".join(a for k, a in stages(dockerfile)[-1] if k == "RUN")
-    assert f"install -d -o 10001 -g 10001 -m 0750 {folder}" in runs
-    volumes = [a for k, a in stages(dockerfile)[-1] if k == "VOLUME"]
-    assert volumes == [json.dumps([folder])]
-    for objects in rendered.values():
-        for workload in dc.workloads(objects, "prediction"):
-            assert dc.settings_of(workload, objects)["PREDICTION_OUTBOX_URL"] == url
+def test_prediction_image_keeps_no_decision_of_its_own() -> None:
+    # Every decision goes to the shared ledger (PREDICTION_LEDGER_URL, given at run time): the
+    # image declares no volume, creates no folder for the service user to write, and names no
+    # ledger or outbox of its own, so nothing a container writes can outlive it unseen.
+    final = stages(IMAGES["prediction"][0])[-1]
+    assert not [a for k, a in final if k == "VOLUME"]
+    runs = " ".join(a for k, a in final if k == "RUN")
+    assert "install -d" not in runs and "mkdir" not in runs and "chown" not in runs
+    env = image_env(IMAGES["prediction"][0])
+    assert not [n for n in env if n.startswith(("PREDICTION_OUTBOX_", "PREDICTION_LEDGER_"))]
 
 
 def test_inference_image_is_a_cuda_runtime_with_python_311() -> None:

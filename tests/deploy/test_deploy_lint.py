@@ -46,10 +46,22 @@ def test_lint_rejects_the_unhardened_fixture(fixtures_dir: Path) -> None:
 
 def test_lint_catches_a_request_above_its_limit(rendered: dict) -> None:
     # A single-field change to a good workload must be caught on its own.
-    broken = copy.deepcopy(dc.by_name(rendered["prod"], "StatefulSet", "prediction-stable"))
+    broken = copy.deepcopy(dc.by_name(rendered["prod"], "Deployment", "prediction-stable"))
     broken["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] = "2Gi"
     assert dc.lint_workload(broken) == [
-        "StatefulSet/prediction-stable container prediction: request memory=2Gi exceeds limit 1Gi"
+        "Deployment/prediction-stable container prediction: request memory=2Gi exceeds limit 1Gi"
+    ]
+
+
+@pytest.mark.parametrize("overlay", dc.OVERLAYS)
+def test_every_job_passes_the_pod_lint(rendered: dict, overlay: str) -> None:
+    # A Job serves nothing (no probes, no preStop), but runs as hardened as the services.
+    (job,) = dc.jobs(rendered[overlay])
+    assert dc.lint_pod(job) == []
+    unhardened = copy.deepcopy(job)
+    del unhardened["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
+    assert dc.lint_pod(unhardened) == [
+        "Job/prediction-migrate: securityContext.runAsNonRoot is not true"
     ]
 
 

@@ -16,7 +16,7 @@ REQUIRED_KINDS = {
     "PersistentVolumeClaim",
     "Service",
     "Deployment",
-    "StatefulSet",
+    "Job",
     "HorizontalPodAutoscaler",
     "PodDisruptionBudget",
     "NetworkPolicy",
@@ -60,13 +60,12 @@ def test_everything_lands_in_the_mlpair_namespace(rendered: dict, overlay: str) 
 
 @pytest.mark.parametrize("overlay", dc.OVERLAYS)
 def test_everything_carries_the_ownership_label(rendered: dict, overlay: str) -> None:
-    # `kubectl get all -l app.kubernetes.io/part-of=mlpair` must list every object and pod, and
-    # claims made from templates carry it too (a track added outside the base included).
+    # `kubectl get all -l app.kubernetes.io/part-of=mlpair` must list every object and pod (a
+    # track added outside the base and the migration Job's pods included).
     for obj in rendered[overlay]:
         labelled = [obj["metadata"]]
-        if obj["kind"] in dc.WORKLOAD_KINDS:
+        if obj["kind"] in (*dc.WORKLOAD_KINDS, "Job"):
             labelled.append(obj["spec"]["template"]["metadata"])
-            labelled += [t["metadata"] for t in obj["spec"].get("volumeClaimTemplates", ())]
         for metadata in labelled:
             assert metadata.get("labels", {}).get("app.kubernetes.io/part-of") == "mlpair", (
                 dc.name_of(obj)
@@ -90,11 +89,11 @@ def test_istio_folder_renders_on_its_own(rendered_istio: list) -> None:
 def test_track_folder_instantiates_the_template(kubectl: Path, track: str) -> None:
     objects = dc.render(kubectl, dc.K8S_DIR / "tracks" / track)
     assert sorted(dc.name_of(obj) for obj in objects) == [
+        f"Deployment/prediction-{track}",
         f"HorizontalPodAutoscaler/prediction-{track}",
         f"PodDisruptionBudget/prediction-{track}",
-        f"StatefulSet/prediction-{track}",
     ]
-    workload = dc.by_name(objects, "StatefulSet", f"prediction-{track}")
+    workload = dc.by_name(objects, "Deployment", f"prediction-{track}")
     assert workload["spec"]["selector"]["matchLabels"]["mlpair.io/track"] == track
     assert dc.pod_labels(workload)["service.istio.io/canonical-revision"] == track
     budget = dc.by_name(objects, "PodDisruptionBudget", f"prediction-{track}")
@@ -129,8 +128,8 @@ def test_model_version_component_mounts_its_folder_into_both_services(
     mounted = dc.workloads(objects)
     assert {dc.name_of(w) for w in mounted} == {
         "Deployment/inference",
-        "StatefulSet/prediction-stable",
-        "StatefulSet/prediction-canary",
+        "Deployment/prediction-stable",
+        "Deployment/prediction-canary",
     }
     family, version = component.split("/")
     for workload in mounted:

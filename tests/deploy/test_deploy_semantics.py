@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import deploy_checks as dc
+import ledger_checks as lc
 import pytest
 
 # Exact health service names the probes ask for (grpc.health.v1, per service);
@@ -82,8 +83,9 @@ def test_prediction_runs_on_the_cpu_pool_without_gpu(objects: list) -> None:
 
 def shutdown_budget_s(workload: dict, objects: list) -> float:
     """Seconds the app may take after SIGTERM: the drain of in-flight calls, and for
-    PredictionService then the delivery of the outbox backlog (services/prediction/server.py
-    stops the relay after min(shutdown_grace_s, SHUTDOWN_DELIVERY_S))."""
+    PredictionService then the delivery of what it recorded in the ledger and not yet delivered
+    (services/prediction/server.py stops the relay after min(shutdown_grace_s,
+    SHUTDOWN_DELIVERY_S))."""
     settings = dc.settings_of(workload, objects)
     drain_s = float(settings[f"{PREFIX[app(workload)]}_SHUTDOWN_GRACE_S"])
     if app(workload) != "prediction":
@@ -96,9 +98,9 @@ def shutdown_budget_s(workload: dict, objects: list) -> float:
 
 def test_termination_grace_covers_prestop_drain_delivery_and_sidecar(objects: list) -> None:
     # Order on deletion: preStop sleep (endpoints converge) -> SIGTERM -> server drains for up to
-    # *_SHUTDOWN_GRACE_S -> PredictionService's relay delivers the outbox backlog -> app exits ->
-    # native sidecar drains. SIGKILL must not come first, or acknowledged decisions would wait on
-    # the claim instead of reaching the CRM.
+    # *_SHUTDOWN_GRACE_S -> PredictionService's relay delivers its undelivered ledger rows -> app
+    # exits -> native sidecar drains. SIGKILL must not come first: in-flight calls would fail, and
+    # the rows being delivered would reach the CRM only when another replica's relay claims them.
     for workload in workloads(objects):
         where = dc.name_of(workload)
         budget_s = shutdown_budget_s(workload, objects)
@@ -148,15 +150,6 @@ def test_services_select_pods_on_their_grpc_port(objects: list) -> None:
                 # Istio AuthorizationPolicy ports are container ports; keep both numbers equal.
                 assert port["port"] == container_ports[port["targetPort"]]
             assert port.get("appProtocol") == "grpc"
-
-
-def test_statefulsets_are_governed_by_a_headless_service(objects: list) -> None:
-    for workload in dc.of_kind(objects, "StatefulSet"):
-        service = dc.by_name(objects, "Service", workload["spec"]["serviceName"])
-        assert service["spec"].get("clusterIP") == "None", dc.name_of(workload)
-        assert dc.selector_matches(service["spec"]["selector"], dc.pod_labels(workload))
-        # Pods are interchangeable for serving: the HPA's scale-ups must not start them in turn.
-        assert workload["spec"]["podManagementPolicy"] == "Parallel"
 
 
 def test_workload_selectors_match_their_own_pods(objects: list) -> None:
@@ -233,7 +226,7 @@ def test_every_workload_has_a_budget_covering_only_its_pods(objects: list) -> No
 
 def test_references_resolve_inside_the_render(objects: list) -> None:
     names = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
-    for workload in workloads(objects):
+    for workload in dc.pod_owners(objects):
         spec = dc.pod_spec(workload)
         account = spec["serviceAccountName"]
         assert ("ServiceAccount", account) in names
@@ -263,7 +256,7 @@ def test_references_resolve_inside_the_render(objects: list) -> None:
 
 SECRETS = {
     # setting: (Secret, key), provided by the platform (docs/deployment.md), never committed.
-    "PREDICTION_CRM_URL": ("prediction-crm", "url"),
+    **lc.SERVING_SECRETS,
     "PREDICTION_REDIS_URL": ("prediction-redis", "url"),
 }
 
@@ -369,7 +362,7 @@ def test_release_check_rejects_unmounted_and_unpinned_versions(rendered: dict) -
 
     # One track deciding with a version nobody mounts, naming none for churn, and missing a mount.
     objects = copy.deepcopy(rendered["prod"])
-    stable = dc.by_name(objects, "StatefulSet", "prediction-stable")
+    stable = dc.by_name(objects, "Deployment", "prediction-stable")
     env = dc.pod_spec(stable)["containers"][0]["env"]
     next(v for v in env if v["name"] == "PREDICTION_ENSEMBLES")["value"] = json.dumps(
         {"credit-risk": ["3"]}
@@ -380,23 +373,18 @@ def test_release_check_rejects_unmounted_and_unpinned_versions(rendered: dict) -
     without_mount(objects, "churn/1", "prediction-stable")
     problems = "\n".join(dc.release_problems(objects))
     for expected in (
-        "StatefulSet/prediction-stable: credit-risk version 3 decides but is not mounted",
-        "StatefulSet/prediction-stable: credit-risk version 3 is shadowed but not mounted",
-        "StatefulSet/prediction-stable: PREDICTION_ENSEMBLES names no deciding version of churn",
-        "StatefulSet/prediction-stable mounts [('credit-risk', '1'), ('credit-risk', '2')], not",
+        "Deployment/prediction-stable: credit-risk version 3 decides but is not mounted",
+        "Deployment/prediction-stable: credit-risk version 3 is shadowed but not mounted",
+        "Deployment/prediction-stable: PREDICTION_ENSEMBLES names no deciding version of churn",
+        "Deployment/prediction-stable mounts [('credit-risk', '1'), ('credit-risk', '2')], not",
     ):
         assert expected in problems, f"release check missed: {expected}\n{problems}"
     # A family served without any version in the release.
     objects = copy.deepcopy(rendered["dev"])
     without_mount(objects, "churn/1", "inference", "prediction-stable")
-    assert "StatefulSet/prediction-stable: no version of churn is mounted" in dc.release_problems(
+    assert "Deployment/prediction-stable: no version of churn is mounted" in dc.release_problems(
         objects
     )
-
-
-def test_outbox_lives_on_a_claim_of_each_pod(objects: list) -> None:
-    for workload in workloads(objects, "prediction"):
-        assert dc.outbox_problems(workload, objects) == []
 
 
 def test_images_are_release_references(objects: list) -> None:
@@ -579,16 +567,6 @@ def test_network_policies_admit_the_same_callers_as_authorization(objects: list)
     )
 
 
-def egress_ports(objects: list, workload: dict) -> set[int]:
-    """TCP ports a pod may open connections to (any destination), from every policy selecting it."""
-    ports = set()
-    for policy in dc.of_kind(objects, "NetworkPolicy"):
-        if dc.selector_matches(policy["spec"]["podSelector"], dc.pod_labels(workload)):
-            for rule in policy["spec"].get("egress", ()):
-                ports |= {p["port"] for p in rule.get("ports", ()) if p["protocol"] == "TCP"}
-    return ports
-
-
 def test_network_policies_deny_by_default_and_select_real_pods(objects: list) -> None:
     policies = dc.of_kind(objects, "NetworkPolicy")
     deny = dc.by_name(objects, "NetworkPolicy", "default-deny")["spec"]
@@ -596,7 +574,7 @@ def test_network_policies_deny_by_default_and_select_real_pods(objects: list) ->
     for policy in policies:
         selected = [
             d
-            for d in workloads(objects)
+            for d in dc.pod_owners(objects)
             if dc.selector_matches(policy["spec"]["podSelector"], dc.pod_labels(d))
         ]
         assert selected, f"{dc.name_of(policy)} selects no pods"
@@ -618,15 +596,16 @@ def test_network_policies_deny_by_default_and_select_real_pods(objects: list) ->
 
 
 def test_network_policies_let_each_pod_reach_what_its_settings_name(objects: list) -> None:
-    # The CRM database, the shared Redis and the trace collector: a URL in the settings whose port
-    # the policies close would fail only at run time, as a degraded service.
+    # The ledger and CRM databases, the shared Redis and the trace collector: a URL in the settings
+    # whose port the policies close would fail only at run time (the ledger: as a pod that never
+    # turns ready).
     for workload in workloads(objects):
         settings = dc.settings_of(workload, objects)
         prefix = PREFIX[app(workload)]
         needed = {int(re.search(r":(\d+)$", settings[f"{prefix}_OTLP_ENDPOINT"])[1])}
         if app(workload) == "prediction":
-            needed |= {5432, 6379}  # PostgreSQL (CRM) and Redis, whose URLs are in Secrets
-        assert needed <= egress_ports(objects, workload), dc.name_of(workload)
+            needed |= {5432, 6379}  # PostgreSQL (ledger, CRM) and Redis: URLs in Secrets
+        assert needed <= lc.egress_ports(objects, workload), dc.name_of(workload)
 
 
 def test_inference_rate_limit_is_local_enforced_and_not_retried(objects: list) -> None:

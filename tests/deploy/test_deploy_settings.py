@@ -1,7 +1,7 @@
 """The manifests speak the services' language: every INFERENCE_*/PREDICTION_* variable they set
 is a field of the service's settings class with a valid value (the classes ignore unknown
 variables, so a misspelled one would silently fall back to a default), and the container
-commands parse with the real `mlpair` CLI.
+commands, the schema migration Job's included, parse with the real `mlpair` CLI.
 
 Needs the mlpair package importable (as in `make test`); skipped otherwise."""
 
@@ -18,6 +18,13 @@ SETTINGS = {
     "inference": ("mlpair.inference.settings", "InferenceSettings", "INFERENCE_"),
     "prediction": ("mlpair.prediction.settings", "PredictionSettings", "PREDICTION_"),
 }
+# The settings class each pod's process reads, by app.kubernetes.io/name: `mlpair migrate` takes
+# its ledger and CRM URLs from PredictionSettings, as the service does.
+SERVICE_OF = {
+    "inference": "inference",
+    "prediction": "prediction",
+    "prediction-migrate": "prediction",
+}
 
 
 def settings_class(service: str) -> type:
@@ -33,8 +40,8 @@ def test_every_variable_is_a_valid_settings_field(
     rendered: dict, overlay: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     objects = rendered[overlay]
-    for workload in dc.workloads(objects):
-        service = dc.app_of(workload)
+    for workload in dc.pod_owners(objects):
+        service = SERVICE_OF[dc.app_of(workload)]
         cls = settings_class(service)
         prefix = SETTINGS[service][2]
         container = dc.pod_spec(workload)["containers"][0]
@@ -77,6 +84,17 @@ def test_container_commands_parse_with_the_cli(rendered: dict) -> None:
         service = dc.app_of(workload)
         args = parser.parse_args(dc.pod_spec(workload)["containers"][0]["args"])
         assert (args.command, args.role) == ("serve", service)
+    (job,) = dc.jobs(rendered["prod"])
+    args = parser.parse_args(dc.pod_spec(job)["containers"][0]["args"])
+    assert (args.command, args.serving_role) == ("migrate", "mlpair_prediction")
+    # The URLs come from the environment (the owner Secrets), never from the arguments; the
+    # one-time moves from per-pod outboxes are not part of every release.
+    assert (args.ledger_url, args.crm_url, args.import_outbox, args.backfill_from_crm) == (
+        None,
+        None,
+        None,
+        False,
+    )
     for port in (8001, 9001):
         args = parser.parse_args(["health", "--target", f"127.0.0.1:{port}"])
         assert args.target == f"127.0.0.1:{port}"

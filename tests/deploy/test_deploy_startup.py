@@ -1,22 +1,33 @@
-"""The rendered pods start and serve: each overlay's InferenceService and every PredictionService
-track run here as real servers from exactly the rendered settings, mounts and ConfigMaps (laid out
-under a local folder, see pods.py), answer their probes' health names, decide for every model
-family with the version their track names, record each decision in the outbox on the pod's claim
-and deliver it to a real CRM database through the shared Redis cache, without writing anywhere a
-read-only root filesystem would refuse.
+"""The rendered pods start and serve: each overlay's schema migration Job, InferenceService and
+every PredictionService track run here as real processes and servers from exactly the rendered
+commands, settings, mounts and ConfigMaps (laid out under a local folder, see pods.py).
 
-Only what a laptop cannot have is replaced: addresses (127.0.0.1, free ports), the CRM and Redis
-URLs the Secrets would hold (the test PostgreSQL and Redis), no trace collector, and the GPU
-(ONNX Runtime falls back to its CPU provider when CUDA is requested and absent, and logs it).
-The model repository holds credit-risk versions 1 and 2 and churn version 1, trained here.
+In the order a release runs them: a prediction pod started before the migration refuses to start
+and names `mlpair migrate` (the service never migrates); the Job's command, with the schema
+owner's URL where its Secrets would put it, creates the ledger and CRM schemas and grants the
+serving role; then the pods, connected as that serving role, answer their probes' health names,
+decide for every model family with the version their track names, and record every decision in
+the one ledger they share. The first prediction pod decides while the CRM is unreachable and goes
+away with its decisions undelivered (the canary track retired in prod, a replica scaled away in
+dev); the next one returns those decisions for their request ids and its relay delivers them: the
+CRM ends with every decision exactly once. The serving role can change no schema, and no pod
+writes anywhere a read-only root filesystem would refuse.
+
+Only what a laptop cannot have is replaced: addresses (127.0.0.1, free ports), the URLs the
+Secrets would hold (a fresh database on the test PostgreSQL holding ledger and CRM, a serving role
+of this test alone, the test Redis), no trace collector, and the GPU (ONNX Runtime falls back to
+its CPU provider when CUDA is requested and absent, and logs it). The model repository holds
+credit-risk versions 1 and 2 and churn version 1, trained here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -33,7 +44,7 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from tests.support import CREDIT_SCHEMA, require_service
+from tests.support import CREDIT_SCHEMA, POSTGRES_HOST, POSTGRES_PORT, require_service
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -74,13 +85,79 @@ def redis_prefix():
     client.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Databases:
+    """One fresh database holding the ledger (schema prediction) and the CRM (as production may),
+    reached as the schema owner and as a serving role of this test alone."""
+
+    owner_url: str
+    serving_url: str
+    serving_role: str
+
+
+@pytest.fixture
+def databases():
+    from sqlalchemy import make_url
+
+    from bench.pair import postgres_admin, scratch_postgres
+
+    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
+    role = f"mlpair_prediction_{uuid.uuid4().hex[:8]}"
+    # LOGIN and nothing else: what it may do, the migration Job grants.
+    postgres_admin(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        with scratch_postgres(prefix="mlpair_test_deploy") as owner_url:
+            serving_url = make_url(owner_url).set(username=role)
+            yield Databases(owner_url, serving_url.render_as_string(hide_password=False), role)
+    finally:
+        postgres_admin(f'DROP ROLE IF EXISTS "{role}"')  # its database is gone by now
+
+
+async def run_mlpair(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
+    """`mlpair ARGS` as a container runs it: a process of its own, only the given environment."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mlpair.cli",
+        *args,
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=120)
+    return process.returncode, output.decode()
+
+
+async def run_migrate_job(job: dict, databases: Databases, cwd: Path) -> str:
+    """The Job's container command, its owner Secrets standing for the owner's URL, granting the
+    test's serving role instead of the Job's (roles are shared by every database of the server)."""
+    container = dc.pod_spec(job)["containers"][0]
+    args = list(container["args"])
+    args[args.index("--serving-role") + 1] = databases.serving_role
+    owner = {
+        secret: databases.owner_url
+        for secret in ("prediction-ledger-owner", "prediction-crm-owner")
+    }
+    env = {v["name"]: owner[v["valueFrom"]["secretKeyRef"]["name"]] for v in container["env"]}
+    code, output = await run_mlpair(args, env, cwd)
+    assert code == 0, output
+    return output
+
+
+def serving_env(pod: pods.Pod, **local: str) -> dict[str, str]:
+    """The pod's environment with the local replacements of the module docstring."""
+    prefix = dc.PREFIX[dc.app_of(pod.workload)] + "_"
+    return {**pod.env, **{prefix + k.upper(): v for k, v in local.items()}}
+
+
 def settings_for(cls, pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: str):
     """The service's settings class read from the pod's environment, as in the container, with
     the local replacements named in the module docstring."""
     prefix = dc.PREFIX[dc.app_of(pod.workload)] + "_"
     for name in [n for n in os.environ if n.startswith(prefix)]:
         monkeypatch.delenv(name)
-    for name, value in {**pod.env, **{prefix + k.upper(): v for k, v in local.items()}}.items():
+    for name, value in serving_env(pod, **local).items():
         monkeypatch.setenv(name, value)
     return cls()
 
@@ -125,8 +202,7 @@ async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
 
 @contextlib.asynccontextmanager
 async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: str):
-    from mlpair.prediction.server import stop
-    from tests.support import start_prediction
+    from mlpair.prediction.server import start, stop
     from mlpair.prediction.settings import PredictionSettings
 
     settings = settings_for(
@@ -139,7 +215,8 @@ async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local
         otlp_endpoint="",
         **local,
     )
-    server, port, health, predictor = await start_prediction(settings)
+    # As the container does: the schemas are the migration Job's, never the server's.
+    server, port, health, predictor = await start(settings)
     try:
         yield f"127.0.0.1:{port}", predictor
     finally:
@@ -155,24 +232,95 @@ def shadow_count(family: str, primary: str, shadow: str) -> float:
     )
 
 
-@pytest.mark.timeout(240)
+async def decide(target: str, request_id: str, family: str, record) -> pb.PredictResponse:
+    entity_id, attributes = record
+    async with grpc.aio.insecure_channel(target) as channel:
+        return await pb_grpc.PredictionServiceStub(channel).Predict(
+            pb.PredictRequest(
+                request_id=request_id,
+                entity_id=entity_id,
+                attributes=to_attributes(attributes),
+                model_name=family,
+            ),
+            timeout=5,
+        )
+
+
+async def crm_and_ledger(databases: Databases, request_ids: list[str]) -> tuple[int, int, int]:
+    """(CRM rows, distinct request ids among them, ledger rows not delivered) for the ids."""
+    import asyncpg
+
+    conn = await asyncpg.connect(databases.owner_url.replace("+asyncpg", ""))
+    try:
+        rows, distinct = await conn.fetchrow(
+            "SELECT count(*), count(DISTINCT request_id) FROM decisions "
+            "WHERE request_id = ANY($1::text[])",
+            request_ids,
+        )
+        undelivered = await conn.fetchval(
+            "SELECT count(*) FROM prediction.decision_ledger WHERE delivered_at IS NULL"
+        )
+    finally:
+        await conn.close()
+    return rows, distinct, undelivered
+
+
+# Statements the service never needs: schema changes in either database, and deleting or
+# rewriting decisions (the ledger's rows are only inserted and marked delivered, the CRM's only
+# inserted).
+NOT_THE_SERVICES_BUSINESS = (
+    "CREATE TABLE prediction.scratch (i int)",
+    "ALTER TABLE prediction.decision_ledger ADD COLUMN x int",
+    "DELETE FROM prediction.decision_ledger",
+    "DROP TABLE decisions",
+    "UPDATE decisions SET decision = 'APPROVE'",
+    "CREATE TABLE public.scratch (i int)",
+)
+
+
+async def serving_role_refusals(databases: Databases) -> list[str]:
+    """The statements of NOT_THE_SERVICES_BUSINESS the serving role is refused."""
+    import asyncpg
+
+    refused = []
+    conn = await asyncpg.connect(databases.serving_url.replace("+asyncpg", ""))
+    try:
+        for statement in NOT_THE_SERVICES_BUSINESS:
+            try:
+                await conn.execute(statement)
+            except asyncpg.InsufficientPrivilegeError:
+                refused.append(statement)
+    finally:
+        await conn.close()
+    return refused
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("overlay", dc.OVERLAYS)
-async def test_rendered_pods_start_answer_their_probes_and_decide(
+async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     rendered: dict,
     overlay: str,
     release_repository: Path,
     credit_holdout,
     churn_holdout,
-    postgres_url: str,
+    databases: Databases,
     redis_prefix: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from bench.pair import free_port
+
     objects = rendered[overlay]
     records = {
         "credit-risk": (credit_holdout.entity_ids[0], credit_holdout.records[0]),
         "churn": (churn_holdout.entity_ids[0], churn_holdout.records[0]),
     }
+    tracks = sorted(dc.workloads(objects, "prediction"), key=dc.name_of)
+    # prod: the canary track is retired, the stable one stays; dev: one replica of the only track
+    # goes away, another takes over.
+    leaving, *staying = tracks
+    pods_in_order = [leaving, *(staying or [leaving])]
+    (job,) = dc.jobs(objects)
     (inference,) = dc.workloads(objects, "inference")
     inference_fs = pods.materialise(inference, objects, tmp_path / "inference", release_repository)
     monkeypatch.chdir(inference_fs.root)  # a relative path would land in the pod's root
@@ -181,44 +329,74 @@ async def test_rendered_pods_start_answer_their_probes_and_decide(
         release = {(f, v) for f, v in dc.mounted_versions(inference, "/models")[0]}
         serving = {(f, v) for f, vs in server.engine.repository.serving().items() for v in vs}
         assert serving == release  # every mounted version, nothing else
+        local = {
+            "inference_target": inference_target,
+            "ledger_url": databases.serving_url,
+            "crm_url": databases.serving_url,
+            "redis_url": "redis://127.0.0.1:6379/0",
+            "redis_key_prefix": redis_prefix,
+        }
 
-        for workload in dc.workloads(objects, "prediction"):
-            name = workload["metadata"]["name"]
+        # Before the Job: the pod refuses to start, and says what to run.
+        early = pods.materialise(leaving, objects, tmp_path / "before-migrate", release_repository)
+        env = serving_env(
+            early, host="127.0.0.1", port="0", metrics_port="0", otlp_endpoint="", **local
+        )
+        code, output = await run_mlpair(
+            dc.pod_spec(leaving)["containers"][0]["args"], env, early.root
+        )
+        assert code == 1 and "run `mlpair migrate`" in output, output
+
+        report = await run_migrate_job(job, databases, tmp_path)
+        assert f"serving role {databases.serving_role} granted" in report
+
+        request_ids: dict[str, list[str]] = {}
+        answers: dict[str, pb.PredictResponse] = {}
+        for index, workload in enumerate(pods_in_order):
+            name = f"{workload['metadata']['name']}-{index}"
             pod = pods.materialise(workload, objects, tmp_path / name, release_repository)
             monkeypatch.chdir(pod.root)
             settings = dc.settings_of(workload, objects)
             deciding = dc.json_setting(settings, "PREDICTION_ENSEMBLES", {})
             shadows = dc.json_setting(settings, "PREDICTION_SHADOWS", {})
             before = {f: shadow_count(f, deciding[f][0], v) for f, v in shadows.items()}
-            async with prediction_pod(
-                pod,
-                monkeypatch,
-                inference_target=inference_target,
-                crm_url=postgres_url,
-                redis_url="redis://127.0.0.1:6379/0",
-                redis_key_prefix=redis_prefix,
-            ) as (target, predictor):
+            # The first pod decides while the CRM is unreachable: only the ledger holds them.
+            crm_down = f"postgresql+asyncpg://{databases.serving_role}@127.0.0.1:{free_port()}/crm"
+            pod_local = {**local, "crm_url": crm_down} if index == 0 else local
+            async with prediction_pod(pod, monkeypatch, **pod_local) as (target, predictor):
                 await assert_probes_pass(workload, target)
-                async with grpc.aio.insecure_channel(target) as channel:
-                    stub = pb_grpc.PredictionServiceStub(channel)
-                    for family, (entity_id, record) in records.items():
-                        reply = await stub.Predict(
-                            pb.PredictRequest(
-                                request_id=f"{redis_prefix}{name}-{family}",
-                                entity_id=entity_id,
-                                attributes=to_attributes(record),
-                                model_name=family,
-                            ),
-                            timeout=5,
+                for family, record in records.items():
+                    request_id = f"{redis_prefix}{name}-{family}"
+                    reply = await decide(target, request_id, family, record)
+                    # A real decision (never the fallback) by the version the track names.
+                    assert not reply.fallback, (name, family, reply.degraded_reason)
+                    assert [reply.model_version] == deciding[family], (name, family)
+                    request_ids.setdefault(name, []).append(request_id)
+                    answers[request_id] = reply
+                if index > 0:
+                    # The leaving pod's decisions, asked again here: the ones recorded there.
+                    for request_id in request_ids[f"{leaving['metadata']['name']}-0"]:
+                        family = "churn" if request_id.endswith("-churn") else "credit-risk"
+                        again = await decide(target, request_id, family, records[family])
+                        first = answers[request_id]
+                        assert again.replayed and not first.replayed
+                        assert (again.decision_id, again.decision, again.model_version) == (
+                            first.decision_id,
+                            first.decision,
+                            first.model_version,
                         )
-                        # A real decision (never the fallback) by the version the track names.
-                        assert not reply.fallback, (name, family, reply.degraded_reason)
-                        assert [reply.model_version] == deciding[family], (name, family)
                 await predictor.drain_background()
-                assert await predictor.recorder.wait_delivered(10)
+                if index > 0:
+                    assert await predictor.recorder.wait_delivered(10)
             for family, version in shadows.items():
                 assert shadow_count(family, deciding[family][0], version) == before[family] + 1
-            outbox = dc.sqlite_path(settings["PREDICTION_OUTBOX_URL"])
-            assert pod.path(outbox).is_file(), name
             assert pod.written_outside_writable_mounts() == [], name
+            assert pod.writable == [], name  # nothing mounted writable at all
+            if index == 0:
+                # Gone with its decisions undelivered: they wait in the shared ledger.
+                assert await crm_and_ledger(databases, request_ids[name]) == (0, 0, len(records))
+    everything = [request_id for ids in request_ids.values() for request_id in ids]
+    assert await crm_and_ledger(databases, everything) == (len(everything), len(everything), 0)
+    # The serving role may do what the service needs and nothing more.
+    assert await serving_role_refusals(databases) == list(NOT_THE_SERVICES_BUSINESS)
     assert inference_fs.written_outside_writable_mounts() == []
