@@ -69,25 +69,13 @@ class AnswerStream(Generic[Request, Response]):
     async def responses(self) -> AsyncIterator[Response]:
         """Yields one response per request, in arrival order, until the client closes its side;
         ends the call through ``abort`` when the server drains (the responses before it all sent)."""
-        try:
-            async for response in self._answered():
-                yield response
-            return
-        except ServiceError as exc:
-            error = exc
-        except Exception:
-            logger.exception("unexpected error in a request stream")
-            error = ServiceError("internal error")
-        await self._abort(error)
-
-    async def _answered(self) -> AsyncIterator[Response]:
         loop = asyncio.get_running_loop()
-        if self._drain.is_set():
-            raise Draining("the server is shutting down; open the stream on another replica")
-        reader = loop.create_task(self._read(), name="stream-reader")
-        watcher = loop.create_task(self._watch_drain(), name="stream-drain-watch")
-        current: asyncio.Task | None = None
+        reader = watcher = current = None
         try:
+            if self._drain.is_set():
+                raise Draining("the server is shutting down; open the stream on another replica")
+            reader = loop.create_task(self._read(), name="stream-reader")
+            watcher = loop.create_task(self._watch_drain(), name="stream-drain-watch")
             while True:
                 current = await self._pending.get()
                 if current is _END:
@@ -98,17 +86,22 @@ class AnswerStream(Generic[Request, Response]):
                 current = None
                 yield response
                 self._slots.release()
+        except ServiceError as exc:
+            error = exc
+        except Exception:
+            logger.exception("unexpected error in a request stream")
+            error = ServiceError("internal error")
         finally:
             # Cancelled by the client, drained, or done: nothing of this stream may keep running
             # (queued rows of cancelled requests leave their batcher uncomputed).
-            reader.cancel()
-            watcher.cancel()
-            if isinstance(current, asyncio.Task):
-                current.cancel()
+            for task in (reader, watcher, current):
+                if isinstance(task, asyncio.Task):
+                    task.cancel()
             while not self._pending.empty():
                 task = self._pending.get_nowait()
                 if isinstance(task, asyncio.Task):
                     task.cancel()
+        await self._abort(error)
 
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()

@@ -184,3 +184,24 @@ async def test_drain_ends_open_streams_with_unavailable_after_answering_them(gat
     assert second.infer_response.id == "in-flight" and second.error_message == ""
     assert excinfo.value.code() == grpc.StatusCode.UNAVAILABLE
     assert error_info(excinfo.value).reason == "DRAINING"
+
+
+async def test_an_unexpected_error_is_answered_internal_without_its_text(model_repository, holdout_x, feature_version,
+                                                                         caplog):
+    async with running(make_settings(model_repository, models=[MODEL])) as srv, channel_to(srv) as ch:
+        real_infer = srv.engine.infer
+
+        async def infer(name, version, *args, **kwargs):
+            if version == "13":
+                raise RuntimeError("secret internal detail")
+            return await real_infer(name, version, *args, **kwargs)
+
+        srv.engine.infer = infer
+        requests = [oip_request(holdout_x[:1], feature_version=feature_version, model_version="13", id="boom"),
+                    oip_request(holdout_x[:1], feature_version=feature_version, id="fine")]
+        replies = [r async for r in oip_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(iter(requests))]
+    boom, fine = replies
+    assert boom.error_message == "internal error" and boom.infer_response.id == "boom"
+    assert boom.infer_response.parameters["error_code"].string_param == "INTERNAL"
+    assert "secret" not in str(boom) and "secret internal detail" in caplog.text
+    assert fine.error_message == "" and oip_logits(fine.infer_response).shape == (1, 2)
