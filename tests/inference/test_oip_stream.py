@@ -15,7 +15,7 @@ from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.rpc import error_info
 
 from tests.inference.helpers import MODEL, channel_to, gated, make_settings, running, wait_for
-from tests.inference.test_oip import oip_logits, oip_request
+from tests.inference.test_oip import channel, oip_logits, oip_request, server, stub  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,18 +29,6 @@ def with_parameter(request: oip.ModelInferRequest, key: str, **value) -> oip.Mod
 def cancelled_count(version: str = "1") -> float:
     return REGISTRY.get_sample_value("inference_queue_dropped_total",
                                      {"model": MODEL, "version": version, "reason": "cancelled"}) or 0.0
-
-
-@pytest.fixture(scope="module")
-async def server(model_repository):
-    async with running(make_settings(model_repository, max_batch_size=64, max_queue_delay_ms=2)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-async def stub(server):
-    async with channel_to(server) as ch:
-        yield oip_grpc.GRPCInferenceServiceStub(ch)
 
 
 async def test_each_request_is_answered_in_order_like_a_unary_call(stub, holdout_x, feature_version):
