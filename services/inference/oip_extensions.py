@@ -80,11 +80,14 @@ def request_options(request: oip.ModelInferRequest) -> RequestOptions:
     options = NO_OPTIONS
     if len(params) > 1 or (params and FEATURE_VERSION_KEY not in params):
         options = _request_level(params)
-    for tensor in request.inputs:
-        for key in tensor.parameters:
-            raise UnsupportedParameter(f"input {tensor.name!r} parameter {key!r}: " + _REFUSED.get(
-                key, "unknown input parameter; this server reads none"))
-    for output in request.outputs:
+    inputs = request.inputs  # iterating a repeated field costs µs per request: test the usual case first
+    if len(inputs) != 1 or inputs[0].parameters:
+        for tensor in inputs:
+            for key in tensor.parameters:
+                raise UnsupportedParameter(f"input {tensor.name!r} parameter {key!r}: " + _REFUSED.get(
+                    key, "unknown input parameter; this server reads none"))
+    outputs = request.outputs
+    for output in outputs if outputs else ():
         for key, value in output.parameters.items():
             if key != BINARY_DATA:
                 raise UnsupportedParameter(f"output {output.name!r} parameter {key!r}: " + _REFUSED.get(
