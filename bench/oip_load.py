@@ -1,10 +1,13 @@
 """Closed-loop load generator for any Open Inference Protocol v2 gRPC server.
 
 ``--concurrency N`` keeps N ``ModelInfer`` calls in flight (N asyncio workers on one channel,
-each send → wait → send). Each call carries ``--rows`` real rows as raw FP32 bytes, built once
-per worker, so the client spends as little CPU per call as the protocol allows. Latency is
-the client-side wall time of one call; only calls that start after the warm-up and end
-inside the window count. Throughput is counted in rows/s (and requests/s).
+each send → wait → send). With ``--streams K`` the same N requests are kept in flight over K
+``ModelStreamInfer`` streams instead (N / K per stream, pipelined: a new request is written as
+soon as a response frees a place; responses are matched to requests by id). Each call carries
+``--rows`` real rows as raw FP32 bytes, built once per worker, so the client spends as little
+CPU per call as the protocol allows. Latency is the client-side wall time of one request;
+only requests that start after the warm-up and end inside the window count. Throughput is
+counted in rows/s (and requests/s).
 
 Bounded: stops after ``--warmup-s + --duration-s`` (at most 600 s) or ``--max-requests``
 calls, whichever comes first; every call has a ``--timeout-s`` deadline; only loopback
@@ -88,6 +91,13 @@ async def run(args) -> dict:
         errors: dict[str, int] = {}
         sent = 0
 
+        def record(t0: float, t1: float, code: str | None) -> None:
+            if t0 >= t_measure and t1 <= t_end:
+                if code is None:
+                    latencies.append(t1 - t0)
+                else:
+                    errors[code] = errors.get(code, 0) + 1
+
         async def worker(index: int) -> None:
             nonlocal sent
             start = (index * args.rows) % max(1, len(data) - args.rows)
@@ -103,14 +113,61 @@ async def run(args) -> dict:
                     code = None if ok else "BAD_OUTPUT"
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code().name
-                t1 = time.perf_counter()
-                if t0 >= t_measure and t1 <= t_end:
-                    if code is None:
-                        latencies.append(t1 - t0)
-                    else:
-                        errors[code] = errors.get(code, 0) + 1
+                record(t0, time.perf_counter(), code)
                 if code is not None:
                     await asyncio.sleep(0.001)
+
+        async def stream_worker(index: int) -> None:
+            """One stream with concurrency / streams requests in flight, pipelined."""
+            nonlocal sent
+            start = (index * args.rows) % max(1, len(data) - args.rows)
+            request = build_request(oip, args, data[start:start + args.rows])
+            places = asyncio.Semaphore(args.concurrency // args.streams)
+            started: dict[str, float] = {}
+            call = stub.ModelStreamInfer(metadata=metadata,
+                                         timeout=args.warmup_s + args.duration_s + args.timeout_s)
+
+            async def write() -> None:
+                nonlocal sent
+                k = 0
+                while sent < args.max_requests:
+                    await places.acquire()
+                    t0 = time.perf_counter()
+                    if t0 >= t_end:
+                        break
+                    sent += 1
+                    request.id = f"{index}-{k}"  # serialised by write() at once: reusing the message is safe
+                    k += 1
+                    started[request.id] = t0
+                    await call.write(request)
+                await call.done_writing()
+
+            async def read() -> None:
+                while True:
+                    reply = await call.read()
+                    if reply is grpc.aio.EOF:
+                        return
+                    t1 = time.perf_counter()
+                    response = reply.infer_response
+                    t0 = started.pop(response.id, None)
+                    if t0 is None:
+                        code = "UNKNOWN_ID"
+                    elif reply.error_message:
+                        code = "STREAM_ERROR"
+                    else:
+                        code = None if output_values(response) == args.rows * args.n_outputs else "BAD_OUTPUT"
+                    if t0 is not None:
+                        record(t0, t1, code)
+                    places.release()
+
+            try:
+                async with asyncio.TaskGroup() as group:  # one failing cancels the other
+                    group.create_task(write())
+                    group.create_task(read())
+            except* grpc.aio.AioRpcError as failed:  # the stream itself failed: count its unanswered requests
+                now, code = time.perf_counter(), failed.exceptions[0].code().name
+                for t0 in started.values():
+                    record(t0, now, code)
 
         cpu0 = cpu1 = server0 = server1 = None
 
@@ -122,12 +179,14 @@ async def run(args) -> dict:
             cpu1, server1 = cpu_seconds(os.getpid()), cpu_seconds(args.server_pid) if args.server_pid else None
 
         sampler = asyncio.create_task(sample())
-        await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(args.concurrency))),
-                               timeout=args.warmup_s + args.duration_s + args.timeout_s + 5)
+        workers = [stream_worker(i) for i in range(args.streams)] if args.streams \
+            else [worker(i) for i in range(args.concurrency)]
+        await asyncio.wait_for(asyncio.gather(*workers), timeout=args.warmup_s + args.duration_s + args.timeout_s + 5)
         await sampler
     lat = sorted(v * 1000 for v in latencies)
     out = {
         "url": args.url, "model": args.model, "concurrency": args.concurrency, "rows_per_request": args.rows,
+        "rpc": f"ModelStreamInfer x{args.streams}" if args.streams else "ModelInfer",
         "duration_s": args.duration_s, "requests": len(lat),
         "requests_per_s": round(len(lat) / args.duration_s, 1),
         "rows_per_s": round(len(lat) * args.rows / args.duration_s, 1),
@@ -173,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parameter", action="append", default=[], help="request parameter KEY=VALUE (string)")
     parser.add_argument("--header", action="append", default=[], help="metadata KEY=VALUE (sent lower-case)")
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--streams", type=int, default=0,
+                        help="0: unary ModelInfer calls; K: the concurrency over K ModelStreamInfer streams")
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--max-requests", type=int, default=2_000_000)
@@ -185,6 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"refusing non-loopback target {args.url!r}")
     if args.duration_s <= 0 or args.warmup_s < 0 or args.warmup_s + args.duration_s > 600 or args.concurrency < 1:
         parser.error("need concurrency >= 1, duration-s > 0, warmup-s >= 0, warmup-s + duration-s <= 600")
+    if args.streams < 0 or (args.streams and args.concurrency % args.streams):
+        parser.error("--streams must divide --concurrency")
     return args
 
 

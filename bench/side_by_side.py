@@ -16,9 +16,11 @@ A benchmark, not a test: it reports numbers and asserts none. Steps:
    server's logits for real rows are checked against in-process ONNX Runtime first;
 5. measurement, interleaved: in each of ``--rounds`` rounds, for each concurrency, for each
    model, every server in turn gets one point from ``bench/oip_load.py`` (the same load
-   generator, its own process);
+   generator, its own process); InferenceService and tritonserver also get the same
+   single-row requests, at the same concurrency, over one ``ModelStreamInfer`` stream
+   (``mlpair-stream``, ``triton-stream``: credit-risk only; ``--no-streaming`` skips them);
 6. one JSON line per point, then per server and point the median over the rounds, the
-   targets of the issue, and a table with the ratios ours / peer.
+   targets of the issue, streaming against unary, and a table with the ratios ours / peer.
 
 Servers: ``mlpair`` (InferenceService, batching on), ``mlpair-nobatch`` (batching off),
 ``null`` (``bench/null_server.py``: a do-nothing grpc.aio OIP server, the Python gRPC ceiling
@@ -63,6 +65,7 @@ SCHEMA = REPO / "config" / "credit-risk" / "feature-schema.toml"
 MODEL = "credit-risk"
 HEAVY = "credit-risk-heavy"
 PEER_NAMES = ("pytriton", "triton", "mlserver", "kserve")
+STREAMING = ("mlpair", "triton")  # measured over ModelStreamInfer too, as <name>-stream
 VENV_OF = {"pytriton": "pytriton", "triton": "pytriton", "mlserver": "mlserver", "kserve": "kserve"}
 IMPORT_CHECK = {"pytriton": "import pytriton, onnxruntime", "mlserver": "import mlserver, onnxruntime",
                 "kserve": "import kserve, onnxruntime"}
@@ -181,6 +184,7 @@ class Server:
     process: subprocess.Popen | None = None
     tree: set[int] = dataclasses.field(default_factory=set)
     log: Path | None = None
+    streams: int = 0  # 0: unary ModelInfer; K: the concurrency over K ModelStreamInfer streams
 
     @property
     def url(self) -> str:
@@ -435,7 +439,8 @@ def measure(server: Server, model: str, concurrency: int, rows_file: Path, args)
     record_tree(server)
     cmd = [sys.executable, str(BENCH / "oip_load.py"), "--url", server.url, "--model", model,
            "--rows-file", str(rows_file), "--concurrency", str(concurrency), "--duration-s", str(args.duration_s),
-           "--warmup-s", str(args.warmup_s), "--ready-timeout-s", "10", "--label", server.name, *server.load_args]
+           "--warmup-s", str(args.warmup_s), "--ready-timeout-s", "10", "--label", server.name, *server.load_args,
+           "--streams", str(server.streams)]
     if server.process is not None:
         cmd += ["--server-pid", str(server.process.pid)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.warmup_s + args.duration_s + 90)
@@ -500,6 +505,31 @@ def cpu_ratio(other: dict, ours: dict) -> float | None:
     return round(sum(other[k] for k in keys) / sum(ours[k] for k in keys), 3)
 
 
+def stream_view(server: Server) -> Server:
+    """The same running server, measured over one ModelStreamInfer stream (credit-risk only)."""
+    return dataclasses.replace(server, name=f"{server.name}-stream", batching=f"{server.batching}; 1 stream",
+                               models=(MODEL,), streams=1)
+
+
+def streaming_summary(results: dict, concurrencies: list[int]) -> dict:
+    """Per server and concurrency: stream ÷ unary req/s, and server + client µs CPU per request of each."""
+    out: dict = {"label": "streaming vs unary", "model": MODEL, "rows_per_request": 1}
+    for name in STREAMING:
+        for c in concurrencies:
+            unary, stream = results.get((name, MODEL, c), {}), results.get((f"{name}-stream", MODEL, c), {})
+            if not unary.get("requests_per_s") or not stream.get("requests_per_s"):
+                continue
+            out[f"{name} c{c}"] = {
+                "unary_req_s": unary["requests_per_s"], "stream_req_s": stream["requests_per_s"],
+                "stream_vs_unary_req_s": round(stream["requests_per_s"] / unary["requests_per_s"], 2),
+                "unary_p99_ms": unary.get("p99_ms"), "stream_p99_ms": stream.get("p99_ms"),
+                "server_us_per_request": [unary.get("server_cpu_us_per_request"),
+                                          stream.get("server_cpu_us_per_request")],
+                "client_us_per_request": [unary.get("client_cpu_us_per_request"),
+                                          stream.get("client_cpu_us_per_request")]}
+    return out
+
+
 def targets(results: dict, cold: list[float], top: int) -> dict:
     """The issue's targets, each with the measured figure and whether it was met (None: not measured)."""
     ours = results.get(("mlpair", MODEL, top), {})
@@ -546,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue-delay-ms", type=float, default=1.0)
     parser.add_argument("--cold-starts", type=int, default=3)
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
+    parser.add_argument("--no-streaming", dest="streaming", action="store_false",
+                        help="skip the ModelStreamInfer points of mlpair and triton")
     args = parser.parse_args(argv)
     if args.warmup_s + args.duration_s > 60:
         parser.error("keep warmup-s + duration-s <= 60: every point runs once per server")
@@ -610,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             record_tree(server)
             live.append(server)
+            if args.streaming and server.name in STREAMING:
+                live.append(stream_view(server))
             emit({"label": "started", "server": server.name, "batching": server.batching,
                   "start_to_ready_s": round(ready_s, 2), "max_abs_logit_error": worst}, out)
         for number in range(1, args.rounds + 1):
@@ -627,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {key: merge_rounds(lines) for key, lines in rounds.items()}
     for line in results.values():
         emit({**line, "label": f"{line['label']} (median of {args.rounds} rounds)"}, out)
+    streaming = streaming_summary(results, args.concurrency)
+    emit(streaming, out)
     summary = targets(results, cold, max(args.concurrency))
     summary["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     summary["elapsed_s"] = round(time.monotonic() - began, 1)
@@ -643,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
           f"server CPU µs per request: {summary[f'c{top}_server_cpu_us_per_request']}; CPU efficiency of mlpair "
           f"vs the null server {summary[f'c{top}_cpu_efficiency_vs_null_server']}, "
           f"vs PyTriton {summary[f'c{top}_cpu_efficiency_vs_pytriton']}")
+    for key, value in streaming.items():
+        if isinstance(value, dict):
+            print(f"{key}: stream {value['stream_req_s']:,.0f} vs unary {value['unary_req_s']:,.0f} req/s "
+                  f"({value['stream_vs_unary_req_s']} x), p99 {value['stream_p99_ms']} vs {value['unary_p99_ms']} ms, "
+                  f"server µs CPU/req {value['server_us_per_request'][1]} vs {value['server_us_per_request'][0]}")
     print(f"cold start to SERVING: {[round(s, 2) for s in cold]} s; results in {work / 'results.jsonl'}")
     return 0
 

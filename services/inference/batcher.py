@@ -17,7 +17,8 @@ Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requ
 * the queue is bounded: more than ``max_queue_rows`` waiting rows → :class:`QueueFull`
   (RESOURCE_EXHAUSTED) at once, before anything is queued;
 * a request whose deadline passes while queued is dropped before compute
-  (:class:`DeadlineExpired`, counted); a cancelled caller's rows are removed (counted);
+  (:class:`DeadlineExpired`, counted); a cancelled caller's rows are removed (counted) and
+  never computed — also when a cancelled ``ModelStreamInfer`` stream cancels its requests;
 * a runtime that raises, or returns the wrong number of rows, fails every request of that
   batch with :class:`ModelFailure` (INTERNAL) — never an empty success; a request whose own
   logits are not finite fails alone with :class:`ModelFailure`, and is counted.
@@ -36,6 +37,7 @@ import numpy as np
 
 from mlpair.inference import metrics
 from mlpair.inference.errors import DeadlineExpired, ModelFailure, ModelNotReady, QueueFull
+from mlpair.inference.statistics import VersionStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ class DynamicBatcher:
         self._m_cancelled = metrics.QUEUE_DROPPED.labels(model, version, "cancelled")
         self._m_rejected = metrics.QUEUE_REJECTED.labels(model, version)
         self._m_nonfinite = metrics.NONFINITE_OUTPUTS.labels(model, version)
+        self.statistics = VersionStatistics()
+        """This version's OIP statistics, recorded beside the metrics above (same values)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -313,10 +317,14 @@ class DynamicBatcher:
 
     async def _execute(self, batch: list[_Item]) -> None:
         """Runs one batch on the executor and scatters its logits, releasing the slot."""
+        stats = self.statistics
         try:
             now = time.monotonic()
             for item in batch:
-                self._m_queue.observe(now - item.enqueued)
+                waited = now - item.enqueued
+                self._m_queue.observe(waited)
+                stats.queue.add(waited)
+            began = time.perf_counter()
             x = batch[0].rows if len(batch) == 1 else np.concatenate([item.rows for item in batch])
             rows = x.shape[0]
             self._m_batch.observe(rows)
@@ -331,13 +339,16 @@ class DynamicBatcher:
                 self._fail(batch, "the model failed to run")
                 return
             finally:
-                self._m_compute.observe(time.perf_counter() - started)
+                ended = time.perf_counter()
+                self._m_compute.observe(ended - started)
+                stats.executed(len(batch), rows, started - began, ended - started)
             if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.shape[0] != rows:
                 logger.error("%s version %s returned %s for %d rows", self.model, self.version,
                              getattr(logits, "shape", type(logits).__name__), rows)
                 self._fail(batch, "the model returned the wrong number of rows")
                 return
             self._scatter(batch, logits)
+            stats.handed_back(len(batch), rows, time.perf_counter() - ended)
         finally:
             self._slots.release()
 

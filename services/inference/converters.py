@@ -141,8 +141,15 @@ def oip_requested_outputs(request: oip.ModelInferRequest) -> tuple[str, ...]:
     return tuple(o.name for o in request.outputs)
 
 
-def oip_infer_response(result: InferResult, request_id: str) -> oip.ModelInferResponse:
+def oip_infer_response(result: InferResult, request_id: str, raw: bool = True) -> oip.ModelInferResponse:
+    """The logits as one FP32 output: raw little-endian bytes, or typed ``fp32_contents`` when not ``raw``."""
     logits = result.logits
+    if not raw:
+        contents = oip.InferTensorContents(fp32_contents=logits.ravel().tolist())
+        return oip.ModelInferResponse(
+            model_name=result.model_name, model_version=result.model_version, id=request_id,
+            outputs=[oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32",
+                                                              shape=logits.shape, contents=contents)])
     return oip.ModelInferResponse(
         model_name=result.model_name, model_version=result.model_version, id=request_id,
         outputs=[oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32",

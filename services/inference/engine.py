@@ -59,6 +59,8 @@ class InferenceEngine:
         self.draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
+        self.drain_started = asyncio.Event()
+        """Set by :meth:`begin_drain`: open ModelStreamInfer streams answer what they hold and end."""
         self._poller: asyncio.Task | None = None
         self._counters: dict[tuple[str, str, str], object] = {}
 
@@ -86,6 +88,7 @@ class InferenceEngine:
     async def begin_drain(self) -> None:
         """Refuses new requests from now on (UNAVAILABLE); in-flight ones continue."""
         self.draining = True
+        self.drain_started.set()
         if self._in_flight == 0:
             self._idle.set()
         await self._changed()
@@ -118,6 +121,21 @@ class InferenceEngine:
         """
         return self.repository.get(name, version)
 
+    def versions(self, name: str = "", version: str = "") -> list[ServedVersion]:
+        """Serving versions a statistics request names: every model's (empty name), every version
+        of ``name`` (empty version), or just ``version``; sorted by name and version.
+
+        Raises:
+            ModelNotFound, ModelNotReady: the model, or that version of it, is not serving.
+        """
+        if name and version:
+            return [self.repository.get(name, version)]
+        serving = self.repository.serving()
+        if name and name not in serving:
+            self.repository.get(name)  # raises the error that names what is serving
+        names = [name] if name else sorted(serving)
+        return [self.repository.get(n, v) for n in names for v in serving[n]]
+
     async def infer(self, name: str, version: str, feature_version: str | None, tensor: TensorIn,
                     deadline: float | None = None, outputs: Sequence[str] = ()) -> InferResult:
         """Validates one request and returns its logits, counting its outcome and latency.
@@ -137,6 +155,7 @@ class InferenceEngine:
         self._in_flight += 1
         served = None
         code = "OK"
+        rows = 0
         try:
             if self.draining:
                 raise Draining("the server is shutting down; retry on another replica")
@@ -148,9 +167,10 @@ class InferenceEngine:
                 if output != served.output_name:
                     raise InvalidInput(f"unknown output {output!r}; model {name!r} produces {served.output_name!r}")
             x = decode_features(tensor, served.n_features, self._max_rows)
+            rows = x.shape[0]
             validated = time.perf_counter()
             logs.record_stage("validate", validated - started)
-            if x.shape[0] == 0:
+            if rows == 0:
                 logits = np.zeros((0, served.n_classes), dtype=np.float32)
             else:
                 logits = await served.batcher.submit(x, deadline)
@@ -170,7 +190,9 @@ class InferenceEngine:
             if self.draining and self._in_flight == 0:
                 self._idle.set()
             if served is not None:
-                served.m_duration.observe(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                served.m_duration.observe(elapsed)
+                served.batcher.statistics.request_done(code == "OK", elapsed, rows)
                 self._count(served.name, served.version, code)
             else:
                 # Labels only take loaded names: a client must not create time series.

@@ -18,6 +18,14 @@ class InvalidInput(InferenceError):
     reason = "INVALID_INPUT"
 
 
+class UnsupportedParameter(InferenceError):
+    """A request, input or output parameter this server does not implement (sequence batching,
+    priorities, shared memory, classification ...): refused rather than silently ignored."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "UNSUPPORTED_PARAMETER"
+
+
 class FeatureVersionMismatch(InferenceError):
     """``x-feature-version`` is missing or differs from the model's feature schema version."""
 

@@ -1,10 +1,15 @@
 """gRPC servicers: thin adapters from both protocols onto one :class:`InferenceEngine`.
 
-They convert (``converters``) and delegate, nothing more; errors are mapped to statuses by
-:func:`mlpair.rpc.guard_servicer`, so there is no try/except here.
+They convert (``converters``, ``oip_extensions``) and delegate, nothing more; errors are mapped
+to statuses by :func:`mlpair.rpc.guard_servicer`, so there is no try/except here. The one
+streaming RPC, ModelStreamInfer, answers each request through the same path as ModelInfer
+(:mod:`mlpair.inference.streaming` turns a failed request into an error response on the stream).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -12,11 +17,23 @@ from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
-from mlpair.inference import converters
+from mlpair.errors import ServiceError
+from mlpair.inference import converters, oip_extensions
 from mlpair.inference.engine import InferenceEngine
-from mlpair.inference.errors import ModelControlDisabled
+from mlpair.inference.errors import DOMAIN, ModelControlDisabled
+from mlpair.inference.streaming import AnswerStream
+from mlpair.rpc import MalformedRequest, to_status
 
 SERVER_NAME = "mlpair-inference"
+EXTENSIONS = ["model_configuration", "statistics", "parameters"]
+"""OIP/Triton extensions implemented in full ("model_repository" too when model_control=explicit)."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    """Ends a streaming call with ``exc``'s rich status (the stream's counterpart of
+    :func:`mlpair.rpc.guard_servicer`, which wraps unary methods only)."""
+    status = to_status(exc.code, exc.message, exc.reason, DOMAIN, exc.metadata)
+    await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -66,7 +83,8 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         return oip.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context) -> oip.ServerMetadataResponse:
-        extensions = ["model_repository"] if self.engine.settings.model_control == "explicit" else []
+        extensions = [*EXTENSIONS, "model_repository"] if self.engine.settings.model_control == "explicit" \
+            else EXTENSIONS
         return oip.ServerMetadataResponse(name=SERVER_NAME, version=self.server_version, extensions=extensions)
 
     async def ModelMetadata(self, request: oip.ModelMetadataRequest, context) -> oip.ModelMetadataResponse:
@@ -75,13 +93,43 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: oip.ModelInferRequest,
                          context: grpc.aio.ServicerContext) -> oip.ModelInferResponse:
+        return await self._infer(request, context.invocation_metadata(), converters.deadline(context))
+
+    async def ModelStreamInfer(self, request_iterator,
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[oip.ModelStreamInferResponse]:
+        """Bidirectional streaming: one response per request, in order (see :mod:`mlpair.inference.streaming`).
+
+        ``x-feature-version`` comes from each request's parameters or the stream's metadata; the
+        stream's deadline, if any, bounds every request on it.
+        """
+        metadata = context.invocation_metadata()
+        deadline = converters.deadline(context)
+
+        async def answer(request) -> oip.ModelStreamInferResponse:
+            if not isinstance(request, oip.ModelInferRequest):  # bytes that did not parse
+                raise MalformedRequest("a stream message is not a valid ModelInferRequest message")
+            return oip.ModelStreamInferResponse(infer_response=await self._infer(request, metadata, deadline))
+
+        stream = AnswerStream(request_iterator, answer, oip_extensions.stream_error,
+                              max_in_flight=self.engine.settings.stream_max_in_flight,
+                              drain=self.engine.drain_started, abort=functools.partial(_abort, context))
+        async for response in stream.responses():
+            yield response
+
+    async def _infer(self, request: oip.ModelInferRequest, metadata, deadline: float | None) -> oip.ModelInferResponse:
+        options = oip_extensions.request_options(request)
         result = await self.engine.infer(
-            request.model_name, request.model_version,
-            converters.oip_feature_version(request, context.invocation_metadata()),
-            converters.oip_tensor_in(request), converters.deadline(context),
-            converters.oip_requested_outputs(request),
+            request.model_name, request.model_version, converters.oip_feature_version(request, metadata),
+            converters.oip_tensor_in(request), options.deadline(deadline), converters.oip_requested_outputs(request),
         )
-        return converters.oip_infer_response(result, request.id)
+        return oip_extensions.infer_response(result, request.id, options)
+
+    async def ModelConfig(self, request: oip.ModelConfigRequest, context) -> oip.ModelConfigResponse:
+        model = self.engine.model(request.name, request.version)
+        return oip_extensions.config_response(model, self.engine.settings, model.batcher.executes_inline)
+
+    async def ModelStatistics(self, request: oip.ModelStatisticsRequest, context) -> oip.ModelStatisticsResponse:
+        return oip_extensions.statistics_response(self.engine.versions(request.name, request.version))
 
     async def RepositoryIndex(self, request: oip.RepositoryIndexRequest, context) -> oip.RepositoryIndexResponse:
         return converters.oip_index_response(self.engine.repository.index(), request.ready)

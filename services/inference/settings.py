@@ -98,6 +98,11 @@ class InferenceSettings(BaseSettings):
     max_queue_rows: int = 16384
     """Rows that may wait per model version; beyond it requests get RESOURCE_EXHAUSTED."""
 
+    # -- streaming (OIP ModelStreamInfer) ---------------------------------------------------
+    stream_max_in_flight: int = 128
+    """Requests one ModelStreamInfer stream may have read but not yet answered; at the limit the server
+    stops reading that stream until a response is sent, and HTTP/2 flow control holds the client."""
+
     @field_validator("version_policy")
     @classmethod
     def _policy_is_valid(cls, value: str) -> str:
@@ -108,8 +113,8 @@ class InferenceSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _limits_are_consistent(self) -> InferenceSettings:
-        if self.max_batch_size < 1 or self.max_request_rows < 1:
-            raise ValueError("max_batch_size and max_request_rows must be at least 1")
+        if self.max_batch_size < 1 or self.max_request_rows < 1 or self.stream_max_in_flight < 1:
+            raise ValueError("max_batch_size, max_request_rows and stream_max_in_flight must be at least 1")
         if self.max_request_rows > self.max_queue_rows:
             raise ValueError(f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
                              f"({self.max_queue_rows}): such a request could never be queued")

@@ -458,11 +458,24 @@ def test_deadline_budget_is_aligned(objects: list) -> None:
         # The mesh timeout is a backstop: never shorter than the caller's deadline, so the
         # caller's DEADLINE_EXCEEDED (not a mesh 504 surfacing as UNAVAILABLE) decides.
         for route in dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]:
+            if route["name"] == "inference-stream":
+                continue  # a stream outlives any deadline: test_streams_are_not_cut_by_the_mesh
             assert dc.duration_ms(route["timeout"]) >= deadline_ms, route["name"]
             assert dc.duration_ms(route["timeout"]) < dc.PREDICTION_P95_MS
         for route in dc.by_name(objects, "VirtualService", "prediction")["spec"]["http"]:
             assert dc.duration_ms(route["timeout"]) >= dc.PREDICTION_P95_MS, route["name"]
             assert dc.duration_ms(route["timeout"]) >= deadline_ms + reserve_ms
+
+
+def test_streams_are_not_cut_by_the_mesh(objects: list) -> None:
+    # A route timeout bounds a whole HTTP/2 stream: ModelStreamInfer needs a route of its own with
+    # a long one, ahead of the catch-all route whose 250 ms would end every stream.
+    routes = dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]
+    (stream,) = [r for r in routes if r["name"] == "inference-stream"]
+    assert stream["match"] == [{"uri": {"exact": "/inference.GRPCInferenceService/ModelStreamInfer"}}]
+    assert dc.duration_ms(stream["timeout"]) >= 10 * 60_000  # streams live for minutes, not one deadline
+    assert "perTryTimeout" not in stream["retries"]
+    assert routes.index(stream) < len(routes) - 1 and not routes[-1].get("match")
 
 
 def test_retries_are_not_multiplied_across_layers(objects: list) -> None:

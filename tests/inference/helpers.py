@@ -61,3 +61,54 @@ async def expect_error(call, code: grpc.StatusCode) -> grpc.aio.AioRpcError:
         await call
     assert excinfo.value.code() == code, excinfo.value.details()
     return excinfo.value
+
+
+class GatedRuntime:
+    """The real runtime behind a gate: while closed, the executing batch waits, so later rows stay
+    queued in the batcher (for cancellation, timeout and backpressure tests). Use with
+    ``inline_execution_max_ms=0`` so batches run in the executor, not on the event loop."""
+
+    def __init__(self, inner) -> None:
+        import threading
+
+        self.inner = inner
+        self.description, self.platform = inner.description, inner.platform
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()  # set when a batch reaches the closed gate
+
+    def close(self) -> None:
+        self.entered.clear()
+        self.gate.clear()
+
+    def run(self, x):
+        if not self.gate.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+        return self.inner.run(x)
+
+    def device_memory_bytes(self):
+        return None
+
+
+def gated(made: list):
+    """A runtime factory making :class:`GatedRuntime` s (appended to ``made``)."""
+    from mlpair.inference.runtimes import create_runtime
+
+    def factory(entry, settings):
+        runtime = GatedRuntime(create_runtime(entry, settings))
+        made.append(runtime)
+        return runtime
+    return factory
+
+
+async def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Polls ``predicate()`` on the event loop until true; fails the test after ``timeout_s``."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -65,6 +65,21 @@ class GRPCInferenceServiceStub:
                 request_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
                 request_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
@@ -128,6 +143,29 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Streaming inference (Triton extension): each request on the stream gets one response, in
+        the order the requests arrived; a failed request gets a response with error_message and the
+        stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelConfig(self, request, context):
+        """Model-configuration extension: how the server runs a model (batching, inputs, instances).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Statistics extension: cumulative request, queue and compute statistics per model version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryIndex(self, request, context):
         """Model-repository extension: every model version known to the server and its state.
         """
@@ -181,6 +219,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
                     response_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferRequest.FromString,
+                    response_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigRequest.FromString,
+                    response_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStatisticsResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
@@ -361,6 +414,87 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
             mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+            mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigRequest.SerializeToString,
+            mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStatisticsRequest.SerializeToString,
+            mlpair_dot_api_dot_oip_dot_grpc__predict__v2__pb2.ModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,
