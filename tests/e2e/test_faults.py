@@ -22,6 +22,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.prediction.converters import to_attributes
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import make_engine
+from tests.e2e.replicas import crm_rows
 from tests.fault_support import TcpProxy, eventually, free_port, health_of, prediction_service, prediction_settings
 
 SERVICE = "mlpair.prediction.v1.PredictionService"
@@ -29,20 +30,6 @@ SERVICE = "mlpair.prediction.v1.PredictionService"
 
 def predict(request_id: str, record: dict) -> pb.PredictRequest:
     return pb.PredictRequest(request_id=request_id, entity_id=request_id, attributes=to_attributes(record))
-
-
-async def crm_rows(url: str, request_ids: list[str]) -> dict[str, list[DecisionRecord]]:
-    """Every CRM row for these request ids, read directly (not through any proxy)."""
-    engine = make_engine(url)
-    try:
-        async with engine.connect() as conn:
-            rows = (await conn.execute(select(DecisionRecord).where(DecisionRecord.request_id.in_(request_ids)))).all()
-    finally:
-        await engine.dispose()
-    out: dict[str, list] = {}
-    for row in rows:
-        out.setdefault(row.request_id, []).append(row)
-    return out
 
 
 class InferenceProcess:

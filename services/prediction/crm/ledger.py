@@ -86,6 +86,12 @@ def decision_from_row(row: Sequence, decided_at: Callable[[Any], datetime]) -> t
                           served_from, cache_age_ms, degraded_reason, decided_at(decided)), fingerprint
 
 
+def on_record(row: Sequence, decided_at: Callable[[Any], datetime]) -> Recorded:
+    """What a ledger row holds, as a :class:`Recorded` replay (its :data:`DECISION_COLUMNS` values)."""
+    decision, fingerprint = decision_from_row(row, decided_at)
+    return Recorded(decision, True, fingerprint)
+
+
 def settle(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list[Recorded]:
     """Each entry's outcome, given what is on record per request id after the commit; a request
     id repeated within one group commit is a retry of its first occurrence."""

@@ -27,7 +27,7 @@ import asyncpg
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
-                                          decision_from_row, row_values, settle, unique_new)
+                                          on_record, row_values, settle, unique_new)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
 from mlpair.prediction.crm.store import CrmRow, StoredDecision
@@ -51,10 +51,6 @@ IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $
 
 def _same(value: datetime) -> datetime:
     return value
-
-
-def _decode(row: Sequence) -> tuple[StoredDecision, str]:
-    return decision_from_row(row, _same)
 
 
 def _columns(rows: Sequence[tuple]) -> list[list]:
@@ -110,10 +106,7 @@ class PostgresLedger(DecisionLedger):
     async def find(self, request_id: str) -> Recorded | None:
         async with self._connection() as conn:
             row = await conn.fetchrow(SELECT_RECORDED, [request_id])
-        if row is None:
-            return None
-        decision, fingerprint = _decode(row)
-        return Recorded(decision, True, fingerprint)
+        return None if row is None else on_record(row, _same)
 
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
@@ -150,12 +143,12 @@ class PostgresLedger(DecisionLedger):
         new = unique_new(entries, {})
         async with self._connection() as conn, conn.transaction():
             inserted = {r[0] for r in await conn.fetch(INSERT, *_columns([row_values(d, f, _same) for d, f in new]))}
-            on_record = {d.request_id: Recorded(d, False, f) for d, f in new if d.request_id in inserted}
+            held = {d.request_id: Recorded(d, False, f) for d, f in new if d.request_id in inserted}
             if len(inserted) < len(new):
                 for row in await conn.fetch(SELECT_RECORDED, [d.request_id for d, _ in new if d.request_id not in inserted]):
-                    decision, fingerprint = _decode(row)
-                    on_record[decision.request_id] = Recorded(decision, True, fingerprint)
-        return settle(entries, on_record)
+                    recorded = on_record(row, _same)
+                    held[recorded.decision.request_id] = recorded
+        return settle(entries, held)
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
-                                          decision_from_row, row_values, settle, unique_new)
+                                          on_record, row_values, settle, unique_new)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
 from mlpair.prediction.crm.store import CrmRow, StoredDecision
@@ -77,10 +77,7 @@ class SqliteLedger(DecisionLedger):
 
     async def find(self, request_id: str) -> Recorded | None:
         row = await self._run(self._one, f"{_SELECT} WHERE request_id = ?", (request_id,))
-        if row is None:
-            return None
-        decision, fingerprint = _decode(row)
-        return Recorded(decision, True, fingerprint)
+        return None if row is None else on_record(row, datetime.fromisoformat)
 
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
@@ -176,21 +173,16 @@ class SqliteLedger(DecisionLedger):
         request_ids = list(dict.fromkeys(d.request_id for d, _ in entries))
         with self._transaction():
             rows = self._conn.execute(f"{_SELECT} WHERE request_id IN ({_marks(request_ids)})", request_ids).fetchall()
-            on_record = {decision.request_id: Recorded(decision, True, fingerprint)
-                         for decision, fingerprint in map(_decode, rows)}
-            new = unique_new(entries, on_record)
+            held = {r.decision.request_id: r for r in (on_record(row, datetime.fromisoformat) for row in rows)}
+            new = unique_new(entries, held)
             if new:
                 now = time.time()
                 self._conn.executemany(f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) "
                                        f"VALUES ({_marks(DECISION_COLUMNS)}, ?)",
                                        [(*row_values(d, f, _iso), now) for d, f in new])
         for decision, fingerprint in new:
-            on_record[decision.request_id] = Recorded(decision, False, fingerprint)
-        return settle(entries, on_record)
-
-
-def _decode(row: Sequence) -> tuple[StoredDecision, str]:
-    return decision_from_row(row, datetime.fromisoformat)
+            held[decision.request_id] = Recorded(decision, False, fingerprint)
+        return settle(entries, held)
 
 
 def _marks(values: Sequence) -> str:
