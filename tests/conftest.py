@@ -31,6 +31,14 @@ def credit_entry(model_repository) -> ModelEntry:
 
 
 @pytest.fixture(scope="session")
+def nonfinite_repository(credit_entry, churn_entry, tmp_path_factory) -> Path:
+    """credit-risk whose logits are NaN for applicants of 95+ (``tests.nonfinite``), and the real churn model."""
+    from tests import nonfinite
+
+    return nonfinite.repository(credit_entry, churn_entry, tmp_path_factory.mktemp("nonfinite"))
+
+
+@pytest.fixture(scope="session")
 def credit_schema() -> FeatureSchema:
     return FeatureSchema.from_toml(CREDIT_SCHEMA)
 

@@ -16,7 +16,7 @@ import numpy as np
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.contracts.manifest import TensorSpec
-from mlpair.inference.engine import InferResult
+from mlpair.inference.engine import NON_FINITE_OUTPUT, InferResult
 from mlpair.inference.errors import InvalidInput
 from mlpair.inference.repository import ServedVersion, VersionStatus
 from mlpair.inference.validation import TensorIn
@@ -57,10 +57,13 @@ def tensor_in(tensor: pb.Tensor) -> TensorIn:
 
 def infer_response(result: InferResult) -> pb.InferResponse:
     logits = result.logits
-    return pb.InferResponse(
+    response = pb.InferResponse(
         model_name=result.model_name, model_version=result.model_version,
         logits=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=logits.shape, content=_le_bytes(logits)),
     )
+    for row in result.invalid_rows:
+        response.row_errors.add(row=row, reason=NON_FINITE_OUTPUT, message="the model produced a non-finite logit")
+    return response
 
 
 def _spec(spec: TensorSpec) -> pb.TensorSpec:

@@ -47,6 +47,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             request.model_name, request.model_version,
             converters.feature_version(context.invocation_metadata()),
             converters.tensor_in(request.inputs), converters.deadline(context),
+            per_row_errors=request.per_row_errors,
         )
         return converters.infer_response(result)
 
