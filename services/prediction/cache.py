@@ -365,8 +365,9 @@ class CachedInference:
             return
         values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
         flight.outcome.set_result(values)
-        try:
-            await self.cache.put_many([(key, value[0], value[1]) for key, value in values.items()])
+        try:  # a row without usable output (NaN, see InferenceClient) is never cached
+            await self.cache.put_many([(key, value[0], value[1]) for key, value in values.items()
+                                       if np.isfinite(value[0]).all()])
         finally:
             asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
 

@@ -70,7 +70,9 @@ class InferenceClient:
             timeout_s: deadline of this call in seconds; None uses the client's default.
 
         Returns:
-            Logits ``[batch, n_classes] float32`` and the model version that served them.
+            Logits ``[batch, n_classes] float32`` and the model version that served them. A row
+            InferenceService reports as a row error (its output was unusable) is all NaN here:
+            it fails that row alone, never the call.
 
         Raises:
             InferenceTimeout: the deadline passed (DEADLINE_EXCEEDED).
@@ -82,6 +84,7 @@ class InferenceClient:
         request = pb.InferRequest(
             model_name=model_name, model_version=model_version,
             inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()),
+            per_row_errors=True,  # rows of many callers share a call: one row's output must fail no other
         )
         timeout = self._timeout_s if timeout_s is None else timeout_s
         response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout)
@@ -89,7 +92,14 @@ class InferenceClient:
         if out.data_type != pb.DATA_TYPE_FP32 or len(out.shape) != 2 or out.shape[0] != x.shape[0] \
                 or len(out.content) != out.shape[0] * out.shape[1] * 4:
             raise InferenceFailed("InferenceService returned a malformed logits tensor")
-        return np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape)), response.model_version
+        logits = np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape))
+        if response.row_errors:
+            logits = logits.copy()
+            for error in response.row_errors:
+                if not 0 <= error.row < len(logits):
+                    raise InferenceFailed("InferenceService named a row error outside the request")
+                logits[error.row] = np.nan  # no usable output: judged per row by the caller
+        return logits, response.model_version
 
     async def ready(self, timeout_s: float) -> bool:
         """Whether InferenceService answers ``grpc.health.v1`` with SERVING within ``timeout_s``."""

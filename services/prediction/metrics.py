@@ -73,6 +73,9 @@ STALE_SERVED = Counter("prediction_cache_stale_served_total",
                        ["model", "reason"])
 FALLBACKS = Counter("prediction_fallbacks_total",
                     "Fallback REVIEW decisions made without model output, by reason.", ["model", "reason"])
+MODEL_OUTPUT_INVALID = Counter("prediction_model_output_invalid_total",
+                               "Rows whose model output was unusable (non-finite logits or probability), each "
+                               "decided alone by the policy's fallback with reason MODEL_OUTPUT_INVALID.", ["model"])
 INFERENCE_RETRIES = Counter("prediction_inference_retries_total", "Infer attempts retried after UNAVAILABLE.",
                             ["model"])
 CIRCUIT_STATE = Gauge("prediction_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",

@@ -17,6 +17,12 @@ When InferenceService cannot be used (unavailable, timed out, circuit open) a st
 result is served if one exists; otherwise the policy's fallback decision (REVIEW) is made
 with reason code ``INFERENCE_UNAVAILABLE`` and no probability — never an automatic approval
 or decline.
+
+Every row is judged on its own: a row whose model output is unusable (a non-finite logit, or
+a probability calibration cannot place in [0, 1]) gets the policy's fallback decision with
+reason code ``MODEL_OUTPUT_INVALID``, recorded and counted like any decision, while every other
+row of the same call — another item of the batch, or another caller's row merged into the same
+Infer call — is decided exactly as if it had been sent alone.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ MAX_ECHO = 64  # most characters of a client's value repeated in an error
 # C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
+INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
 STALE_REASON = "STALE_CACHE_RESULT"
 
@@ -110,6 +117,7 @@ class _Item:
     primary_margin: float = 0.0  # first member's margin of the row itself (shadow comparison)
     model_version: str = ""
     served: Scored | None = None  # how the item's own row was scored (source, age, degraded reason)
+    invalid_output: bool = False  # the model's output for the item's own row is unusable
     error: ServiceError | None = None
     decision: str = ""
 
@@ -117,6 +125,11 @@ class _Item:
     def fallback(self) -> bool:
         """No model output for the item's own row: the policy's fallback decides."""
         return self.served is not None and self.served.source is Source.FALLBACK
+
+    @property
+    def without_model(self) -> bool:
+        """The policy's fallback decides: no model output, or none usable, for the item's own row."""
+        return self.invalid_output or self.fallback
 
 
 class Predictor:
@@ -164,9 +177,10 @@ class Predictor:
         metrics.labelled(metrics.REQUEST_DURATION, name if name in self.families else "unknown").observe(time.perf_counter() - started)
         if isinstance(outcome, ServiceError):
             raise outcome
-        s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC
+        s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC; it never raises
         logs.log_decision(logger, decision=s.decision, reason_codes=s.reason_codes, from_cache=outcome.from_cache,
-                          probability=s.probability, decision_id=s.decision_id, model_version=s.model_version)
+                          probability=s.probability, decision_id=s.decision_id, model_version=s.model_version,
+                          replayed=outcome.replayed)
         return outcome
 
     async def predict_batch(self, requests: Sequence[PredictInput]) -> list[PredictionResult | PredictionError]:
@@ -205,7 +219,7 @@ class Predictor:
                 outcomes[it.index] = it.error
                 continue
             try:
-                decided.append((it, self._fallback(it, decided_at) if it.fallback else self._decide(it, decided_at)))
+                decided.append((it, self._fallback(it, decided_at) if it.without_model else self._decide(it, decided_at)))
             except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
                 outcomes[it.index] = _as_item_error(exc)
         recorded = await self._record(decided) if decided else []
@@ -226,7 +240,10 @@ class Predictor:
                 outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True)
             else:
                 outcomes[it.index] = result if stored is result.stored else dataclasses.replace(result, stored=stored)
-                if it.fallback:
+                if it.invalid_output:
+                    metrics.labelled(metrics.MODEL_OUTPUT_INVALID, it.family.name).inc()
+                    metrics.FALLBACKS.labels(it.family.name, INVALID_OUTPUT_REASON).inc()
+                elif it.fallback:
                     metrics.FALLBACKS.labels(it.family.name, it.served.degraded_reason).inc()
                 else:
                     self.drift.observe(it.family.name, it.row.vector, stored.probability)
@@ -297,10 +314,13 @@ class Predictor:
         deadline = min(deadlines) if deadlines else None
         try:
             answers = await _all([self._infer(family, m, matrix, deadline) for m in family.members])
-            logits, scored = zip(*(_stack(rows) for rows in answers))
-            probabilities = np.stack([m.calibrator.probabilities(z) for m, z in zip(family.members, logits)])
-            # margins only feed the shadow comparison
-            primary_margins = family.members[0].calibrator.margins(logits[0]) if family.shadow else None
+            stacked = [_stack(rows, len(m.entry.manifest.class_names)) for m, rows in zip(family.members, answers)]
+            calibrated = [m.calibrator.probabilities_per_row(z) for m, z in zip(family.members, stacked)]
+            probabilities = np.stack([p for p, _ in calibrated])
+            usable = np.logical_and.reduce([ok for _, ok in calibrated])  # every member's output usable
+            # margins only feed the shadow comparison (unusable rows: zeros, never compared)
+            primary_margins = family.members[0].calibrator.margins(
+                np.where(usable[:, None], stacked[0], np.float32(0.0))) if family.shadow else None
         except ServiceError as exc:
             for it in chunk:
                 it.error = exc
@@ -315,9 +335,13 @@ class Predictor:
             n = len(it.rows)
             own = [rows[offset] for rows in answers]  # each member's result for the item's own row
             it.served = _served(own)
-            if not it.fallback:
+            if it.fallback:
+                pass
+            elif not usable[offset]:
+                it.invalid_output = True  # this row alone: the other rows of the call are untouched
+            else:
                 # an explanation needs every occluded row scored; otherwise decide without one
-                complete = n == 1 or all(mask[offset:offset + n].all() for mask in scored)
+                complete = n == 1 or bool(usable[offset:offset + n].all())
                 it.probabilities = probabilities[:, offset:offset + (n if complete else 1)]
                 it.primary_margin = 0.0 if primary_margins is None else float(primary_margins[offset])
                 it.model_version = own[0].model_version if len(own) == 1 else "+".join(r.model_version for r in own)
@@ -370,17 +394,20 @@ class Predictor:
 
     @staticmethod
     def _fallback(it: _Item, decided_at: datetime) -> PredictionResult:
-        """The documented decision without model output: the policy's fallback (REVIEW) with
-        reason ``INFERENCE_UNAVAILABLE`` and no probability."""
+        """The documented decision without usable model output: the policy's fallback (REVIEW)
+        and no probability, with reason ``INFERENCE_UNAVAILABLE`` (inference could not be used)
+        or ``MODEL_OUTPUT_INVALID`` (the model's output for this row is unusable)."""
         family = it.family
         it.decision = family.policy.fallback_decision
+        reason = INVALID_OUTPUT_REASON if it.invalid_output else FALLBACK_REASON
         stored = StoredDecision(
             decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
             entity_id=it.request.entity_id, decided_at=decided_at,
             model_name=family.name, model_version="", feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=None, decision=family.policy.fallback_decision,
-            reason_codes=(FALLBACK_REASON, *dict.fromkeys(g.reason_code for g in it.row.guards)),
-            served_from=Source.FALLBACK.value, degraded_reason=it.served.degraded_reason,
+            reason_codes=(reason, *dict.fromkeys(g.reason_code for g in it.row.guards)),
+            served_from=Source.FALLBACK.value,
+            degraded_reason=INVALID_OUTPUT_REASON if it.invalid_output else it.served.degraded_reason,
         )
         return PredictionResult(stored)
 
@@ -425,14 +452,15 @@ async def _all(calls: list) -> list:
     return await asyncio.gather(*calls)
 
 
-def _stack(rows: list[Scored]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row results → logits ``[rows, n_classes]`` (zeros where missing) and a mask of rows with logits."""
-    mask = np.array([r.logits is not None for r in rows])
-    width = next((len(r.logits) for r in rows if r.logits is not None), 2)
-    logits = np.zeros((len(rows), width), dtype=np.float32)
-    if mask.any():
-        logits[mask] = np.stack([r.logits for r in rows if r.logits is not None])
-    return logits, mask
+def _stack(rows: list[Scored], n_classes: int) -> np.ndarray:
+    """Per-row results → logits ``[rows, n_classes]``. A row without logits (fallback), or
+    whose logits are not ``[n_classes]``, is NaN: the per-row calibration marks it unusable, and
+    it can fail no other row."""
+    logits = np.full((len(rows), n_classes), np.nan, dtype=np.float32)
+    for i, r in enumerate(rows):
+        if r.logits is not None and r.logits.shape == (n_classes,):
+            logits[i] = r.logits
+    return logits
 
 
 def _served(own: list[Scored]) -> Scored:
