@@ -125,7 +125,15 @@ def _code_name(context: grpc.aio.ServicerContext) -> str:
 
 
 def _log_call(method: str, request, ctx: logs.RequestContext, code: str) -> None:
-    """The one line per call: inference id, input fingerprint, batch id, timings per stage."""
+    """The one line per call: inference id, input fingerprint, batch id, timings per stage.
+    Never raises (the call's outcome is already decided): a failure is counted (``call_log``)."""
+    try:
+        _write_call_line(method, request, ctx, code)
+    except Exception:  # noqa: BLE001
+        logs.observability_failed("call_log")
+
+
+def _write_call_line(method: str, request, ctx: logs.RequestContext, code: str) -> None:
     level = logs.per_request_level(logger)
     if level is None:
         return

@@ -29,6 +29,9 @@ QUEUE_DROPPED = Counter("inference_queue_dropped_total",
                         ["model", "version", "reason"])
 QUEUE_REJECTED = Counter("inference_queue_rejected_total", "Requests refused because the queue was full.",
                          ["model", "version"])
+OBSERVABILITY_ERRORS = Counter("inference_observability_errors_total",
+                               "Log lines, spans or metrics that failed to be made (caught: never a failed request).",
+                               ["stage"])
 NONFINITE_OUTPUTS = Counter("inference_nonfinite_outputs_total",
                             "Rows whose model output had a NaN or Inf logit (never returned as logits).",
                             ["model", "version"])

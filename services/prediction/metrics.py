@@ -62,6 +62,10 @@ SHADOW_DECISIONS = Counter("prediction_shadow_decisions_total",
 SHADOW_FAILURES = Counter("prediction_shadow_failures_total", "Rows whose shadow comparison failed or was skipped (never affects the served decision).",
                           ["model", "shadow_version", "cause"])
 
+OBSERVABILITY_ERRORS = Counter("prediction_observability_errors_total",
+                               "Log lines, spans or metrics that failed to be made (caught: never a failed request).",
+                               ["stage"])
+
 # Cache, single-flight and degraded service (cache.py, resilience.py).
 CACHE_REQUESTS = Counter("prediction_cache_requests_total",
                          "Feature rows looked up in the cache: hit (fresh), miss (this request calls inference) or "
