@@ -28,6 +28,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         calls: Infer calls received.
         deadlines: ``context.time_remaining()`` seen by each call, in seconds.
         rows: rows carried by each call.
+        received: each call's metadata and request, as they arrived.
         cancelled: calls whose caller went away while they were delayed.
         delay_s: seconds to wait before forwarding (a slow model).
         fail_first: status codes to answer with, one per call, before forwarding again.
@@ -38,6 +39,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         self.calls = 0
         self.deadlines: list[float | None] = []
         self.rows: list[int] = []
+        self.received: list[tuple[tuple, object]] = []
         self.cancelled = 0
         self.delay_s = 0.0
         self.fail_first: list[grpc.StatusCode] = []
@@ -48,6 +50,7 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         self.calls += 1
         self.deadlines.append(context.time_remaining())
         self.rows.append(request.inputs.shape[0] if request.inputs.shape else 0)
+        self.received.append((tuple(context.invocation_metadata()), request))
         if self.fail_first:
             await context.abort(self.fail_first.pop(0), "injected by the test")
         if self.delay_s:

@@ -10,6 +10,7 @@ at once with :class:`InferenceUnavailable`, so the caller can fall back inside i
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from mlpair.observability.calls import CallTracer
+from mlpair.observability.calls import CallTracer, Caller
 from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceTimeout, InferenceUnavailable
 from mlpair.rpc import error_info, message_size_options, open_channel
 
@@ -63,11 +64,14 @@ class InferenceClient:
         await self._channel.close()
 
     async def infer(self, model_name: str, model_version: str, feature_version: str,
-                    features: np.ndarray, *, timeout_s: float | None = None) -> tuple[np.ndarray, str]:
+                    features: np.ndarray, *, timeout_s: float | None = None,
+                    callers: Sequence[Caller] | None = None) -> tuple[np.ndarray, str]:
         """Logits for ``features`` ``[batch, n_features] float32``.
 
         Args:
             timeout_s: deadline of this call in seconds; None uses the client's default.
+            callers: the callers whose rows the call carries (its span links to each; a call for
+                several carries no single caller's request id); None = the running request's.
 
         Returns:
             Logits ``[batch, n_classes] float32`` and the model version that served them. A row
@@ -87,7 +91,8 @@ class InferenceClient:
             per_row_errors=True,  # rows of many callers share a call: one row's output must fail no other
         )
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout)
+        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout,
+                                    callers)
         out = response.logits
         if out.data_type != pb.DATA_TYPE_FP32 or len(out.shape) != 2 or out.shape[0] != x.shape[0] \
                 or len(out.content) != out.shape[0] * out.shape[1] * 4:
@@ -109,11 +114,11 @@ class InferenceClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def _call(self, method, request, metadata, timeout: float):
+    async def _call(self, method, request, metadata, timeout: float, callers: Sequence[Caller] | None = None):
         try:
             if self._tracer is None:
                 return await method(request, timeout=timeout, metadata=metadata)
-            with self._tracer.call(SERVICE, "Infer", metadata) as traced:
+            with self._tracer.call(SERVICE, "Infer", metadata, callers) as traced:
                 return await method(request, timeout=timeout, metadata=traced)
         except grpc.RpcError as exc:
             code = exc.code()

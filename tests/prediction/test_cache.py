@@ -108,7 +108,7 @@ class CountingClient:
         self.calls: list[str] = []
         self.error: Exception | None = None
 
-    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None):
+    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None, callers=None):
         self.calls.append(model_version)
         await asyncio.sleep(0)
         if self.error is not None:
