@@ -49,6 +49,16 @@ class CircuitOpen(InferenceUnavailable):
     reason = "CIRCUIT_OPEN"
 
 
+class InferenceOverloaded(PredictionError):
+    """InferenceService is shedding load (its queue is full, or the mesh's rate limit refused the
+    call). The model is up, so there is no fallback and the circuit breaker does not count it:
+    nothing is decided or recorded, and the caller retries later with backoff (the same request
+    id is safe). ``metadata["cause"]`` is ``queue_full`` or ``rate_limited``."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "INFERENCE_OVERLOADED"
+
+
 class InferenceContractError(PredictionError):
     """InferenceService refused the version contract; no decision is made on this vector."""
 

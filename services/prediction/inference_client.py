@@ -19,18 +19,69 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.observability.calls import CallTracer, Caller
-from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceTimeout, InferenceUnavailable
+from mlpair.prediction import metrics
+from mlpair.prediction.errors import (InferenceContractError, InferenceFailed, InferenceOverloaded, InferenceTimeout,
+                                      InferenceUnavailable, PredictionError)
 from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
 FEATURE_VERSION_KEY = "x-feature-version"
 SERVICE = "mlpair.inference.v1.InferenceService"
-_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-# Only UNAVAILABLE is safe and useful to retry: the call did not reach a model (gRPC's own
-# guidance); RESOURCE_EXHAUSTED means the server is shedding load and a retry would add to it.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+RATE_LIMITED_HEADER = "x-mlpair-rate-limited"  # added by the mesh's local rate limit (deploy/istio)
 _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+# gRPC's own RESOURCE_EXHAUSTED texts for its size limits (grpc-core, chttp2 and message_size filters)
+_SIZE_TEXTS = (("message_size", ("message larger than max",)),
+               ("metadata_size", ("metadata size exceeds", "header size exceeds", "header list size")))
+
+
+def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
+    """A failed Infer call's cause (a metric label) and the error it becomes, by what it means.
+
+    Only the model being unavailable leads to a stale result or the fallback and counts against
+    the circuit breaker (:class:`InferenceUnavailable`): UNAVAILABLE (``unavailable``, the one
+    retryable cause: the call reached no model), CANCELLED by the server (``cancelled``) and
+    DEADLINE_EXCEEDED (``timeout``). RESOURCE_EXHAUSTED is load shed — InferenceService's queue is
+    full (``queue_full``), the mesh's rate limit refused the call (``rate_limited``, its reply
+    header) or another proxy did (``resource_exhausted``) — and becomes
+    :class:`InferenceOverloaded`: the callers get RESOURCE_EXHAUSTED to retry later, nothing is
+    recorded, and the breaker does not count it (the service is up) — unless gRPC's message or
+    metadata size limit refused the call (``message_size``, ``metadata_size``: a retry would meet
+    the same limit). That, INVALID_ARGUMENT (``invalid_argument``) and a model failure
+    (``model_failure``) are this side's or the model's fault: :class:`InferenceFailed` (INTERNAL),
+    never a fallback. A refused version contract is :class:`InferenceContractError`.
+    """
+    code = exc.code()
+    info = error_info(exc)
+    reason = info.reason if info else ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout", InferenceTimeout("the inference call ran out of its deadline")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        error = InferenceUnavailable("the inference service is unavailable; retry later",
+                                     metadata={"inference_code": code.name})
+        error.retryable = code == grpc.StatusCode.UNAVAILABLE
+        return code.name.lower(), error
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details = (exc.details() or "").lower()
+        if size := next((c for c, texts in _SIZE_TEXTS if any(t in details for t in texts)), None):
+            return size, InferenceFailed("inference failed")  # a retry would hit the same limit
+        cause = "queue_full" if reason == "QUEUE_FULL" else "rate_limited" if _rate_limited(exc) else "resource_exhausted"
+        return cause, InferenceOverloaded("the inference service is shedding load; nothing was decided or "
+                                          "recorded: retry later with backoff", metadata={"cause": cause})
+    if code in _CONTRACT:
+        return "contract", InferenceContractError(
+            "the inference service refused the feature/model version contract; no decision was made",
+            metadata={"inference_code": code.name, "inference_reason": reason})
+    cause = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.INTERNAL: "model_failure"}.get(code, "other")
+    return cause, InferenceFailed("inference failed")
+
+
+def _rate_limited(exc: grpc.RpcError) -> bool:
+    """Whether the mesh's rate limit, not InferenceService, refused the call (its reply header)."""
+    for metadata in (getattr(exc, "initial_metadata", tuple)(), getattr(exc, "trailing_metadata", tuple)()):
+        if any(key.lower() == RATE_LIMITED_HEADER for key, _ in metadata or ()):
+            return True
+    return False
 
 
 class InferenceClient:
@@ -80,9 +131,10 @@ class InferenceClient:
 
         Raises:
             InferenceTimeout: the deadline passed (DEADLINE_EXCEEDED).
-            InferenceUnavailable: down or overloaded; ``retryable`` is true for UNAVAILABLE.
+            InferenceUnavailable: down; ``retryable`` is true for UNAVAILABLE.
+            InferenceOverloaded: InferenceService (or the mesh) shed the call: retry later.
             InferenceContractError: the version contract was refused (no decision on this vector).
-            InferenceFailed: any other failure.
+            InferenceFailed: any other failure (see :func:`classify`).
         """
         x = np.ascontiguousarray(features, dtype="<f4")
         request = pb.InferRequest(
@@ -121,20 +173,10 @@ class InferenceClient:
             with self._tracer.call(SERVICE, "Infer", metadata, callers) as traced:
                 return await method(request, timeout=timeout, metadata=traced)
         except grpc.RpcError as exc:
-            code = exc.code()
-            info = error_info(exc)
-            reason = info.reason if info else ""
-            logger.debug("Infer failed: %s %s", code.name, reason)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise InferenceTimeout("the inference call ran out of its deadline") from exc
-            if code in _UNAVAILABLE:
-                error = InferenceUnavailable("the inference service is unavailable; retry later",
-                                             metadata={"inference_code": code.name})
-                error.retryable = code in _RETRYABLE
-                raise error from exc
-            if code in _CONTRACT:
-                raise InferenceContractError(
-                    "the inference service refused the feature/model version contract; no decision was made",
-                    metadata={"inference_code": code.name, "inference_reason": reason}) from exc
-            logger.warning("Infer failed: %s %s", code.name, reason)
-            raise InferenceFailed("inference failed") from exc
+            cause, error = classify(exc)
+            metrics.labelled(metrics.INFERENCE_ERRORS, request.model_name, cause).inc()
+            if isinstance(error, InferenceFailed):
+                logger.warning("Infer failed: %s (%s)", exc.code().name, cause)
+            else:
+                logger.debug("Infer failed: %s (%s)", exc.code().name, cause)
+            raise error from exc

@@ -80,6 +80,11 @@ FALLBACKS = Counter("prediction_fallbacks_total",
 MODEL_OUTPUT_INVALID = Counter("prediction_model_output_invalid_total",
                                "Rows whose model output was unusable (non-finite logits or probability), each "
                                "decided alone by the policy's fallback with reason MODEL_OUTPUT_INVALID.", ["model"])
+INFERENCE_ERRORS = Counter("prediction_inference_errors_total",
+                           "Failed Infer calls by cause: unavailable, cancelled and timeout lead to a stale result "
+                           "or the fallback and count for the circuit breaker; queue_full and rate_limited "
+                           "(load shed) reach the caller as RESOURCE_EXHAUSTED; the rest are failures.",
+                           ["model", "cause"])
 INFERENCE_RETRIES = Counter("prediction_inference_retries_total", "Infer attempts retried after UNAVAILABLE.",
                             ["model"])
 CIRCUIT_STATE = Gauge("prediction_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
