@@ -26,10 +26,12 @@ request id (:mod:`mlpair.observability.propagation`).
 
 A merged call runs through the :class:`~mlpair.prediction.resilience.ResilientCaller` once:
 the circuit breaker counts it as one call, retries repeat it whole, and its deadline is the
-earliest of its callers' deadlines. A caller whose budget is already spent when the batch is
-sent is not included (it gets :class:`InferenceTimeout` at once, and falls back), so it
-cannot shorten the others' call to nothing. A caller that goes away is dropped from a batch
-not yet sent; a sent call is cancelled only when every caller in it has gone.
+*latest* of its callers' deadlines (the call is of use while any of them waits). Each caller
+waits only for its own budget: one whose budget runs out gets :class:`InferenceTimeout` alone
+and leaves, and one whose budget is already spent when the batch is sent is not included. So a
+caller with a short or expired deadline can neither shorten the others' call nor make it a
+timeout that counts against the breaker. A caller that goes away is dropped from a batch not
+yet sent; a sent call is cancelled only when every caller in it has gone.
 """
 
 from __future__ import annotations
@@ -125,7 +127,13 @@ class InferenceCoalescer:
             loop = asyncio.get_running_loop()
             lane.flush = (loop.call_soon(self._send, key, lane) if lane.in_flight == 0
                           else loop.call_later(self.max_delay_s, self._send, key, lane))
-        return await part.future
+        if deadline is None:
+            return await part.future
+        try:  # this caller's own budget: leaving cancels its future, and the call once nobody waits
+            async with asyncio.timeout(max(0.0, self.caller.budget.call_timeout_s(deadline, time.monotonic()))):
+                return await part.future
+        except TimeoutError:
+            raise InferenceTimeout("the inference call did not finish within this request's budget") from None
 
     async def close(self) -> None:
         """Cancels every merged call still in flight."""
@@ -163,7 +171,8 @@ class InferenceCoalescer:
     async def _call(self, key: LaneKey, lane: _Lane, parts: list[_Part]) -> None:
         model_name, model_version, feature_version = key
         rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
-        deadline = min((p.deadline for p in parts if p.deadline is not None), default=None)
+        # the latest: the call is of use while any caller waits (each waits only its own budget)
+        deadline = None if any(p.deadline is None for p in parts) else max(p.deadline for p in parts)
         callers = [p.caller for p in parts]
         started = time.perf_counter()
         try:
