@@ -72,6 +72,9 @@ CACHE_REQUESTS = Counter("prediction_cache_requests_total",
                          "coalesced (joined another request's in-flight call).", ["model", "result"])
 CACHE_ERRORS = Counter("prediction_cache_errors_total", "Cache backend errors, each treated as a miss.",
                        ["backend", "operation"])
+CACHE_INVALID = Counter("prediction_cache_invalid_total",
+                        "Cache entries read that this process would not have stored (layout, key, version, shape, "
+                        "non-finite logits, size, store time, age): each a miss, never served.", ["backend", "cause"])
 STALE_SERVED = Counter("prediction_cache_stale_served_total",
                        "Results served from a stale cache entry because inference could not be used, by reason.",
                        ["model", "reason"])

@@ -353,7 +353,8 @@ class Predictor:
         (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
-        return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline)
+        return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline,
+                                       n_classes=len(model.entry.manifest.class_names))
 
     async def _infer_shadow(self, family: ModelFamily, model: ModelVersion, features: np.ndarray) -> tuple[np.ndarray, str]:
         """Shadow calls go straight to InferenceService: never cached, never served."""
