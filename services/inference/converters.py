@@ -27,11 +27,20 @@ FEATURE_VERSION_KEY = "x-feature-version"
 
 def feature_version(metadata) -> str | None:
     """The ``x-feature-version`` value from invocation metadata, matching the key in any case
-    (HTTP/2 requires lower-case keys, but some gateways forward the caller's case)."""
+    (HTTP/2 requires lower-case keys, but some gateways forward the caller's case).
+
+    Raises:
+        InvalidInput: the key was sent twice with different values (which one would be the caller's?).
+    """
+    found = None
     for key, value in metadata or ():
         if key.lower() == FEATURE_VERSION_KEY:
-            return value if isinstance(value, str) else value.decode()
-    return None
+            value = value if isinstance(value, str) else value.decode()
+            if found is not None and value != found:
+                raise InvalidInput(f"{FEATURE_VERSION_KEY} was sent twice with different values ({found[:64]!r}, "
+                                   f"{value[:64]!r}); send one", metadata={"key": FEATURE_VERSION_KEY})
+            found = value
+    return found
 
 
 def deadline(context) -> float | None:

@@ -23,6 +23,7 @@ from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN, ModelControlDisabled
 from mlpair.inference.streaming import AnswerStream
 from mlpair.rpc import MalformedRequest, to_status
+from mlpair.wire import Refused
 
 SERVER_NAME = "mlpair-inference"
 EXTENSIONS = ["model_configuration", "statistics", "parameters"]
@@ -107,6 +108,8 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         deadline = converters.deadline(context)
 
         async def answer(request) -> oip.ModelStreamInferResponse:
+            if isinstance(request, Refused):  # fields the contract does not define
+                raise request.error
             if not isinstance(request, oip.ModelInferRequest):  # bytes that did not parse
                 raise MalformedRequest("a stream message is not a valid ModelInferRequest message")
             return oip.ModelStreamInferResponse(infer_response=await self._infer(request, metadata, deadline))

@@ -18,6 +18,14 @@ class InvalidRequest(PredictionError):
     reason = "INVALID_REQUEST"
 
 
+class UnknownAttribute(PredictionError):
+    """The request names attributes the feature schema does not know, and this service is set to
+    refuse them (``PREDICTION_UNKNOWN_ATTRIBUTES=refuse``; by default they are named in warnings)."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "UNKNOWN_ATTRIBUTE"
+
+
 class UnknownModel(PredictionError):
     """The request names a model family this service does not serve."""
 

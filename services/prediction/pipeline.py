@@ -48,13 +48,14 @@ from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.store import StoredDecision, decision_id_for
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.errors import (IdempotencyKeyReused, InvalidRequest, PredictionError, UnknownAttribute,
+                                      UnknownModel)
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.idempotency import request_fingerprint
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
-__all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor"]
+__all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor", "RequestWarning"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,15 @@ class PredictInput:
     deadline: float | None = None  # the caller's deadline in time.monotonic() seconds; None = none
 
 
+@dataclass(frozen=True, slots=True)
+class RequestWarning:
+    """Something about a request that did not stop its decision (``UNKNOWN_ATTRIBUTE``)."""
+
+    code: str
+    field: str
+    message: str
+
+
 @dataclass(frozen=True)
 class PredictionResult:
     """A recorded decision plus how it was served.
@@ -94,6 +104,7 @@ class PredictionResult:
     calibration_method: str = ""
     explanation: Explanation | None = None
     replayed: bool = False  # the request id was already on record: this is that decision
+    warnings: tuple[RequestWarning, ...] = ()  # about this request (not recorded: a replay computes its own)
 
 
 class UnexpectedFailure(PredictionError):
@@ -113,6 +124,7 @@ class _Item:
     row: AssembledRow
     rows: np.ndarray  # [1 or 1 + n_schema_features, n_features] float32 sent to inference
     fingerprint: str  # the canonical request's SHA-256 (idempotency.request_fingerprint)
+    warnings: tuple[RequestWarning, ...] = ()
     probabilities: np.ndarray | None = None  # [n_members, 1 or len(rows)] calibrated
     primary_margin: float = 0.0  # first member's margin of the row itself (shadow comparison)
     model_version: str = ""
@@ -137,8 +149,12 @@ class Predictor:
 
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
                  scorer: CachedInference, recorder: DecisionRecorder, *, max_inference_rows: int = 1024,
-                 max_batch_items: int = 1000, explain_top_k: int = 3, drift: DriftMonitors | None = None) -> None:
+                 max_batch_items: int = 1000, explain_top_k: int = 3, drift: DriftMonitors | None = None,
+                 unknown_attributes: str = "warn") -> None:
         """Wires the served families to inference (behind its cache) and the decision recorder.
+
+        ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
+        and names each in the result's warnings; ``refuse`` refuses it (:class:`UnknownAttribute`).
 
         Raises:
             ConfigurationError: an explanation of some family would not fit in one inference call.
@@ -152,6 +168,7 @@ class Predictor:
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k
+        self.refuse_unknown_attributes = unknown_attributes == "refuse"
         self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
         for family in self.families.values():
@@ -229,6 +246,8 @@ class Predictor:
             if isinstance(record, BaseException):
                 outcomes[it.index] = _as_item_error(record)
                 continue
+            if it.warnings:
+                result = dataclasses.replace(result, warnings=it.warnings)
             stored = record.decision
             if record.replayed:  # on record already: return that, not what was just computed
                 if record.fingerprint and record.fingerprint != it.fingerprint:
@@ -237,7 +256,7 @@ class Predictor:
                     continue
                 metrics.labelled(metrics.IDEMPOTENT_REPLAYS, it.family.name).inc()
                 from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
-                outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True)
+                outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True, warnings=it.warnings)
             else:
                 outcomes[it.index] = result if stored is result.stored else dataclasses.replace(result, stored=stored)
                 if it.invalid_output:
@@ -281,13 +300,17 @@ class Predictor:
         except ConversionError as exc:
             raise InvalidRequest(f"attribute values cannot be converted: {exc}",
                                  metadata={"attributes": ",".join(sorted(exc.problems))}) from exc
-        for guard in row.guards:
-            metrics.labelled(metrics.FEATURE_GUARDS, family.name, guard.feature, guard.action).inc()
+        warnings = ()
         if row.unknown_attributes:
             metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(row.unknown_attributes))
+            if self.refuse_unknown_attributes:
+                raise _unknown_attributes(family, row.unknown_attributes)
+            warnings = _unknown_attribute_warnings(family, row.unknown_attributes)
+        for guard in row.guards:
+            metrics.labelled(metrics.FEATURE_GUARDS, family.name, guard.feature, guard.action).inc()
         rows = explanation_rows(family.assembler, row.vector) if request.explain else row.vector[None, :]
         return _Item(index, request, family, row, rows,
-                     request_fingerprint(family.name, request.entity_id, request.attributes))
+                     request_fingerprint(family.name, request.entity_id, request.attributes), warnings)
 
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
@@ -485,6 +508,26 @@ def _as_item_error(exc: BaseException) -> PredictionError:
         return UnexpectedFailure(exc.message)
     logger.error("unexpected failure deciding one item", exc_info=exc)
     return UnexpectedFailure("internal error")
+
+
+MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
+
+
+def _unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
+    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1."""
+    warnings = [RequestWarning("UNKNOWN_ATTRIBUTE", name[:MAX_ECHO],
+                               f"the {family.name!r} feature schema has no attribute of this name; it was ignored")
+                for name in names[:MAX_WARNINGS]]
+    if len(names) > MAX_WARNINGS:
+        warnings.append(RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes"))
+    return tuple(warnings)
+
+
+def _unknown_attributes(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
+    shown = ", ".join(repr(n[:MAX_ECHO]) for n in names[:MAX_WARNINGS]) + (" …" if len(names) > MAX_WARNINGS else "")
+    return UnknownAttribute(f"the {family.name!r} feature schema has no attribute named {shown}; this service "
+                            "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
+                            metadata={"attributes": ",".join(n[:MAX_ECHO] for n in names[:MAX_WARNINGS])})
 
 
 def _key_reused(request_id: str) -> IdempotencyKeyReused:

@@ -104,7 +104,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
     drift = DriftMonitors.for_entries({name: f.entry for name, f in families.items()}, drift_config(settings))
     return Predictor(families, settings.model_name, build_scorer(settings, tracer_provider=tracer_provider), recorder,
                      max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
-                     explain_top_k=settings.explain_top_reasons, drift=drift)
+                     explain_top_k=settings.explain_top_reasons, drift=drift, unknown_attributes=settings.unknown_attributes)
 
 
 def create_server(settings: PredictionSettings, predictor: Predictor, *,
