@@ -129,8 +129,11 @@ class InferenceCoalescer:
                           else loop.call_later(self.max_delay_s, self._send, key, lane))
         if deadline is None:
             return await part.future
-        try:  # this caller's own budget: leaving cancels its future, and the call once nobody waits
-            async with asyncio.timeout(max(0.0, self.caller.budget.call_timeout_s(deadline, time.monotonic()))):
+        # this caller's own budget (not capped at one attempt's: the call may retry); leaving
+        # cancels its future, and the call once nobody waits
+        wait_s = deadline - time.monotonic() - self.caller.budget.reserve_s
+        try:
+            async with asyncio.timeout(max(0.0, wait_s)):
                 return await part.future
         except TimeoutError:
             raise InferenceTimeout("the inference call did not finish within this request's budget") from None

@@ -9,7 +9,9 @@
   Backoff and Jitter" (2015) — and only when the wait plus a minimal attempt still fit the
   budget.
 * **Circuit breaker** (Nygard, *Release It!*, 2nd ed., ch. 5): CLOSED counts consecutive
-  unavailable/timed-out calls; at ``failure_threshold`` it OPENs and calls fail at once with
+  unavailable/timed-out calls (a timeout only when the call had the whole
+  ``inference_timeout_ms``: a call its caller's own deadline cut short says nothing about the
+  service, and one caller sending tight deadlines must not open the circuit for all); at ``failure_threshold`` it OPENs and calls fail at once with
   :class:`CircuitOpen`; after ``open_s`` it is HALF_OPEN and lets ``half_open_probes`` calls
   through at a time — a success closes it, a failure opens it again. Answers that prove the
   service is up (a contract refusal, a model error) count as successes for availability. Load
@@ -191,7 +193,10 @@ class ResilientCaller:
             try:
                 result = await attempt(timeout)
             except InferenceUnavailable as exc:
-                self.breaker.record_failure()
+                if isinstance(exc, InferenceTimeout) and timeout < self.budget.max_call_s:
+                    self.breaker.release()  # cut short by the caller's deadline: no evidence either way
+                else:
+                    self.breaker.record_failure()
                 if not exc.retryable or number >= self.retry.max_attempts:
                     raise
                 wait = self.retry.backoff_s(number)

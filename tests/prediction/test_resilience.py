@@ -273,3 +273,19 @@ async def test_load_shed_by_the_mesh_or_a_full_queue_is_the_callers_retryable_er
             assert await predictor.recorder.ledger.find("shed-0") is None  # nothing recorded
             again = await stub.Predict(predict("shed-0", credit_holdout.records[0]), timeout=5)
             assert not again.replayed and not again.fallback  # the caller's retry is decided fresh
+
+
+async def test_a_timeout_counts_for_the_breaker_only_when_the_call_had_its_whole_allowance():
+    """A caller's own tight deadline says nothing about the service: it must not open the circuit for all."""
+    async def slow(timeout):
+        raise InferenceTimeout("deadline")
+
+    resilient = caller(max_attempts=1, threshold=2)  # max_call_s 1.0, reserve 10 ms
+    for _ in range(5):  # 5 calls cut short by their caller's deadline (0.2 s left)
+        with pytest.raises(InferenceTimeout):
+            await resilient.call(slow, time.monotonic() + 0.2, model="m")
+    assert resilient.breaker.state is CircuitState.CLOSED
+    for _ in range(2):  # 2 calls that had the whole second
+        with pytest.raises(InferenceTimeout):
+            await resilient.call(slow, None, model="m")
+    assert resilient.breaker.state is CircuitState.OPEN
