@@ -114,3 +114,89 @@ async def test_the_stream_answers_a_bad_request_with_its_own_error_and_the_rest_
     assert [a.error_message == "" for a in answers] == [True, False, True]
     assert answers[1].infer_response.id == "b"
     assert answers[1].infer_response.parameters["error_reason"].string_param == "MODEL_FAILURE"
+
+
+# -- property: bad requests in the batch change no good request's logits ------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+GOOD_KINDS = ("own", "own_per_row", "oip")
+BAD_KINDS = ("nonfinite_own", "nonfinite_per_row", "nonfinite_oip", "nan_input", "big_header",
+             "conflicting_metadata", "unknown_field", "cancelled", "expired")
+
+
+@pytest.fixture(scope="module")
+async def solo(channel, rows, good_metadata) -> np.ndarray:
+    """Every good row's logits, each row sent alone."""
+    good, _ = rows
+    stub = pb_grpc.InferenceServiceStub(channel)
+    return np.concatenate([logits_of(await stub.Infer(request(good[i:i + 1]), metadata=good_metadata))
+                           for i in range(len(good))])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(good_kinds=st.lists(st.tuples(st.sampled_from(GOOD_KINDS), st.integers(0, 7), st.integers(1, 3)),
+                           min_size=1, max_size=5),
+       bad_kinds=st.lists(st.tuples(st.sampled_from(BAD_KINDS), st.integers(0, 7)), min_size=1, max_size=6))
+async def test_no_bad_request_in_a_batch_changes_a_good_requests_logits(channel, rows, solo, feature_version,
+                                                                       good_metadata, good_kinds, bad_kinds):
+    good, worse = rows
+    own, oip = pb_grpc.InferenceServiceStub(channel), oip_grpc.GRPCInferenceServiceStub(channel)
+
+    def pick(start: int, n: int) -> list[int]:
+        return [(start + k) % len(good) for k in range(n)]
+
+    async def good_call(kind: str, start: int, n: int):
+        idx = pick(start, n)
+        if kind == "oip":
+            return idx, oip_logits(await oip.ModelInfer(oip_request(good[idx], feature_version=feature_version)))
+        reply = await own.Infer(request(good[idx], per_row_errors=kind == "own_per_row"), metadata=good_metadata)
+        assert not reply.row_errors
+        return idx, logits_of(reply)
+
+    async def bad_call(kind: str, i: int):
+        mixed = np.stack([good[i], worse[i]])
+        try:
+            if kind == "nonfinite_own":
+                return await own.Infer(request(worse[i:i + 1]), metadata=good_metadata)
+            if kind == "nonfinite_per_row":
+                reply = await own.Infer(request(mixed, per_row_errors=True), metadata=good_metadata)
+                assert [e.row for e in reply.row_errors] == [1]
+                np.testing.assert_array_equal(logits_of(reply)[0], solo[i])  # its own good row too
+                return reply
+            if kind == "nonfinite_oip":
+                return await oip.ModelInfer(oip_request(mixed, feature_version=feature_version))
+            if kind == "nan_input":
+                x = good[i:i + 1].copy()
+                x[0, 2] = np.nan
+                return await own.Infer(request(x), metadata=good_metadata)
+            if kind == "big_header":
+                header = (("traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01"), ("tracestate", ",".join(
+                    f"k{j:02d}=" + "v" * 250 for j in range(32))))
+                return await own.Infer(request(good[i:i + 1]), metadata=(*good_metadata, *header))
+            if kind == "conflicting_metadata":
+                return await own.Infer(request(good[i:i + 1]),
+                                       metadata=(*good_metadata, ("x-feature-version", "other/v9")))
+            if kind == "unknown_field":
+                message = pb.InferRequest.FromString(request(good[i:i + 1]).SerializeToString() + b"\x98\x06\x01")
+                return await own.Infer(message, metadata=good_metadata)
+            if kind == "cancelled":
+                pending = own.Infer(request(good[i:i + 1]), metadata=good_metadata)
+                await asyncio.sleep(0.01)
+                pending.cancel()
+                return await pending
+            return await own.Infer(request(good[i:i + 1]), metadata=good_metadata, timeout=0.01)  # expired
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            return exc
+
+    calls = [good_call(*g) for g in good_kinds] + [bad_call(*b) for b in bad_kinds]
+    results = await asyncio.gather(*calls)
+    for idx, logits in results[:len(good_kinds)]:
+        np.testing.assert_array_equal(logits, solo[idx])  # bit for bit, whatever shared the batch
+    for (kind, _), outcome in zip(bad_kinds, results[len(good_kinds):]):
+        expected = {"nonfinite_own": grpc.StatusCode.INTERNAL, "nonfinite_oip": grpc.StatusCode.INTERNAL,
+                    "nan_input": grpc.StatusCode.INVALID_ARGUMENT, "conflicting_metadata": grpc.StatusCode.INVALID_ARGUMENT,
+                    "unknown_field": grpc.StatusCode.INVALID_ARGUMENT}.get(kind)
+        if expected is not None:
+            assert isinstance(outcome, grpc.aio.AioRpcError) and outcome.code() == expected, (kind, outcome)
