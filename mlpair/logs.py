@@ -151,10 +151,14 @@ def per_request_level(logger: logging.Logger) -> int | None:
     return None
 
 
-def count_failures_with(layer: str, count: Callable[[str], None]) -> None:
+def count_failures_with(layer: str, count: Callable[[str], None] | None) -> Callable[[str], None] | None:
     """Registers how ``layer``'s observability failures are counted: ``count(stage)`` increments
-    that service's ``<layer>_observability_errors_total{stage}`` (called by each server at start)."""
-    _failure_counters[layer] = count
+    that service's ``<layer>_observability_errors_total{stage}`` (called by each server at start).
+    Returns the callback it replaces."""
+    previous = _failure_counters.pop(layer, None)
+    if count is not None:
+        _failure_counters[layer] = count
+    return previous
 
 
 def observability_failed(stage: str) -> None:
@@ -286,6 +290,13 @@ class _Handler(logging.StreamHandler):
         super().handleError(record)
 
 
+def set_sample_ratio(ratio: float) -> float:
+    """Sets the fraction of per-request lines written at INFO when DEBUG is off; returns the old one."""
+    global _sample_ratio
+    previous, _sample_ratio = _sample_ratio, float(ratio)
+    return previous
+
+
 def make_handler(fmt: str, stream) -> logging.Handler:
     """A stream handler writing ``fmt`` ("text" or "json") lines with the context fields."""
     handler = _Handler(stream)
@@ -306,9 +317,8 @@ def configure_logging(layer: str, level: str = "INFO", fmt: str = "text", *, sam
             when DEBUG is off (0 = none).
         stream: where lines go (default stderr).
     """
-    global _sample_ratio
     _process_fields["layer"] = layer
-    _sample_ratio = float(sample_ratio)
+    set_sample_ratio(sample_ratio)
     handler = make_handler(fmt, stream or sys.stderr)
     root = logging.getLogger()
     root.handlers[:] = [handler]
