@@ -38,33 +38,17 @@ async def refused(call, reason: str) -> grpc.aio.AioRpcError:
 
 
 @pytest.fixture(scope="module")
-async def prediction(inference_server, model_repository, tmp_path_factory):
-    async with prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("undefined")) as served:
-        yield served
+async def services(inference_server, model_repository, tmp_path_factory):
+    """(default PredictionService, one with PREDICTION_UNKNOWN_ATTRIBUTES=refuse), each (stub, predictor)."""
+    async with prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("undefined")) as served, \
+            prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("strict"),
+                               unknown_attributes="refuse") as strict:
+        yield served, strict
 
 
 @pytest.fixture(scope="module")
-async def strict(inference_server, model_repository, tmp_path_factory):
-    async with prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("strict"),
-                                  unknown_attributes="refuse") as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def holdout_x(credit_entry, credit_holdout) -> np.ndarray:
-    from mlpair.contracts.assembly import FeatureAssembler
-
-    return FeatureAssembler(credit_entry.preprocessing).assemble_many(credit_holdout.records[:4])
-
-
-@pytest.fixture(scope="module")
-def feature_version(credit_entry) -> str:
-    return credit_entry.manifest.versions.feature_schema_version
-
-
-@pytest.fixture(scope="module")
-def good_metadata(feature_version):
-    return (("x-feature-version", feature_version),)
+def prediction(services):
+    return services[0]
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +114,10 @@ async def test_an_attribute_value_of_a_kind_this_server_does_not_know_is_refused
     await refused(stub.BatchPredict(batch, timeout=10), "UNKNOWN_FIELD")
 
 
-async def test_unknown_attributes_are_decided_and_named_or_refused_when_strict(prediction, strict, credit_holdout):
+async def test_unknown_attributes_are_decided_and_named_or_refused_when_strict(services, credit_holdout):
     record = dict(credit_holdout.records[0])
     record["Incomee"] = record.pop("Income")  # a typo: Income is now missing
-    stub, _ = prediction
+    (stub, _), (strict_stub, _) = services
     reply = await stub.Predict(pb.PredictRequest(request_id="undefined-typo", entity_id="e",
                                                  attributes=to_attributes(record)), timeout=10)
     assert [(w.code, w.field) for w in reply.warnings] == [("UNKNOWN_ATTRIBUTE", "Incomee")]
@@ -141,7 +125,6 @@ async def test_unknown_attributes_are_decided_and_named_or_refused_when_strict(p
     again = await stub.Predict(pb.PredictRequest(request_id="undefined-typo", entity_id="e",
                                                  attributes=to_attributes(record)), timeout=10)
     assert again.replayed and [w.field for w in again.warnings] == ["Incomee"]  # a replay names them too
-    strict_stub, _ = strict
     error = await refused(strict_stub.Predict(pb.PredictRequest(request_id="strict-typo", entity_id="e",
                                                                 attributes=to_attributes(record)), timeout=10),
                           "UNKNOWN_ATTRIBUTE")

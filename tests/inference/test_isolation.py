@@ -31,16 +31,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
-async def server(nonfinite_repository):
-    # a long queue delay: concurrent calls land in one batch
+async def channel(nonfinite_repository):
+    """A channel to InferenceService serving the entry; a long queue delay puts concurrent calls in one batch."""
     settings = make_settings(nonfinite_repository, models=[MODEL], max_batch_size=64, max_queue_delay_ms=50)
-    async with running(settings) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-async def channel(server):
-    async with channel_to(server) as ch:
+    async with running(settings) as server, channel_to(server) as ch:
         yield ch
 
 
