@@ -1,10 +1,9 @@
-"""No caller changes another caller's outcome across replicas (C43, C46), with real processes.
+"""One bad row fails no other caller, across replicas (C43), with real processes.
 
 One InferenceService process serving a credit-risk entry whose logits are NaN for applicants of
-95+ (``tests.nonfinite``), three PredictionService replicas in front of it (cache off: every
-answer comes from an Infer call merged with other callers' rows) and two more replicas that cannot
-reach InferenceService and log every decision (sampling ratio 1, or DEBUG). All share one decision
-ledger and one CRM in PostgreSQL; a round-robin client drives them. Exact counts.
+95+ (``tests.nonfinite``) and three PredictionService replicas in front of it (cache off: every
+answer comes from an Infer call merged with other callers' rows), sharing one decision ledger and
+one CRM in PostgreSQL; a round-robin client drives them. Exact counts.
 """
 
 from __future__ import annotations
@@ -22,19 +21,13 @@ from tests.e2e.replicas import cluster, crm_rows, request
 
 pytestmark = pytest.mark.timeout(300)
 REPLICAS = 3
-SAMPLED, DEBUG = REPLICAS, REPLICAS + 1  # the two extra replicas, without InferenceService
 CALLS, BAD, IN_FLIGHT, ROUNDS = 200, 10, 32, 3
 
 
 @pytest.fixture(scope="module")
 async def replicas(nonfinite_repository, postgres_url, tmp_path_factory):
-    unreachable = f"127.0.0.1:{free_port()}"
     async with cluster(tmp_path_factory.mktemp("isolation-replicas"), nonfinite_repository, postgres_url,
-                       replicas=REPLICAS, PREDICTION_CACHE_BACKEND="off", PREDICTION_METRICS_PORT=str(free_port()),
-                       extra={"sampled": {"PREDICTION_INFERENCE_TARGET": unreachable, "PREDICTION_METRICS_PORT": "0",
-                                          "PREDICTION_LOG_SAMPLE_RATIO": "1", "PREDICTION_LOG_LEVEL": "INFO"},
-                              "debug": {"PREDICTION_INFERENCE_TARGET": unreachable, "PREDICTION_METRICS_PORT": "0",
-                                        "PREDICTION_LOG_LEVEL": "DEBUG"}}) as c:
+                       replicas=REPLICAS, PREDICTION_CACHE_BACKEND="off", PREDICTION_METRICS_PORT=str(free_port())) as c:
         yield c
 
 
@@ -57,7 +50,7 @@ def merged_calls(replica) -> int:
 
 
 async def test_c43_200_concurrent_predicts_with_10_bad_fail_0_of_190_good_calls(replicas, credit_holdout):
-    stubs = replicas.stubs[:REPLICAS]
+    stubs = replicas.stubs
     records = credit_holdout.records[:CALLS - BAD]
     # each good applicant alone, one call at a time: the answer every concurrent call must equal
     solo = [decided(await stubs[i % REPLICAS].Predict(request(f"c43-solo-{i}", r), timeout=20))
@@ -86,7 +79,7 @@ async def test_c43_200_concurrent_predicts_with_10_bad_fail_0_of_190_good_calls(
         assert len(good_failed) == 0, good_failed[:3]  # 0 of 190
         assert [(r.decision_label, r.reason_codes[0], r.fallback) for r in bad_answers] == \
             [("REVIEW", "MODEL_OUTPUT_INVALID", True)] * BAD
-    assert sum(merged_calls(r) for r in replicas.replicas[:REPLICAS]) > 0  # good and bad rows did share calls
+    assert sum(merged_calls(r) for r in replicas.replicas) > 0  # good and bad rows did share calls
 
     bad_ids = [f"c43-r0-{n}" for n in sorted(bad_at)]
     for _ in range(100):  # the relays deliver the bad rows' decisions to the CRM like any other
@@ -95,18 +88,3 @@ async def test_c43_200_concurrent_predicts_with_10_bad_fail_0_of_190_good_calls(
             break
         await asyncio.sleep(0.1)
     assert sorted((found[0].decision, found[0].probability) for found in rows.values()) == [("REVIEW", None)] * BAD
-
-
-@pytest.mark.parametrize("replica", [SAMPLED, DEBUG], ids=["sample_ratio_1", "debug"])
-async def test_c46_10_of_10_fallbacks_are_answered_as_review_while_every_decision_is_logged(
-        replicas, credit_holdout, replica):
-    stub, service = replicas.stubs[replica], replicas.replicas[replica]
-    name = "sampled" if replica == SAMPLED else "debug"
-    replies = [await stub.Predict(request(f"c46-{name}-{i}", r), timeout=20)
-               for i, r in enumerate(credit_holdout.records[:10])]
-    assert [(r.decision_label, r.fallback, r.reason_codes[0]) for r in replies] == \
-        [("REVIEW", True, "INFERENCE_UNAVAILABLE")] * 10
-    again = await stub.Predict(request(f"c46-{name}-0", credit_holdout.records[0]), timeout=20)
-    assert again.replayed and again.decision_id == replies[0].decision_id  # a retry answers the same
-    lines = [line for line in service.log_path.read_text().splitlines() if "decision REVIEW" in line]
-    assert len(lines) == 11  # one line per answer, none of them failed it

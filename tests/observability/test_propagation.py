@@ -18,7 +18,7 @@ entry = st.builds(lambda k, v: f"{k}={v}", st.from_regex(r"[a-z][a-z0-9_]{0,20}"
                   st.from_regex(r"[!-+\--<>-~]{1,250}", fullmatch=True))  # printable, no ',' or '='
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(entry, max_size=80), st.sampled_from([32, 64]))
 def test_a_trimmed_list_is_bounded_and_made_of_whole_entries_in_order(entries, max_entries):
     value = ",".join(entries)
