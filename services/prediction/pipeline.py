@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -48,8 +47,9 @@ from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.store import StoredDecision, decision_id_for
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import (IdempotencyKeyReused, InvalidRequest, PredictionError, UnknownAttribute,
-                                      UnknownModel)
+from mlpair.prediction.checks import (MAX_ECHO, RequestWarning, check_id, key_reused, unknown_attribute_warnings,
+                                      unknown_attributes_error)
+from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.idempotency import request_fingerprint
@@ -59,10 +59,6 @@ __all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResul
 
 logger = logging.getLogger(__name__)
 
-MAX_ID_LENGTH = 128
-MAX_ECHO = 64  # most characters of a client's value repeated in an error
-# C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
@@ -79,15 +75,6 @@ class PredictInput:
     model_name: str = ""
     explain: bool = False
     deadline: float | None = None  # the caller's deadline in time.monotonic() seconds; None = none
-
-
-@dataclass(frozen=True, slots=True)
-class RequestWarning:
-    """Something about a request that did not stop its decision (``UNKNOWN_ATTRIBUTE``)."""
-
-    code: str
-    field: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -252,7 +239,7 @@ class Predictor:
             if record.replayed:  # on record already: return that, not what was just computed
                 if record.fingerprint and record.fingerprint != it.fingerprint:
                     metrics.labelled(metrics.IDEMPOTENCY_KEY_REUSED, it.family.name).inc()
-                    outcomes[it.index] = _key_reused(it.request.request_id)
+                    outcomes[it.index] = key_reused(it.request.request_id)
                     continue
                 metrics.labelled(metrics.IDEMPOTENT_REPLAYS, it.family.name).inc()
                 from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
@@ -289,8 +276,8 @@ class Predictor:
             UnknownModel: the family is not served here.
         """
         family = self._family(request.model_name)
-        _check_id("request_id", request.request_id)
-        _check_id("entity_id", request.entity_id)
+        check_id("request_id", request.request_id)
+        check_id("entity_id", request.entity_id)
         if request.request_id in seen:
             raise InvalidRequest("request_id appears more than once in this batch",
                                  metadata={"field": "request_id"})
@@ -304,8 +291,8 @@ class Predictor:
         if row.unknown_attributes:
             metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(row.unknown_attributes))
             if self.refuse_unknown_attributes:
-                raise _unknown_attributes(family, row.unknown_attributes)
-            warnings = _unknown_attribute_warnings(family, row.unknown_attributes)
+                raise unknown_attributes_error(family, row.unknown_attributes)
+            warnings = unknown_attribute_warnings(family, row.unknown_attributes)
         for guard in row.guards:
             metrics.labelled(metrics.FEATURE_GUARDS, family.name, guard.feature, guard.action).inc()
         rows = explanation_rows(family.assembler, row.vector) if request.explain else row.vector[None, :]
@@ -508,38 +495,3 @@ def _as_item_error(exc: BaseException) -> PredictionError:
         return UnexpectedFailure(exc.message)
     logger.error("unexpected failure deciding one item", exc_info=exc)
     return UnexpectedFailure("internal error")
-
-
-MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
-
-
-def _unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
-    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1."""
-    warnings = [RequestWarning("UNKNOWN_ATTRIBUTE", name[:MAX_ECHO],
-                               f"the {family.name!r} feature schema has no attribute of this name; it was ignored")
-                for name in names[:MAX_WARNINGS]]
-    if len(names) > MAX_WARNINGS:
-        warnings.append(RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes"))
-    return tuple(warnings)
-
-
-def _unknown_attributes(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
-    shown = ", ".join(repr(n[:MAX_ECHO]) for n in names[:MAX_WARNINGS]) + (" …" if len(names) > MAX_WARNINGS else "")
-    return UnknownAttribute(f"the {family.name!r} feature schema has no attribute named {shown}; this service "
-                            "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
-                            metadata={"attributes": ",".join(n[:MAX_ECHO] for n in names[:MAX_WARNINGS])})
-
-
-def _key_reused(request_id: str) -> IdempotencyKeyReused:
-    return IdempotencyKeyReused(
-        f"request_id {request_id!r} is already on record for another request (model family, entity or "
-        "attributes differ); a new decision needs a new request_id", metadata={"request_id": request_id})
-
-
-def _check_id(field: str, value: str) -> None:
-    if not value or not value.strip():
-        raise InvalidRequest(f"{field} is required", metadata={"field": field})
-    if len(value) > MAX_ID_LENGTH:
-        raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
-    if _CONTROL.search(value):
-        raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})

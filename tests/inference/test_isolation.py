@@ -14,6 +14,8 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
@@ -111,9 +113,6 @@ async def test_the_stream_answers_a_bad_request_with_its_own_error_and_the_rest_
 
 
 # -- property: bad requests in the batch change no good request's logits ------------------------
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 GOOD_KINDS = ("own", "own_per_row", "oip")
 BAD_KINDS = ("nonfinite_own", "nonfinite_per_row", "nonfinite_oip", "nan_input", "big_header",
