@@ -13,7 +13,10 @@ policy run again on every request, so a policy change applies at once.
   the reason. Past the stale window there is nothing to serve and the caller applies the
   documented fallback (a REVIEW decision, see ``pipeline``).
 * **Single-flight** (C36): concurrent misses for one key in this process share one Infer call.
-  The call is cancelled only when every request waiting on it has gone (C22). A finished call
+  The call is cancelled only when every request waiting on it has gone (C22). It runs within
+  its first request's budget; a request that joined it and still has budget left when it times
+  out on that shorter budget makes one call of its own, so a caller with a tight deadline can
+  turn no other caller's identical request into a fallback. A finished call
   stays joinable for a short linger (``linger_s``, at most 1 s): a request whose cache read was
   sent before the result was cached (a Redis reply in flight) still gets it without a second call.
 * **Coalescing** (:mod:`~mlpair.prediction.coalesce`): the Infer calls of concurrent requests'
@@ -181,23 +184,43 @@ class CachedInference:
         for result, n in (("hit", hits), ("coalesced", coalesced), ("miss", len(leading))):
             if n:  # counted once per call, not per row
                 metrics.labelled(metrics.CACHE_REQUESTS, model_name, result).inc(n)
+        first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
+
+        def lead(lead_keys: list[str]) -> _Flight:
+            return self._start_flight(lead_keys, functools.partial(
+                self.coalescer.infer, model_name, model_version, feature_schema_version,
+                rows[[first_row[key] for key in lead_keys]], deadline))
+
         if leading:
-            first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
-            lead_rows = rows[[first_row[key] for key in leading]]
-            flight = self._start_flight(leading, functools.partial(
-                self.coalescer.infer, model_name, model_version, feature_schema_version, lead_rows, deadline))
+            flight = lead(leading)
             flights[id(flight)] = (flight, leading, True)
+        again: list[str] = []
         for flight, flight_keys, led in flights.values():
-            try:
-                values = await self._wait(flight, deadline, leader=led)
-            except InferenceUnavailable as exc:
-                for key in flight_keys:
-                    results[key] = self._degraded(model_name, cached[key], exc.reason)
-            else:
-                for key in flight_keys:
-                    logits, version = values[key]
-                    results[key] = Scored(logits, version, Source.INFERENCE)
+            if not await self._settle(flight, flight_keys, led, deadline, model_name, cached, results):
+                again += flight_keys
+        if again:  # a joined call ran out of its leader's budget, not ours: one call of our own
+            await self._settle(lead(again), again, True, deadline, model_name, cached, results)
         return [results[key] for key in keys]
+
+    async def _settle(self, flight: _Flight, flight_keys: list[str], led: bool, deadline: float | None,
+                      model_name: str, cached: dict, results: dict[str, Scored]) -> bool:
+        """Waits for a flight and fills ``results`` for its keys (fresh, or stale / fallback when
+        inference could not be used); False, filling nothing, when this request joined another's
+        call that timed out on that request's shorter budget while this one still has budget left."""
+        try:
+            values = await self._wait(flight, deadline, leader=led)
+        except InferenceUnavailable as exc:
+            budget = self.caller.budget
+            if isinstance(exc, InferenceTimeout) and not led and \
+                    budget.call_timeout_s(deadline, time.monotonic()) >= budget.min_attempt_s:
+                return False
+            for key in flight_keys:
+                results[key] = self._degraded(model_name, cached[key], exc.reason)
+        else:
+            for key in flight_keys:
+                logits, version = values[key]
+                results[key] = Scored(logits, version, Source.INFERENCE)
+        return True
 
     def _start_flight(self, keys: list[str], infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> _Flight:
         flight = _Flight(keys)

@@ -296,3 +296,27 @@ async def test_memory_entries_are_checked_too():
         "m", "1", "s", np.stack([ROW + i for i in range(3)]), None, n_classes=2)
     assert [s.source for s in scored] == [Source.INFERENCE] * 3
     assert sum(invalid_reads("memory", c) for c in ("nonfinite", "version", "shape")) - before == 3
+
+
+async def test_a_leaders_tight_deadline_makes_no_joined_request_fall_back(inference_server, credit_entry):
+    """Single-flight shares a call; the call runs on its first request's budget. A request that
+    joined it with more budget left gets a call of its own when that budget runs out."""
+    import time
+
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        forwarder.delay_s = 0.3  # slower than the leader's budget, well inside the joiner's
+        client = InferenceClient(target, timeout_ms=10_000, max_message_bytes=1 << 20)
+        scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+        row = np.zeros((1, credit_entry.manifest.n_features), np.float32)
+        args = ("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version, row)
+        try:
+            now = time.monotonic()
+            leader = asyncio.ensure_future(scorer.score(*args, now + 0.12))
+            await asyncio.sleep(0)
+            joined = asyncio.ensure_future(scorer.score(*args, now + 10.0))
+            (led,), (follower,) = await asyncio.gather(leader, joined)
+        finally:
+            await scorer.close()
+            await client.close()
+    assert (led.source, led.degraded_reason) == (Source.FALLBACK, "INFERENCE_TIMEOUT")  # its own budget
+    assert follower.source is Source.INFERENCE and forwarder.calls == 2
