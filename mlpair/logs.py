@@ -26,6 +26,13 @@ INFO: the hop budget (docs/design.md) leaves no room for a formatted line per RP
 Every string that reaches a line passes through a :class:`~mlpair.observability.redaction.Redactor`:
 schema-flagged personal fields (registered with :func:`add_personal_fields`) and patterns
 (e-mail, phone and national ID numbers) are replaced before the line is written.
+
+**Logging never fails a request.** A request's outcome is decided before its line is written,
+and no log line may change it: :func:`log_decision` takes every decision shape (a probability or
+none, replayed, stale, fallback, invalid model output) at every level and sampling ratio; a
+failure anywhere on the way (building the fields, a filter, a formatter, the stream) is caught,
+counted through :func:`count_failures_with` (``<layer>_observability_errors_total``) and never
+raised into the request.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import logging
 import random
 import secrets
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -55,6 +62,7 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
 _redactor = Redactor()
 _sample_ratio = 0.0
 _process_fields: dict[str, str] = {"layer": "", "model_version": ""}
+_failure_counters: dict[str, Callable[[str], None]] = {}  # layer → counts a failure of one stage
 
 
 @dataclass(slots=True)
@@ -143,27 +151,69 @@ def per_request_level(logger: logging.Logger) -> int | None:
     return None
 
 
+def count_failures_with(layer: str, count: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Registers how ``layer``'s observability failures are counted: ``count(stage)`` increments
+    that service's ``<layer>_observability_errors_total{stage}`` (called by each server at start).
+    Returns the callback it replaces."""
+    previous = _failure_counters.pop(layer, None)
+    if count is not None:
+        _failure_counters[layer] = count
+    return previous
+
+
+def observability_failed(stage: str) -> None:
+    """Counts one failure of an observability ``stage`` (``decision_log``, ``call_log``,
+    ``format``, ``filter``, ``span``) for the current layer; never raises."""
+    try:
+        context = _current.get()
+        layer = context.layer if context is not None else _process_fields["layer"]
+        count = _failure_counters.get(layer)
+        if count is not None:
+            count(stage)
+    except Exception:  # noqa: BLE001  (counting a failure must not become one)
+        pass
+
+
 def log_decision(logger: logging.Logger, *, decision: str, reason_codes: Iterable[str], from_cache: bool,
-                 probability: float, decision_id: str, model_version: str) -> None:
+                 probability: float | None, decision_id: str, model_version: str, **extra: Any) -> None:
     """The one line per decision (DEBUG, or a sampled INFO): decision, reason codes, cache use.
 
-    ``model_version`` (the version that served the decision) becomes the line's model version.
+    Takes every decision shape: ``probability`` None (a fallback, or output the model could not
+    give) is logged as null; ``extra`` adds fields such as ``replayed``. ``model_version`` (the
+    version that served the decision) becomes the line's model version. Never raises: a failure
+    is counted (``decision_log``) and the request goes on.
     """
-    level = per_request_level(logger)
-    if level is None:
-        return
-    context = _current.get()
-    if context is not None:
-        context.model_version = model_version
-    logger.log(level, "decision %s", decision, extra={
-        "decision": decision, "reason_codes": list(reason_codes), "from_cache": from_cache,
-        "probability": round(probability, 6), "decision_id": decision_id})
+    try:
+        level = per_request_level(logger)
+        if level is None:
+            return
+        context = _current.get()
+        if context is not None:
+            context.model_version = model_version
+        logger.log(level, "decision %s", decision, extra={
+            **extra, "decision": decision, "reason_codes": list(reason_codes), "from_cache": from_cache,
+            "probability": None if probability is None else round(float(probability), 6),
+            "decision_id": decision_id})
+    except Exception:  # noqa: BLE001  (a log line never fails a request)
+        observability_failed("decision_log")
 
 
 class ContextFilter(logging.Filter):
     """Stamps each record with layer, trace and span ids, request id and model version."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Stamps the record; never raises (a filter's exception would reach the logging call)."""
+        try:
+            self._stamp(record)
+        except Exception:  # noqa: BLE001
+            observability_failed("filter")
+            for name in CONTEXT_FIELDS:
+                if not hasattr(record, name):
+                    setattr(record, name, "")
+        return True
+
+    @staticmethod
+    def _stamp(record: logging.LogRecord) -> None:
         span = trace.get_current_span().get_span_context()
         record.trace_id = format(span.trace_id, "032x") if span.is_valid else ""
         record.span_id = format(span.span_id, "016x") if span.is_valid else ""
@@ -179,7 +229,6 @@ class ContextFilter(logging.Filter):
             if context.layer == "inference":
                 record.inference_id = context.ensure_inference_id()
                 record.batch_id = context.batch_id or context.inference_id
-        return True
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -233,9 +282,24 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class _Handler(logging.StreamHandler):
+    """A stream handler whose failures (formatting, writing) are counted, not only printed."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        observability_failed("format")
+        super().handleError(record)
+
+
+def set_sample_ratio(ratio: float) -> float:
+    """Sets the fraction of per-request lines written at INFO when DEBUG is off; returns the old one."""
+    global _sample_ratio
+    previous, _sample_ratio = _sample_ratio, float(ratio)
+    return previous
+
+
 def make_handler(fmt: str, stream) -> logging.Handler:
     """A stream handler writing ``fmt`` ("text" or "json") lines with the context fields."""
-    handler = logging.StreamHandler(stream)
+    handler = _Handler(stream)
     handler.addFilter(ContextFilter())
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     return handler
@@ -253,9 +317,8 @@ def configure_logging(layer: str, level: str = "INFO", fmt: str = "text", *, sam
             when DEBUG is off (0 = none).
         stream: where lines go (default stderr).
     """
-    global _sample_ratio
     _process_fields["layer"] = layer
-    _sample_ratio = float(sample_ratio)
+    set_sample_ratio(sample_ratio)
     handler = make_handler(fmt, stream or sys.stderr)
     root = logging.getLogger()
     root.handlers[:] = [handler]

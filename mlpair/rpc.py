@@ -20,6 +20,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mlpair.errors import ServiceError
+from mlpair.wire import Refused, check_metadata, parse_strictly
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,11 @@ _UNDECODABLE = _Undecodable()
 def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
     from google.protobuf.message import DecodeError
 
+    strict = parse_strictly(deserialize)
+
     def parse(data: bytes) -> object:
         try:
-            return deserialize(data)
+            return strict(data)
         except DecodeError:
             return _UNDECODABLE
 
@@ -158,8 +161,10 @@ class _Captured:
 def add_servicer(add_to_server: Callable, servicer, server: grpc.aio.Server) -> None:
     """Registers ``servicer`` as the generated ``add_to_server`` would, except that a request
     whose bytes are not a valid message reaches the guarded handler (:func:`guard_servicer`)
-    as a marker it refuses with INVALID_ARGUMENT (MALFORMED_REQUEST). Left to itself, gRPC
-    answers such a request UNKNOWN, with the parser's exception text as the message."""
+    as a marker it refuses with INVALID_ARGUMENT (MALFORMED_REQUEST), and one carrying fields
+    the contract does not define as a :class:`~mlpair.wire.Refused` (UNKNOWN_FIELD). Left to
+    itself, gRPC answers the first UNKNOWN, with the parser's exception text as the message,
+    and the handler would silently ignore the second's fields."""
     captured = _Captured()
     add_to_server(servicer, captured)
     handlers = {name: handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
@@ -175,6 +180,9 @@ def _guarded(inner: Callable[..., Awaitable], method: str, domain: str) -> Calla
         try:
             if request is _UNDECODABLE:
                 raise MalformedRequest(f"the request is not a valid {method.rsplit('.', 1)[-1]} request message")
+            if isinstance(request, Refused):
+                raise request.error
+            check_metadata(context.invocation_metadata())
             return await inner(request, context)
         except ServiceError as exc:
             status = to_status(exc.code, exc.message, exc.reason, domain, exc.metadata)

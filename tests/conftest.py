@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import Dataset, load_dataset, stratified_split
@@ -31,6 +33,14 @@ def credit_entry(model_repository) -> ModelEntry:
 
 
 @pytest.fixture(scope="session")
+def nonfinite_repository(credit_entry, churn_entry, tmp_path_factory) -> Path:
+    """credit-risk whose logits are NaN for applicants of 95+ (``tests.nonfinite``), and the real churn model."""
+    from tests import nonfinite
+
+    return nonfinite.repository(credit_entry, churn_entry, tmp_path_factory.mktemp("nonfinite"))
+
+
+@pytest.fixture(scope="session")
 def credit_schema() -> FeatureSchema:
     return FeatureSchema.from_toml(CREDIT_SCHEMA)
 
@@ -45,6 +55,22 @@ def credit_holdout(credit_data, credit_entry) -> Dataset:
     """The real holdout applicants the model never saw (same split as training)."""
     seed = int(credit_entry.manifest.data_source["split"]["seed"])
     return credit_data.subset(stratified_split(credit_data.labels, seed)["holdout"])
+
+
+@pytest.fixture(scope="session")
+def holdout_x(credit_entry, credit_holdout) -> np.ndarray:
+    """Every real holdout applicant as model input, ``[n, n_features] float32``."""
+    return FeatureAssembler(credit_entry.preprocessing).assemble_many(credit_holdout.records)
+
+
+@pytest.fixture(scope="session")
+def feature_version(credit_entry) -> str:
+    return credit_entry.manifest.versions.feature_schema_version
+
+
+@pytest.fixture(scope="session")
+def good_metadata(feature_version):
+    return (("x-feature-version", feature_version),)
 
 
 @pytest.fixture(scope="session")

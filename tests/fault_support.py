@@ -28,9 +28,11 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         calls: Infer calls received.
         deadlines: ``context.time_remaining()`` seen by each call, in seconds.
         rows: rows carried by each call.
+        received: each call's metadata and request, as they arrived.
         cancelled: calls whose caller went away while they were delayed.
         delay_s: seconds to wait before forwarding (a slow model).
-        fail_first: status codes to answer with, one per call, before forwarding again.
+        fail_first: statuses to answer with, one per call, before forwarding again: a status code,
+            or (code, details, trailing metadata) as a server or the mesh would send them.
     """
 
     def __init__(self, target: str) -> None:
@@ -38,9 +40,10 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         self.calls = 0
         self.deadlines: list[float | None] = []
         self.rows: list[int] = []
+        self.received: list[tuple[tuple, object]] = []
         self.cancelled = 0
         self.delay_s = 0.0
-        self.fail_first: list[grpc.StatusCode] = []
+        self.fail_first: list = []
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = ipb_grpc.InferenceServiceStub(self._channel)
 
@@ -48,8 +51,12 @@ class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
         self.calls += 1
         self.deadlines.append(context.time_remaining())
         self.rows.append(request.inputs.shape[0] if request.inputs.shape else 0)
+        self.received.append((tuple(context.invocation_metadata()), request))
         if self.fail_first:
-            await context.abort(self.fail_first.pop(0), "injected by the test")
+            failure = self.fail_first.pop(0)
+            if isinstance(failure, grpc.StatusCode):
+                await context.abort(failure, "injected by the test")
+            await context.abort(*failure)
         if self.delay_s:
             try:
                 await asyncio.sleep(self.delay_s)

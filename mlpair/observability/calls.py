@@ -15,7 +15,10 @@ Server side, :func:`observe_servicer` wraps each RPC method of a servicer instan
 
 Client side (PredictionService → InferenceService), :class:`CallTracer` opens the CLIENT span of
 an outgoing call and adds its ``traceparent`` and the business request id (``x-request-id``)
-to the call's metadata.
+to the call's metadata. What crosses a hop is chosen, not forwarded (:mod:`.propagation`): the
+caller's ``tracestate`` and ``baggage`` are bounded on the way in and out, and a call made for
+several callers (a coalesced Infer call) has a span of its own linking to each caller's span and
+carries no single caller's request id.
 
 Why not gRPC interceptors (what this module was before): grpc.aio runs every interceptor in
 Python on every call, on top of the work it does. Priced by
@@ -31,20 +34,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import grpc
 from opentelemetry import propagate, trace
 
 from mlpair import logs
+from mlpair.observability.propagation import REQUEST_ID_KEY, Caller, incoming, outgoing, trimmed_carrier
 from mlpair.observability.tracing import INSTRUMENTATION_NAME
 from mlpair.rpc import rpc_methods
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_KEY = "x-request-id"
+__all__ = ["REQUEST_ID_KEY", "CallTracer", "Caller", "observe_servicer"]
+
 MAX_REQUEST_ID_LENGTH = 128
-_TRACE_KEYS = frozenset({"traceparent", "tracestate", "baggage"})
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _CODE_NUMBERS = {code.name: code.value[0] for code in grpc.StatusCode}
 # Server span status per OpenTelemetry's RPC conventions: only these codes mark the server's own
@@ -78,13 +82,8 @@ def _observed(inner: Callable[..., Awaitable], service: str, rpc: str, layer: st
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
 
     async def observed(request, context: grpc.aio.ServicerContext):
-        carrier, header_request_id = {}, ""
-        for key, value in context.invocation_metadata() or ():
-            key = key.lower()  # gateways may keep the caller's case
-            if key in _TRACE_KEYS:
-                carrier[key] = value
-            elif key == REQUEST_ID_KEY:
-                header_request_id = value if isinstance(value, str) else value.decode(errors="replace")
+        carrier, header_request_ids = incoming(context.invocation_metadata())
+        header_request_id = header_request_ids[-1] if header_request_ids else ""
         parent = propagate.extract(carrier) if carrier else None
         span = tracer.start_span(method, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
         request_id = header_request_id or getattr(request, "request_id", "")
@@ -125,7 +124,15 @@ def _code_name(context: grpc.aio.ServicerContext) -> str:
 
 
 def _log_call(method: str, request, ctx: logs.RequestContext, code: str) -> None:
-    """The one line per call: inference id, input fingerprint, batch id, timings per stage."""
+    """The one line per call: inference id, input fingerprint, batch id, timings per stage.
+    Never raises (the call's outcome is already decided): a failure is counted (``call_log``)."""
+    try:
+        _write_call_line(method, request, ctx, code)
+    except Exception:  # noqa: BLE001
+        logs.observability_failed("call_log")
+
+
+def _write_call_line(method: str, request, ctx: logs.RequestContext, code: str) -> None:
     level = logs.per_request_level(logger)
     if level is None:
         return
@@ -150,21 +157,32 @@ class CallTracer:
         self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
 
     @contextlib.contextmanager
-    def call(self, service: str, rpc: str, metadata: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
-        """Opens the CLIENT span of ``/service/rpc`` (a child of the current span) for the ``with``
-        block and yields ``metadata`` plus ``traceparent`` and, when the current request id is
-        printable ASCII (all gRPC metadata can carry), ``x-request-id``. A ``grpc.RpcError``
-        leaving the block sets the span's status code and error status, and propagates."""
+    def call(self, service: str, rpc: str, metadata: tuple[tuple[str, str], ...],
+             callers: Sequence[Caller] | None = None) -> Iterator[tuple]:
+        """Opens the CLIENT span of ``/service/rpc`` for the ``with`` block and yields ``metadata``
+        plus the trace headers and, when the request id is printable ASCII (all gRPC metadata can
+        carry), ``x-request-id``. A ``grpc.RpcError`` leaving the block sets the span's status code
+        and error status, and propagates.
+
+        Args:
+            callers: whose work the call does (:func:`~mlpair.observability.propagation.outgoing`):
+                None = the running code's own caller (a child of the current span); one caller =
+                a child of that caller's span with its request id; several = a span of its own
+                linking to each caller's span, without any caller's request id.
+        """
+        origin = outgoing(callers)
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
-        with self._tracer.start_as_current_span(f"/{service}/{rpc}", kind=trace.SpanKind.CLIENT,
-                                                attributes=attributes, record_exception=False,
-                                                set_status_on_exception=False) as span:
+        if callers is not None and len(callers) > 1:
+            attributes["mlpair.callers"] = len(callers)
+        span = self._tracer.start_span(f"/{service}/{rpc}", context=origin.parent, kind=trace.SpanKind.CLIENT,
+                                       attributes=attributes, links=origin.links)
+        with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
             carrier: dict[str, str] = {}
-            propagate.inject(carrier)
-            extra = list(carrier.items())
-            ctx = logs.current_request()
-            if ctx is not None and ctx.request_id and ctx.request_id.isascii() and ctx.request_id.isprintable():
-                extra.append((REQUEST_ID_KEY, ctx.request_id))
+            propagate.inject(carrier, context=trace.set_span_in_context(span, origin.parent))
+            extra = trimmed_carrier(carrier)
+            request_id = origin.request_id
+            if request_id and request_id.isascii() and request_id.isprintable():
+                extra.append((REQUEST_ID_KEY, request_id[:MAX_REQUEST_ID_LENGTH]))
             try:
                 yield (*metadata, *extra)
             except grpc.RpcError as exc:

@@ -20,8 +20,9 @@ Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requ
   (:class:`DeadlineExpired`, counted); a cancelled caller's rows are removed (counted) and
   never computed — also when a cancelled ``ModelStreamInfer`` stream cancels its requests;
 * a runtime that raises, or returns the wrong number of rows, fails every request of that
-  batch with :class:`ModelFailure` (INTERNAL) — never an empty success; a request whose own
-  logits are not finite fails alone with :class:`ModelFailure`, and is counted.
+  batch with :class:`ModelFailure` (INTERNAL) — never an empty success. Each request gets its
+  own rows' logits as computed; what one row's values mean (non-finite output) is judged per
+  request by the engine, so one request's bad row never reaches its batch-mates.
 """
 
 from __future__ import annotations
@@ -104,7 +105,6 @@ class DynamicBatcher:
         self._m_expired = metrics.QUEUE_DROPPED.labels(model, version, "expired")
         self._m_cancelled = metrics.QUEUE_DROPPED.labels(model, version, "cancelled")
         self._m_rejected = metrics.QUEUE_REJECTED.labels(model, version)
-        self._m_nonfinite = metrics.NONFINITE_OUTPUTS.labels(model, version)
         self.statistics = VersionStatistics()
         """This version's OIP statistics, recorded beside the metrics above (same values)."""
 
@@ -148,7 +148,7 @@ class DynamicBatcher:
         Raises:
             QueueFull: the queue already holds ``max_queue_rows`` waiting rows.
             DeadlineExpired: the deadline passed before the rows were computed.
-            ModelFailure: the runtime failed, or returned unusable logits for these rows.
+            ModelFailure: the runtime failed for the whole batch (raised, or the wrong row count).
             ModelNotReady: this version is being unloaded.
         """
         if self._closing:
@@ -352,19 +352,13 @@ class DynamicBatcher:
         finally:
             self._slots.release()
 
-    def _scatter(self, batch: list[_Item], logits: np.ndarray) -> None:
-        all_finite = bool(np.isfinite(logits).all())
+    @staticmethod
+    def _scatter(batch: list[_Item], logits: np.ndarray) -> None:
         offset = 0
         for item in batch:
-            out = logits[offset:offset + item.n]
+            if not item.future.done():  # else the caller gave up while its rows ran
+                item.future.set_result(logits[offset:offset + item.n])
             offset += item.n
-            if item.future.done():  # the caller gave up while its rows ran
-                continue
-            if all_finite or np.isfinite(out).all():
-                item.future.set_result(out)
-            else:
-                self._m_nonfinite.inc()
-                item.future.set_exception(ModelFailure("the model produced a non-finite logit"))
 
     @staticmethod
     def _fail(batch: list[_Item], message: str) -> None:

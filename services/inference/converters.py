@@ -16,7 +16,7 @@ import numpy as np
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.contracts.manifest import TensorSpec
-from mlpair.inference.engine import InferResult
+from mlpair.inference.engine import NON_FINITE_OUTPUT, InferResult
 from mlpair.inference.errors import InvalidInput
 from mlpair.inference.repository import ServedVersion, VersionStatus
 from mlpair.inference.validation import TensorIn
@@ -27,11 +27,20 @@ FEATURE_VERSION_KEY = "x-feature-version"
 
 def feature_version(metadata) -> str | None:
     """The ``x-feature-version`` value from invocation metadata, matching the key in any case
-    (HTTP/2 requires lower-case keys, but some gateways forward the caller's case)."""
+    (HTTP/2 requires lower-case keys, but some gateways forward the caller's case).
+
+    Raises:
+        InvalidInput: the key was sent twice with different values (which one would be the caller's?).
+    """
+    found = None
     for key, value in metadata or ():
         if key.lower() == FEATURE_VERSION_KEY:
-            return value if isinstance(value, str) else value.decode()
-    return None
+            value = value if isinstance(value, str) else value.decode()
+            if found is not None and value != found:
+                raise InvalidInput(f"{FEATURE_VERSION_KEY} was sent twice with different values ({found[:64]!r}, "
+                                   f"{value[:64]!r}); send one", metadata={"key": FEATURE_VERSION_KEY})
+            found = value
+    return found
 
 
 def deadline(context) -> float | None:
@@ -57,10 +66,13 @@ def tensor_in(tensor: pb.Tensor) -> TensorIn:
 
 def infer_response(result: InferResult) -> pb.InferResponse:
     logits = result.logits
-    return pb.InferResponse(
+    response = pb.InferResponse(
         model_name=result.model_name, model_version=result.model_version,
         logits=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=logits.shape, content=_le_bytes(logits)),
     )
+    for row in result.invalid_rows:
+        response.row_errors.add(row=row, reason=NON_FINITE_OUTPUT, message="the model produced a non-finite logit")
+    return response
 
 
 def _spec(spec: TensorSpec) -> pb.TensorSpec:

@@ -5,6 +5,11 @@ the model and version are serving; the caller's ``x-feature-version`` equals the
 feature schema version; the input's name, dtype, shape, size and values are valid. Only then
 do its rows enter the version's :class:`~mlpair.inference.batcher.DynamicBatcher`.
 
+Each request is judged on its own rows' output: a row with a NaN or Inf logit fails that
+request (INTERNAL, ``MODEL_FAILURE``, naming the rows), or, when the caller asked for
+``per_row_errors``, is reported as that row's error with zero logits while the other rows are
+returned. Either way the request's batch-mates never see it, and every such row is counted.
+
 Readiness: the server is ready when it is not draining and every expected model has a
 serving (loaded, verified, warmed) version. Liveness is the process answering at all.
 """
@@ -22,7 +27,7 @@ import numpy as np
 from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.inference import metrics
-from mlpair.inference.errors import Draining, InvalidInput
+from mlpair.inference.errors import Draining, InvalidInput, ModelFailure
 from mlpair.inference.repository import ModelRepository, RuntimeFactory, ServedVersion
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.settings import InferenceSettings
@@ -31,14 +36,24 @@ from mlpair.inference.validation import TensorIn, check_feature_version, decode_
 logger = logging.getLogger(__name__)
 
 
+NON_FINITE_OUTPUT = "NON_FINITE_OUTPUT"
+"""Reason of a row error: the model produced a NaN or Inf logit for that row."""
+MAX_NAMED_ROWS = 5  # rows named in one error message
+
+
 @dataclass(frozen=True, slots=True)
 class InferResult:
-    """Logits ``[batch, n_classes] float32`` and the version that produced them."""
+    """Logits ``[batch, n_classes] float32`` and the version that produced them.
+
+    ``invalid_rows`` lists (ascending) the rows whose output was unusable (non-finite); their
+    logits here are zeros. Never set unless the request asked for ``per_row_errors``.
+    """
 
     model_name: str
     model_version: str
     output_name: str
     logits: np.ndarray
+    invalid_rows: tuple[int, ...] = ()
 
 
 class InferenceEngine:
@@ -137,7 +152,8 @@ class InferenceEngine:
         return [self.repository.get(n, v) for n in names for v in serving[n]]
 
     async def infer(self, name: str, version: str, feature_version: str | None, tensor: TensorIn,
-                    deadline: float | None = None, outputs: Sequence[str] = ()) -> InferResult:
+                    deadline: float | None = None, outputs: Sequence[str] = (), *,
+                    per_row_errors: bool = False) -> InferResult:
         """Validates one request and returns its logits, counting its outcome and latency.
 
         Args:
@@ -146,10 +162,13 @@ class InferenceEngine:
             tensor: ``[batch, n_features]`` FP32 as it arrived.
             deadline: ``time.monotonic()`` instant the caller stops waiting, or None.
             outputs: requested output names (empty = all).
+            per_row_errors: report a row with non-finite output as that row's error
+                (``InferResult.invalid_rows``) instead of failing the request.
 
         Raises:
             Draining, ModelNotReady, ModelNotFound, FeatureVersionMismatch, InvalidInput,
-            QueueFull, DeadlineExpired, ModelFailure.
+            QueueFull, DeadlineExpired, ModelFailure (the whole batch failed, or a row's output
+            is non-finite and ``per_row_errors`` is off).
         """
         started = time.perf_counter()
         self._in_flight += 1
@@ -171,11 +190,13 @@ class InferenceEngine:
             validated = time.perf_counter()
             logs.record_stage("validate", validated - started)
             if rows == 0:
-                logits = np.zeros((0, served.n_classes), dtype=np.float32)
-            else:
-                logits = await served.batcher.submit(x, deadline)
-                logs.record_stage("queue_and_compute", time.perf_counter() - validated)
-            return InferResult(served.name, served.version, served.output_name, logits)
+                return InferResult(served.name, served.version, served.output_name,
+                                   np.zeros((0, served.n_classes), dtype=np.float32))
+            logits = await served.batcher.submit(x, deadline)
+            logs.record_stage("queue_and_compute", time.perf_counter() - validated)
+            if np.isfinite(logits).all():
+                return InferResult(served.name, served.version, served.output_name, logits)
+            return self._invalid_output(served, logits, per_row_errors)
         except ServiceError as exc:
             code = exc.code
             raise
@@ -197,6 +218,20 @@ class InferenceEngine:
             else:
                 # Labels only take loaded names: a client must not create time series.
                 self._count(name if self.repository.is_ready(name) else "unknown", "", code)
+
+    @staticmethod
+    def _invalid_output(served: ServedVersion, logits: np.ndarray, per_row_errors: bool) -> InferResult:
+        """A request some of whose rows have non-finite logits: counted per row, then refused
+        whole (ModelFailure) or answered with those rows zeroed and listed."""
+        bad = np.flatnonzero(~np.isfinite(logits).all(axis=1))
+        served.m_nonfinite.inc(len(bad))
+        if not per_row_errors:
+            named = ", ".join(str(r) for r in bad[:MAX_NAMED_ROWS]) + (" …" if len(bad) > MAX_NAMED_ROWS else "")
+            raise ModelFailure(f"the model produced a non-finite logit for row(s) {named} of this request",
+                               metadata={"reason": NON_FINITE_OUTPUT, "rows": str(len(bad))})
+        logits = logits.copy()
+        logits[bad] = 0.0
+        return InferResult(served.name, served.version, served.output_name, logits, tuple(int(r) for r in bad))
 
     def _count(self, name: str, version: str, code: str) -> None:
         key = (name, version, code)

@@ -29,7 +29,11 @@ QUEUE_DROPPED = Counter("inference_queue_dropped_total",
                         ["model", "version", "reason"])
 QUEUE_REJECTED = Counter("inference_queue_rejected_total", "Requests refused because the queue was full.",
                          ["model", "version"])
-NONFINITE_OUTPUTS = Counter("inference_nonfinite_outputs_total", "Model outputs with NaN or Inf, never returned.",
+OBSERVABILITY_ERRORS = Counter("inference_observability_errors_total",
+                               "Log lines, spans or metrics that failed to be made (caught: never a failed request).",
+                               ["stage"])
+NONFINITE_OUTPUTS = Counter("inference_nonfinite_outputs_total",
+                            "Rows whose model output had a NaN or Inf logit (never returned as logits).",
                             ["model", "version"])
 MODEL_LOAD_DURATION = Histogram("inference_model_load_duration_seconds", "Load plus warm-up time per model version.",
                                 ["model", "version"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))

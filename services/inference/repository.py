@@ -97,6 +97,7 @@ class ServedVersion:
         self.input_name = manifest.inputs[0].name
         self.output_name = manifest.outputs[0].name
         self.m_duration = metrics.REQUEST_DURATION.labels(self.name, self.version)
+        self.m_nonfinite = metrics.NONFINITE_OUTPUTS.labels(self.name, self.version)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from mlpair.inference import metrics
 from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN
 from mlpair.inference.health import ServingHealth
@@ -35,7 +36,7 @@ from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
-from mlpair.logs import set_process_model_version
+from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
 from mlpair.observability.calls import observe_servicer
 from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
@@ -65,6 +66,7 @@ class InferenceServer:
         self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
+        count_failures_with("inference", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
         if settings.tracing:
             observe_servicer(own_api, SERVICE_NAME, "inference", tracer_provider, log_calls=True)
             observe_servicer(open_inference, OIP_SERVICE_NAME, "inference", tracer_provider, log_calls=True)

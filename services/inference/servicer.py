@@ -23,6 +23,7 @@ from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN, ModelControlDisabled
 from mlpair.inference.streaming import AnswerStream
 from mlpair.rpc import MalformedRequest, to_status
+from mlpair.wire import Refused
 
 SERVER_NAME = "mlpair-inference"
 EXTENSIONS = ["model_configuration", "statistics", "parameters"]
@@ -47,6 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             request.model_name, request.model_version,
             converters.feature_version(context.invocation_metadata()),
             converters.tensor_in(request.inputs), converters.deadline(context),
+            per_row_errors=request.per_row_errors,
         )
         return converters.infer_response(result)
 
@@ -106,6 +108,8 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         deadline = converters.deadline(context)
 
         async def answer(request) -> oip.ModelStreamInferResponse:
+            if isinstance(request, Refused):  # fields the contract does not define
+                raise request.error
             if not isinstance(request, oip.ModelInferRequest):  # bytes that did not parse
                 raise MalformedRequest("a stream message is not a valid ModelInferRequest message")
             return oip.ModelStreamInferResponse(infer_response=await self._infer(request, metadata, deadline))

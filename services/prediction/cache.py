@@ -13,15 +13,24 @@ policy run again on every request, so a policy change applies at once.
   the reason. Past the stale window there is nothing to serve and the caller applies the
   documented fallback (a REVIEW decision, see ``pipeline``).
 * **Single-flight** (C36): concurrent misses for one key in this process share one Infer call.
-  The call is cancelled only when every request waiting on it has gone (C22). A finished call
+  The call is cancelled only when every request waiting on it has gone (C22). It runs within
+  its first request's budget; a request that joined it and still has budget left when it times
+  out on that shorter budget makes one call of its own, so a caller with a tight deadline can
+  turn no other caller's identical request into a fallback. A finished call
   stays joinable for a short linger (``linger_s``, at most 1 s): a request whose cache read was
   sent before the result was cached (a Redis reply in flight) still gets it without a second call.
 * **Coalescing** (:mod:`~mlpair.prediction.coalesce`): the Infer calls of concurrent requests'
   flights go out together as one call per model version, so many Predict calls cost about
   one round trip to InferenceService.
-* **Backends.** :class:`MemoryCache` (in-process LRU, the default), :class:`RedisCache` (shared
-  by replicas through ``redis.asyncio``; any Redis error or timeout counts as a miss, never as a
-  failed request) and :class:`NullCache`. Single-flight is per process in every case.
+* **Backends** (:mod:`~mlpair.prediction.cache_backends`). :class:`MemoryCache` (in-process LRU,
+  the default), :class:`RedisCache` (shared by replicas through ``redis.asyncio``; any Redis
+  error or timeout counts as a miss, never as a failed request) and :class:`NullCache`.
+  Single-flight is per process in every case.
+* **Validated reads.** Every entry read, from any backend, is checked like untrusted input
+  (:func:`~mlpair.prediction.cache_backends.fit_to_serve`): the key it was written for, the model
+  version, ``[n_classes]`` finite logits, its size and age. One that does not fit is a miss,
+  counted, never served (not even stale), never an error. Rows without usable model output are
+  never written.
 """
 
 from __future__ import annotations
@@ -31,186 +40,31 @@ import enum
 import functools
 import hashlib
 import logging
-import struct
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from mlpair.prediction import metrics
+from mlpair.prediction.cache_backends import (CachedLogits, LogitsCache, MemoryCache, NullCache, RedisCache,
+                                              fit_to_serve)
 from mlpair.prediction.coalesce import InferenceCoalescer
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.resilience import ResilientCaller
 
+__all__ = ["CachedInference", "CachedLogits", "LogitsCache", "MemoryCache", "NullCache", "RedisCache", "Scored",
+           "Source", "cache_key"]
+
 logger = logging.getLogger(__name__)
+
+KEY_LAYOUT = "v2"  # bumped with the stored value's layout: releases never read each other's entries
 
 
 def cache_key(model_name: str, model_version: str, feature_schema_version: str, row: np.ndarray) -> str:
     """The cache key of one guarded feature row ``[n_features] float32``."""
     digest = hashlib.blake2b(np.ascontiguousarray(row, dtype="<f4").tobytes(), digest_size=16).hexdigest()
-    return f"{model_name}|{model_version}|{feature_schema_version}|{digest}"
-
-
-@dataclass(frozen=True)
-class CachedLogits:
-    """One cache entry as read: logits ``[n_classes] float32``, the serving version, age in seconds."""
-
-    logits: np.ndarray
-    model_version: str
-    age_s: float
-
-
-class LogitsCache(Protocol):
-    """What :class:`CachedInference` needs from a backend; entries past the stale window are never returned."""
-
-    name: str
-
-    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]: ...
-
-    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None: ...
-
-    async def ping(self) -> bool: ...
-
-    async def close(self) -> None: ...
-
-
-class NullCache:
-    """No caching: every request calls inference, and there is never a stale result."""
-
-    name = "off"
-
-    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
-        return [None] * len(keys)
-
-    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
-        return None
-
-    async def ping(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        return None
-
-
-class MemoryCache:
-    """In-process LRU bounded by entry count; ages from ``time.monotonic()``."""
-
-    name = "memory"
-
-    def __init__(self, *, max_entries: int, stale_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_entries = max(1, max_entries)
-        self.stale_ttl_s = stale_ttl_s
-        self._clock = clock
-        self._entries: OrderedDict[str, tuple[np.ndarray, str, float]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
-        now = self._clock()
-        out: list[CachedLogits | None] = []
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
-                out.append(None)
-                continue
-            logits, version, stored_at = entry
-            if now - stored_at > self.stale_ttl_s:
-                del self._entries[key]
-                out.append(None)
-                continue
-            self._entries.move_to_end(key)
-            out.append(CachedLogits(logits, version, now - stored_at))
-        return out
-
-    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
-        now = self._clock()
-        for key, logits, version in items:
-            self._entries[key] = (logits, version, now)
-            self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-    async def ping(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        self._entries.clear()
-
-
-# Redis value: stored-at wall-clock seconds (float64), version length (uint16), version (UTF-8),
-# then the float32 logits. A fixed binary layout, never object serialisation: a shared cache is untrusted input.
-_HEADER = struct.Struct("<dH")
-
-
-class RedisCache:
-    """A Redis cache shared by replicas. Entries expire (``EX``) at the end of the stale window.
-
-    Ages use wall-clock time (``time.time()``), the only clock replicas share.
-    """
-
-    name = "redis"
-
-    def __init__(self, url: str, *, key_prefix: str, stale_ttl_s: float, timeout_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
-        from redis import asyncio as aioredis
-
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                              retry_on_timeout=False)
-        self.prefix = key_prefix
-        self.stale_ttl_s = stale_ttl_s
-        self._clock = clock
-
-    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
-        if not keys:
-            return []
-        try:
-            raw = await self._redis.mget([self.prefix + k for k in keys])
-        except Exception:  # a cache outage is a miss, never a failed request
-            metrics.CACHE_ERRORS.labels(self.name, "get").inc()
-            logger.debug("redis get failed", exc_info=True)
-            return [None] * len(keys)
-        now = self._clock()
-        return [None if value is None else self._decode(value, now) for value in raw]
-
-    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
-        if not items:
-            return
-        now = self._clock()
-        ttl_ms = max(1, int(self.stale_ttl_s * 1000))
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for key, logits, version in items:
-                    encoded = version.encode()
-                    value = _HEADER.pack(now, len(encoded)) + encoded + np.ascontiguousarray(logits, "<f4").tobytes()
-                    pipe.set(self.prefix + key, value, px=ttl_ms)
-                await pipe.execute()
-        except Exception:
-            metrics.CACHE_ERRORS.labels(self.name, "put").inc()
-            logger.debug("redis put failed", exc_info=True)
-
-    async def ping(self) -> bool:
-        try:
-            return bool(await self._redis.ping())
-        except Exception:
-            return False
-
-    async def close(self) -> None:
-        await self._redis.aclose()
-
-    def _decode(self, value: bytes, now: float) -> CachedLogits | None:
-        try:
-            stored_at, length = _HEADER.unpack_from(value)
-            start = _HEADER.size + length
-            version = value[_HEADER.size:start].decode()
-            logits = np.frombuffer(value, dtype="<f4", offset=start)
-        except (struct.error, UnicodeDecodeError, ValueError):
-            metrics.CACHE_ERRORS.labels(self.name, "decode").inc()
-            return None
-        return CachedLogits(logits, version, max(0.0, now - stored_at))
+    return f"{KEY_LAYOUT}|{model_name}|{model_version}|{feature_schema_version}|{digest}"
 
 
 class Source(str, enum.Enum):
@@ -291,11 +145,12 @@ class CachedInference:
         await self.cache.close()
 
     async def score(self, model_name: str, model_version: str, feature_schema_version: str,
-                    rows: np.ndarray, deadline: float | None) -> list[Scored]:
+                    rows: np.ndarray, deadline: float | None, *, n_classes: int | None = None) -> list[Scored]:
         """Logits for each row of ``rows`` ``[batch, n_features] float32``, in order.
 
         Args:
             deadline: the caller's deadline in ``time.monotonic()`` seconds, or None.
+            n_classes: the model's number of classes; a cached entry of another width is a miss.
 
         Returns:
             One :class:`Scored` per row; rows inference could not score are STALE_CACHE when a
@@ -308,6 +163,10 @@ class CachedInference:
         keys = [cache_key(model_name, model_version, feature_schema_version, row) for row in rows]
         unique = list(dict.fromkeys(keys))
         cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
+        for key, entry in cached.items():
+            if entry is not None and not fit_to_serve(self.cache.name, entry, model_version, n_classes,
+                                                      self.cache.stale_ttl_s):
+                cached[key] = None  # a miss: never served, not even stale
         results: dict[str, Scored] = {}
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
         leading: list[str] = []
@@ -325,23 +184,43 @@ class CachedInference:
         for result, n in (("hit", hits), ("coalesced", coalesced), ("miss", len(leading))):
             if n:  # counted once per call, not per row
                 metrics.labelled(metrics.CACHE_REQUESTS, model_name, result).inc(n)
+        first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
+
+        def lead(lead_keys: list[str]) -> _Flight:
+            return self._start_flight(lead_keys, functools.partial(
+                self.coalescer.infer, model_name, model_version, feature_schema_version,
+                rows[[first_row[key] for key in lead_keys]], deadline))
+
         if leading:
-            first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
-            lead_rows = rows[[first_row[key] for key in leading]]
-            flight = self._start_flight(leading, functools.partial(
-                self.coalescer.infer, model_name, model_version, feature_schema_version, lead_rows, deadline))
+            flight = lead(leading)
             flights[id(flight)] = (flight, leading, True)
+        again: list[str] = []
         for flight, flight_keys, led in flights.values():
-            try:
-                values = await self._wait(flight, deadline, leader=led)
-            except InferenceUnavailable as exc:
-                for key in flight_keys:
-                    results[key] = self._degraded(model_name, cached[key], exc.reason)
-            else:
-                for key in flight_keys:
-                    logits, version = values[key]
-                    results[key] = Scored(logits, version, Source.INFERENCE)
+            if not await self._settle(flight, flight_keys, led, deadline, model_name, cached, results):
+                again += flight_keys
+        if again:  # a joined call ran out of its leader's budget, not ours: one call of our own
+            await self._settle(lead(again), again, True, deadline, model_name, cached, results)
         return [results[key] for key in keys]
+
+    async def _settle(self, flight: _Flight, flight_keys: list[str], led: bool, deadline: float | None,
+                      model_name: str, cached: dict, results: dict[str, Scored]) -> bool:
+        """Waits for a flight and fills ``results`` for its keys (fresh, or stale / fallback when
+        inference could not be used); False, filling nothing, when this request joined another's
+        call that timed out on that request's shorter budget while this one still has budget left."""
+        try:
+            values = await self._wait(flight, deadline, leader=led)
+        except InferenceUnavailable as exc:
+            budget = self.caller.budget
+            if isinstance(exc, InferenceTimeout) and not led and \
+                    budget.call_timeout_s(deadline, time.monotonic()) >= budget.min_attempt_s:
+                return False
+            for key in flight_keys:
+                results[key] = self._degraded(model_name, cached[key], exc.reason)
+        else:
+            for key in flight_keys:
+                logits, version = values[key]
+                results[key] = Scored(logits, version, Source.INFERENCE)
+        return True
 
     def _start_flight(self, keys: list[str], infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> _Flight:
         flight = _Flight(keys)
@@ -365,8 +244,9 @@ class CachedInference:
             return
         values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
         flight.outcome.set_result(values)
-        try:
-            await self.cache.put_many([(key, value[0], value[1]) for key, value in values.items()])
+        try:  # a row without usable output (NaN, see InferenceClient) is never cached
+            await self.cache.put_many([(key, value[0], value[1]) for key, value in values.items()
+                                       if np.isfinite(value[0]).all()])
         finally:
             asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
 

@@ -49,6 +49,31 @@ class Calibrator:
             raise InferenceFailed("calibration produced an invalid probability")
         return p
 
+    def probabilities_per_row(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Calibrated probabilities of every row that has usable logits, and which rows do.
+
+        A row with a non-finite logit, or whose probability would fall outside [0, 1], is
+        judged alone: its probability is 0 and meaningless, and the mask says so; the other
+        rows are calibrated exactly as if sent alone (calibration is row-wise).
+
+        Args:
+            logits: ``[batch, n_classes] float32``; rows may be NaN (no usable model output).
+
+        Returns:
+            Probabilities ``[batch] float64`` and the mask of usable rows ``[batch] bool``.
+
+        Raises:
+            InferenceFailed: the tensor itself is malformed (wrong number of classes).
+        """
+        usable = np.isfinite(logits).all(axis=1)
+        z = logits if usable.all() else np.where(usable[:, None], logits, np.float32(0.0))
+        try:
+            p = self._calibration.probabilities(z, self.positive_index)
+        except (ValueError, IndexError) as exc:
+            raise InferenceFailed("the model returned logits that cannot be calibrated") from exc
+        usable &= (p >= 0) & (p <= 1)  # NaN fails both comparisons
+        return np.where(usable, p, 0.0), usable
+
     def margins(self, logits: np.ndarray) -> np.ndarray:
         """Positive-class margins ``z_pos - max(other z)``, ``[batch]`` float64 (logit units).
 

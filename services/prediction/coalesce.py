@@ -20,23 +20,31 @@ When a lane's rows are sent:
   ``max_batch_size``); one call's rows are never split, and a call that does not fit next to
   the queued rows starts the next batch.
 
+A merged call is nobody's in particular: it runs in a context of its own (no caller's span,
+baggage or log context), its span links to every caller's span, and it carries no caller's
+request id (:mod:`mlpair.observability.propagation`).
+
 A merged call runs through the :class:`~mlpair.prediction.resilience.ResilientCaller` once:
 the circuit breaker counts it as one call, retries repeat it whole, and its deadline is the
-earliest of its callers' deadlines. A caller whose budget is already spent when the batch is
-sent is not included (it gets :class:`InferenceTimeout` at once, and falls back), so it
-cannot shorten the others' call to nothing. A caller that goes away is dropped from a batch
-not yet sent; a sent call is cancelled only when every caller in it has gone.
+*latest* of its callers' deadlines (the call is of use while any of them waits). Each caller
+waits only for its own budget: one whose budget runs out gets :class:`InferenceTimeout` alone
+and leaves, and one whose budget is already spent when the batch is sent is not included. So a
+caller with a short or expired deadline can neither shorten the others' call nor make it a
+timeout that counts against the breaker. A caller that goes away is dropped from a batch not
+yet sent; a sent call is cancelled only when every caller in it has gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlpair.observability.calls import Caller
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import InferenceTimeout
 from mlpair.prediction.resilience import ResilientCaller
@@ -51,6 +59,7 @@ class _Part:
     rows: np.ndarray  # [n, n_features] float32
     deadline: float | None
     future: asyncio.Future
+    caller: Caller  # whose rows these are: the merged call's span links to it
     call: _Call | None = None
 
 
@@ -106,7 +115,7 @@ class InferenceCoalescer:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
-        part = _Part(rows, deadline, asyncio.get_running_loop().create_future())
+        part = _Part(rows, deadline, asyncio.get_running_loop().create_future(), Caller.current())
         part.future.add_done_callback(functools.partial(self._left, part))
         if lane.parts and lane.rows + len(rows) > self.max_rows:
             self._send(key, lane)
@@ -118,7 +127,16 @@ class InferenceCoalescer:
             loop = asyncio.get_running_loop()
             lane.flush = (loop.call_soon(self._send, key, lane) if lane.in_flight == 0
                           else loop.call_later(self.max_delay_s, self._send, key, lane))
-        return await part.future
+        if deadline is None:
+            return await part.future
+        # this caller's own budget (not capped at one attempt's: the call may retry); leaving
+        # cancels its future, and the call once nobody waits
+        wait_s = deadline - time.monotonic() - self.caller.budget.reserve_s
+        try:
+            async with asyncio.timeout(max(0.0, wait_s)):
+                return await part.future
+        except TimeoutError:
+            raise InferenceTimeout("the inference call did not finish within this request's budget") from None
 
     async def close(self) -> None:
         """Cancels every merged call still in flight."""
@@ -148,18 +166,22 @@ class InferenceCoalescer:
         for part in live:
             part.call = call
         lane.in_flight += 1
-        call.task = asyncio.get_running_loop().create_task(self._call(key, lane, live))
+        # a context of its own: the call must not run as (or log as) whichever caller sent it
+        call.task = asyncio.get_running_loop().create_task(self._call(key, lane, live), context=contextvars.Context())
         self._calls.add(call.task)
         call.task.add_done_callback(self._calls.discard)
 
     async def _call(self, key: LaneKey, lane: _Lane, parts: list[_Part]) -> None:
         model_name, model_version, feature_version = key
         rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
-        deadline = min((p.deadline for p in parts if p.deadline is not None), default=None)
+        # the latest: the call is of use while any caller waits (each waits only its own budget)
+        deadline = None if any(p.deadline is None for p in parts) else max(p.deadline for p in parts)
+        callers = [p.caller for p in parts]
         started = time.perf_counter()
         try:
             logits, version = await self.caller.call(
-                lambda timeout: self.client.infer(model_name, model_version, feature_version, rows, timeout_s=timeout),
+                lambda timeout: self.client.infer(model_name, model_version, feature_version, rows, timeout_s=timeout,
+                                                  callers=callers),
                 deadline, model=model_name)
         except asyncio.CancelledError:
             for part in parts:

@@ -66,6 +66,8 @@ def predict_response(result: PredictionResult) -> pb.PredictResponse:
     )
     if s.decided_at is not None:
         response.decided_at.FromDatetime(s.decided_at)
+    for w in result.warnings:
+        response.warnings.add(code=w.code, field=w.field, message=w.message)
     if result.explanation is not None:
         response.contributions.extend(
             pb.FeatureContribution(feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text)

@@ -18,6 +18,14 @@ class InvalidRequest(PredictionError):
     reason = "INVALID_REQUEST"
 
 
+class UnknownAttribute(PredictionError):
+    """The request names attributes the feature schema does not know, and this service is set to
+    refuse them (``PREDICTION_UNKNOWN_ATTRIBUTES=refuse``; by default they are named in warnings)."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "UNKNOWN_ATTRIBUTE"
+
+
 class UnknownModel(PredictionError):
     """The request names a model family this service does not serve."""
 
@@ -47,6 +55,16 @@ class CircuitOpen(InferenceUnavailable):
     """The circuit breaker is open after repeated inference failures; no call was made."""
 
     reason = "CIRCUIT_OPEN"
+
+
+class InferenceOverloaded(PredictionError):
+    """InferenceService is shedding load (its queue is full, or the mesh's rate limit refused the
+    call). The model is up, so there is no fallback and the circuit breaker does not count it:
+    nothing is decided or recorded, and the caller retries later with backoff (the same request
+    id is safe). ``metadata["cause"]`` is ``queue_full`` or ``rate_limited``."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "INFERENCE_OVERLOADED"
 
 
 class InferenceContractError(PredictionError):

@@ -10,6 +10,7 @@ at once with :class:`InferenceUnavailable`, so the caller can fall back inside i
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
@@ -17,19 +18,70 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from mlpair.observability.calls import CallTracer
-from mlpair.prediction.errors import InferenceContractError, InferenceFailed, InferenceTimeout, InferenceUnavailable
+from mlpair.observability.calls import CallTracer, Caller
+from mlpair.prediction import metrics
+from mlpair.prediction.errors import (InferenceContractError, InferenceFailed, InferenceOverloaded, InferenceTimeout,
+                                      InferenceUnavailable, PredictionError)
 from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
 FEATURE_VERSION_KEY = "x-feature-version"
 SERVICE = "mlpair.inference.v1.InferenceService"
-_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-# Only UNAVAILABLE is safe and useful to retry: the call did not reach a model (gRPC's own
-# guidance); RESOURCE_EXHAUSTED means the server is shedding load and a retry would add to it.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+RATE_LIMITED_HEADER = "x-mlpair-rate-limited"  # added by the mesh's local rate limit (deploy/istio)
 _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+# gRPC's own RESOURCE_EXHAUSTED texts for its size limits (grpc-core, chttp2 and message_size filters)
+_SIZE_TEXTS = (("message_size", ("message larger than max",)),
+               ("metadata_size", ("metadata size exceeds", "header size exceeds", "header list size")))
+
+
+def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
+    """A failed Infer call's cause (a metric label) and the error it becomes, by what it means.
+
+    Only the model being unavailable leads to a stale result or the fallback and counts against
+    the circuit breaker (:class:`InferenceUnavailable`): UNAVAILABLE (``unavailable``, the one
+    retryable cause: the call reached no model), CANCELLED by the server (``cancelled``) and
+    DEADLINE_EXCEEDED (``timeout``). RESOURCE_EXHAUSTED is load shed — InferenceService's queue is
+    full (``queue_full``), the mesh's rate limit refused the call (``rate_limited``, its reply
+    header) or another proxy did (``resource_exhausted``) — and becomes
+    :class:`InferenceOverloaded`: the callers get RESOURCE_EXHAUSTED to retry later, nothing is
+    recorded, and the breaker does not count it (the service is up) — unless gRPC's message or
+    metadata size limit refused the call (``message_size``, ``metadata_size``: a retry would meet
+    the same limit). That, INVALID_ARGUMENT (``invalid_argument``) and a model failure
+    (``model_failure``) are this side's or the model's fault: :class:`InferenceFailed` (INTERNAL),
+    never a fallback. A refused version contract is :class:`InferenceContractError`.
+    """
+    code = exc.code()
+    info = error_info(exc)
+    reason = info.reason if info else ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout", InferenceTimeout("the inference call ran out of its deadline")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        error = InferenceUnavailable("the inference service is unavailable; retry later",
+                                     metadata={"inference_code": code.name})
+        error.retryable = code == grpc.StatusCode.UNAVAILABLE
+        return code.name.lower(), error
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details = (exc.details() or "").lower()
+        if size := next((c for c, texts in _SIZE_TEXTS if any(t in details for t in texts)), None):
+            return size, InferenceFailed("inference failed")  # a retry would hit the same limit
+        cause = "queue_full" if reason == "QUEUE_FULL" else "rate_limited" if _rate_limited(exc) else "resource_exhausted"
+        return cause, InferenceOverloaded("the inference service is shedding load; nothing was decided or "
+                                          "recorded: retry later with backoff", metadata={"cause": cause})
+    if code in _CONTRACT:
+        return "contract", InferenceContractError(
+            "the inference service refused the feature/model version contract; no decision was made",
+            metadata={"inference_code": code.name, "inference_reason": reason})
+    cause = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.INTERNAL: "model_failure"}.get(code, "other")
+    return cause, InferenceFailed("inference failed")
+
+
+def _rate_limited(exc: grpc.RpcError) -> bool:
+    """Whether the mesh's rate limit, not InferenceService, refused the call (its reply header)."""
+    for metadata in (getattr(exc, "initial_metadata", tuple)(), getattr(exc, "trailing_metadata", tuple)()):
+        if any(key.lower() == RATE_LIMITED_HEADER for key, _ in metadata or ()):
+            return True
+    return False
 
 
 class InferenceClient:
@@ -63,33 +115,48 @@ class InferenceClient:
         await self._channel.close()
 
     async def infer(self, model_name: str, model_version: str, feature_version: str,
-                    features: np.ndarray, *, timeout_s: float | None = None) -> tuple[np.ndarray, str]:
+                    features: np.ndarray, *, timeout_s: float | None = None,
+                    callers: Sequence[Caller] | None = None) -> tuple[np.ndarray, str]:
         """Logits for ``features`` ``[batch, n_features] float32``.
 
         Args:
             timeout_s: deadline of this call in seconds; None uses the client's default.
+            callers: the callers whose rows the call carries (its span links to each; a call for
+                several carries no single caller's request id); None = the running request's.
 
         Returns:
-            Logits ``[batch, n_classes] float32`` and the model version that served them.
+            Logits ``[batch, n_classes] float32`` and the model version that served them. A row
+            InferenceService reports as a row error (its output was unusable) is all NaN here:
+            it fails that row alone, never the call.
 
         Raises:
             InferenceTimeout: the deadline passed (DEADLINE_EXCEEDED).
-            InferenceUnavailable: down or overloaded; ``retryable`` is true for UNAVAILABLE.
+            InferenceUnavailable: down; ``retryable`` is true for UNAVAILABLE.
+            InferenceOverloaded: InferenceService (or the mesh) shed the call: retry later.
             InferenceContractError: the version contract was refused (no decision on this vector).
-            InferenceFailed: any other failure.
+            InferenceFailed: any other failure (see :func:`classify`).
         """
         x = np.ascontiguousarray(features, dtype="<f4")
         request = pb.InferRequest(
             model_name=model_name, model_version=model_version,
             inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()),
+            per_row_errors=True,  # rows of many callers share a call: one row's output must fail no other
         )
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout)
+        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout,
+                                    callers)
         out = response.logits
         if out.data_type != pb.DATA_TYPE_FP32 or len(out.shape) != 2 or out.shape[0] != x.shape[0] \
                 or len(out.content) != out.shape[0] * out.shape[1] * 4:
             raise InferenceFailed("InferenceService returned a malformed logits tensor")
-        return np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape)), response.model_version
+        logits = np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape))
+        if response.row_errors:
+            logits = logits.copy()
+            for error in response.row_errors:
+                if not 0 <= error.row < len(logits):
+                    raise InferenceFailed("InferenceService named a row error outside the request")
+                logits[error.row] = np.nan  # no usable output: judged per row by the caller
+        return logits, response.model_version
 
     async def ready(self, timeout_s: float) -> bool:
         """Whether InferenceService answers ``grpc.health.v1`` with SERVING within ``timeout_s``."""
@@ -99,27 +166,17 @@ class InferenceClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def _call(self, method, request, metadata, timeout: float):
+    async def _call(self, method, request, metadata, timeout: float, callers: Sequence[Caller] | None = None):
         try:
             if self._tracer is None:
                 return await method(request, timeout=timeout, metadata=metadata)
-            with self._tracer.call(SERVICE, "Infer", metadata) as traced:
+            with self._tracer.call(SERVICE, "Infer", metadata, callers) as traced:
                 return await method(request, timeout=timeout, metadata=traced)
         except grpc.RpcError as exc:
-            code = exc.code()
-            info = error_info(exc)
-            reason = info.reason if info else ""
-            logger.debug("Infer failed: %s %s", code.name, reason)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise InferenceTimeout("the inference call ran out of its deadline") from exc
-            if code in _UNAVAILABLE:
-                error = InferenceUnavailable("the inference service is unavailable; retry later",
-                                             metadata={"inference_code": code.name})
-                error.retryable = code in _RETRYABLE
-                raise error from exc
-            if code in _CONTRACT:
-                raise InferenceContractError(
-                    "the inference service refused the feature/model version contract; no decision was made",
-                    metadata={"inference_code": code.name, "inference_reason": reason}) from exc
-            logger.warning("Infer failed: %s %s", code.name, reason)
-            raise InferenceFailed("inference failed") from exc
+            cause, error = classify(exc)
+            metrics.labelled(metrics.INFERENCE_ERRORS, request.model_name, cause).inc()
+            if isinstance(error, InferenceFailed):
+                logger.warning("Infer failed: %s (%s)", exc.code().name, cause)
+            else:
+                logger.debug("Infer failed: %s (%s)", exc.code().name, cause)
+            raise error from exc

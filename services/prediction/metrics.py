@@ -62,17 +62,32 @@ SHADOW_DECISIONS = Counter("prediction_shadow_decisions_total",
 SHADOW_FAILURES = Counter("prediction_shadow_failures_total", "Rows whose shadow comparison failed or was skipped (never affects the served decision).",
                           ["model", "shadow_version", "cause"])
 
+OBSERVABILITY_ERRORS = Counter("prediction_observability_errors_total",
+                               "Log lines, spans or metrics that failed to be made (caught: never a failed request).",
+                               ["stage"])
+
 # Cache, single-flight and degraded service (cache.py, resilience.py).
 CACHE_REQUESTS = Counter("prediction_cache_requests_total",
                          "Feature rows looked up in the cache: hit (fresh), miss (this request calls inference) or "
                          "coalesced (joined another request's in-flight call).", ["model", "result"])
 CACHE_ERRORS = Counter("prediction_cache_errors_total", "Cache backend errors, each treated as a miss.",
                        ["backend", "operation"])
+CACHE_INVALID = Counter("prediction_cache_invalid_total",
+                        "Cache entries read that this process would not have stored (layout, key, version, shape, "
+                        "non-finite logits, size, store time, age): each a miss, never served.", ["backend", "cause"])
 STALE_SERVED = Counter("prediction_cache_stale_served_total",
                        "Results served from a stale cache entry because inference could not be used, by reason.",
                        ["model", "reason"])
 FALLBACKS = Counter("prediction_fallbacks_total",
                     "Fallback REVIEW decisions made without model output, by reason.", ["model", "reason"])
+MODEL_OUTPUT_INVALID = Counter("prediction_model_output_invalid_total",
+                               "Rows whose model output was unusable (non-finite logits or probability), each "
+                               "decided alone by the policy's fallback with reason MODEL_OUTPUT_INVALID.", ["model"])
+INFERENCE_ERRORS = Counter("prediction_inference_errors_total",
+                           "Failed Infer calls by cause: unavailable, cancelled and timeout lead to a stale result "
+                           "or the fallback and count for the circuit breaker; queue_full and rate_limited "
+                           "(load shed) reach the caller as RESOURCE_EXHAUSTED; the rest are failures.",
+                           ["model", "cause"])
 INFERENCE_RETRIES = Counter("prediction_inference_retries_total", "Infer attempts retried after UNAVAILABLE.",
                             ["model"])
 CIRCUIT_STATE = Gauge("prediction_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",

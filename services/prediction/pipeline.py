@@ -17,6 +17,12 @@ When InferenceService cannot be used (unavailable, timed out, circuit open) a st
 result is served if one exists; otherwise the policy's fallback decision (REVIEW) is made
 with reason code ``INFERENCE_UNAVAILABLE`` and no probability — never an automatic approval
 or decline.
+
+Every row is judged on its own: a row whose model output is unusable (a non-finite logit, or
+a probability calibration cannot place in [0, 1]) gets the policy's fallback decision with
+reason code ``MODEL_OUTPUT_INVALID``, recorded and counted like any decision, while every other
+row of the same call — another item of the batch, or another caller's row merged into the same
+Infer call — is decided exactly as if it had been sent alone.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -42,21 +47,20 @@ from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.store import StoredDecision, decision_id_for
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.checks import (MAX_ECHO, RequestWarning, check_id, key_reused, unknown_attribute_warnings,
+                                      unknown_attributes_error)
+from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.explain import Explanation, explain, explanation_rows
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.idempotency import request_fingerprint
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
-__all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor"]
+__all__ = ["ConfigurationError", "ModelFamily", "PredictInput", "PredictionResult", "Predictor", "RequestWarning"]
 
 logger = logging.getLogger(__name__)
 
-MAX_ID_LENGTH = 128
-MAX_ECHO = 64  # most characters of a client's value repeated in an error
-# C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
+INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
 STALE_REASON = "STALE_CACHE_RESULT"
 
@@ -87,6 +91,7 @@ class PredictionResult:
     calibration_method: str = ""
     explanation: Explanation | None = None
     replayed: bool = False  # the request id was already on record: this is that decision
+    warnings: tuple[RequestWarning, ...] = ()  # about this request (not recorded: a replay computes its own)
 
 
 class UnexpectedFailure(PredictionError):
@@ -106,10 +111,12 @@ class _Item:
     row: AssembledRow
     rows: np.ndarray  # [1 or 1 + n_schema_features, n_features] float32 sent to inference
     fingerprint: str  # the canonical request's SHA-256 (idempotency.request_fingerprint)
+    warnings: tuple[RequestWarning, ...] = ()
     probabilities: np.ndarray | None = None  # [n_members, 1 or len(rows)] calibrated
     primary_margin: float = 0.0  # first member's margin of the row itself (shadow comparison)
     model_version: str = ""
     served: Scored | None = None  # how the item's own row was scored (source, age, degraded reason)
+    invalid_output: bool = False  # the model's output for the item's own row is unusable
     error: ServiceError | None = None
     decision: str = ""
 
@@ -118,14 +125,23 @@ class _Item:
         """No model output for the item's own row: the policy's fallback decides."""
         return self.served is not None and self.served.source is Source.FALLBACK
 
+    @property
+    def without_model(self) -> bool:
+        """The policy's fallback decides: no model output, or none usable, for the item's own row."""
+        return self.invalid_output or self.fallback
+
 
 class Predictor:
     """Decides for many requests at once; shared by all concurrent calls."""
 
     def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
                  scorer: CachedInference, recorder: DecisionRecorder, *, max_inference_rows: int = 1024,
-                 max_batch_items: int = 1000, explain_top_k: int = 3, drift: DriftMonitors | None = None) -> None:
+                 max_batch_items: int = 1000, explain_top_k: int = 3, drift: DriftMonitors | None = None,
+                 unknown_attributes: str = "warn") -> None:
         """Wires the served families to inference (behind its cache) and the decision recorder.
+
+        ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
+        and names each in the result's warnings; ``refuse`` refuses it (:class:`UnknownAttribute`).
 
         Raises:
             ConfigurationError: an explanation of some family would not fit in one inference call.
@@ -139,6 +155,7 @@ class Predictor:
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k
+        self.refuse_unknown_attributes = unknown_attributes == "refuse"
         self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
         for family in self.families.values():
@@ -164,9 +181,10 @@ class Predictor:
         metrics.labelled(metrics.REQUEST_DURATION, name if name in self.families else "unknown").observe(time.perf_counter() - started)
         if isinstance(outcome, ServiceError):
             raise outcome
-        s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC
+        s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC; it never raises
         logs.log_decision(logger, decision=s.decision, reason_codes=s.reason_codes, from_cache=outcome.from_cache,
-                          probability=s.probability, decision_id=s.decision_id, model_version=s.model_version)
+                          probability=s.probability, decision_id=s.decision_id, model_version=s.model_version,
+                          replayed=outcome.replayed)
         return outcome
 
     async def predict_batch(self, requests: Sequence[PredictInput]) -> list[PredictionResult | PredictionError]:
@@ -205,7 +223,7 @@ class Predictor:
                 outcomes[it.index] = it.error
                 continue
             try:
-                decided.append((it, self._fallback(it, decided_at) if it.fallback else self._decide(it, decided_at)))
+                decided.append((it, self._fallback(it, decided_at) if it.without_model else self._decide(it, decided_at)))
             except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
                 outcomes[it.index] = _as_item_error(exc)
         recorded = await self._record(decided) if decided else []
@@ -215,18 +233,23 @@ class Predictor:
             if isinstance(record, BaseException):
                 outcomes[it.index] = _as_item_error(record)
                 continue
+            if it.warnings:
+                result = dataclasses.replace(result, warnings=it.warnings)
             stored = record.decision
             if record.replayed:  # on record already: return that, not what was just computed
                 if record.fingerprint and record.fingerprint != it.fingerprint:
                     metrics.labelled(metrics.IDEMPOTENCY_KEY_REUSED, it.family.name).inc()
-                    outcomes[it.index] = _key_reused(it.request.request_id)
+                    outcomes[it.index] = key_reused(it.request.request_id)
                     continue
                 metrics.labelled(metrics.IDEMPOTENT_REPLAYS, it.family.name).inc()
                 from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
-                outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True)
+                outcomes[it.index] = PredictionResult(stored, from_cache=from_cache, replayed=True, warnings=it.warnings)
             else:
                 outcomes[it.index] = result if stored is result.stored else dataclasses.replace(result, stored=stored)
-                if it.fallback:
+                if it.invalid_output:
+                    metrics.labelled(metrics.MODEL_OUTPUT_INVALID, it.family.name).inc()
+                    metrics.FALLBACKS.labels(it.family.name, INVALID_OUTPUT_REASON).inc()
+                elif it.fallback:
                     metrics.FALLBACKS.labels(it.family.name, it.served.degraded_reason).inc()
                 else:
                     self.drift.observe(it.family.name, it.row.vector, stored.probability)
@@ -253,8 +276,8 @@ class Predictor:
             UnknownModel: the family is not served here.
         """
         family = self._family(request.model_name)
-        _check_id("request_id", request.request_id)
-        _check_id("entity_id", request.entity_id)
+        check_id("request_id", request.request_id)
+        check_id("entity_id", request.entity_id)
         if request.request_id in seen:
             raise InvalidRequest("request_id appears more than once in this batch",
                                  metadata={"field": "request_id"})
@@ -264,13 +287,17 @@ class Predictor:
         except ConversionError as exc:
             raise InvalidRequest(f"attribute values cannot be converted: {exc}",
                                  metadata={"attributes": ",".join(sorted(exc.problems))}) from exc
-        for guard in row.guards:
-            metrics.labelled(metrics.FEATURE_GUARDS, family.name, guard.feature, guard.action).inc()
+        warnings = ()
         if row.unknown_attributes:
             metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(row.unknown_attributes))
+            if self.refuse_unknown_attributes:
+                raise unknown_attributes_error(family, row.unknown_attributes)
+            warnings = unknown_attribute_warnings(family, row.unknown_attributes)
+        for guard in row.guards:
+            metrics.labelled(metrics.FEATURE_GUARDS, family.name, guard.feature, guard.action).inc()
         rows = explanation_rows(family.assembler, row.vector) if request.explain else row.vector[None, :]
         return _Item(index, request, family, row, rows,
-                     request_fingerprint(family.name, request.entity_id, request.attributes))
+                     request_fingerprint(family.name, request.entity_id, request.attributes), warnings)
 
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
@@ -297,10 +324,13 @@ class Predictor:
         deadline = min(deadlines) if deadlines else None
         try:
             answers = await _all([self._infer(family, m, matrix, deadline) for m in family.members])
-            logits, scored = zip(*(_stack(rows) for rows in answers))
-            probabilities = np.stack([m.calibrator.probabilities(z) for m, z in zip(family.members, logits)])
-            # margins only feed the shadow comparison
-            primary_margins = family.members[0].calibrator.margins(logits[0]) if family.shadow else None
+            stacked = [_stack(rows, len(m.entry.manifest.class_names)) for m, rows in zip(family.members, answers)]
+            calibrated = [m.calibrator.probabilities_per_row(z) for m, z in zip(family.members, stacked)]
+            probabilities = np.stack([p for p, _ in calibrated])
+            usable = np.logical_and.reduce([ok for _, ok in calibrated])  # every member's output usable
+            # margins only feed the shadow comparison (unusable rows: zeros, never compared)
+            primary_margins = family.members[0].calibrator.margins(
+                np.where(usable[:, None], stacked[0], np.float32(0.0))) if family.shadow else None
         except ServiceError as exc:
             for it in chunk:
                 it.error = exc
@@ -315,9 +345,13 @@ class Predictor:
             n = len(it.rows)
             own = [rows[offset] for rows in answers]  # each member's result for the item's own row
             it.served = _served(own)
-            if not it.fallback:
+            if it.fallback:
+                pass
+            elif not usable[offset]:
+                it.invalid_output = True  # this row alone: the other rows of the call are untouched
+            else:
                 # an explanation needs every occluded row scored; otherwise decide without one
-                complete = n == 1 or all(mask[offset:offset + n].all() for mask in scored)
+                complete = n == 1 or bool(usable[offset:offset + n].all())
                 it.probabilities = probabilities[:, offset:offset + (n if complete else 1)]
                 it.primary_margin = 0.0 if primary_margins is None else float(primary_margins[offset])
                 it.model_version = own[0].model_version if len(own) == 1 else "+".join(r.model_version for r in own)
@@ -329,7 +363,8 @@ class Predictor:
         (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
-        return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline)
+        return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline,
+                                       n_classes=len(model.entry.manifest.class_names))
 
     async def _infer_shadow(self, family: ModelFamily, model: ModelVersion, features: np.ndarray) -> tuple[np.ndarray, str]:
         """Shadow calls go straight to InferenceService: never cached, never served."""
@@ -370,17 +405,20 @@ class Predictor:
 
     @staticmethod
     def _fallback(it: _Item, decided_at: datetime) -> PredictionResult:
-        """The documented decision without model output: the policy's fallback (REVIEW) with
-        reason ``INFERENCE_UNAVAILABLE`` and no probability."""
+        """The documented decision without usable model output: the policy's fallback (REVIEW)
+        and no probability, with reason ``INFERENCE_UNAVAILABLE`` (inference could not be used)
+        or ``MODEL_OUTPUT_INVALID`` (the model's output for this row is unusable)."""
         family = it.family
         it.decision = family.policy.fallback_decision
+        reason = INVALID_OUTPUT_REASON if it.invalid_output else FALLBACK_REASON
         stored = StoredDecision(
             decision_id=decision_id_for(it.request.request_id), request_id=it.request.request_id,
             entity_id=it.request.entity_id, decided_at=decided_at,
             model_name=family.name, model_version="", feature_schema_version=family.feature_version,
             policy_version=family.policy.version, probability=None, decision=family.policy.fallback_decision,
-            reason_codes=(FALLBACK_REASON, *dict.fromkeys(g.reason_code for g in it.row.guards)),
-            served_from=Source.FALLBACK.value, degraded_reason=it.served.degraded_reason,
+            reason_codes=(reason, *dict.fromkeys(g.reason_code for g in it.row.guards)),
+            served_from=Source.FALLBACK.value,
+            degraded_reason=INVALID_OUTPUT_REASON if it.invalid_output else it.served.degraded_reason,
         )
         return PredictionResult(stored)
 
@@ -425,14 +463,15 @@ async def _all(calls: list) -> list:
     return await asyncio.gather(*calls)
 
 
-def _stack(rows: list[Scored]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row results → logits ``[rows, n_classes]`` (zeros where missing) and a mask of rows with logits."""
-    mask = np.array([r.logits is not None for r in rows])
-    width = next((len(r.logits) for r in rows if r.logits is not None), 2)
-    logits = np.zeros((len(rows), width), dtype=np.float32)
-    if mask.any():
-        logits[mask] = np.stack([r.logits for r in rows if r.logits is not None])
-    return logits, mask
+def _stack(rows: list[Scored], n_classes: int) -> np.ndarray:
+    """Per-row results → logits ``[rows, n_classes]``. A row without logits (fallback), or
+    whose logits are not ``[n_classes]``, is NaN: the per-row calibration marks it unusable, and
+    it can fail no other row."""
+    logits = np.full((len(rows), n_classes), np.nan, dtype=np.float32)
+    for i, r in enumerate(rows):
+        if r.logits is not None and r.logits.shape == (n_classes,):
+            logits[i] = r.logits
+    return logits
 
 
 def _served(own: list[Scored]) -> Scored:
@@ -456,18 +495,3 @@ def _as_item_error(exc: BaseException) -> PredictionError:
         return UnexpectedFailure(exc.message)
     logger.error("unexpected failure deciding one item", exc_info=exc)
     return UnexpectedFailure("internal error")
-
-
-def _key_reused(request_id: str) -> IdempotencyKeyReused:
-    return IdempotencyKeyReused(
-        f"request_id {request_id!r} is already on record for another request (model family, entity or "
-        "attributes differ); a new decision needs a new request_id", metadata={"request_id": request_id})
-
-
-def _check_id(field: str, value: str) -> None:
-    if not value or not value.strip():
-        raise InvalidRequest(f"{field} is required", metadata={"field": field})
-    if len(value) > MAX_ID_LENGTH:
-        raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
-    if _CONTROL.search(value):
-        raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})

@@ -9,10 +9,15 @@
   Backoff and Jitter" (2015) — and only when the wait plus a minimal attempt still fit the
   budget.
 * **Circuit breaker** (Nygard, *Release It!*, 2nd ed., ch. 5): CLOSED counts consecutive
-  unavailable/timed-out calls; at ``failure_threshold`` it OPENs and calls fail at once with
+  unavailable/timed-out calls (a timeout only when the call had the whole
+  ``inference_timeout_ms``: a call its caller's own deadline cut short says nothing about the
+  service, and one caller sending tight deadlines must not open the circuit for all); at ``failure_threshold`` it OPENs and calls fail at once with
   :class:`CircuitOpen`; after ``open_s`` it is HALF_OPEN and lets ``half_open_probes`` calls
   through at a time — a success closes it, a failure opens it again. Answers that prove the
-  service is up (a contract refusal, a model error) count as successes for availability.
+  service is up (a contract refusal, a model error) count as successes for availability. Load
+  shedding (:class:`InferenceOverloaded`: a full queue, the mesh's rate limit) counts as neither:
+  a busy service is not a broken one, and opening the circuit would turn shed calls into
+  fallback decisions (errors by cause: ``inference_client.classify``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from mlpair.prediction import metrics
-from mlpair.prediction.errors import CircuitOpen, InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.errors import CircuitOpen, InferenceOverloaded, InferenceTimeout, InferenceUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +180,7 @@ class ResilientCaller:
             InferenceTimeout: the budget was spent before or during an attempt.
             CircuitOpen: the breaker refused the call.
             InferenceUnavailable: the last attempt found the service down.
+            InferenceOverloaded: the service shed the call (not retried: a retry adds load; not a breaker failure).
             InferenceContractError, InferenceFailed: the service answered with a refusal (not retried).
         """
         number = 0
@@ -187,7 +193,10 @@ class ResilientCaller:
             try:
                 result = await attempt(timeout)
             except InferenceUnavailable as exc:
-                self.breaker.record_failure()
+                if isinstance(exc, InferenceTimeout) and timeout < self.budget.max_call_s:
+                    self.breaker.release()  # cut short by the caller's deadline: no evidence either way
+                else:
+                    self.breaker.record_failure()
                 if not exc.retryable or number >= self.retry.max_attempts:
                     raise
                 wait = self.retry.backoff_s(number)
@@ -196,8 +205,8 @@ class ResilientCaller:
                     raise
                 metrics.INFERENCE_RETRIES.labels(model).inc()
                 await asyncio.sleep(wait)
-            except asyncio.CancelledError:
-                self.breaker.release()  # the caller left: this says nothing about the service
+            except (asyncio.CancelledError, InferenceOverloaded):
+                self.breaker.release()  # the caller left, or the service shed load: neither says it is down
                 raise
             except Exception:
                 self.breaker.record_success()  # the service answered, so it is available

@@ -15,9 +15,10 @@ import logging
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.logs import add_personal_fields, set_process_model_version
+from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
 from mlpair.observability.calls import CallTracer, observe_servicer
+from mlpair.prediction import metrics
 from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.drift import DriftMonitors, drift_config
@@ -103,7 +104,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
     drift = DriftMonitors.for_entries({name: f.entry for name, f in families.items()}, drift_config(settings))
     return Predictor(families, settings.model_name, build_scorer(settings, tracer_provider=tracer_provider), recorder,
                      max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
-                     explain_top_k=settings.explain_top_reasons, drift=drift)
+                     explain_top_k=settings.explain_top_reasons, drift=drift, unknown_attributes=settings.unknown_attributes)
 
 
 def create_server(settings: PredictionSettings, predictor: Predictor, *,
@@ -113,6 +114,7 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
     # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
     server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
     servicer = guard_servicer(PredictionServicer(predictor), DOMAIN)
+    count_failures_with("prediction", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
     if settings.tracing:
         observe_servicer(servicer, SERVICE_NAME, "prediction", tracer_provider)
     add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, servicer, server)

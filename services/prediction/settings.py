@@ -46,6 +46,8 @@ class PredictionSettings(BaseSettings):
     """Longest a request's rows wait, while an Infer call of the same model version is in flight, to share the next call with other requests' rows, in milliseconds."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
+    unknown_attributes: Literal["warn", "refuse"] = "warn"
+    """Attributes the feature schema does not know: warn (decide, and name each in the response's warnings) or refuse (INVALID_ARGUMENT, reason UNKNOWN_ATTRIBUTE)."""
     explain_top_reasons: int = 3
     """Top reasons, in business language, returned with an explanation."""
     max_message_bytes: int = 4 * 1024 * 1024

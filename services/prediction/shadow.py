@@ -11,6 +11,7 @@ or busy shadow is counted per row and never affects a served decision.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ class ShadowComparison:
         self._pending.setdefault(family.name, []).extend(rows)
         self._pending_rows += len(rows)
         if family.name not in self._workers:
-            task = asyncio.create_task(self._work(family))
+            # a context of its own: its calls carry many callers' rows, and must run as none of them
+            task = asyncio.create_task(self._work(family), context=contextvars.Context())
             self._workers[family.name] = task
 
     async def drain(self) -> None:

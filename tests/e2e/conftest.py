@@ -65,6 +65,23 @@ async def inference_service(model_repository: Path, *, all_versions: bool = Fals
         await server.stop()
 
 
+@pytest.fixture(scope="package")
+async def replicas(nonfinite_repository, postgres_url, tmp_path_factory):
+    """Real processes over one InferenceService, one decision ledger and one CRM in PostgreSQL:
+    two healthy PredictionService replicas (each with its metrics port) and a third whose
+    InferenceService is unreachable (it can only fall back); the cache is off, so every answer
+    comes from an Infer call. The model entry gives NaN logits for applicants of 95+
+    (``tests.nonfinite``), the real model's for everyone else. Shared by C40–C42 and C43."""
+    from bench.pair import free_port
+    from tests.e2e.replicas import cluster
+
+    async with cluster(tmp_path_factory.mktemp("replicas"), nonfinite_repository, postgres_url, replicas=2,
+                       PREDICTION_CACHE_BACKEND="off", PREDICTION_METRICS_PORT=str(free_port()),
+                       extra={"cut-off": {"PREDICTION_INFERENCE_TARGET": f"127.0.0.1:{free_port()}",
+                                          "PREDICTION_METRICS_PORT": "0"}}) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def ensemble_repository(credit_entry, tmp_path_factory) -> Path:
     """credit-risk versions 1 (the session's model), 2 and 3 (other seeds, same split and features)."""

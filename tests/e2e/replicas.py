@@ -67,7 +67,7 @@ async def cluster(workdir: Path, model_repository: Path, postgres_url: str, *, r
     ledger_url = through(postgres_url, proxies["ledger"]) if "ledger" in proxies else postgres_url
     crm_url = through(postgres_url, proxies["crm"]) if "crm" in proxies else postgres_url
     env = {"PREDICTION_MODELS": FAMILIES, "PREDICTION_HEALTH_INTERVAL_MS": "200",
-           "PREDICTION_INFERENCE_TIMEOUT_MS": "10000", "PREDICTION_LEDGER_TIMEOUT_MS": "1000",
+           "PREDICTION_INFERENCE_TIMEOUT_MS": "10000", "PREDICTION_LEDGER_TIMEOUT_MS": "5000",
            "PREDICTION_CRM_TIMEOUT_MS": "1000", "PREDICTION_RELAY_BACKOFF_MAX_MS": "200", **prediction_env}
     p = pair(workdir, model_repository, crm_url=crm_url, ledger_url=ledger_url, prediction_env=env,
              inference_env={"INFERENCE_MODELS": FAMILIES}, prediction_replicas=replicas)

@@ -3,7 +3,9 @@
 Two healthy PredictionService replicas and a third whose InferenceService is unreachable (it can
 only fall back) share one decision ledger and one CRM in PostgreSQL, over one InferenceService.
 Each example of the cases is a test with its exact expectation; every answer is compared with the
-CRM row of its request id.
+CRM row of its request id. The cluster (``conftest.replicas``) is shared with the isolation tests
+(C43), whose model entry gives NaN logits only for applicants of 95+: for every real applicant
+here it is the real model, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,19 +16,11 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from bench.pair import free_port
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from tests.e2e.replicas import cluster, contradicts, crm_rows, refusal_reason, request
+from tests.e2e.replicas import contradicts, crm_rows, refusal_reason, request
 
 pytestmark = pytest.mark.timeout(240)
-A, B, CUT_OFF = 0, 1, 2  # replica indexes: two healthy ones, one without InferenceService
-
-
-@pytest.fixture(scope="module")
-async def replicas(model_repository, postgres_url, tmp_path_factory):
-    async with cluster(tmp_path_factory.mktemp("replicas"), model_repository, postgres_url, replicas=2,
-                       extra={"cut-off": {"PREDICTION_INFERENCE_TARGET": f"127.0.0.1:{free_port()}"}}) as c:
-        yield c
+A, B, CUT_OFF = 0, 1, 2  # replica indexes: two healthy ones, one without InferenceService (conftest.replicas)
 
 
 @pytest.fixture(scope="module")

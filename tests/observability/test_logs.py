@@ -168,3 +168,43 @@ async def test_a_refused_infer_call_is_logged_with_its_status_and_the_callers_re
     (line,) = [line for line in await pair.settled_log_lines() if line["layer"] == "inference"]
     assert line["code"] == "FAILED_PRECONDITION" and line["request_id"] == "direct-7"
     assert line["input_fingerprint"].startswith("blake2b:") and "compute" not in line["timings_ms"]
+
+
+def test_a_failing_log_line_is_counted_and_never_raised_into_the_request():
+    """A formatter, a filter or the decision line itself failing: counted by stage, never raised."""
+    import io
+
+    from mlpair import logs
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("cannot be printed")
+
+    def exploding():
+        raise RuntimeError("cannot be iterated")
+        yield
+
+    counted: list[str] = []
+    previous = logs.count_failures_with("prediction", counted.append)
+    stream = io.StringIO()
+    logger = logging.getLogger("mlpair.test.failing")
+    logger.addHandler(logs.make_handler("json", stream))
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    token = logs.begin_request(logs.RequestContext("prediction", request_id="r1"))
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False  # no traceback on stderr
+    try:
+        logs.log_decision(logger, decision="REVIEW", reason_codes=["X"], from_cache=False, probability=None,
+                          decision_id="d", model_version="1", extra=Unprintable())  # the formatter fails
+        logs.log_decision(logger, decision="REVIEW", reason_codes=exploding(), from_cache=False, probability=None,
+                          decision_id="d", model_version="1")  # building the line fails
+        logs.log_decision(logger, decision="APPROVE", reason_codes=["Y"], from_cache=True, probability=0.1234567,
+                          decision_id="d", model_version="1")
+    finally:
+        logging.raiseExceptions = raise_exceptions
+        logs.end_request(token)
+        logger.handlers.clear()
+        logs.count_failures_with("prediction", previous)
+    assert counted == ["format", "decision_log"]
+    [line] = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert (line["decision"], line["probability"], line["request_id"]) == ("APPROVE", 0.123457, "r1")

@@ -108,7 +108,7 @@ class CountingClient:
         self.calls: list[str] = []
         self.error: Exception | None = None
 
-    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None):
+    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None, callers=None):
         self.calls.append(model_version)
         await asyncio.sleep(0)
         if self.error is not None:
@@ -225,3 +225,98 @@ async def test_c22_shared_call_is_cancelled_only_when_every_waiter_has_gone(infe
         finally:
             await scorer.close()
             await client.close()
+
+
+def invalid_reads(backend: str, cause: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("prediction_cache_invalid_total", {"backend": backend, "cause": cause}) or 0.0
+
+
+async def test_every_entry_read_from_redis_is_checked_and_a_poisoned_one_is_a_counted_miss(redis_cache):
+    """Other processes write the shared cache: an entry this process would not have written is a
+    miss (inference is called), counted by cause, never served — not even stale — and never an error."""
+    import struct
+
+    from mlpair.prediction.cache_backends import MAX_VALUE_BYTES
+    from mlpair.prediction.errors import InferenceUnavailable
+
+    cache, clock = redis_cache
+    rows = np.stack([ROW + i for i in range(8)])
+    keys = [cache_key("m", "1", "s", row) for row in rows]
+    await cache.put_many([(keys[0], LOGITS, "1")])
+    good = await cache._redis.get(cache.prefix + keys[0])
+
+    async def poison(i: int, value: bytes) -> None:
+        await cache._redis.set(cache.prefix + keys[i], value)
+
+    def rewritten(logits=LOGITS, version=b"1", stored_at=None, digest=None) -> bytes:
+        tag, own_digest, at, _ = struct.unpack_from("<4s16sdH", good)
+        return struct.pack("<4s16sdH", tag, own_digest if digest is None else digest,
+                           at if stored_at is None else stored_at, len(version)) + version + logits.astype("<f4").tobytes()
+
+    await poison(1, good)  # key 0's value copied under key 1
+    await poison(2, rewritten(logits=np.array([np.nan, 1.0], np.float32), digest=hashlib_digest(keys[2])))
+    await poison(3, rewritten(version=b"2", digest=hashlib_digest(keys[3])))
+    await poison(4, rewritten(logits=np.array([1.0, 2.0, 3.0], np.float32), digest=hashlib_digest(keys[4])))
+    await poison(5, rewritten(stored_at=clock.now + 3600, digest=hashlib_digest(keys[5])))
+    await poison(6, good[:-1] + b"\x00" * MAX_VALUE_BYTES)
+    await poison(7, struct.pack("<dH", clock.now, 1) + b"1" + LOGITS.astype("<f4").tobytes())  # the old layout
+    causes = ["key", "nonfinite", "version", "shape", "clock", "size", "format"]
+    before = {c: invalid_reads("redis", c) for c in causes}
+
+    client = CountingClient()
+    scorer = CachedInference(client, cache, caller(), fresh_ttl_s=30, linger_s=0)
+    scored = await scorer.score("m", "1", "s", rows, None, n_classes=2)
+    assert [s.source for s in scored] == [Source.CACHE] + [Source.INFERENCE] * 7  # poisoned: misses
+    assert all(np.array_equal(s.logits, LOGITS) for s in scored)
+    assert {c: invalid_reads("redis", c) - before[c] for c in causes} == dict.fromkeys(causes, 1)
+
+    for i in range(1, 8):  # poisoned again, then inference goes down: none is served, not even stale
+        await cache._redis.set(cache.prefix + keys[i], b"\x01")
+    client.error = InferenceUnavailable("down")
+    scored = await scorer.score("m", "1", "s", rows, None, n_classes=2)
+    assert [s.source for s in scored] == [Source.CACHE] + [Source.FALLBACK] * 7
+
+
+def hashlib_digest(key: str) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+async def test_memory_entries_are_checked_too():
+    cache = MemoryCache(max_entries=10, stale_ttl_s=60)
+    keys = [cache_key("m", "1", "s", ROW + i) for i in range(3)]
+    await cache.put_many([(keys[0], np.array([np.inf, 0.0], np.float32), "1"), (keys[1], LOGITS, "9"),
+                          (keys[2], LOGITS.astype(np.float64), "1")])
+    before = sum(invalid_reads("memory", c) for c in ("nonfinite", "version", "shape"))
+    client = CountingClient()
+    scored = await CachedInference(client, cache, caller(), fresh_ttl_s=30).score(
+        "m", "1", "s", np.stack([ROW + i for i in range(3)]), None, n_classes=2)
+    assert [s.source for s in scored] == [Source.INFERENCE] * 3
+    assert sum(invalid_reads("memory", c) for c in ("nonfinite", "version", "shape")) - before == 3
+
+
+async def test_a_leaders_tight_deadline_makes_no_joined_request_fall_back(inference_server, credit_entry):
+    """Single-flight shares a call; the call runs on its first request's budget. A request that
+    joined it with more budget left gets a call of its own when that budget runs out."""
+    import time
+
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        forwarder.delay_s = 0.3  # slower than the leader's budget, well inside the joiner's
+        client = InferenceClient(target, timeout_ms=10_000, max_message_bytes=1 << 20)
+        scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+        row = np.zeros((1, credit_entry.manifest.n_features), np.float32)
+        args = ("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version, row)
+        try:
+            now = time.monotonic()
+            leader = asyncio.ensure_future(scorer.score(*args, now + 0.12))
+            await asyncio.sleep(0)
+            joined = asyncio.ensure_future(scorer.score(*args, now + 10.0))
+            (led,), (follower,) = await asyncio.gather(leader, joined)
+        finally:
+            await scorer.close()
+            await client.close()
+    assert (led.source, led.degraded_reason) == (Source.FALLBACK, "INFERENCE_TIMEOUT")  # its own budget
+    assert follower.source is Source.INFERENCE and forwarder.calls == 2

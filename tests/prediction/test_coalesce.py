@@ -105,7 +105,7 @@ async def test_calls_never_exceed_max_rows_and_one_requests_rows_are_never_split
         np.testing.assert_allclose(logits, expected[1 + 5 * k:6 + 5 * k], atol=1e-6)
 
 
-async def test_a_merged_call_gets_the_earliest_deadline_and_spent_budgets_are_left_out(
+async def test_a_merged_call_gets_the_latest_deadline_and_spent_budgets_are_left_out(
         inference_server, credit_entry, rows):
     async with inference_forwarder(inference_server) as (target, forwarder), coalescer(target) as (merged, _):
         forwarder.delay_s = 0.2
@@ -119,7 +119,20 @@ async def test_a_merged_call_gets_the_earliest_deadline_and_spent_budgets_are_le
         with pytest.raises(InferenceTimeout):
             await spent
     assert forwarder.rows == [1, 3]  # the spent request's 4 rows never crossed the hop
-    assert 1.0 < forwarder.deadlines[1] < 3.0  # the nearer deadline, less the time spent queued
+    assert 3.0 < forwarder.deadlines[1] < 8.0  # the later deadline, less the time spent queued
+
+
+async def test_a_short_deadline_times_out_alone_and_never_trips_the_breaker(inference_server, credit_entry, rows):
+    async with inference_forwarder(inference_server) as (target, forwarder), \
+            coalescer(target, threshold=1) as (merged, caller):
+        forwarder.delay_s = 0.3  # slower than the short caller's budget, well inside the others'
+        now = time.monotonic()
+        short = call(merged, credit_entry, rows[:1], deadline=now + 0.1)
+        others = [call(merged, credit_entry, rows[i:i + 1], deadline=now + 10.0) for i in range(1, 6)]
+        results = await asyncio.gather(short, *others, return_exceptions=True)
+    assert forwarder.rows == [6]  # one merged call
+    assert isinstance(results[0], InferenceTimeout)
+    assert all(isinstance(r, tuple) for r in results[1:]) and caller.breaker.state is CircuitState.CLOSED
 
 
 async def test_the_breaker_counts_a_merged_call_once(inference_server, credit_entry, rows):

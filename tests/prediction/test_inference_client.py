@@ -64,3 +64,40 @@ async def test_missing_header_at_the_real_server_is_a_contract_error(inference_s
             await client.infer("credit-risk", "", "credit-risk/v0", np.zeros((1, credit_entry.manifest.n_features), np.float32))
     finally:
         await client.close()
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "", *, reason: str = "", trailing=()) -> grpc.aio.AioRpcError:
+    """A failed call as the client sees it: code, details, and the server's ErrorInfo or reply headers."""
+    from mlpair.rpc import to_status
+
+    metadata = list(trailing)
+    if reason:
+        metadata += list(to_status(code.name, details, reason, "inference.mlpair", {}).trailing_metadata)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*metadata), details)
+
+
+@pytest.mark.parametrize("error, cause, kind, breaker_failure", [
+    (rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"), "unavailable", "InferenceUnavailable", True),
+    (rpc_error(grpc.StatusCode.CANCELLED, "server shutdown"), "cancelled", "InferenceUnavailable", True),
+    (rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), "timeout", "InferenceTimeout", True),
+    (rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue", reason="QUEUE_FULL"), "queue_full", "InferenceOverloaded", False),
+    (rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "local_rate_limited", trailing=[("x-mlpair-rate-limited", "true")]),
+     "rate_limited", "InferenceOverloaded", False),
+    (rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests"), "resource_exhausted", "InferenceOverloaded", False),
+    (rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000000 vs. 4194304)"),
+     "message_size", "InferenceFailed", False),
+    (rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "received initial metadata size exceeds limit"),
+     "metadata_size", "InferenceFailed", False),
+    (rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad tensor", reason="INVALID_INPUT"), "invalid_argument",
+     "InferenceFailed", False),
+    (rpc_error(grpc.StatusCode.INTERNAL, "model", reason="MODEL_FAILURE"), "model_failure", "InferenceFailed", False),
+    (rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "version", reason="FEATURE_VERSION_MISMATCH"), "contract",
+     "InferenceContractError", False),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_errors_are_classified_by_cause_and_only_unavailability_counts_for_the_breaker(error, cause, kind,
+                                                                                      breaker_failure):
+    from mlpair.prediction.inference_client import classify
+
+    found, mapped = classify(error)
+    assert (found, type(mapped).__name__) == (cause, kind)
+    assert isinstance(mapped, InferenceUnavailable) == breaker_failure  # what ResilientCaller counts as a failure

@@ -24,6 +24,7 @@ from tests.fault_support import TcpProxy
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 
 ENGINES = ["sqlite", "postgresql"]
+SLOW_MACHINE_S = 15.0  # statement timeout outside the fault tests: a loaded 2-core CI machine must not time out
 
 
 def decision(request_id: str, probability: float = 0.2, decision: str = "APPROVE") -> StoredDecision:
@@ -76,7 +77,7 @@ async def databases(fresh_database):
 
 @pytest.fixture
 async def ledger(databases):
-    ledger = open_ledger(databases.ledger_url, synchronous="NORMAL")
+    ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S)
     await ledger.open()
     yield ledger
     await ledger.close()
@@ -103,7 +104,7 @@ async def test_c40_two_ledger_clients_on_one_database_make_one_decision_per_requ
     """Two replicas' ledgers, concurrent first calls with the same 50 ids: each id has one winner,
     and both replicas answer with it."""
     ids = [f"both-{i}" for i in range(50)]
-    a, b = (open_ledger(databases.ledger_url, synchronous="NORMAL") for _ in range(2))
+    a, b = (open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S) for _ in range(2))
     await a.open()
     await b.open()
     try:
@@ -235,13 +236,13 @@ async def test_three_relays_deliver_each_decision_exactly_once(databases):
     """Three replicas' relays working through one backlog at once: every decision is inserted
     into the CRM by exactly one of them (none skipped as already there: no double delivery)."""
     ids = [f"relays-{uuid.uuid4()}" for _ in range(900)]
-    writer = open_ledger(databases.ledger_url, synchronous="NORMAL")
+    writer = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S)
     await writer.open()
     await writer.record_many([decision(i) for i in ids], ["fp"] * len(ids))
     skipped_before = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
     parts = []
     for _ in range(3):
-        ledger = open_ledger(databases.ledger_url, synchronous="NORMAL")
+        ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S)
         await ledger.open()
         crm = CrmStore(databases.crm_url, timeout_s=5)
         parts.append((ledger, crm, LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0)))

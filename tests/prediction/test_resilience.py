@@ -217,8 +217,9 @@ async def test_unavailable_is_retried_once_and_the_decision_is_fresh(
             retried = await stub.Predict(predict("retry-unavailable", credit_holdout.records[0]), timeout=5)
             assert forwarder.calls == 2 and not retried.fallback
             forwarder.fail_first = [grpc.StatusCode.RESOURCE_EXHAUSTED]
-            shed = await stub.Predict(predict("no-retry-exhausted", credit_holdout.records[0]), timeout=5)
-            assert forwarder.calls == 3 and shed.fallback and shed.degraded_reason == "INFERENCE_UNAVAILABLE"
+            with pytest.raises(grpc.aio.AioRpcError) as shed:  # load shed: not retried, not a fallback
+                await stub.Predict(predict("no-retry-exhausted", credit_holdout.records[0]), timeout=5)
+            assert forwarder.calls == 3 and shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_open_circuit_stops_calling_inference_and_a_probe_closes_it(
@@ -236,3 +237,55 @@ async def test_open_circuit_stops_calling_inference_and_a_probe_closes_it(
             probe = await stub.Predict(predict("breaker-probe", credit_holdout.records[5]), timeout=5)
             after = await stub.Predict(predict("breaker-after", credit_holdout.records[6]), timeout=5)
             assert not probe.fallback and not after.fallback and forwarder.calls == 5
+
+
+async def test_load_shed_by_the_mesh_or_a_full_queue_is_the_callers_retryable_error_never_a_breaker_failure(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    """The deployment review's "the mesh rate limit trips the prediction breaker": it must not."""
+    from prometheus_client import REGISTRY
+
+    from mlpair.prediction.errors import InferenceOverloaded
+    from mlpair.rpc import error_info, to_status
+
+    def shed_count(cause: str) -> float:
+        return REGISTRY.get_sample_value("prediction_inference_errors_total", {"model": "credit-risk", "cause": cause}) or 0.0
+
+    queue_full = to_status("RESOURCE_EXHAUSTED", "queue full", "QUEUE_FULL", "inference.mlpair", {})
+    rate_limit = (grpc.StatusCode.RESOURCE_EXHAUSTED, "local_rate_limited", (("x-mlpair-rate-limited", "true"),))
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        settings = prediction_settings(tmp_path, model_repository, target, cache_backend="off",
+                                       breaker_failure_threshold=2, inference_max_attempts=2)
+        async with prediction_service(settings) as (stub, predictor, _, _):
+            breaker = predictor.scorer.caller.breaker
+            before = {c: shed_count(c) for c in ("rate_limited", "queue_full")}
+            forwarder.fail_first = [rate_limit] * 3 + [(queue_full.code, queue_full.details, queue_full.trailing_metadata)] * 3
+            refused = []
+            for i in range(6):
+                with pytest.raises(grpc.aio.AioRpcError) as excinfo:
+                    await stub.Predict(predict(f"shed-{i}", credit_holdout.records[i]), timeout=5)
+                refused.append(excinfo.value)
+            assert [(e.code(), error_info(e).reason) for e in refused] == \
+                [(grpc.StatusCode.RESOURCE_EXHAUSTED, InferenceOverloaded.reason)] * 6
+            assert [error_info(e).metadata["cause"] for e in refused] == ["rate_limited"] * 3 + ["queue_full"] * 3
+            assert forwarder.calls == 6  # never retried: a retry adds load where there is too much
+            assert breaker.state is CircuitState.CLOSED  # 6 sheds in a row, threshold 2
+            assert {c: shed_count(c) - n for c, n in before.items()} == {"rate_limited": 3, "queue_full": 3}
+            assert await predictor.recorder.ledger.find("shed-0") is None  # nothing recorded
+            again = await stub.Predict(predict("shed-0", credit_holdout.records[0]), timeout=5)
+            assert not again.replayed and not again.fallback  # the caller's retry is decided fresh
+
+
+async def test_a_timeout_counts_for_the_breaker_only_when_the_call_had_its_whole_allowance():
+    """A caller's own tight deadline says nothing about the service: it must not open the circuit for all."""
+    async def slow(timeout):
+        raise InferenceTimeout("deadline")
+
+    resilient = caller(max_attempts=1, threshold=2)  # max_call_s 1.0, reserve 10 ms
+    for _ in range(5):  # 5 calls cut short by their caller's deadline (0.2 s left)
+        with pytest.raises(InferenceTimeout):
+            await resilient.call(slow, time.monotonic() + 0.2, model="m")
+    assert resilient.breaker.state is CircuitState.CLOSED
+    for _ in range(2):  # 2 calls that had the whole second
+        with pytest.raises(InferenceTimeout):
+            await resilient.call(slow, None, model="m")
+    assert resilient.breaker.state is CircuitState.OPEN

@@ -31,24 +31,38 @@ class Tensor(_message.Message):
     def __init__(self, data_type: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("model_name", "model_version", "inputs")
+    __slots__ = ("model_name", "model_version", "inputs", "per_row_errors")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PER_ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     inputs: Tensor
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    per_row_errors: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., per_row_errors: _Optional[bool] = ...) -> None: ...
+
+class RowError(_message.Message):
+    __slots__ = ("row", "reason", "message")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    reason: str
+    message: str
+    def __init__(self, row: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class InferResponse(_message.Message):
-    __slots__ = ("model_name", "model_version", "logits")
+    __slots__ = ("model_name", "model_version", "logits", "row_errors")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     logits: Tensor
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    row_errors: _containers.RepeatedCompositeFieldContainer[RowError]
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., row_errors: _Optional[_Iterable[_Union[RowError, _Mapping]]] = ...) -> None: ...
 
 class ModelMetadataRequest(_message.Message):
     __slots__ = ("model_name", "model_version")

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1mlpair/api/prediction/v1/prediction_service.proto\x12\x14mlpair.prediction.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"^\n\x0e\x41ttributeValue\x12\x16\n\x0cnumber_value\x18\x01 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x02 \x01(\tH\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\xff\x01\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tentity_id\x18\x02 \x01(\t\x12H\n\nattributes\x18\x03 \x03(\x0b\x32\x34.mlpair.prediction.v1.PredictRequest.AttributesEntry\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x0f\n\x07\x65xplain\x18\x05 \x01(\x08\x1aW\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.mlpair.prediction.v1.AttributeValue:\x02\x38\x01\"_\n\x13\x46\x65\x61tureContribution\x12\x0f\n\x07\x66\x65\x61ture\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontribution\x18\x02 \x01(\x01\x12\x13\n\x0breason_code\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xa7\x04\n\x0fPredictResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x01\x12\x30\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0e\x32\x1e.mlpair.prediction.v1.Decision\x12\x14\n\x0creason_codes\x18\x05 \x03(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x1e\n\x16\x66\x65\x61ture_schema_version\x18\x07 \x01(\t\x12\x12\n\nfrom_cache\x18\x08 \x01(\x08\x12\x16\n\x0epolicy_version\x18\t \x01(\t\x12\x16\n\x0e\x64\x65\x63ision_label\x18\n \x01(\t\x12\x0e\n\x06spread\x18\x0b \x01(\x01\x12@\n\rcontributions\x18\x0c \x03(\x0b\x32).mlpair.prediction.v1.FeatureContribution\x12\x13\n\x0btop_reasons\x18\r \x03(\t\x12\x1a\n\x12\x63\x61libration_method\x18\x0e \x01(\t\x12\r\n\x05stale\x18\x14 \x01(\x08\x12\x14\n\x0c\x63\x61\x63he_age_ms\x18\x15 \x01(\x03\x12\x17\n\x0f\x64\x65graded_reason\x18\x16 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x17 \x01(\x08\x12\x10\n\x08replayed\x18\x18 \x01(\x08\x12.\n\ndecided_at\x18\x19 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"M\n\x13\x42\x61tchPredictRequest\x12\x36\n\x08requests\x18\x01 \x03(\x0b\x32$.mlpair.prediction.v1.PredictRequest\"\x81\x01\n\x12\x42\x61tchPredictResult\x12;\n\nprediction\x18\x01 \x01(\x0b\x32%.mlpair.prediction.v1.PredictResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07outcome\"Q\n\x14\x42\x61tchPredictResponse\x12\x39\n\x07results\x18\x01 \x03(\x0b\x32(.mlpair.prediction.v1.BatchPredictResult*e\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45\x43ISION_APPROVE\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_REVIEW\x10\x02\x12\x14\n\x10\x44\x45\x43ISION_DECLINE\x10\x03\x32\xd2\x01\n\x11PredictionService\x12V\n\x07Predict\x12$.mlpair.prediction.v1.PredictRequest\x1a%.mlpair.prediction.v1.PredictResponse\x12\x65\n\x0c\x42\x61tchPredict\x12).mlpair.prediction.v1.BatchPredictRequest\x1a*.mlpair.prediction.v1.BatchPredictResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1mlpair/api/prediction/v1/prediction_service.proto\x12\x14mlpair.prediction.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"^\n\x0e\x41ttributeValue\x12\x16\n\x0cnumber_value\x18\x01 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x02 \x01(\tH\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\xff\x01\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tentity_id\x18\x02 \x01(\t\x12H\n\nattributes\x18\x03 \x03(\x0b\x32\x34.mlpair.prediction.v1.PredictRequest.AttributesEntry\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x0f\n\x07\x65xplain\x18\x05 \x01(\x08\x1aW\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.mlpair.prediction.v1.AttributeValue:\x02\x38\x01\"_\n\x13\x46\x65\x61tureContribution\x12\x0f\n\x07\x66\x65\x61ture\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontribution\x18\x02 \x01(\x01\x12\x13\n\x0breason_code\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\">\n\x0eRequestWarning\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xdf\x04\n\x0fPredictResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x01\x12\x30\n\x08\x64\x65\x63ision\x18\x04 \x01(\x0e\x32\x1e.mlpair.prediction.v1.Decision\x12\x14\n\x0creason_codes\x18\x05 \x03(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\x1e\n\x16\x66\x65\x61ture_schema_version\x18\x07 \x01(\t\x12\x12\n\nfrom_cache\x18\x08 \x01(\x08\x12\x16\n\x0epolicy_version\x18\t \x01(\t\x12\x16\n\x0e\x64\x65\x63ision_label\x18\n \x01(\t\x12\x0e\n\x06spread\x18\x0b \x01(\x01\x12@\n\rcontributions\x18\x0c \x03(\x0b\x32).mlpair.prediction.v1.FeatureContribution\x12\x13\n\x0btop_reasons\x18\r \x03(\t\x12\x1a\n\x12\x63\x61libration_method\x18\x0e \x01(\t\x12\r\n\x05stale\x18\x14 \x01(\x08\x12\x14\n\x0c\x63\x61\x63he_age_ms\x18\x15 \x01(\x03\x12\x17\n\x0f\x64\x65graded_reason\x18\x16 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x17 \x01(\x08\x12\x10\n\x08replayed\x18\x18 \x01(\x08\x12.\n\ndecided_at\x18\x19 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x08warnings\x18\x1a \x03(\x0b\x32$.mlpair.prediction.v1.RequestWarning\"M\n\x13\x42\x61tchPredictRequest\x12\x36\n\x08requests\x18\x01 \x03(\x0b\x32$.mlpair.prediction.v1.PredictRequest\"\x81\x01\n\x12\x42\x61tchPredictResult\x12;\n\nprediction\x18\x01 \x01(\x0b\x32%.mlpair.prediction.v1.PredictResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\t\n\x07outcome\"Q\n\x14\x42\x61tchPredictResponse\x12\x39\n\x07results\x18\x01 \x03(\x0b\x32(.mlpair.prediction.v1.BatchPredictResult*e\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45\x43ISION_APPROVE\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_REVIEW\x10\x02\x12\x14\n\x10\x44\x45\x43ISION_DECLINE\x10\x03\x32\xd2\x01\n\x11PredictionService\x12V\n\x07Predict\x12$.mlpair.prediction.v1.PredictRequest\x1a%.mlpair.prediction.v1.PredictResponse\x12\x65\n\x0c\x42\x61tchPredict\x12).mlpair.prediction.v1.BatchPredictRequest\x1a*.mlpair.prediction.v1.BatchPredictResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._serialized_options = b'8\001'
-  _globals['_DECISION']._serialized_start=1432
-  _globals['_DECISION']._serialized_end=1533
+  _globals['_DECISION']._serialized_start=1552
+  _globals['_DECISION']._serialized_end=1653
   _globals['_ATTRIBUTEVALUE']._serialized_start=133
   _globals['_ATTRIBUTEVALUE']._serialized_end=227
   _globals['_PREDICTREQUEST']._serialized_start=230
@@ -45,14 +45,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREDICTREQUEST_ATTRIBUTESENTRY']._serialized_end=485
   _globals['_FEATURECONTRIBUTION']._serialized_start=487
   _globals['_FEATURECONTRIBUTION']._serialized_end=582
-  _globals['_PREDICTRESPONSE']._serialized_start=585
-  _globals['_PREDICTRESPONSE']._serialized_end=1136
-  _globals['_BATCHPREDICTREQUEST']._serialized_start=1138
-  _globals['_BATCHPREDICTREQUEST']._serialized_end=1215
-  _globals['_BATCHPREDICTRESULT']._serialized_start=1218
-  _globals['_BATCHPREDICTRESULT']._serialized_end=1347
-  _globals['_BATCHPREDICTRESPONSE']._serialized_start=1349
-  _globals['_BATCHPREDICTRESPONSE']._serialized_end=1430
-  _globals['_PREDICTIONSERVICE']._serialized_start=1536
-  _globals['_PREDICTIONSERVICE']._serialized_end=1746
+  _globals['_REQUESTWARNING']._serialized_start=584
+  _globals['_REQUESTWARNING']._serialized_end=646
+  _globals['_PREDICTRESPONSE']._serialized_start=649
+  _globals['_PREDICTRESPONSE']._serialized_end=1256
+  _globals['_BATCHPREDICTREQUEST']._serialized_start=1258
+  _globals['_BATCHPREDICTREQUEST']._serialized_end=1335
+  _globals['_BATCHPREDICTRESULT']._serialized_start=1338
+  _globals['_BATCHPREDICTRESULT']._serialized_end=1467
+  _globals['_BATCHPREDICTRESPONSE']._serialized_start=1469
+  _globals['_BATCHPREDICTRESPONSE']._serialized_end=1550
+  _globals['_PREDICTIONSERVICE']._serialized_start=1656
+  _globals['_PREDICTIONSERVICE']._serialized_end=1866
 # @@protoc_insertion_point(module_scope)

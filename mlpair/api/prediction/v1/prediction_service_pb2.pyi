@@ -65,8 +65,18 @@ class FeatureContribution(_message.Message):
     text: str
     def __init__(self, feature: _Optional[str] = ..., contribution: _Optional[float] = ..., reason_code: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
+class RequestWarning(_message.Message):
+    __slots__ = ("code", "field", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    field: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PredictResponse(_message.Message):
-    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version", "decision_label", "spread", "contributions", "top_reasons", "calibration_method", "stale", "cache_age_ms", "degraded_reason", "fallback", "replayed", "decided_at")
+    __slots__ = ("request_id", "decision_id", "probability", "decision", "reason_codes", "model_version", "feature_schema_version", "from_cache", "policy_version", "decision_label", "spread", "contributions", "top_reasons", "calibration_method", "stale", "cache_age_ms", "degraded_reason", "fallback", "replayed", "decided_at", "warnings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +97,7 @@ class PredictResponse(_message.Message):
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decision_id: str
     probability: float
@@ -107,7 +118,8 @@ class PredictResponse(_message.Message):
     fallback: bool
     replayed: bool
     decided_at: _timestamp_pb2.Timestamp
-    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ..., decision_label: _Optional[str] = ..., spread: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[FeatureContribution, _Mapping]]] = ..., top_reasons: _Optional[_Iterable[str]] = ..., calibration_method: _Optional[str] = ..., stale: _Optional[bool] = ..., cache_age_ms: _Optional[int] = ..., degraded_reason: _Optional[str] = ..., fallback: _Optional[bool] = ..., replayed: _Optional[bool] = ..., decided_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    warnings: _containers.RepeatedCompositeFieldContainer[RequestWarning]
+    def __init__(self, request_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., probability: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., reason_codes: _Optional[_Iterable[str]] = ..., model_version: _Optional[str] = ..., feature_schema_version: _Optional[str] = ..., from_cache: _Optional[bool] = ..., policy_version: _Optional[str] = ..., decision_label: _Optional[str] = ..., spread: _Optional[float] = ..., contributions: _Optional[_Iterable[_Union[FeatureContribution, _Mapping]]] = ..., top_reasons: _Optional[_Iterable[str]] = ..., calibration_method: _Optional[str] = ..., stale: _Optional[bool] = ..., cache_age_ms: _Optional[int] = ..., degraded_reason: _Optional[str] = ..., fallback: _Optional[bool] = ..., replayed: _Optional[bool] = ..., decided_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., warnings: _Optional[_Iterable[_Union[RequestWarning, _Mapping]]] = ...) -> None: ...
 
 class BatchPredictRequest(_message.Message):
     __slots__ = ("requests",)

@@ -1,0 +1,115 @@
+"""What the wire contract does not define is refused, not ignored (both services, every protocol).
+
+Silently ignoring what a server cannot honour turns a caller's intent into something else: a
+newer client's field (a new attribute value kind, a new request option) would be dropped and the
+request answered as if it had never been sent; two different ``x-feature-version`` values would
+be read as whichever came first. So, before any handler runs:
+
+* **Unknown fields** (field numbers this server's ``.proto`` files do not declare, at any depth:
+  a request, its tensors, its attribute values, its parameters) are refused INVALID_ARGUMENT,
+  reason ``UNKNOWN_FIELD``, naming each by its path and number. Found in the deserializer
+  (:func:`parse_strictly`): a protobuf parser keeps unknown fields, and dropping them changes the
+  message's size — two size computations and one pass in C, about 2 µs for a 13-attribute
+  Predict; the names are worked out only for a request being refused.
+* **Conflicting duplicate metadata**: a key this project defines as single-valued
+  (:data:`SINGLE_VALUED`) sent twice with different values is refused INVALID_ARGUMENT, reason
+  ``CONFLICTING_METADATA``, naming the key. The same value twice is one value.
+
+Deployment order follows: a server learns a field before any client sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from mlpair.errors import ServiceError
+
+SINGLE_VALUED = ("x-feature-version", "x-request-id")
+"""Metadata keys that carry one value: the feature schema version and the business request id."""
+MAX_NAMED = 5  # unknown fields named in one error
+
+
+class UnknownField(ServiceError):
+    """The request carries fields this server's contract does not define; it cannot honour them."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "UNKNOWN_FIELD"
+
+
+class ConflictingMetadata(ServiceError):
+    """A single-valued metadata key was sent with two different values."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "CONFLICTING_METADATA"
+
+
+class Refused:
+    """Stands in for a request message the deserializer refused; the handler raises ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: ServiceError) -> None:
+        self.error = error
+
+
+def parse_strictly(deserialize: Callable[[bytes], Message]) -> Callable[[bytes], Message | Refused]:
+    """Wraps a generated deserializer: a message with unknown fields becomes :class:`Refused`
+    (raises DecodeError, as the wrapped one, for bytes that are no message)."""
+
+    def parse(data: bytes) -> Message | Refused:
+        message = deserialize(data)
+        size = message.ByteSize()
+        message.DiscardUnknownFields()
+        if message.ByteSize() == size:
+            return message
+        try:
+            named = unknown_fields(deserialize(data))
+        except Exception:  # noqa: BLE001  (naming them must not turn a refusal into an UNKNOWN)
+            named = [f"{message.DESCRIPTOR.full_name} (fields not named)"]
+        shown = ", ".join(named[:MAX_NAMED]) + (f" and {len(named) - MAX_NAMED} more" if len(named) > MAX_NAMED else "")
+        return Refused(UnknownField(
+            f"the request carries fields this server's contract does not define, so it cannot honour them: "
+            f"{shown}; upgrade the server first or leave them out", metadata={"fields": shown[:256]}))
+
+    return parse
+
+
+def unknown_fields(message: Message, path: str = "") -> list[str]:
+    """Every unknown field in ``message`` and the messages it holds, as ``path field N``."""
+    where = path or message.DESCRIPTOR.full_name
+    found = [f"{where} field {field.field_number}" for field in UnknownFieldSet(message)]
+    for descriptor, value in message.ListFields():
+        if descriptor.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if descriptor.message_type.GetOptions().map_entry:
+            if descriptor.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+                for key, item in value.items():
+                    found += unknown_fields(item, f"{name}[{str(key)[:64]!r}]")
+        elif descriptor.is_repeated:
+            for i, item in enumerate(value):
+                found += unknown_fields(item, f"{name}[{i}]")
+        else:
+            found += unknown_fields(value, name)
+    return found
+
+
+def check_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
+    """Refuses a call whose single-valued metadata keys (:data:`SINGLE_VALUED`, any case) carry
+    two different values.
+
+    Raises:
+        ConflictingMetadata: naming the key.
+    """
+    seen: dict[str, str | bytes] = {}
+    for key, value in metadata or ():
+        key = key.lower()
+        if key not in SINGLE_VALUED:
+            continue
+        if seen.setdefault(key, value) != value:
+            raise ConflictingMetadata(f"metadata {key!r} was sent with two different values; send one",
+                                      metadata={"key": key})

@@ -1,0 +1,72 @@
+"""What PredictionService checks of a request before deciding it, and what it tells the caller.
+
+Ids (present, at most 128 characters, no control characters), attributes the feature schema
+does not know (named in the response's warnings, or refused when the service is strict), and
+the refusal of a request id already on record for another payload. Whatever of a client's
+input is repeated in a message is cut to ``MAX_ECHO`` characters.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, UnknownAttribute
+from mlpair.prediction.families import ModelFamily
+
+MAX_ID_LENGTH = 128
+MAX_ECHO = 64  # most characters of a client's value repeated in an error
+# C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestWarning:
+    """Something about a request that did not stop its decision (``UNKNOWN_ATTRIBUTE``)."""
+
+    code: str
+    field: str
+    message: str
+
+
+MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
+
+
+def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
+    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1."""
+    warnings = [RequestWarning("UNKNOWN_ATTRIBUTE", name[:MAX_ECHO],
+                               f"the {family.name!r} feature schema has no attribute of this name; it was ignored")
+                for name in names[:MAX_WARNINGS]]
+    if len(names) > MAX_WARNINGS:
+        warnings.append(RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes"))
+    return tuple(warnings)
+
+
+def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
+    """The refusal of a request naming attributes the schema does not know (strict setting)."""
+    shown = ", ".join(repr(n[:MAX_ECHO]) for n in names[:MAX_WARNINGS]) + (" …" if len(names) > MAX_WARNINGS else "")
+    return UnknownAttribute(f"the {family.name!r} feature schema has no attribute named {shown}; this service "
+                            "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
+                            metadata={"attributes": ",".join(n[:MAX_ECHO] for n in names[:MAX_WARNINGS])})
+
+
+def key_reused(request_id: str) -> IdempotencyKeyReused:
+    """The refusal of a request id already on record for another payload."""
+    return IdempotencyKeyReused(
+        f"request_id {request_id!r} is already on record for another request (model family, entity or "
+        "attributes differ); a new decision needs a new request_id", metadata={"request_id": request_id})
+
+
+def check_id(field: str, value: str) -> None:
+    """Refuses an empty, over-long or control-character id.
+
+    Raises:
+        InvalidRequest: naming the field.
+    """
+    if not value or not value.strip():
+        raise InvalidRequest(f"{field} is required", metadata={"field": field})
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
+    if _CONTROL.search(value):
+        raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})
