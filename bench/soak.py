@@ -57,6 +57,9 @@ INFER = "/mlpair.inference.v1.InferenceService/Infer"
 MiB = 1024 * 1024
 PRESTOP_S = 0.01  # between the last new call and SIGTERM (a stand-in for the preStop pause): what was sent has arrived
 RESTART_BOUND_S = 20.0  # longest a restarted service may take to be SERVING on a busy 2-core machine
+# A caller's deadline for one Predict: "every call answered" must not hinge on a busy 2-core machine's
+# scheduling (a short soak inside the test suite shares it with everything else); p99 is reported anyway
+CALL_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -250,7 +253,7 @@ class Soak:
         outcomes = Outcomes()
         try:
             figures = await drive(self.addresses(p), PREDICT, self.predicts(f"{self.run_id}-sustained", int(rate * seconds)),
-                                  check=classify, concurrency=64, rate_per_s=rate, duration_s=seconds, timeout_s=2.0,
+                                  check=classify, concurrency=64, rate_per_s=rate, duration_s=seconds, timeout_s=CALL_TIMEOUT_S,
                                   outcomes=outcomes, cpu_of={"inference": p.inference.cpu_seconds,
                                                              **{f"prediction-{k + 1}": r.cpu_seconds
                                                                 for k, r in enumerate(p.predictions)}})
@@ -300,7 +303,7 @@ class Soak:
             figures, _ = await asyncio.gather(
                 drive(self.addresses(p), PREDICT, self.predicts(f"{self.run_id}-inference-killed",
                                                                    int(rate * bound_s), repeat_lag=int(2 * rate)),
-                      check=classify, concurrency=64, rate_per_s=rate, duration_s=bound_s, timeout_s=2.0,
+                      check=classify, concurrency=64, rate_per_s=rate, duration_s=bound_s, timeout_s=CALL_TIMEOUT_S,
                       outcomes=outcomes, stop=done),
                 fault(t0))
         finally:
@@ -359,7 +362,7 @@ class Soak:
         try:
             figures, _ = await asyncio.gather(
                 drive(self.addresses(p), PREDICT, payloads, check=classify, concurrency=64, rate_per_s=rate,
-                      duration_s=bound_s, timeout_s=2.0, outcomes=outcomes, stop=done),
+                      duration_s=bound_s, timeout_s=CALL_TIMEOUT_S, outcomes=outcomes, stop=done),
                 fault(t0))
             acknowledged = self.decisions(outcomes)
             for items in burst.acknowledged.values():
@@ -511,7 +514,7 @@ class Soak:
         try:
             figures, _ = await asyncio.gather(
                 drive(self.addresses(p), PREDICT, self.predicts(prefix, int(rate * total_s)), check=classify,
-                      concurrency=64, rate_per_s=rate, duration_s=total_s, timeout_s=2.0, outcomes=outcomes),
+                      concurrency=64, rate_per_s=rate, duration_s=total_s, timeout_s=CALL_TIMEOUT_S, outcomes=outcomes),
                 fault(t0))
             await self.reconcile(result, prefix, self.decisions(outcomes))
             result.figures["backlog_cleared_after_s"] = (round(marks["caught_up"] - marks["restored"], 2)
