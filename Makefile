@@ -47,11 +47,12 @@ train: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mlpair demo --model-repository $(MODEL_REPOSITORY)
 
-# promtool (from Debian's prometheus package) validates deploy/observability's alerting rules offline.
-$(VENV)/bin/promtool: | $(STAMP)
+# promtool (from Debian's prometheus package) validates deploy/observability's alerting rules offline;
+# the prometheus server from the same package runs them live against both services in `make test`.
+$(VENV)/bin/promtool $(VENV)/bin/prometheus: | $(STAMP)
 	bash deploy/observability/fetch-promtool.sh $@
 
-test: $(STAMP) tools $(VENV)/bin/promtool
+test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus
 	$(PY) -m pytest -q
 
 # Benchmark (not a test): InferenceService side by side with PyTriton, tritonserver + Python backend,

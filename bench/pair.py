@@ -329,7 +329,9 @@ def scratch_postgres(prefix: str = "mlpair_bench") -> Iterator[str | None]:
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``upstream``; :meth:`cut` drops every connection and refuses
     new ones until :meth:`restore`; :meth:`lose_reply_after` drops one connection right after
-    the client sent a given message, so the server acts on it but the client never hears back."""
+    the client sent a given message, so the server acts on it but the client never hears back;
+    ``delay_s`` (settable at any time) holds every chunk that long in each direction, in order,
+    without limiting throughput: injected latency on the hop."""
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -339,6 +341,7 @@ class TcpProxy:
         self._lose_after: bytes | None = None
         self.connections = 0
         self.replies_lost = 0
+        self.delay_s = 0.0
 
     def lose_reply_after(self, marker: bytes) -> None:
         """The next time a client sends bytes containing ``marker`` (e.g. ``b"COMMIT"``), they
@@ -376,6 +379,9 @@ class TcpProxy:
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_client: bool) -> None:
             try:
                 while data := await src.read(65536):
+                    if self.delay_s > 0:  # equal delays fire in order: the stream stays intact
+                        asyncio.get_running_loop().call_later(self.delay_s, _write_if_open, dst, data)
+                        continue
                     dst.write(data)
                     await dst.drain()
                     if from_client and self._lose_after is not None and self._lose_after in data:
@@ -391,6 +397,11 @@ class TcpProxy:
 
         await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
         self._writers -= {writer, up_writer}
+
+
+def _write_if_open(writer: asyncio.StreamWriter, data: bytes) -> None:
+    if not writer.is_closing():
+        writer.write(data)
 
 
 def machine() -> dict:

@@ -33,6 +33,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 # at import, not on first use: importing scipy.stats takes ~0.5 s holding the GIL, which would
@@ -41,6 +42,10 @@ from scipy.stats import chi2_contingency, kstwo
 
 from mlpair.contracts.manifest import SCORE_BASELINE, ModelEntry
 from mlpair.prediction import metrics
+
+if TYPE_CHECKING:
+    from mlpair.prediction.families import ModelFamily
+    from mlpair.prediction.signals import FamilySignals
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +109,28 @@ class DriftReport:
         return {**asdict(self), "drifted": self.drifted, "drifted_features": self.drifted_features}
 
 
+def baseline_cdf(points: np.ndarray, quantiles: np.ndarray, side: str = "right") -> np.ndarray:
+    """The training CDF given by ``quantiles`` ``[k]`` (at evenly spaced levels 0 … 1), at ``points``.
+
+    Linear between distinct quantiles; a value repeated in the quantiles is an atom where the CDF
+    jumps: ``side="right"`` gives F(p) = P(X ≤ p), ``side="left"`` the limit from the left,
+    P(X < p).
+
+    Returns:
+        ``[len(points)] float64`` in [0, 1].
+    """
+    q = np.asarray(quantiles, dtype=np.float64)
+    points = np.asarray(points, dtype=np.float64)
+    k = len(q)
+    levels = np.linspace(0.0, 1.0, k)
+    j = np.searchsorted(q, points, side=side)  # q[j-1] ≤ p < q[j] (right) or q[j-1] < p ≤ q[j] (left)
+    lo, hi = np.clip(j - 1, 0, k - 1), np.clip(j, 0, k - 1)
+    gap = q[hi] - q[lo]
+    frac = np.divide(points - q[lo], gap, out=np.zeros_like(points), where=gap > 0)
+    cdf = levels[lo] + frac * (levels[hi] - levels[lo])
+    return np.where(j == 0, 0.0, np.where(j == k, 1.0, cdf))
+
+
 def ks_against_quantiles(sample: np.ndarray, quantiles: np.ndarray, reference_rows: int) -> tuple[float, float]:
     """Two-sample KS statistic and p-value of ``sample`` ``[n]`` against a reference given by
     its quantiles ``[k]`` at evenly spaced levels 0 … 1, taken from ``reference_rows`` rows.
@@ -114,24 +141,14 @@ def ks_against_quantiles(sample: np.ndarray, quantiles: np.ndarray, reference_ro
     """
     x = np.sort(np.asarray(sample, dtype=np.float64).round(BASELINE_DECIMALS))
     q = np.asarray(quantiles, dtype=np.float64)
-    n, k = len(x), len(q)
+    n = len(x)
     if n == 0:
         return 0.0, 1.0
-    levels = np.linspace(0.0, 1.0, k)
     points = np.unique(np.concatenate([x, q]))
-
-    def reference_cdf(side: str) -> np.ndarray:
-        j = np.searchsorted(q, points, side=side)  # q[j-1] ≤ p < q[j] (right) or q[j-1] < p ≤ q[j] (left)
-        lo, hi = np.clip(j - 1, 0, k - 1), np.clip(j, 0, k - 1)
-        gap = q[hi] - q[lo]
-        frac = np.divide(points - q[lo], gap, out=np.zeros_like(points), where=gap > 0)
-        cdf = levels[lo] + frac * (levels[hi] - levels[lo])
-        return np.where(j == 0, 0.0, np.where(j == k, 1.0, cdf))
-
     sample_right = np.searchsorted(x, points, side="right") / n
     sample_left = np.searchsorted(x, points, side="left") / n
-    d = float(max(np.abs(sample_right - reference_cdf("right")).max(),
-                  np.abs(sample_left - reference_cdf("left")).max()))
+    d = float(max(np.abs(sample_right - baseline_cdf(points, q, "right")).max(),
+                  np.abs(sample_left - baseline_cdf(points, q, "left")).max()))
     effective = max(1, round(n * reference_rows / (n + reference_rows)))
     return d, float(kstwo.sf(d, effective))
 
@@ -168,9 +185,12 @@ class DriftMonitor:
     Args:
         entry: the model entry whose manifest baselines and preprocessing define the reference.
         config: window size and thresholds.
+        score_entry: the version whose calibration-split scores are the score's reference (the
+            one that decides); default ``entry``.
     """
 
-    def __init__(self, entry: ModelEntry, config: DriftConfig = DriftConfig()) -> None:
+    def __init__(self, entry: ModelEntry, config: DriftConfig = DriftConfig(),
+                 score_entry: ModelEntry | None = None) -> None:
         manifest, preprocessing = entry.manifest, entry.preprocessing
         self.model_name = manifest.model_name
         self.model_version = manifest.model_version
@@ -192,7 +212,7 @@ class DriftMonitor:
             cols = [j for j, name in enumerate(names) if name.startswith(feat.name + "=")]
             freq = np.array([base["frequencies"].get(names[j].split("=", 1)[1], 0.0) for j in cols])
             self._categorical.append((feat.name, cols, freq / freq.sum()))
-        score = baselines.get(SCORE_BASELINE)
+        score = (score_entry or entry).manifest.baselines.get(SCORE_BASELINE)
         self._score = (np.asarray(score["quantiles"], dtype=np.float64), int(score["n"])) if score else None
         missing = set(preprocessing.feature_schema.attribute_names) - {f for f, *_ in self._numeric} \
             - {f for f, *_ in self._categorical}
@@ -267,21 +287,44 @@ def export(report: DriftReport) -> None:
 
 
 class DriftMonitors:
-    """The monitors of every served model family, and the periodic evaluation task."""
+    """The monitors of every served model family, the periodic evaluation task, and the
+    distribution signals every replica contributes to (:mod:`mlpair.prediction.signals`)."""
 
-    def __init__(self, monitors: Mapping[str, DriftMonitor]) -> None:
+    def __init__(self, monitors: Mapping[str, DriftMonitor], signals: Mapping[str, FamilySignals] | None = None) -> None:
         self.monitors = dict(monitors)
+        self.signals = dict(signals or {})
         self._task: asyncio.Task | None = None
 
     @classmethod
     def for_entries(cls, entries: Mapping[str, ModelEntry], config: DriftConfig) -> DriftMonitors:
         return cls({name: DriftMonitor(entry, config) for name, entry in entries.items()})
 
+    @classmethod
+    def for_families(cls, families: Mapping[str, ModelFamily], config: DriftConfig) -> DriftMonitors:
+        """Monitors and signals of the served families; the score's reference is the deciding
+        (first) member's, the features' the family's pinned version's. Sets the static gauges
+        (thresholds, Bonferroni level, baselines) at once, so the rules can use them before the
+        first evaluation."""
+        from mlpair.prediction.signals import FamilySignals
+
+        monitors, signals = {}, {}
+        for name, family in families.items():
+            deciding = family.members[0].entry
+            monitors[name] = monitor = DriftMonitor(family.entry, config, score_entry=deciding)
+            signals[name] = FamilySignals(family.entry, deciding, family.policy)
+            metrics.DRIFT_CORRECTED_ALPHA.labels(name).set(config.alpha / max(1, monitor.tests))
+            metrics.DRIFT_THRESHOLD.labels(name, "ks").set(config.ks_threshold)
+            metrics.DRIFT_THRESHOLD.labels(name, "chi2").set(config.categorical_threshold)
+        return cls(monitors, signals)
+
     def observe(self, model_name: str, vector: np.ndarray, score: float) -> None:
         """Records one decision of ``model_name`` (ignored for a family without a monitor)."""
         monitor = self.monitors.get(model_name)
         if monitor is not None:
             monitor.observe(vector, score)
+        signals = self.signals.get(model_name)
+        if signals is not None:
+            signals.observe(vector, score)
 
     async def evaluate(self) -> list[DriftReport]:
         """Reports for every family, computed off the event loop, exported as gauges."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.utils import floatToGoString
 
 
 @functools.cache
@@ -137,3 +138,55 @@ DRIFT_THRESHOLD = Gauge("prediction_drift_threshold", "Effect-size threshold of 
                         ["model", "test"])
 DRIFT_CORRECTED_ALPHA = Gauge("prediction_drift_corrected_alpha",
                               "Per-test significance level: alpha / number of tests (Bonferroni).", ["model"])
+
+# -- Distribution signals every replica contributes to (signals.py): drift across replicas and
+# threshold probing. Counters and histograms sum across replicas and workers; the baseline gauges
+# are the same everywhere (set from the manifest at start-up: aggregate them with max).
+RANK_BUCKETS = tuple(round(i / 20, 2) for i in range(1, 20))  # rank levels 0.05 … 0.95
+RANK_BUCKET_LABELS = tuple(floatToGoString(b) for b in RANK_BUCKETS)  # as the exposition writes `le`
+RANK_OBSERVED = (*RANK_BUCKETS, 1.0)  # the value observed for bucket i (1.0: above every edge)
+DRIFT_RANK = Histogram("prediction_drift_rank",
+                       "Rank of each decision's feature value (or calibrated score, feature=score) in its training "
+                       "distribution; bucket le=l counts values at or below the training value of rank l.",
+                       ["model", "feature"], buckets=RANK_BUCKETS)
+DRIFT_RANK_BASELINE = Gauge("prediction_drift_rank_baseline",
+                            "Share of the training rows in each prediction_drift_rank bucket (cumulative, by le).",
+                            ["model", "feature", "le"], multiprocess_mode="max")
+DRIFT_CATEGORY = Counter("prediction_drift_category_total", "Decisions by category of each categorical feature.",
+                         ["model", "feature", "category"])
+DRIFT_CATEGORY_BASELINE = Gauge("prediction_drift_category_baseline",
+                                "Training frequency of each category of each categorical feature.",
+                                ["model", "feature", "category"], multiprocess_mode="max")
+DRIFT_BASELINE_ROWS = Gauge("prediction_drift_baseline_rows",
+                            "Rows behind each training baseline (training split; calibration split for the score).",
+                            ["model", "feature"], multiprocess_mode="max")
+NEAR_THRESHOLD = Counter("prediction_near_threshold_total",
+                         "Decisions whose calibrated probability lies just below a decision threshold (within 0.02).",
+                         ["model", "threshold"])
+NEAR_THRESHOLD_BASELINE = Gauge("prediction_near_threshold_baseline_ratio",
+                                "Share of calibration-split scores in the same band below each threshold.",
+                                ["model", "threshold"], multiprocess_mode="max")
+
+# Why inference was not used for a row (the reasons of errors.InferenceUnavailable and its subclasses).
+DEGRADED_REASONS = ("INFERENCE_UNAVAILABLE", "INFERENCE_TIMEOUT", "CIRCUIT_OPEN")
+
+
+def declare(model: str, decisions: tuple[str, ...]) -> None:
+    """Creates one model family's request, decision and degraded-mode series at zero at start-up.
+
+    A labelled series appears only when first incremented: until the first fallback, a ratio
+    such as fallbacks / requests has no numerator, so its panel reads "no data" rather than 0 and
+    a resolved burn-rate alert has nothing to compare. Label values here come from the policy
+    and this module, never from clients.
+    """
+    labelled(REQUESTS, model, "OK")
+    labelled(REQUEST_DURATION, model)
+    for decision in decisions:
+        labelled(DECISIONS, model, decision)
+    for reason in DEGRADED_REASONS:
+        labelled(FALLBACKS, model, reason)
+        labelled(STALE_SERVED, model, reason)
+    for outcome in ("ok", "error"):
+        labelled(CRM_WRITES, model, outcome)
+    for counter in (UNKNOWN_ATTRIBUTES, IDEMPOTENT_REPLAYS, IDEMPOTENCY_KEY_REUSED):
+        labelled(counter, model)

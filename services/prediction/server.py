@@ -101,7 +101,9 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
     for family in families.values():
         add_personal_fields(family.entry.preprocessing.feature_schema.personal_data)
     set_process_model_version(",".join(f"{name}:{f.entry.manifest.model_version}" for name, f in families.items()))
-    drift = DriftMonitors.for_entries({name: f.entry for name, f in families.items()}, drift_config(settings))
+    for name, family in families.items():
+        metrics.declare(name, family.policy.decisions)
+    drift = DriftMonitors.for_families(families, drift_config(settings))
     return Predictor(families, settings.model_name, build_scorer(settings, tracer_provider=tracer_provider), recorder,
                      max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
                      explain_top_k=settings.explain_top_reasons, drift=drift, unknown_attributes=settings.unknown_attributes)

@@ -130,6 +130,35 @@ def is_istio(obj: Obj) -> bool:
     return group.endswith(".istio.io")
 
 
+def is_argo(obj: Obj) -> bool:
+    """Argo Rollouts' kinds (Rollout, AnalysisTemplate): validated against its CRDs, not Kubernetes'."""
+    return str(obj.get("apiVersion", "")).split("/")[0] == "argoproj.io"
+
+
+def rollout_of(workload: Obj, objects: Iterable[Obj]) -> Obj | None:
+    """The Argo Rollout that runs ``workload``'s pod template (spec.workloadRef), if any."""
+    for rollout in of_kind(objects, "Rollout"):
+        ref = rollout["spec"].get("workloadRef") or {}
+        if ref.get("kind") == workload["kind"] and ref.get("name") == workload["metadata"]["name"]:
+            return rollout
+    return None
+
+
+def autoscaler_of(workload: Obj, objects: list[Obj]) -> Obj:
+    """The HPA that scales ``workload``'s pods: the one targeting it, or the Rollout running it.
+
+    Raises:
+        LookupError: not exactly one.
+    """
+    owner = rollout_of(workload, objects) or workload
+    matches = [hpa for hpa in of_kind(objects, "HorizontalPodAutoscaler")
+               if hpa["spec"]["scaleTargetRef"]["kind"] == owner["kind"]
+               and hpa["spec"]["scaleTargetRef"]["name"] == owner["metadata"]["name"]]
+    if len(matches) != 1:
+        raise LookupError(f"expected one HorizontalPodAutoscaler scaling {name_of(owner)}, found {len(matches)}")
+    return matches[0]
+
+
 # --------------------------------------------------------------------------- Kubernetes schemas
 
 
@@ -199,15 +228,17 @@ _METADATA_SCHEMA = {
 }
 
 
-class IstioSchemas:
-    """Validators for every served version of every kind in Istio's CRD file."""
+class CrdSchemas:
+    """Validators for every served version of every kind in a project's CRD files (Istio's,
+    Argo Rollouts')."""
 
-    def __init__(self, crd_file: Path) -> None:
+    def __init__(self, crd_files: Path | list[Path], project: str = "Istio") -> None:
         import jsonschema
 
-        self.source = crd_file
+        files = [crd_files] if isinstance(crd_files, Path) else list(crd_files)
+        self.source, self.project = files[0], project
         self._validators: dict[tuple[str, str], tuple[Any, dict]] = {}
-        for crd in load_file(crd_file):
+        for crd in (obj for path in files for obj in load_file(path)):
             if crd.get("kind") != "CustomResourceDefinition":
                 continue
             group = crd["spec"]["group"]
@@ -234,7 +265,7 @@ class IstioSchemas:
         """Schema problems plus failed CEL validation rules (x-kubernetes-validations)."""
         key = (str(obj.get("apiVersion")), str(obj.get("kind")))
         if key not in self._validators:
-            return [f"{name_of(obj)}: no Istio CRD in {self.source.name} serves {key[0]} {key[1]}"]
+            return [f"{name_of(obj)}: no {self.project} CRD in {self.source.name} serves {key[0]} {key[1]}"]
         validator, schema = self._validators[key]
         problems = []
         for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.path)):
@@ -242,6 +273,9 @@ class IstioSchemas:
             problems.append(f"{name_of(obj)} @ {location}: {error.message}")
         problems.extend(f"{name_of(obj)} @ {p}" for p in cel_errors(schema, obj))
         return problems
+
+
+IstioSchemas = CrdSchemas
 
 
 @functools.cache

@@ -156,7 +156,7 @@ def rollout_problems(workload: Obj, objects: list[Obj]) -> list[str]:
     strategy = workload["spec"].get("strategy") or {}
     if strategy.get("type", "RollingUpdate") != "RollingUpdate":
         return [f"{where}: strategy {strategy['type']} stops every pod before starting new ones"]
-    hpa = dc.by_name(objects, "HorizontalPodAutoscaler", workload["metadata"]["name"])
+    hpa = dc.autoscaler_of(workload, objects)
     minimum = hpa["spec"]["minReplicas"]
     rolling = strategy.get("rollingUpdate") or {}
     problems = []

@@ -1,25 +1,23 @@
-"""Every step of docs/canary-runbook.md renders to a valid, consistent production state.
+"""Progressive delivery of PredictionService: the Argo Rollout and its analysis, and every step of
+docs/canary-runbook.md rendered to a valid production state.
 
-Each step is simulated the way an operator performs it: the four files of the prod overlay that the
-runbook edits are rewritten for the step, in a copy of the overlay under tmp_path whose resources
-point back at the real deploy/ tree:
-
-* kustomization.yaml: which model versions are mounted (components: the release) and whether
-  the canary track runs (resources);
-* track-stable.yaml, track-canary.yaml: the version that decides for each family on each track,
-  and the shadow;
-* canary.yaml: the Istio subsets of the tracks and the traffic weights between them.
-
-The result goes through the same checks as the committed overlays.
+The Rollout (deploy/k8s/progressive-delivery) runs the prediction-stable Deployment's template and
+canaries every change of it 1% -> 30% -> 100% over Istio, judged by the AnalysisTemplate on the
+project's own metrics (tests/observability/test_live_prometheus.py runs those queries against a
+live Prometheus). A runbook step is simulated the way an operator performs it: the two files of
+the prod overlay it edits (kustomization.yaml: the mounted release; track-stable.yaml: the version
+that decides and the shadow) are rewritten in a copy of the overlay under tmp_path whose resources
+point back at the real deploy/ tree, and the result goes through the checks the committed
+overlays are held to.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
+import re
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import deploy_checks as dc
@@ -28,8 +26,11 @@ import pytest
 import yaml
 
 PROD = dc.K8S_DIR / "overlays" / "prod"
-HOST = dc.fqdn("prediction")
-TRACK_FILES = {"stable": "track-stable.yaml", "canary": "track-canary.yaml"}
+ARGO_CRD_DIR = dc.SHARED_DIR / "schemas" / "argo-rollouts"
+# What the analysis judges (the issue's list): errors, latency, fallbacks, decision disagreement
+# and logit difference against the stable version (the shadow metrics), drift.
+ANALYSIS_METRICS = {"error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement", "logit-difference-p99",
+                    "score-drift"}
 
 
 @dataclass(frozen=True)
@@ -37,91 +38,46 @@ class State:
     """What the runbook's files say at one step (credit-risk version 2 replacing version 1)."""
 
     release: tuple[str, ...]  # model-version components, "<family>/<N>"
-    weights: dict[str, int]  # track -> percent of live traffic; the tracks that run
-    deciding: dict[str, dict[str, str]]  # track -> family -> the version that decides
-    shadows: dict[str, str] = field(default_factory=dict)  # stable track: family -> shadow version
+    deciding: dict[str, str]  # family -> the version that decides
+    shadows: dict[str, str] = field(default_factory=dict)  # family -> shadow version
 
 
-TIER_0 = State(
-    release=("credit-risk/1", "churn/1", "credit-risk/2"),
-    weights={"stable": 100, "canary": 0},
-    deciding={
-        "stable": {"credit-risk": "1", "churn": "1"},
-        "canary": {"credit-risk": "2", "churn": "1"},
-    },
-    shadows={"credit-risk": "2"},
-)
-PROMOTED = {"stable": {"credit-risk": "2", "churn": "1"}, "canary": TIER_0.deciding["canary"]}
 STEPS = {
-    "tier-0-shadow": TIER_0,
-    "tier-1": replace(TIER_0, weights={"stable": 99, "canary": 1}),
-    "tier-2": replace(TIER_0, weights={"stable": 70, "canary": 30}),
-    "tier-3": replace(TIER_0, weights={"stable": 0, "canary": 100}),
-    # Finish: the stable track adopts version 2 while it has no traffic, takes the traffic back,
-    # then version 1 and the canary track retire.
-    "finish-1-promote": replace(
-        TIER_0, weights={"stable": 0, "canary": 100}, deciding=PROMOTED, shadows={}
-    ),
-    "finish-2-return": replace(TIER_0, deciding=PROMOTED, shadows={}),
-    "finish-3-retire": State(
-        release=("churn/1", "credit-risk/2"),
-        weights={"stable": 100},
-        deciding={"stable": PROMOTED["stable"]},
-    ),
-    # Abort: all traffic back to the stable track at once, then version 2 retires.
-    "abort": TIER_0,
-    "abort-retire": State(
-        release=("credit-risk/1", "churn/1"),
-        weights={"stable": 100},
-        deciding={"stable": TIER_0.deciding["stable"]},
-    ),
+    # Committed: version 2 mounted and shadowed on live traffic, version 1 decides.
+    "shadow": State(("credit-risk/1", "churn/1", "credit-risk/2"), {"credit-risk": "1", "churn": "1"},
+                    {"credit-risk": "2"}),
+    # The canary: the template decides with 2 and compares with 1 (the analysis's shadow metrics).
+    "canary": State(("credit-risk/1", "churn/1", "credit-risk/2"), {"credit-risk": "2", "churn": "1"},
+                    {"credit-risk": "1"}),
+    # Promoted: version 1 retires (its mount and the comparison with it), itself a rollout.
+    "retire-after-promotion": State(("churn/1", "credit-risk/2"), {"credit-risk": "2", "churn": "1"}),
+    # Aborted: version 2 retires; version 1 decided throughout.
+    "retire-after-abort": State(("credit-risk/1", "churn/1"), {"credit-risk": "1", "churn": "1"}),
 }
 
 
-def _destination(track: str) -> dict:
-    return {"host": HOST, "subset": track, "port": {"number": 9001}}
+@pytest.fixture(scope="session")
+def argo_schemas() -> dc.CrdSchemas:
+    """Validators from Argo Rollouts' CRD files in ../shared (data only, never copied here)."""
+    files = sorted(ARGO_CRD_DIR.glob("*-crd.yaml"))
+    if not files:
+        pytest.skip(f"Argo Rollouts CRD schemas not found in {ARGO_CRD_DIR}; the Rollout schema checks need them")
+    return dc.CrdSchemas(files, "Argo Rollouts")
 
 
-def canary_state(weights: dict[str, int]) -> list[dict]:
-    """canary.yaml for the given weights, written the way the runbook says: a subset and a pinned
-    route for every running track, then the weighted route."""
-    rule, service = dc.load_file(PROD / "canary.yaml")
-    template = copy.deepcopy(service["spec"]["http"][-1])  # keeps timeout and retries
-    rule["spec"]["subsets"] = [
-        {"name": track, "labels": {"mlpair.io/track": track}} for track in weights
-    ]
-    http = []
-    for track in weights:
-        pinned = copy.deepcopy(template)
-        pinned["name"] = f"pinned-{track}"
-        pinned["match"] = [{"headers": {"x-mlpair-track": {"exact": track}}}]
-        pinned["route"] = [{"destination": _destination(track)}]
-        http.append(pinned)
-    weighted = copy.deepcopy(template)
-    weighted["name"] = "weighted"
-    weighted["route"] = [{"destination": _destination(t), "weight": w} for t, w in weights.items()]
-    http.append(weighted)
-    service["spec"]["http"] = http
-    return [rule, service]
-
-
-def track_state(track: str, deciding: dict[str, str], shadows: dict[str, str]) -> dict:
-    """track-<track>.yaml: the deciding version of every family (and the shadows)."""
-    (patch,) = dc.load_file(PROD / TRACK_FILES[track])
-    env = [
-        {
-            "name": "PREDICTION_ENSEMBLES",
-            "value": json.dumps({family: [version] for family, version in deciding.items()}),
-        }
-    ]
-    if shadows:
-        env.append({"name": "PREDICTION_SHADOWS", "value": json.dumps(shadows)})
+def track_state(state: State) -> dict:
+    """track-stable.yaml for a state."""
+    (patch,) = dc.load_file(PROD / "track-stable.yaml")
+    env = [{"name": "PREDICTION_ENSEMBLES",
+            "value": json.dumps({family: [version] for family, version in state.deciding.items()})}]
+    if state.shadows:
+        env.append({"name": "PREDICTION_SHADOWS", "value": json.dumps(state.shadows)})
     patch["spec"]["template"]["spec"]["containers"][0]["env"] = env
     return patch
 
 
-def overlay(tmp_path: Path, state: State, canary: list[dict] | None = None) -> Path:
-    """A copy of the prod overlay in `state` (canary.yaml from `canary` when given)."""
+def overlay(tmp_path: Path, state: State) -> Path:
+    """A copy of the prod overlay in ``state``."""
     target = tmp_path / "prod"
     target.mkdir()
     kustomization = yaml.safe_load((PROD / "kustomization.yaml").read_text())
@@ -129,126 +85,144 @@ def overlay(tmp_path: Path, state: State, canary: list[dict] | None = None) -> P
     def relative(path: Path) -> str:
         return os.path.relpath(path, target)  # kustomize refuses absolute paths
 
-    resources = [
-        relative((PROD / r).resolve())
-        for r in kustomization["resources"]
-        if (PROD / r).resolve() != dc.K8S_DIR / "tracks" / "canary"
-    ]
-    if "canary" in state.weights:
-        resources.append(relative(dc.K8S_DIR / "tracks" / "canary"))
-    kustomization["resources"] = resources
+    kustomization["resources"] = [relative((PROD / r).resolve()) for r in kustomization["resources"]]
     kustomization["components"] = [
-        relative(dc.K8S_DIR / "model-versions" / version) for version in state.release
-    ]
-    patches = []
+        relative((PROD / c).resolve()) for c in kustomization["components"] if "model-versions" not in c
+    ] + [relative(dc.K8S_DIR / "model-versions" / version) for version in state.release]
     for patch in kustomization["patches"]:
-        name = patch.get("path")
-        if name == TRACK_FILES["canary"] and "canary" not in state.weights:
-            continue
-        if name is not None and name not in TRACK_FILES.values() and name != "canary.yaml":
-            shutil.copy(PROD / name, target / name)
-        patches.append(patch)
-    kustomization["patches"] = patches
+        if patch.get("path") not in (None, "track-stable.yaml"):
+            shutil.copy(PROD / patch["path"], target / patch["path"])
     (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
-    for track in state.weights:
-        shadows = state.shadows if track == "stable" else {}
-        (target / TRACK_FILES[track]).write_text(
-            yaml.safe_dump(track_state(track, state.deciding[track], shadows), sort_keys=False)
-        )
-    canary = canary if canary is not None else canary_state(state.weights)
-    (target / "canary.yaml").write_text(yaml.safe_dump_all(canary, sort_keys=False))
+    (target / "track-stable.yaml").write_text(yaml.safe_dump(track_state(state), sort_keys=False))
     return target
 
 
-def optional_istio_schemas(request: pytest.FixtureRequest) -> dc.IstioSchemas | None:
-    """Istio's CRD schemas when ../shared is there; the other checks run either way."""
-    try:
-        return request.getfixturevalue("istio_schemas")
-    except pytest.skip.Exception:
-        return None
-
-
-def problems_of(objects: list[dict], istio_schemas: dc.IstioSchemas | None) -> list[str]:
+def problems_of(objects: list[dict], istio_schemas, argo_schemas) -> list[str]:
     """Everything the committed overlays are held to, in one list."""
     problems = dc.route_problems(objects) + dc.release_problems(objects)
     for obj in objects:
         if dc.is_istio(obj):
-            if istio_schemas is not None:
-                problems += istio_schemas.errors(obj)
+            problems += istio_schemas.errors(obj) if istio_schemas else []
+        elif dc.is_argo(obj):
+            problems += argo_schemas.errors(obj) if argo_schemas else []
         else:
             problems += dc.kubernetes_schema_errors(obj, dc.KUBERNETES_VERSIONS[-1])
         if obj["kind"] in dc.WORKLOAD_KINDS:
             problems += dc.lint_workload(obj)
             if dc.app_of(obj) == "prediction":
                 problems += lc.ledger_problems(obj, objects) + lc.rollout_problems(obj, objects)
-    problems += lc.migrate_job_problems(objects) + lc.migrate_order_problems(objects)
-    # Each subset selects exactly one running track, and each running track has a subset.
-    rule = dc.by_name(objects, "DestinationRule", "prediction")
-    tracks = {dc.pod_labels(w)["mlpair.io/track"] for w in dc.workloads(objects, "prediction")}
-    for subset in rule["spec"].get("subsets", ()):
-        selected = [
-            w
-            for w in dc.workloads(objects)
-            if dc.selector_matches(subset["labels"], dc.pod_labels(w))
-        ]
-        if len(selected) != 1:
-            problems.append(f"subset {subset['name']} selects {len(selected)} workloads")
-    subset_tracks = {s["labels"]["mlpair.io/track"] for s in rule["spec"].get("subsets", ())}
-    if tracks != subset_tracks:
-        problems.append(f"running tracks {sorted(tracks)} != subsets {sorted(subset_tracks)}")
-    return problems
+    return problems + lc.migrate_job_problems(objects) + lc.migrate_order_problems(objects)
 
 
-def deciding_versions(objects: list[dict]) -> dict[str, dict[str, list[str]]]:
-    return {
-        dc.pod_labels(w)["mlpair.io/track"]: dc.json_setting(
-            dc.settings_of(w, objects), "PREDICTION_ENSEMBLES", {}
-        )
-        for w in dc.workloads(objects, "prediction")
-    }
+def optional(request: pytest.FixtureRequest, name: str):
+    """A schema fixture when ../shared is there; the other checks run either way."""
+    try:
+        return request.getfixturevalue(name)
+    except pytest.skip.Exception:
+        return None
+
+
+def the(objects: list[dict], kind: str) -> dict:
+    (obj,) = dc.of_kind(objects, kind)
+    return obj
+
+
+# -- the Rollout and its analysis ---------------------------------------------------------------------
+
+
+def test_argo_objects_match_the_argo_rollouts_crds(rendered: dict, argo_schemas: dc.CrdSchemas) -> None:
+    objects = [obj for obj in rendered["prod"] if dc.is_argo(obj)]
+    assert sorted(dc.name_of(o) for o in objects) == ["AnalysisTemplate/prediction-canary",
+                                                      "Rollout/prediction-rollout"]
+    assert [p for obj in objects for p in argo_schemas.errors(obj)] == []
+    assert not any(dc.is_argo(obj) for obj in rendered["dev"])
+
+
+def test_argo_schema_rejects_mistyped_fields(rendered: dict, argo_schemas: dc.CrdSchemas) -> None:
+    rollout = json.loads(json.dumps(the(rendered["prod"], "Rollout")))
+    rollout["spec"]["strategy"]["canary"]["stepz"] = rollout["spec"]["strategy"]["canary"].pop("steps")
+    rollout["spec"]["strategy"]["canary"]["maxUnavailable"] = [0]
+    problems = "\n".join(argo_schemas.errors(rollout))
+    assert "'stepz' was unexpected" in problems and "maxUnavailable" in problems
+
+
+def test_canary_steps_are_1_30_100_each_held_and_judged(rendered: dict) -> None:
+    canary = the(rendered["prod"], "Rollout")["spec"]["strategy"]["canary"]
+    weights = [s["setWeight"] for s in canary["steps"] if "setWeight" in s]
+    assert weights == [1, 30, 100]
+    # Every weight is held before the next one (the analysis measures during the hold).
+    for i, step in enumerate(canary["steps"]):
+        if "setWeight" in step:
+            assert dc.duration_ms(canary["steps"][i + 1]["pause"]["duration"]) >= 3_600_000
+    # Background analysis from the first step on: a breach at 1%, 30% or 100% aborts.
+    assert canary["analysis"]["startingStep"] == 1
+    assert [t["templateName"] for t in canary["analysis"]["templates"]] == ["prediction-canary"]
+
+
+def test_analysis_judges_the_projects_own_metrics_and_aborts_on_one_breach(rendered: dict) -> None:
+    objects = rendered["prod"]
+    template = the(objects, "AnalysisTemplate")["spec"]
+    rollout_args = {a["name"] for a in the(objects, "Rollout")["spec"]["strategy"]["canary"]["analysis"]["args"]}
+    declared = {a["name"]: a for a in template["args"]}
+    assert {m["name"] for m in template["metrics"]} == ANALYSIS_METRICS
+    for metric in template["metrics"]:
+        assert metric["failureLimit"] == 0 and "successCondition" not in metric, metric["name"]
+        query = metric["provider"]["prometheus"]["query"]
+        # The canary's pods only, by the revision hash Argo passes.
+        assert 'rollouts_pod_template_hash="{{args.canary-hash}}"' in query, metric["name"]
+        used = set(re.findall(r"\{\{args\.([\w-]+)\}\}", json.dumps(metric)))
+        assert used <= set(declared), metric["name"]
+        # Every argument a metric uses has a value: from the Rollout or a default here.
+        assert all(name in rollout_args or "value" in declared[name] for name in used), metric["name"]
+
+
+def test_rollout_runs_the_stable_track_and_argo_drives_its_routes(rendered: dict) -> None:
+    objects = rendered["prod"]
+    rollout = the(objects, "Rollout")
+    (workload,) = dc.workloads(objects, "prediction")
+    assert dc.rollout_of(workload, objects) is rollout
+    assert rollout["spec"]["selector"] == workload["spec"]["selector"]
+    assert dc.autoscaler_of(workload, objects)["spec"]["scaleTargetRef"]["kind"] == "Rollout"
+    canary = rollout["spec"]["strategy"]["canary"]
+    assert canary["maxUnavailable"] == 0  # as the Deployment's: never below the HPA's count
+    istio = canary["trafficRouting"]["istio"]
+    service = dc.by_name(objects, "VirtualService", istio["virtualService"]["name"])
+    (weighted,) = [r for r in service["spec"]["http"] if r["name"] in istio["virtualService"]["routes"]]
+    # At rest, and after an abort: everything on the stable subset.
+    assert {d["destination"]["subset"]: d["weight"] for d in weighted["route"]} == {
+        istio["destinationRule"]["stableSubsetName"]: 100, istio["destinationRule"]["canarySubsetName"]: 0}
+    rule = dc.by_name(objects, "DestinationRule", istio["destinationRule"]["name"])
+    for subset in rule["spec"]["subsets"]:
+        assert dc.selector_matches(subset["labels"], dc.pod_labels(workload)), subset["name"]
+
+
+# -- the runbook's steps ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("step", STEPS)
-def test_runbook_step_renders_a_valid_state(
-    step: str,
-    tmp_path: Path,
-    kubectl: Path,
-    kubernetes_validate_installed: None,
-    request: pytest.FixtureRequest,
-) -> None:
+def test_runbook_step_renders_a_valid_state(step: str, tmp_path: Path, kubectl: Path,
+                                            kubernetes_validate_installed: None,
+                                            request: pytest.FixtureRequest) -> None:
     state = STEPS[step]
     objects = dc.render(kubectl, overlay(tmp_path, state))
-    assert problems_of(objects, optional_istio_schemas(request)) == []
-    weighted = dc.by_name(objects, "VirtualService", "prediction")["spec"]["http"][-1]
-    assert {d["destination"]["subset"]: d["weight"] for d in weighted["route"]} == state.weights
-    assert deciding_versions(objects) == {
-        track: {family: [version] for family, version in deciding.items()}
-        for track, deciding in state.deciding.items()
-    }
+    assert problems_of(objects, optional(request, "istio_schemas"), optional(request, "argo_schemas")) == []
+    (workload,) = dc.workloads(objects, "prediction")
+    settings = dc.settings_of(workload, objects)
+    assert dc.json_setting(settings, "PREDICTION_ENSEMBLES", {}) == {f: [v] for f, v in state.deciding.items()}
+    assert dc.json_setting(settings, "PREDICTION_SHADOWS", {}) == state.shadows
 
 
-def test_committed_prod_state_is_tier_0(rendered: dict, kubectl: Path, tmp_path: Path) -> None:
-    # The runbook starts from what the prod overlay holds now: the committed files and the
-    # runbook's tier 0, written from scratch, render to the same objects.
-    simulated = dc.render(kubectl, overlay(tmp_path, STEPS["tier-0-shadow"]))
-    key = dc.name_of
-    assert sorted(rendered["prod"], key=key) == sorted(simulated, key=key)
+def test_committed_prod_state_is_the_shadow_step(rendered: dict, kubectl: Path, tmp_path: Path) -> None:
+    simulated = dc.render(kubectl, overlay(tmp_path, STEPS["shadow"]))
+    assert sorted(rendered["prod"], key=dc.name_of) == sorted(simulated, key=dc.name_of)
 
 
-def test_mistyped_steps_are_caught(
-    tmp_path: Path,
-    kubectl: Path,
-    kubernetes_validate_installed: None,
-    request: pytest.FixtureRequest,
-) -> None:
-    # Weights not adding up, a subset left for a track removed from the kustomization, and a
-    # track deciding with a version the release does not mount: all refused before a cluster.
-    retired = STEPS["finish-3-retire"]
-    state = replace(retired, deciding={"stable": {"credit-risk": "1", "churn": "1"}})
-    canary = canary_state({"stable": 90, "canary": 5})
-    objects = dc.render(kubectl, overlay(tmp_path, state, canary))
-    problems = "\n".join(problems_of(objects, optional_istio_schemas(request)))
-    assert "do not add up to 100" in problems
-    assert "running tracks ['stable'] != subsets ['canary', 'stable']" in problems
-    assert "subset canary selects 0 workloads" in problems
-    assert "credit-risk version 1 decides but is not mounted" in problems
+def test_mistyped_steps_are_caught(tmp_path: Path, kubectl: Path, kubernetes_validate_installed: None,
+                                   request: pytest.FixtureRequest) -> None:
+    # Starting the canary with version 2 deciding but not mounted, comparing with a version that
+    # is not mounted either: refused before a cluster sees it.
+    state = State(("credit-risk/1", "churn/1"), {"credit-risk": "2", "churn": "1"}, {"credit-risk": "3"})
+    objects = dc.render(kubectl, overlay(tmp_path, state))
+    problems = "\n".join(problems_of(objects, optional(request, "istio_schemas"), None))
+    assert "credit-risk version 2 decides but is not mounted" in problems
+    assert "credit-risk version 3" in problems

@@ -58,10 +58,12 @@ def test_prediction_pods_keep_no_decision_of_their_own(objects: list) -> None:
 
 
 def test_every_track_records_into_the_same_ledger_and_crm(rendered: dict) -> None:
-    # Two tracks run in prod: a canary writing a ledger of its own would decide a request id the
-    # stable track already decided, and strand its backlog when it is retired.
-    tracks = dc.workloads(rendered["prod"], "prediction")
-    assert len(tracks) == 2
+    # A canary writing a ledger of its own would decide a request id the stable pods already
+    # decided, and strand its backlog when it is retired. In prod the canary's pods are a new
+    # revision of the one track's template (Argo Rollout), so they read the same Secrets by
+    # construction; every track of every overlay must too.
+    tracks = [w for overlay in rendered.values() for w in dc.workloads(overlay, "prediction")]
+    assert {dc.rollout_of(w, rendered["prod"]) is not None for w in dc.workloads(rendered["prod"], "prediction")} == {True}
     sources = {
         dc.name_of(w): {
             name: env_var(w, name)["valueFrom"]["secretKeyRef"] for name in lc.SERVING_SECRETS
@@ -165,7 +167,7 @@ def test_production_tracks_keep_serving_through_a_rollout_and_a_drain(rendered: 
     objects = rendered["prod"]
     for workload in dc.workloads(objects, "prediction"):
         name = workload["metadata"]["name"]
-        minimum = dc.by_name(objects, "HorizontalPodAutoscaler", name)["spec"]["minReplicas"]
+        minimum = dc.autoscaler_of(workload, objects)["spec"]["minReplicas"]
         budget = dc.by_name(objects, "PodDisruptionBudget", name)["spec"]["maxUnavailable"]
         rolling = workload["spec"]["strategy"]["rollingUpdate"]
         assert minimum - rolling["maxUnavailable"] - budget >= 1, name

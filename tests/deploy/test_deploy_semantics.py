@@ -161,18 +161,15 @@ def test_workload_selectors_match_their_own_pods(objects: list) -> None:
 
 
 def test_every_workload_has_one_autoscaler_and_leaves_replicas_to_it(objects: list) -> None:
+    # The HPA scales the workload, or the Argo Rollout that runs its pods (prod's prediction
+    # track): scaling the Deployment as well would fight the Rollout.
     autoscalers = dc.of_kind(objects, "HorizontalPodAutoscaler")
     for workload in workloads(objects):
-        targeting = [
-            hpa
-            for hpa in autoscalers
-            if hpa["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]
-            and hpa["spec"]["scaleTargetRef"]["kind"] == workload["kind"]
-        ]
-        assert len(targeting) == 1, dc.name_of(workload)
+        spec = dc.autoscaler_of(workload, objects)["spec"]
         # With an HPA, spec.replicas in the manifest would reset the count on every apply.
         assert "replicas" not in workload["spec"], dc.name_of(workload)
-        spec = targeting[0]["spec"]
+        rollout = dc.rollout_of(workload, objects)
+        assert rollout is None or "replicas" not in rollout["spec"]
         assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
     assert len(autoscalers) == len(workloads(objects))
 
@@ -184,12 +181,8 @@ def test_production_keeps_two_pods_of_everything(rendered: dict) -> None:
 
 
 def test_autoscaling_signals(objects: list) -> None:
-    autoscalers = {
-        hpa["spec"]["scaleTargetRef"]["name"]: hpa
-        for hpa in dc.of_kind(objects, "HorizontalPodAutoscaler")
-    }
     for workload in workloads(objects, "prediction"):
-        metrics = autoscalers[workload["metadata"]["name"]]["spec"]["metrics"]
+        metrics = dc.autoscaler_of(workload, objects)["spec"]["metrics"]
         assert {
             "type": "Resource",
             "resource": {
@@ -198,7 +191,7 @@ def test_autoscaling_signals(objects: list) -> None:
             },
         } in metrics
     for workload in workloads(objects, "inference"):
-        metrics = autoscalers[workload["metadata"]["name"]]["spec"]["metrics"]
+        metrics = dc.autoscaler_of(workload, objects)["spec"]["metrics"]
         names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
         # Queue depth (rows) and a GPU metric; CPU says nothing about a GPU-bound server.
         assert names == {"inference_queue_depth_rows", "DCGM_FI_DEV_GPU_UTIL"}
@@ -284,7 +277,7 @@ def test_replicas_share_one_cache(objects: list) -> None:
     # An in-process cache per replica would miss on most repeats and serve each pod's own stale
     # entries; with more than one pod possible, the cache is the shared Redis.
     for workload in workloads(objects, "prediction"):
-        hpa = dc.by_name(objects, "HorizontalPodAutoscaler", workload["metadata"]["name"])
+        hpa = dc.autoscaler_of(workload, objects)
         settings = dc.settings_of(workload, objects)
         if hpa["spec"]["maxReplicas"] > 1 or len(workloads(objects, "prediction")) > 1:
             assert settings["PREDICTION_CACHE_BACKEND"] == "redis", dc.name_of(workload)
@@ -405,10 +398,19 @@ def test_inference_is_one_pool_and_prediction_tracks_have_subsets(objects: list)
     (inference,) = workloads(objects, "inference")
     assert "subsets" not in dc.by_name(objects, "DestinationRule", "inference")["spec"]
     assert "mlpair.io/model-version" not in dc.pod_labels(inference)
-    # Tracks of PredictionService: each has a subset selecting exactly its pods, and back.
+    # Tracks of PredictionService: each has a subset selecting exactly its pods, and back. Under an
+    # Argo Rollout the track's pods are two revisions: its stable and canary subsets both select
+    # the track's pods (Argo adds each revision's rollouts-pod-template-hash to them).
     rule = dc.by_name(objects, "DestinationRule", "prediction")
     subsets = {subset["name"]: subset["labels"] for subset in rule["spec"].get("subsets", ())}
     tracks = {dc.pod_labels(w)["mlpair.io/track"]: w for w in workloads(objects, "prediction")}
+    for workload in workloads(objects, "prediction"):
+        rollout = dc.rollout_of(workload, objects)
+        if rollout is not None:
+            istio = rollout["spec"]["strategy"]["canary"]["trafficRouting"]["istio"]
+            assert istio["destinationRule"]["name"] == "prediction"
+            for role in ("stableSubsetName", "canarySubsetName"):
+                tracks[istio["destinationRule"][role]] = workload
     if len(tracks) > 1:
         assert set(subsets) == set(tracks)
     assert set(subsets) <= set(tracks)

@@ -22,7 +22,8 @@ DASHBOARDS = {"inference": OBSERVABILITY / "grafana" / "inference-sla.json",
               "prediction": OBSERVABILITY / "grafana" / "prediction-sla.json"}
 PROMTOOL_TESTS = sorted((Path(__file__).parent / "promtool").glob("*.test.yaml"))
 DOCS = REPO_ROOT / "docs" / "observability.md"
-OUR_NAME = re.compile(r"\b(?:model:)?(?:inference|prediction)_[a-z0-9_]*(?::[a-z0-9_]+)?\b")
+# Recording rules are named level:metric:operations (model:..., model_feature:...).
+OUR_NAME = re.compile(r"\b(?:[a-z_]+:)?(?:inference|prediction)_[a-z0-9_]*(?::[a-z0-9_]+)?\b")
 
 # Every SLA the issue names has burn-rate alerts; drift has its own.
 BURN_RATE_ALERTS = {
@@ -30,7 +31,12 @@ BURN_RATE_ALERTS = {
     "PredictionLatencyBudgetBurn": "prediction", "PredictionErrorBudgetBurn": "prediction",
     "PredictionFallbackBudgetBurn": "prediction", "PredictionCrmWriteBudgetBurn": "prediction",
 }
-DRIFT_ALERTS = {"PredictionFeatureDrift", "PredictionScoreDrift", "PredictionDriftMonitorSilent"}
+DRIFT_ALERTS = {"PredictionFeatureDrift", "PredictionScoreDrift", "PredictionDriftMonitorSilent",
+                "PredictionFleetFeatureDrift", "PredictionFleetScoreDrift"}
+# Alerts on a cause or a pattern rather than a budget: each holds for a while before it fires.
+OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklogLarge", "PredictionRelayFailing",
+                     "PredictionCircuitOpen", "PredictionStaleCacheRatio", "PredictionThresholdProbing",
+                     "PredictionShadowDisagreement"}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,8 @@ def test_rules_pass_promtool_check(promtool):
 
 
 def test_alerts_fire_and_stay_quiet_as_specified_by_promtool_unit_tests(promtool):
-    assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml"}
+    assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml", "operations.test.yaml",
+                                               "fleet-drift.test.yaml", "probing-canary.test.yaml"}
     out = subprocess.run([promtool, "test", "rules", *PROMTOOL_TESTS], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -107,7 +114,7 @@ def test_each_sla_has_multi_window_burn_rate_alerts(rules):
     for rule in rules:
         if "alert" in rule:
             alerts.setdefault(rule["alert"], []).append(rule)
-    assert set(alerts) == set(BURN_RATE_ALERTS) | DRIFT_ALERTS
+    assert set(alerts) == set(BURN_RATE_ALERTS) | DRIFT_ALERTS | OPERATIONS_ALERTS
     for name, layer in BURN_RATE_ALERTS.items():
         windows = {r["labels"]["window"]: r for r in alerts[name]}
         assert set(windows) == {"1h", "6h", "3d"}, name
@@ -116,7 +123,7 @@ def test_each_sla_has_multi_window_burn_rate_alerts(rules):
             assert rule["labels"]["layer"] == layer
             long_short = re.findall(r":ratio_rate(\w+) >", rule["expr"])
             assert len(long_short) == 2 and long_short[0] == window and re.search(r"\band\b", rule["expr"])
-    for name in DRIFT_ALERTS:
+    for name in DRIFT_ALERTS | OPERATIONS_ALERTS:
         (rule,) = alerts[name]
         assert rule["labels"]["layer"] == "prediction" and rule["for"]
 
@@ -152,7 +159,7 @@ def test_one_dashboard_per_sla_and_each_shows_its_own_layer_only():
         assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "model"}
         other = "prediction" if layer == "inference" else "inference"
         for expr in _dashboard_exprs(path):
-            assert not any(n.removeprefix("model:").startswith(f"{other}_") for n in _names(expr)), \
+            assert not any(n.split(":")[-2 if ":" in n else 0].startswith(f"{other}_") for n in _names(expr)), \
                 f"{path.name} mixes in the {other} layer: {expr}"
         assert all(p.get("targets") for p in board["panels"] if p["type"] != "row")
     assert len(uids) == 2
