@@ -60,6 +60,7 @@ def _run_server(layer: str, settings, serve) -> int:
 
     from mlpair.logs import configure_logging
     from mlpair.observability.tracing import build_tracer_provider
+    from mlpair.startup import StartupError
 
     configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
     provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
@@ -69,6 +70,10 @@ def _run_server(layer: str, settings, serve) -> int:
         if settings.metrics_port:
             start_http_server(settings.metrics_port, addr=settings.host)
         asyncio.run(serve(settings))
+    except StartupError as exc:  # the user can fix it: one line, exit 2
+        logging.getLogger("mlpair").debug("%s service refused to start", layer, exc_info=True)
+        print(f"mlpair: {layer} service: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # start-up refusals: say why in one line, full detail in the log
         logging.getLogger("mlpair").error("%s service failed: %s", layer, exc, exc_info=True)
         print(f"mlpair: {layer} service failed to start: {exc}", file=sys.stderr)
