@@ -5,8 +5,13 @@ decision ledger, the CRM in a throw-away PostgreSQL database behind a TCP proxy:
 with bounded memory; InferenceService killed (-9) and back; one PredictionService replica killed
 (-9) and back, with retries on any replica reconciled against the CRM; SIGTERM with calls in
 flight on a replica and on InferenceService (C14); the CRM cut off and restored (C39). Every
-scenario: 0 lost, 0 duplicated, 0 answers that contradict the CRM. About 75 s;
-``MLPAIR_SOAK_IN_TESTS=0`` turns it off for a quicker local run.
+scenario: 0 lost, 0 duplicated, 0 answers that contradict the CRM. ``MLPAIR_SOAK_IN_TESTS=0``
+turns it off for a quicker local run.
+
+Inside ``make test`` it runs the scenarios no other test covers with real processes: sustained
+load, InferenceService killed, SIGTERM drains. A PredictionService replica killed (-9) and the CRM
+cut are what ``tests/e2e/test_replica_faults.py`` asserts with exact counts over three replicas,
+so the suite does not pay for them twice; ``make soak`` runs all five at length.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import pytest
 
 from tests.support import REPO_ROOT
 
-SCENARIOS = {"sustained", "inference-killed", "prediction-killed", "sigterm-drain", "crm-outage"}
+SCENARIOS = {"sustained", "inference-killed", "sigterm-drain"}
 
 
 @pytest.mark.timeout(300)
@@ -29,7 +34,8 @@ SCENARIOS = {"sustained", "inference-killed", "prediction-killed", "sigterm-drai
 def test_c14_c39_short_soak_loses_nothing_through_kills_drains_and_a_crm_outage(model_repository, postgres_url,
                                                                                  tmp_path):
     run = subprocess.run([sys.executable, "bench/soak.py", "--short", "--model-repository", str(model_repository),
-                          "--workdir", str(tmp_path), "--postgres-url", postgres_url],
+                          "--workdir", str(tmp_path), "--postgres-url", postgres_url,
+                          "--scenarios", *sorted(SCENARIOS)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     scenarios = {line["scenario"]: line for line in lines if "scenario" in line}
@@ -40,8 +46,6 @@ def test_c14_c39_short_soak_loses_nothing_through_kills_drains_and_a_crm_outage(
         assert scenario["acknowledged"] > 0 and scenario["crm_rows"] >= scenario["acknowledged"], (name, scenario)
     assert scenarios["sigterm-drain"]["prediction_in_flight_at_sigterm"] > 0
     assert scenarios["sigterm-drain"]["prediction_failed"] == scenarios["sigterm-drain"]["inference_failed"] == 0
-    assert scenarios["prediction-killed"]["failed_while_down"] > 0 and scenarios["prediction-killed"]["never_acknowledged"] == 0
-    assert scenarios["crm-outage"]["max_ledger_backlog"] > 0 and scenarios["crm-outage"]["errors"] == 0
     assert set(scenarios["sustained"]["rss_prediction-2_mib"]) == {"start", "end", "growth_second_half"}  # two replicas
     assert scenarios["sigterm-drain"]["other_replicas_exit"] == {"prediction-2": 0}
     assert run.returncode == 0, run.stdout[-3000:]
