@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml
 	$(call install,dev)
 
 # $(call install,EXTRA): the virtualenv with the project and that extra, then the target's stamp.
+# setuptools warns on every editable install that the `mlpair/` folder in the working directory may
+# shadow the package: here it is the package, so that one warning is silenced.
 define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(1)]'
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[$(1)]'
 	touch $@
 endef
 

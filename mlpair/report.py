@@ -92,6 +92,6 @@ def _latency(ax, fam: FamilyReport) -> None:
     for q, style in ((50, "-"), (99, "--")):
         value = float(np.percentile(lat, q))
         ax.axvline(value, c="black", ls=style, lw=1, label=f"p{q} {value:.1f} ms")
-    ax.set(title=f"{fam.name}: Predict latency (client side, {fam.concurrency} in flight)", xlabel="ms",
+    ax.set(title=f"{fam.name}: Predict latency, {fam.concurrency} in flight", xlabel="ms (client side)",
            ylabel="calls")
     ax.legend(loc="upper right")
