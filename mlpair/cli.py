@@ -45,20 +45,13 @@ def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Bas
     """
     from pydantic import ValidationError
 
-    from mlpair.startup import StartupError
+    from mlpair.startup import invalid_settings
 
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
     try:
         return settings_cls(**given)
     except ValidationError as exc:
-        prefix = settings_cls.model_config.get("env_prefix", "")
-        problems = []
-        for error in exc.errors(include_url=False):
-            field = str(error["loc"][0]) if error["loc"] else ""
-            where = (f"--{field.replace('_', '-')} / {prefix}{field.upper()}" if field in settings_cls.model_fields
-                     else "settings")
-            problems.append(f"{where}: {error['msg']}")
-        raise StartupError("invalid setting " + "; ".join(problems)) from exc
+        raise invalid_settings(settings_cls, exc) from exc
 
 
 def _serve_inference(args: argparse.Namespace) -> int:
@@ -149,7 +142,8 @@ def _migrate(args: argparse.Namespace) -> int:
         print(f"mlpair migrate: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001  (a database refused or is unreachable: one line, detail with --debug)
-        logging.getLogger("mlpair").debug("migration failed", exc_info=True)
+        if _debug:
+            logging.getLogger("mlpair").error("migration failed", exc_info=True)
         print(f"mlpair migrate: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'failed'}",
               file=sys.stderr)
         return 1

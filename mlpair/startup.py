@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+    from pydantic_settings import BaseSettings
 
 
 class StartupError(Exception):
@@ -37,3 +42,16 @@ def require_trained(root: Path, names: Iterable[str], setting: str) -> None:
         raise StartupError(f"model repository {root} is {'empty' if root.is_dir() else 'missing'}: {fix}")
     if untrained := [n for n in names if not list_versions(root, n)]:
         raise StartupError(f"no trained version of {', '.join(map(repr, untrained))} under {root}: {fix}")
+
+
+def invalid_settings(settings_cls: type[BaseSettings], exc: ValidationError) -> StartupError:
+    """One line naming each invalid setting as its flag and environment variable, e.g.
+    ``invalid setting --port / PREDICTION_PORT: Input should be a valid integer``."""
+    prefix = settings_cls.model_config.get("env_prefix", "")
+    problems = []
+    for error in exc.errors(include_url=False):
+        field = str(error["loc"][0]) if error["loc"] else ""
+        where = (f"--{field.replace('_', '-')} / {prefix}{field.upper()}" if field in settings_cls.model_fields
+                 else "settings")
+        problems.append(f"{where}: {error['msg']}")
+    return StartupError("invalid setting " + "; ".join(problems))
