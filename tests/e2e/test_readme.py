@@ -74,7 +74,7 @@ def test_the_readme_grpcurl_payload_is_a_predict_request():
 
 
 async def test_mlpair_predict_prints_decision_reasons_and_probability(prediction_target, capsys):
-    lines = code_block("bash", "mlpair predict").replace("\\\n", " ").splitlines()
+    lines = code_block("bash", "mlpair predict --family").replace("\\\n", " ").splitlines()
     command = shlex.split(next(line for line in lines if "mlpair predict" in line))
     args = command[command.index("predict"):] + ["--target", prediction_target]
     assert await asyncio.to_thread(cli_main, args) == 0
