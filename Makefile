@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 MODEL_REPOSITORY ?= var/models
 
 BUF_VERSION := 1.75.0
@@ -15,10 +16,17 @@ venv: $(STAMP)
 # Reinstall when the dependency list changes. torch==2.13.0 is pinned in pyproject so pip takes
 # the local CPU wheel rather than a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	$(call install,dev)
+
+# $(call install,EXTRA): the virtualenv with the project and that extra, then the target's stamp.
+# setuptools warns on every editable install that the `mlpair/` folder in the working directory may
+# shadow the package: here it is the package, so that one warning is silenced.
+define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[$(1)]'
+	touch $@
+endef
 
 PROTO_DEPS := .tools/proto-deps/google/rpc/status.proto
 
@@ -44,7 +52,11 @@ protos-baseline: $(BUF)
 train: $(STAMP)
 	$(VENV)/bin/mlpair train --model-repository $(MODEL_REPOSITORY)
 
-demo: $(STAMP)
+# The demo installs only its own extra (training, both services, the report): no test or deploy tools.
+$(DEMO_STAMP): pyproject.toml
+	$(call install,demo)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/mlpair demo --model-repository $(MODEL_REPOSITORY)
 
 # promtool (from Debian's prometheus package) validates deploy/observability's alerting rules offline;

@@ -1,7 +1,12 @@
-"""The ``mlpair`` command: train, migrate, serve inference, serve prediction, demo, health, drift-report.
+"""The ``mlpair`` command: train, migrate, serve inference, serve prediction, predict, attributes, demo,
+health, drift-report.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
 ``PREDICTION_*``); a flag wins over the environment, which wins over the default.
+
+Failures are one line on stderr: exit 2 for a configuration error the user can fix (the line
+names the setting or command that fixes it), 1 for anything else; ``mlpair --debug …`` adds
+the traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from pathlib import Path
 from pydantic_settings import BaseSettings
 
 DEFAULT_SCHEMAS = [Path("config/credit-risk/feature-schema.toml"), Path("config/churn/feature-schema.toml")]
+DRIFT_NO_VERDICT = 3  # `mlpair drift-report`: some model has too few decisions for a verdict yet
+_debug = False  # `mlpair --debug`: tracebacks on stderr (set once in main())
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings], prefix: str) -> None:
@@ -31,8 +38,20 @@ def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[Base
 
 
 def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> BaseSettings:
+    """The settings from flags, then the environment, then defaults.
+
+    Raises:
+        StartupError: a value is invalid; one line naming each offending flag and variable.
+    """
+    from pydantic import ValidationError
+
+    from mlpair.startup import invalid_settings
+
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
-    return settings_cls(**given)
+    try:
+        return settings_cls(**given)
+    except ValidationError as exc:
+        raise invalid_settings(settings_cls, exc) from exc
 
 
 def _serve_inference(args: argparse.Namespace) -> int:
@@ -52,7 +71,6 @@ def _serve_prediction(args: argparse.Namespace) -> int:
 
 
 def _run_server(layer: str, settings, serve) -> int:
-    import logging
     from importlib.metadata import version
 
     from opentelemetry import trace
@@ -71,13 +89,9 @@ def _run_server(layer: str, settings, serve) -> int:
             start_http_server(settings.metrics_port, addr=settings.host)
         asyncio.run(serve(settings))
     except StartupError as exc:  # the user can fix it: one line, exit 2
-        logging.getLogger("mlpair").debug("%s service refused to start", layer, exc_info=True)
-        print(f"mlpair: {layer} service: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # start-up refusals: say why in one line, full detail in the log
-        logging.getLogger("mlpair").error("%s service failed: %s", layer, exc, exc_info=True)
-        print(f"mlpair: {layer} service failed to start: {exc}", file=sys.stderr)
-        return 1
+        return _fail(f"{layer} service", exc, 2)
+    except Exception as exc:  # anything else: one line, exit 1, the traceback with --debug
+        return _fail(f"{layer} service failed to start", exc, 1)
     finally:
         provider.shutdown()  # flushes spans still batched for export
     return 0
@@ -128,7 +142,8 @@ def _migrate(args: argparse.Namespace) -> int:
         print(f"mlpair migrate: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001  (a database refused or is unreachable: one line, detail with --debug)
-        logging.getLogger("mlpair").debug("migration failed", exc_info=True)
+        if _debug:
+            logging.getLogger("mlpair").error("migration failed", exc_info=True)
         print(f"mlpair migrate: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'failed'}",
               file=sys.stderr)
         return 1
@@ -180,7 +195,53 @@ def _drift_report(args: argparse.Namespace) -> int:
         print(json.dumps([{**asdict(r), "judged": r.judged, "drifted": r.drifted} for r in reports], indent=2))
     else:
         print(render(reports))
-    return 2 if any(r.drifted for r in reports) else 0
+    if any(r.drifted for r in reports):
+        return 2
+    return DRIFT_NO_VERDICT if not reports or not all(r.judged for r in reports) else 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import grpc
+
+    from mlpair.client import parse_attributes, predict, render
+    from mlpair.rpc import channel_credentials
+    from mlpair.startup import StartupError
+
+    try:
+        attributes = parse_attributes(args.attr or [])
+        credentials = channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from exc
+    try:
+        reply = predict(args.target, args.family, attributes, request_id=args.request_id, entity_id=args.entity_id,
+                        explain=args.explain, timeout_s=args.timeout_s, credentials=credentials)
+    except grpc.RpcError as exc:
+        print(f"mlpair predict: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(render(reply))
+    return 0
+
+
+def _attributes(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from mlpair.attributes import attribute_rows, markdown
+
+    rows = attribute_rows(Path(args.config_dir), Path(args.model_repository))
+    if args.markdown:
+        print(markdown(rows), end="")
+        return 0
+    for family in dict.fromkeys(r.family for r in rows):
+        table = Table(title=family, title_justify="left")
+        table.add_column("attribute", no_wrap=True)
+        for column in ("meaning", "type", "unit", "range", "accepted values"):
+            table.add_column(column)
+        for r in rows:
+            if r.family == family:
+                table.add_row(r.name, r.label, r.type, r.unit, r.range, r.accepted.replace("`", ""))
+        Console().print(table)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mlpair.prediction.settings import PredictionSettings
 
     parser = argparse.ArgumentParser(prog="mlpair", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train model families on real data into the model repository")
@@ -235,8 +297,31 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout-s", type=float, default=2.0, help="seconds to wait [default: 2]")
     health.set_defaults(func=_health)
 
+    predict = sub.add_parser("predict", help="one decision from a running PredictionService: decision, reasons, "
+                                             "probability")
+    predict.add_argument("--family", required=True, help="model family, e.g. credit-risk (`mlpair attributes` lists them)")
+    predict.add_argument("--attr", action="append", metavar="NAME=VALUE",
+                         help="one raw attribute (repeatable); a number travels as a number, NAME= as missing")
+    predict.add_argument("--target", default="127.0.0.1:9001", help="PredictionService host:port [default: 127.0.0.1:9001]")
+    predict.add_argument("--request-id", default="", help="idempotency key [default: a new UUID]")
+    predict.add_argument("--entity-id", required=True, help="the entity decided about (stored with the decision)")
+    predict.add_argument("--explain", action="store_true", help="also print the top reasons in business language")
+    predict.add_argument("--timeout-s", type=float, default=10.0, help="deadline in seconds [default: 10]")
+    predict.add_argument("--tls-ca-file", type=Path, default=None, help="CA of the server's certificate: TLS instead of plaintext")
+    predict.add_argument("--tls-cert-file", type=Path, default=None, help="client certificate (mTLS; with --tls-key-file)")
+    predict.add_argument("--tls-key-file", type=Path, default=None, help="client private key (mTLS)")
+    predict.set_defaults(func=_predict)
+
+    attributes = sub.add_parser("attributes", help="each family's attributes: type, unit, range, accepted categories")
+    attributes.add_argument("--config-dir", default="config", help="schemas [default: config]")
+    attributes.add_argument("--model-repository", default="var/models",
+                            help="trained models, whose vocabularies list the categories [default: var/models]")
+    attributes.add_argument("--markdown", action="store_true", help="print the README's Markdown table")
+    attributes.set_defaults(func=_attributes)
+
     drift = sub.add_parser("drift-report", help="drift of a running PredictionService's features and scores; "
-                                                 "exit 0 none, 2 drift, 1 unreadable")
+                                                 f"exit 0 none, 2 drift, {DRIFT_NO_VERDICT} no verdict yet "
+                                                 "(too few decisions), 1 unreadable")
     drift.add_argument("--metrics-url", default="http://127.0.0.1:9002/metrics",
                        help="PredictionService Prometheus endpoint [default: http://127.0.0.1:9002/metrics]")
     drift.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -245,9 +330,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _fail(what: str, exc: BaseException, code: int) -> int:
+    """Prints ``mlpair: <what>: <reason>`` on stderr (the traceback too with ``--debug``); returns ``code``."""
+    import traceback
+
+    from mlpair.startup import StartupError
+
+    if _debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    reason = _one_line(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {_one_line(exc)}"
+    hint = "" if _debug or code == 2 else " (mlpair --debug … for the traceback)"
+    print(f"mlpair: {what}: {reason}{hint}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code (0 success, 2 configuration error, 1 other failure)."""
+    global _debug
+    from mlpair.startup import StartupError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    _debug = args.debug
+    what = f"{args.role} service" if args.command == "serve" else args.command
+    try:
+        return args.func(args)
+    except StartupError as exc:
+        return _fail(what, exc, 2)
+    except Exception as exc:  # noqa: BLE001  (one line, not a traceback: --debug shows it)
+        return _fail(what, exc, 1)
 
 
 if __name__ == "__main__":

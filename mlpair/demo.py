@@ -46,6 +46,7 @@ class Replay:
     latencies_ms: list[float] = field(default_factory=list)
     failures: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
+    concurrency: int = 0  # Predict calls in flight
 
 
 @dataclass
@@ -58,6 +59,7 @@ class FamilyRun:
     holdout: object  # mlpair.training.data.Dataset
     requests: list[tuple[str, str, dict]]
     targets: dict[str, float]
+    baseline: np.ndarray  # [n holdout] P(positive) of logistic regression fitted on the same training split
     result: Replay = field(default_factory=Replay)
     retry: Replay = field(default_factory=Replay)
     explained: list = field(default_factory=list)  # PredictResponse with contributions
@@ -119,7 +121,7 @@ async def replay(target: str, model_name: str, requests: list[tuple[str, str, di
     from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
     from mlpair.prediction.converters import to_attributes
 
-    out = Replay()
+    out = Replay(concurrency=concurrency)
     gate = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.PredictionServiceStub(channel)
@@ -205,8 +207,11 @@ async def crm_rows(crm_url: str, request_ids: list[str], wait_s: float = 10.0) -
 
 
 def prepare(config_dir: Path, model_repository: Path, name: str, run_id: str, progress: bool) -> FamilyRun:
-    """Trains (or reuses) one family and lists its holdout requests."""
+    """Trains (or reuses) one family, lists its holdout requests and scores the logistic-regression
+    baseline on the identical split and features."""
+    from mlpair.contracts.assembly import FeatureAssembler
     from mlpair.contracts.schema import FeatureSchema
+    from mlpair.training.baseline import fit_logistic_regression, predict_probability
     from mlpair.training.data import load_dataset, stratified_split
     from mlpair.training.model import quality_targets
     from mlpair.training.pipeline import TRAINING_CONFIG_FILE, train_family
@@ -214,9 +219,14 @@ def prepare(config_dir: Path, model_repository: Path, name: str, run_id: str, pr
     schema_path = config_dir / name / "feature-schema.toml"
     entry, fresh = train_family(schema_path, model_repository, show_progress=progress)
     data = load_dataset(FeatureSchema.from_toml(schema_path))
-    holdout = data.subset(stratified_split(data.labels, int(entry.manifest.data_source["split"]["seed"]))["holdout"])
+    splits = stratified_split(data.labels, int(entry.manifest.data_source["split"]["seed"]))
+    train, holdout = data.subset(splits["train"]), data.subset(splits["holdout"])
     requests = [(f"demo-{run_id}-{name}-{eid}", eid, rec) for eid, rec in zip(holdout.entity_ids, holdout.records)]
-    return FamilyRun(name, entry, fresh, holdout, requests, quality_targets(config_dir / name / TRAINING_CONFIG_FILE))
+    assembler = FeatureAssembler(entry.preprocessing)
+    weights = fit_logistic_regression(assembler.assemble_many(train.records), train.labels)
+    baseline = predict_probability(weights, assembler.assemble_many(holdout.records))
+    return FamilyRun(name, entry, fresh, holdout, requests, quality_targets(config_dir / name / TRAINING_CONFIG_FILE),
+                     baseline)
 
 
 def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurrency: int = 32,
@@ -232,8 +242,9 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
     runs = [prepare(config_dir, model_repository, name, run_id, progress) for name in names]
     for run in runs:
         m = run.entry.manifest
-        console.print(f"{run.name} version {m.model_version}: {'trained' if run.fresh else 'reused (up to date)'}; "
-                      f"source {m.data_source['source']}, {m.data_source['rows']} rows, holdout {len(run.requests)}")
+        console.print(f"{run.name} version {m.model_version}: {'trained' if run.fresh else 'reused (up to date)'}"
+                      f"{', ' + _training_end(m.training) if _training_end(m.training) else ''}; source {m.data_source['source']}, {m.data_source['rows']} rows, "
+                      f"holdout {len(run.requests)}")
 
     crm_url = f"sqlite+aiosqlite:///{(workdir / 'crm.sqlite').resolve()}"
     ledger_url = f"sqlite+aiosqlite:///{(workdir / 'ledger.sqlite').resolve()}"
@@ -285,6 +296,16 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
     return _summarise(console, runs, rows, codes, workdir)
 
 
+def _training_end(training: dict) -> str:
+    """How the entry's training ended (``"stopped early at epoch 18 of 40 (best epoch 13)"``); empty for
+    entries written before training recorded it."""
+    from mlpair.training.model import TrainingRun
+
+    if "epochs_run" not in training:
+        return ""
+    return TrainingRun(training["epochs_run"], training["best_epoch"], training["config"]["epochs"]).describe()
+
+
 def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
     """The summary lines of one family and whether everything in them is as it must be."""
     result = run.result
@@ -293,7 +314,10 @@ def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
     after = np.array([result.probabilities[i] for i in ids])
     before = np.array([p for p, r in zip(run.uncalibrated, run.requests) if r[0] in result.probabilities])
     lat = np.array(result.latencies_ms or [float("nan")])
-    auc = roc_auc(labels, after) if ids and 0 < labels.sum() < len(labels) else float("nan")
+    both_classes = bool(ids) and 0 < labels.sum() < len(labels)
+    auc = roc_auc(labels, after) if both_classes else float("nan")
+    baseline = np.array([p for p, r in zip(run.baseline, run.requests) if r[0] in result.probabilities])
+    baseline_auc = roc_auc(labels, baseline) if both_classes else float("nan")
     ece_before, ece_after = expected_calibration_error(labels, before), expected_calibration_error(labels, after)
     min_auc, max_ece = run.targets.get("min_roc_auc", 0.0), run.targets.get("max_ece", 1.0)
     auc_ok, ece_ok = auc >= min_auc, ece_after <= max_ece
@@ -305,6 +329,9 @@ def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
         ("decisions returned", f"{len(ids)} ({sum(result.failures.values())} failed"
                                + (f": {dict(result.failures)})" if result.failures else ")")),
         ("holdout ROC AUC (returned probabilities)", f"{auc:.4f}  (target ≥ {min_auc:.2f}: {mark[auc_ok]})"),
+        ("holdout ROC AUC, logistic regression", f"{baseline_auc:.4f}  (same split and features; served model "
+                                                 f"{auc - baseline_auc:+.4f})"),
+        ("training", _training_end(run.entry.manifest.training) or "-"),
         ("Brier score before → after calibration", f"{brier_score(labels, before):.4f} → {brier_score(labels, after):.4f}"),
         ("ECE (15 bins) before → after calibration",
          f"{ece_before:.4f} → {ece_after:.4f}  (target ≤ {max_ece:.2f}: {mark[ece_ok]})"),
@@ -312,8 +339,10 @@ def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
                         "calibration-split rows)"),
         ("decisions", ", ".join(f"{d} {n}" for d, n in Counter(result.decisions.values()).most_common())),
         ("top reason codes", ", ".join(f"{c} {n}" for c, n in result.reasons.most_common(4))),
-        ("client latency p50 / p99", f"{np.percentile(lat, 50):.1f} ms / {np.percentile(lat, 99):.1f} ms"),
-        ("throughput", f"{len(ids) / result.wall_s:.0f} predictions/s" if result.wall_s else "-"),
+        (f"client latency p50 / p99 at {result.concurrency} in flight",
+         f"{np.percentile(lat, 50):.1f} ms / {np.percentile(lat, 99):.1f} ms"),
+        (f"throughput at {result.concurrency} in flight",
+         f"{len(ids) / result.wall_s:.0f} predictions/s" if result.wall_s else "-"),
         (f"retried {RETRY_SAMPLE} request ids", f"same decision ids: {'yes' if same_ids else 'NO'}; "
                                                 f"{sum(run.retry.failures.values())} failed"),
         (f"explained (entity {example.request_id.rsplit('-', 1)[-1]})" if example else "explained",
@@ -339,9 +368,13 @@ def _summarise(console, runs: list[FamilyRun], rows: int, codes: dict, workdir: 
             table.add_row(key, value)
         console.print(table)
         all_ok &= ok
-    expected_rows = sum(len(r.requests) + len(r.explained) for r in runs)
-    console.print(f"CRM rows written: {rows} (one per request id: {'yes' if rows == expected_rows else 'NO'}); "
-                  f"service exit codes: {', '.join(f'{k} {v}' for k, v in codes.items())}")
+    holdout, explained = sum(len(r.requests) for r in runs), sum(len(r.explained) for r in runs)
+    expected_rows = holdout + explained
+    console.print(f"CRM rows written: {rows} = {holdout} holdout decisions + {explained} explain calls (BatchPredict, "
+                  f"{EXPLAIN_SAMPLE} per family, own request ids); the {sum(len(r.retry.decision_ids) for r in runs)} "
+                  f"retries reused request ids and added none (one row per request id: "
+                  f"{'yes' if rows == expected_rows else 'NO'})")
+    console.print(f"service exit codes: {', '.join(f'{k} {v}' for k, v in codes.items())}")
     if all(run.result.probabilities for run in runs):
         report = write_report([FamilyReport(
             run.name,
@@ -349,6 +382,8 @@ def _summarise(console, runs: list[FamilyRun], rows: int, codes: dict, workdir: 
             np.array([p for p, r in zip(run.uncalibrated, run.requests) if r[0] in run.result.probabilities]),
             np.array([run.result.probabilities[r[0]] for r in run.requests if r[0] in run.result.probabilities]),
             dict(Counter(run.result.decisions.values()).most_common()), np.array(run.result.latencies_ms),
+            np.array([p for p, r in zip(run.baseline, run.requests) if r[0] in run.result.probabilities]),
+            run.result.concurrency,
         ) for run in runs], workdir / "report.png")
         console.print(f"report: {report}")
     failed = not all_ok or rows != expected_rows or any(c != 0 for c in codes.values())

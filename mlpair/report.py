@@ -1,6 +1,7 @@
 """The demo's picture: one PNG, a row per model family.
 
-Columns: ROC curve of the served probabilities; reliability diagram before (softmax of the raw
+Columns: ROC curve of the served probabilities beside the logistic-regression baseline on the same
+split; reliability diagram before (softmax of the raw
 logits) and after calibration, with the 15 equal-width bins the ECE uses; decision
 distribution; client-side Predict latency histogram. matplotlib is imported here only, never
 by the services.
@@ -26,6 +27,8 @@ class FamilyReport:
     calibrated: np.ndarray  # [n] probabilities PredictionService returned
     decisions: dict[str, int]  # decision label → count
     latencies_ms: np.ndarray  # client-side Predict latencies
+    baseline: np.ndarray  # [n] P(positive) of logistic regression fitted on the same training split
+    concurrency: int  # Predict calls in flight while latencies_ms was measured
 
 
 def write_report(families: list[FamilyReport], path: Path) -> Path:
@@ -51,7 +54,10 @@ def write_report(families: list[FamilyReport], path: Path) -> Path:
 
 def _roc(ax, fam: FamilyReport) -> None:
     fpr, tpr = roc_curve(fam.labels, fam.calibrated)
-    ax.plot(fpr, tpr, lw=2, label=f"ROC AUC {roc_auc(fam.labels, fam.calibrated):.3f}")
+    ax.plot(fpr, tpr, lw=2, label=f"served model: ROC AUC {roc_auc(fam.labels, fam.calibrated):.3f}")
+    fpr, tpr = roc_curve(fam.labels, fam.baseline)
+    ax.plot(fpr, tpr, lw=1.2, c="tab:orange",
+            label=f"logistic regression: ROC AUC {roc_auc(fam.labels, fam.baseline):.3f}")
     ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
     ax.set(title=f"{fam.name}: ROC curve (n = {len(fam.labels)})", xlabel="false positive rate",
            ylabel="true positive rate", xlim=(0, 1), ylim=(0, 1))
@@ -86,5 +92,6 @@ def _latency(ax, fam: FamilyReport) -> None:
     for q, style in ((50, "-"), (99, "--")):
         value = float(np.percentile(lat, q))
         ax.axvline(value, c="black", ls=style, lw=1, label=f"p{q} {value:.1f} ms")
-    ax.set(title=f"{fam.name}: Predict latency (client side)", xlabel="ms", ylabel="calls")
+    ax.set(title=f"{fam.name}: Predict latency, {fam.concurrency} in flight", xlabel="ms (client side)",
+           ylabel="calls")
     ax.legend(loc="upper right")

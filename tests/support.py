@@ -44,3 +44,63 @@ async def start_prediction(settings, **kwargs):
 
     await migrate_for(settings)
     return await start(settings, **kwargs)
+
+
+def _normal(name: str) -> str:
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_closure(name: str, extras: set[str]) -> set[str]:
+    """Normalised names of ``name[extras]`` and every installed distribution it requires, recursively."""
+    import importlib.metadata as metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(_normal(name), frozenset(extras))]
+    while todo:
+        item = todo.pop()
+        if item in seen:
+            continue
+        seen.add(item)
+        try:
+            requires = metadata.requires(item[0]) or []
+        except metadata.PackageNotFoundError:  # required only on another platform
+            continue
+        for req in map(Requirement, requires):
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in item[1] | {""}):
+                todo.append((_normal(req.name), frozenset(req.extras)))
+    return {dist for dist, _ in seen}
+
+
+# Imported first by every Python process that has its folder on PYTHONPATH: hides the modules
+# listed in MLPAIR_HIDDEN_MODULES, as if their distributions were not installed.
+_HIDE = '''
+import os, sys
+
+class _Hidden:
+    names = frozenset(os.environ.get("MLPAIR_HIDDEN_MODULES", "").split())
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the slim install)", name=name)
+        return None
+
+sys.meta_path.insert(0, _Hidden())
+'''
+
+
+def slim_environment(folder: Path, extra: str = "demo") -> dict[str, str]:
+    """Environment variables for subprocesses that see only what ``mlpair[extra]`` installs: every
+    module of any other installed distribution fails to import (optional imports fall back, as
+    they would in a slim virtualenv). ``folder`` receives the ``sitecustomize.py`` that hides them."""
+    import importlib.metadata as metadata
+
+    keep = requirement_closure("mlpair", {extra}) | {"pip", "setuptools"}
+    hidden = sorted(module for module, dists in metadata.packages_distributions().items()
+                    if not {_normal(d) for d in dists} & keep)
+    (folder / "sitecustomize.py").write_text(_HIDE)
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "MLPAIR_HIDDEN_MODULES": " ".join(hidden)}

@@ -14,7 +14,8 @@ def test_generated_code_matches_the_protos():
     assert protogen.check() == [], "run `make protos` and commit the result"
 
 
-@pytest.mark.parametrize("command", [["train"], ["serve", "inference"], ["serve", "prediction"], ["demo"], ["health"]])
+@pytest.mark.parametrize("command", [["train"], ["serve", "inference"], ["serve", "prediction"], ["demo"], ["health"],
+                                     ["predict"], ["attributes"], ["drift-report"]])
 def test_cli_commands_have_help(command):
     out = subprocess.run([sys.executable, "-m", "mlpair.cli", *command, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -76,6 +76,27 @@ def quality_targets(path: Path) -> dict[str, float]:
         return {k: float(v) for k, v in tomllib.load(f).get("targets", {}).items()}
 
 
+@dataclass(frozen=True)
+class TrainingRun:
+    """How a training run ended (epochs counted from 1)."""
+
+    epochs_run: int
+    best_epoch: int
+    """The epoch whose weights were kept: the lowest validation loss with early stopping, else the last."""
+    max_epochs: int
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.epochs_run < self.max_epochs
+
+    def describe(self) -> str:
+        """``"stopped early at epoch 18 of 40 (best epoch 13)"`` or ``"all 40 epochs"``."""
+        if self.stopped_early:
+            return f"stopped early at epoch {self.epochs_run} of {self.max_epochs} (best epoch {self.best_epoch})"
+        return f"all {self.max_epochs} epochs" + (f" (best epoch {self.best_epoch})"
+                                                   if self.best_epoch != self.epochs_run else "")
+
+
 class MLPClassifier(nn.Module):
     """``[batch, n_features] float32`` → logits ``[batch, n_classes] float32``."""
 
@@ -94,7 +115,7 @@ class MLPClassifier(nn.Module):
 
 
 def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress=None,
-                     validation: tuple[np.ndarray, np.ndarray] | None = None) -> MLPClassifier:
+                     validation: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[MLPClassifier, TrainingRun]:
     """Trains deterministically on CPU: fixed seeds, deterministic kernels, one thread.
 
     Args:
@@ -107,7 +128,7 @@ def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress
 
     Returns:
         The trained model in eval mode (with early stopping: the best validation epoch's
-        weights). Same inputs and config → bit-identical weights.
+        weights) and how the run ended. Same inputs and config → bit-identical weights.
 
     Raises:
         ValueError: early stopping is configured but no validation data is given.
@@ -125,7 +146,7 @@ def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress
         loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
         features, labels = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
         order = torch.Generator().manual_seed(config.seed)
-        best_loss, best_state, best_epoch = float("inf"), None, 0
+        best_loss, best_state, best_epoch, epoch = float("inf"), None, 0, -1
         for epoch in range(config.epochs):
             model.train()
             perm = torch.randperm(len(features), generator=order)
@@ -147,7 +168,9 @@ def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress
                     break
         if best_state is not None:
             model.load_state_dict(best_state)
-        return model.eval()
+        else:
+            best_epoch = epoch
+        return model.eval(), TrainingRun(epoch + 1, best_epoch + 1, config.epochs)
     finally:
         torch.set_num_threads(threads)
 

@@ -31,7 +31,7 @@ from mlpair.contracts.manifest import (
 from mlpair.contracts.schema import FeatureSchema, Preprocessing
 from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
 from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx, export_torch_program
-from mlpair.training.model import TrainConfig, predict_logits, train_classifier
+from mlpair.training.model import MLPClassifier, TrainConfig, TrainingRun, predict_logits, train_classifier
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
     assembler = FeatureAssembler(preprocessing)
     x = {name: assembler.assemble_many(s.records) for name, s in splits.items()}
 
-    model = _train_with_progress(x["train"], splits["train"].labels, config, show_progress,
-                                 validation=(x["calibration"], splits["calibration"].labels))
+    model, run = _train_with_progress(x["train"], splits["train"].labels, config, show_progress,
+                                      validation=(x["calibration"], splits["calibration"].labels))
     version = str((list_versions(root, schema.name) or [0])[-1] + 1)
     target = root / schema.name / version
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -187,9 +187,11 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
             data_source={"source": schema.source, "sha256": data.sha256, "rows": len(data.records),
                          "target": f"{schema.target.column} == {schema.target.positive!r}",
                          "split": {**{k: len(v.records) for k, v in splits.items()}, "fractions": SPLIT_FRACTIONS, "seed": config.split_seed}},
-            training={"fingerprint": print_, "config": dataclasses.asdict(config), "onnx_parity_max_abs_diff": parity},
+            training={"fingerprint": print_, "config": dataclasses.asdict(config), "onnx_parity_max_abs_diff": parity,
+                      "epochs_run": run.epochs_run, "best_epoch": run.best_epoch},
         )
         write_manifest(staging, manifest)
+        _readable_by_all(staging)
         staging.rename(target)  # atomic: a half-written entry is never visible
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -199,11 +201,24 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
     return entry, True
 
 
-def _train_with_progress(x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool, validation):
+def _readable_by_all(folder: Path) -> None:
+    """Folders 0755, files 0644: the services may run as another user than training (the images
+    run as uid 10001), and ``tempfile.mkdtemp`` creates the staging folder 0700."""
+    for path in (folder, *folder.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _train_with_progress(x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool,
+                         validation) -> tuple[MLPClassifier, TrainingRun]:
+    """Trains with a progress bar that ends by saying how training ended (early stopping included)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("training"), BarColumn(), TextColumn("epoch {task.completed}/{task.total}"),
-                  TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=not show) as bar:
-        task = bar.add_task("train", total=config.epochs, loss=float("nan"))
-        return train_classifier(x, y, config, progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss),
-                                validation=validation)
+    with Progress(TextColumn("training"), BarColumn(bar_width=20), TextColumn("epoch {task.completed}/{task.total}"),
+                  TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[ended]}"), TimeElapsedColumn(),
+                  disable=not show) as bar:
+        task = bar.add_task("train", total=config.epochs, loss=float("nan"), ended="")
+        model, run = train_classifier(x, y, config, validation=validation,
+                                      progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss))
+        bar.update(task, total=run.epochs_run, ended=run.describe())  # a full bar, not one frozen at 18/40
+    logger.info("training %s", run.describe())
+    return model, run

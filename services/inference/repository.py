@@ -27,6 +27,7 @@ from mlpair.inference.batcher import DynamicBatcher
 from mlpair.inference.errors import InferenceError, ModelLoadFailed, ModelNotFound, ModelNotReady
 from mlpair.inference.runtimes import Runtime, create_runtime, warmup_batch_sizes
 from mlpair.inference.settings import InferenceSettings
+from mlpair.startup import require_trained
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +204,14 @@ class ModelRepository:
         """Start-up: loads every model to serve; any failure refuses the start.
 
         Raises:
-            ModelNotFound: no models, or a configured model has no version the policy selects.
+            StartupError: the repository is missing or empty, or a model to serve has no trained
+                version (the message says to run ``mlpair train``).
+            ModelNotFound: a model to serve has no version the policy selects.
             ManifestError: an entry's version triple or files are inconsistent.
             ModelLoadFailed: a runtime failed to load or warm up.
         """
         names = self.model_names()
-        if not names:
-            raise ModelNotFound(f"no models found under {self.root}")
+        require_trained(self.root, names, "INFERENCE_MODEL_REPOSITORY")
         self.expected.update(names)
         if self._on_change:
             await self._on_change()

@@ -18,13 +18,15 @@ from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions, 
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.prediction.calibration import Calibrator
 from mlpair.prediction.policy import DecisionPolicy
+from mlpair.startup import StartupError, require_trained
 
 SCHEMA_FILE = "feature-schema.toml"
 POLICY_FILE = "policy.toml"
 
 
-class ConfigurationError(Exception):
-    """Schema, policy and model repository disagree; the service must not start."""
+class ConfigurationError(StartupError):
+    """Schema, policy and model repository disagree; the service must not start (``mlpair serve
+    prediction`` prints it in one line and exits 2)."""
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,13 @@ class ModelFamily:
             shadow: a version to compare against in the background, or None.
 
         Raises:
+            StartupError: the model repository holds no trained version of ``name`` (the
+                message says to run ``mlpair train``).
             ConfigurationError: a file is missing or invalid; the configured feature schema is
                 not the one the model was trained on (the version triple would break); or an
                 ensemble member or the shadow builds its features differently from the latest.
         """
+        require_trained(model_repository, [name], "PREDICTION_MODEL_REPOSITORY")
         try:
             schema = FeatureSchema.from_toml(config_dir / name / SCHEMA_FILE)
             policy = DecisionPolicy.from_toml(config_dir / name / POLICY_FILE)

@@ -21,6 +21,14 @@ ENSEMBLE_SEEDS = (7, 11)  # versions 2 and 3 of credit-risk; version 1 is the se
 @contextlib.asynccontextmanager
 async def prediction_service(inference_target: str, model_repository: Path, crm_dir: Path, **overrides):
     """A real PredictionService (SQLite CRM) in front of ``inference_target``; yields (stub, predictor)."""
+    async with prediction_server(inference_target, model_repository, crm_dir, **overrides) as (target, predictor):
+        async with grpc.aio.insecure_channel(target) as channel:
+            yield pb_grpc.PredictionServiceStub(channel), predictor
+
+
+@contextlib.asynccontextmanager
+async def prediction_server(inference_target: str, model_repository: Path, crm_dir: Path, **overrides):
+    """As :func:`prediction_service`, for callers with their own channel; yields (host:port, predictor)."""
     from mlpair.prediction.server import stop
     from tests.support import start_prediction
     from mlpair.prediction.settings import PredictionSettings
@@ -35,8 +43,7 @@ async def prediction_service(inference_target: str, model_repository: Path, crm_
         "inference_timeout_ms": 10_000, **overrides})
     server, port, health, predictor = await start_prediction(settings)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.PredictionServiceStub(channel), predictor
+        yield f"127.0.0.1:{port}", predictor
     finally:
         await stop(server, health, predictor, 0)
 

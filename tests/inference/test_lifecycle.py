@@ -25,9 +25,9 @@ from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.contracts.manifest import ManifestError
-from mlpair.inference.errors import ModelNotFound
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.server import start
+from mlpair.startup import StartupError
 
 from tests.inference.helpers import MODEL, channel_to, copy_version, make_settings, running
 from tests.inference.test_versions import corrupt_model_file
@@ -67,8 +67,8 @@ def request(x: np.ndarray) -> pb.InferRequest:
     return pb.InferRequest(model_name=MODEL, inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()))
 
 
-async def test_refuses_to_start_without_models(tmp_path):
-    with pytest.raises(ModelNotFound):
+async def test_refuses_to_start_without_models_and_says_to_train(tmp_path):
+    with pytest.raises(StartupError, match="run `mlpair train --model-repository "):
         await start(make_settings(tmp_path))
 
 

@@ -143,7 +143,7 @@ def test_drift_report_command_reads_a_metrics_endpoint(capsys):
         # Too few decisions for a verdict: the report says so instead of "no drift".
         metrics.DRIFT_WINDOW_ROWS.labels("cli-model").set(7)
         metrics.DRIFT_DETECTED.labels("cli-model", "Income").set(0)
-        cli_main(["drift-report", "--metrics-url", url])  # exit code also reflects other models' gauges
+        cli_main(["drift-report", "--metrics-url", url])  # exit code also reflects other models' gauges (below: alone)
         out = capsys.readouterr().out
         assert "cli-model: no verdict: 7 decisions in the window, fewer than the 200 needed" in out
         assert "cli-model: no drift" not in out
@@ -184,3 +184,41 @@ async def test_periodic_evaluation_exports_gauges_until_stopped(credit_entry, cr
         await monitors.stop()
     assert REGISTRY.get_sample_value("prediction_drift_window_rows", model) == 50
     assert REGISTRY.get_sample_value("prediction_drift_threshold", {**model, "test": "ks"}) == 0.15
+
+
+def test_drift_report_exits_3_while_no_verdict_exists(capsys):
+    """Before a window holds enough decisions (or before any monitor reported) there is no verdict:
+    a distinct exit code, never the 0 of "no drift"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    window = Gauge("prediction_drift_window_rows", "", ["model"], registry=registry)
+    served = {"body": b""}
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802  (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(served["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        assert cli_main(["drift-report", "--metrics-url", url]) == 3  # no monitor has reported yet
+        assert "no drift monitors reported" in capsys.readouterr().out
+        window.labels("quiet-model").set(7)
+        Gauge("prediction_drift_min_rows", "", ["model"], registry=registry).labels("quiet-model").set(200)
+        served["body"] = generate_latest(registry)
+        assert cli_main(["drift-report", "--metrics-url", url]) == 3
+        assert "quiet-model: no verdict: 7 decisions in the window, fewer than the 200 needed" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)

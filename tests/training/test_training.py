@@ -12,7 +12,7 @@ import pytest
 
 from mlpair.contracts.manifest import SCORE_BASELINE, ManifestError, load_entry
 from mlpair.training.export import ExportParityError, check_parity
-from mlpair.training.model import MLPClassifier, TrainConfig, train_classifier
+from mlpair.training.model import MLPClassifier, TrainConfig, TrainingRun, train_classifier
 from mlpair.training.pipeline import fit_calibration, load_train_config, train_family
 from tests.support import CHURN_SCHEMA, CONFIG_DIR, CREDIT_SCHEMA
 
@@ -142,3 +142,50 @@ def test_label_smoothing_is_recorded_for_calibration_to_undo():
     assert fitted.label_smoothing == 0.1
     p = fitted.probabilities(logits, 1)
     assert p.min() == 0.0 and p.max() == 1.0  # the inverse reaches what a smoothed softmax cannot
+
+
+def test_the_manifest_says_how_training_ended(credit_entry, churn_entry):
+    """credit-risk stops early (patience 5 after the best calibration-split loss); churn runs every epoch."""
+    credit = credit_entry.manifest.training
+    config = credit["config"]
+    assert credit["epochs_run"] < config["epochs"], "credit-risk's early stopping ends training before 40 epochs"
+    assert credit["epochs_run"] == credit["best_epoch"] + config["early_stopping_patience"]
+    run = TrainingRun(credit["epochs_run"], credit["best_epoch"], config["epochs"])
+    assert run.describe() == (f"stopped early at epoch {credit['epochs_run']} of {config['epochs']} "
+                              f"(best epoch {credit['best_epoch']})")
+    churn = churn_entry.manifest.training
+    assert churn["config"]["early_stopping_patience"] == 0
+    assert churn["epochs_run"] == churn["best_epoch"] == churn["config"]["epochs"]
+    assert TrainingRun(churn["epochs_run"], churn["best_epoch"], churn["config"]["epochs"]).describe() == \
+        f"all {churn['config']['epochs']} epochs"
+
+
+def test_model_entries_are_readable_by_the_serving_user(model_repository):
+    """The images serve as uid 10001, often not the user who trained: folders 0755, files 0644."""
+    import stat
+
+    for family in ("credit-risk", "churn"):
+        version = model_repository / family / "1"
+        assert stat.S_IMODE(version.stat().st_mode) == 0o755
+        files = list(version.iterdir())
+        assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in files), \
+            {f.name: oct(f.stat().st_mode) for f in files}
+
+
+def test_the_logistic_regression_baseline_is_the_penalised_optimum(credit_entry, credit_data):
+    """Same training split and assembled features as the network; its gradient vanishes at the fit."""
+    from mlpair.contracts.assembly import FeatureAssembler
+    from mlpair.contracts.metrics import roc_auc
+    from mlpair.training.baseline import _objective, fit_logistic_regression, predict_probability
+    from mlpair.training.data import stratified_split
+
+    splits = stratified_split(credit_data.labels, int(credit_entry.manifest.data_source["split"]["seed"]))
+    train, holdout = credit_data.subset(splits["train"]), credit_data.subset(splits["holdout"])
+    assembler = FeatureAssembler(credit_entry.preprocessing)
+    x = assembler.assemble_many(train.records).astype(np.float64)
+    params = fit_logistic_regression(x, train.labels)
+    _, gradient = _objective(params, x, train.labels.astype(np.float64), 1.0)
+    assert np.abs(gradient).max() < 1e-3 * len(x) ** 0.5
+    auc = roc_auc(holdout.labels, predict_probability(params, assembler.assemble_many(holdout.records)))
+    served = credit_entry.manifest.metrics["holdout_calibrated"]["roc_auc"]
+    assert 0.80 < auc < served + 0.03, (auc, served)  # a real baseline, in the network's neighbourhood
