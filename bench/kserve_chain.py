@@ -223,6 +223,13 @@ class Chain:
         self.address = ""
 
     def __enter__(self) -> Chain:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> Chain:
+        """Installs the venv if needed, starts the predictor then the transformer, each until ready."""
         sys.path.insert(0, str(REPO / "bench"))
         from side_by_side import ensure_venv, free_port
 
@@ -248,7 +255,7 @@ class Chain:
                                                             start_new_session=True)
                 self._wait_ready(f"127.0.0.1:{predictor_port if name == 'predictor' else transformer_port}", name)
         except BaseException:
-            self.__exit__()
+            self.stop()
             raise
         self.address = f"127.0.0.1:{transformer_port}"
         return self
@@ -284,7 +291,8 @@ class Chain:
         except (psutil.Error, KeyError):
             return 0.0
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """SIGTERM to both servers' process groups (our own children, by PID), SIGKILL after 15 s."""
         for process in self.processes.values():  # our own children, by PID, with their sessions
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)

@@ -376,7 +376,7 @@ def chain_rounds(args, p: harness.Pair, metrics_ports: list[int], entry, workdir
     try:
         chain = Chain(harness.MODEL, entry.path, entry.model_path, harness.CONFIG_DIR / harness.MODEL / "policy.toml",
                       workdir, Path(args.chain_venvs).resolve())
-        chain.__enter__()
+        chain.start()
     except RuntimeError as exc:
         emit({"phase": "chain", "skipped": str(exc)[-600:]})
         return []
@@ -428,7 +428,7 @@ def chain_rounds(args, p: harness.Pair, metrics_ports: list[int], entry, workdir
                         emit(line)
                         lines.append(line)
     finally:
-        chain.__exit__()
+        chain.stop()
     return lines
 
 
