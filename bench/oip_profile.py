@@ -50,13 +50,13 @@ import side_by_side as sbs  # noqa: E402
 
 CATEGORIES = (  # (name, substrings of a frame: "function (/full/path.py:line)"), tried innermost frame first
     ("tracing and log context", ("/opentelemetry/", "/mlpair/observability/", "/mlpair/logs.py")),
-    ("metrics and statistics", ("/prometheus_client/", "/services/inference/statistics.py",
-                                "/services/inference/metrics.py")),
-    ("model compute", ("/services/inference/runtimes/", "/onnxruntime/")),
-    ("batcher", ("/services/inference/batcher.py",)),
-    ("checks", ("/services/inference/engine.py", "/services/inference/validation.py")),
-    ("conversion", ("/services/inference/converters.py", "/services/inference/oip_extensions.py",
-                    "/services/inference/servicer.py", "/mlpair/rpc.py", "/mlpair/wire.py", "NullServicer.")),
+    ("metrics and statistics", ("/prometheus_client/", "/inference/statistics.py",
+                                "/inference/metrics.py")),
+    ("model compute", ("/inference/runtimes/", "/onnxruntime/")),
+    ("batcher", ("/inference/batcher.py",)),
+    ("checks", ("/inference/engine.py", "/inference/validation.py")),
+    ("conversion", ("/inference/converters.py", "/inference/oip_extensions.py",
+                    "/inference/servicer.py", "/mlpair/rpc.py", "/mlpair/wire.py", "NullServicer.")),
 )
 MACHINERY = "gRPC and asyncio"
 
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--max-queue-delay-ms", type=float, default=1.0)
     parser.add_argument("--env", action="append", default=[], help="extra INFERENCE_*=value for InferenceService")
+    parser.add_argument("--baseline", default="", help="git commit whose InferenceService is profiled too, "
+                        "interleaved (mlpair-baseline): the same measurement before and after a change")
     args = parser.parse_args(argv)
     args.py_spy = py_spy()
     if args.py_spy is None:
@@ -135,6 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     ours = sbs.mlpair_server("mlpair", work / "models", True, feature_version, args)
     ours.env.update(dict(e.split("=", 1) for e in args.env))
     servers = [ours, sbs.null_server()]
+    if args.baseline:
+        sys.path.insert(0, str(BENCH.parent))
+        from bench.pair import previous_release
+
+        shutil.rmtree(work / "baseline", ignore_errors=True)  # ours, from an earlier run
+        release = previous_release(work / "baseline", args.baseline)
+        if release is None:
+            parser.error(f"commit {args.baseline} is not in this checkout's history")
+        before = sbs.mlpair_server("mlpair-baseline", work / "models", True, feature_version, args)
+        before.env.update({**ours.env, "INFERENCE_PORT": str(before.port), "PYTHONPATH": str(release / "package")})
+        before.command = [sys.executable, "-P", *before.command[1:]]  # -P: not this checkout's mlpair first
+        servers.insert(1, before)
     results: dict[str, list[dict]] = {s.name: [] for s in servers}
     out_dir = Path(tempfile.mkdtemp(prefix="oip-profile-", dir=work))
     try:
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             sbs.start(server, logs)
             sbs.wait_ready(server, 120)
         for round_ in range(1, args.rounds + 1):
-            for server in servers if round_ % 2 else servers[::-1]:
+            for server in servers[round_ % len(servers):] + servers[:round_ % len(servers)]:  # order rotates
                 line = profile_point(server, rows_file, args, out_dir, round_)
                 results[server.name].append(line)
                 print(json.dumps({"round": round_, **line}), flush=True)
@@ -160,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             "by_category": {c: float(np.median([line["server_cpu_us_per_request_by_category"][c] for line in ok]))
                             for c in ok[0]["server_cpu_us_per_request_by_category"]}}
     print(json.dumps({"label": f"median of {args.rounds} rounds", **summary}), flush=True)
-    if len(summary) == 2:
-        print("\n| per request (server CPU µs) | mlpair | null |\n|---|---:|---:|")
-        for c in summary["mlpair"]["by_category"]:
-            print(f"| {c} | {summary['mlpair']['by_category'][c]:.1f} | {summary['null']['by_category'][c]:.1f} |")
-        print(f"| **total** | {summary['mlpair']['server_cpu_us_per_request']:.1f} | "
-              f"{summary['null']['server_cpu_us_per_request']:.1f} |")
-        print(f"| req/s | {summary['mlpair']['requests_per_s']:,.0f} | {summary['null']['requests_per_s']:,.0f} |")
+    names = list(summary)
+    if names:
+        print("\n| per request (server CPU µs) | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+        for c in summary[names[0]]["by_category"]:
+            print(f"| {c} | " + " | ".join(f"{summary[n]['by_category'][c]:.1f}" for n in names) + " |")
+        print("| **total** | " + " | ".join(f"{summary[n]['server_cpu_us_per_request']:.1f}" for n in names) + " |")
+        print("| req/s | " + " | ".join(f"{summary[n]['requests_per_s']:,.0f}" for n in names) + " |")
     return 0
 
 
