@@ -81,7 +81,9 @@ bench-inference: $(STAMP)
 
 # Benchmark (not a test): PredictionService end to end (Predict, BatchPredict; CRM write on, cache
 # misses) and the added latency of the prediction hop over a direct Infer call, beside a do-nothing
-# PredictionService (bench/null_prediction.py, the floor of a Python gRPC hop); JSON lines + a table.
+# PredictionService (bench/null_prediction.py, the floor of a Python gRPC hop), and Predict interleaved
+# with a KServe transformer -> predictor chain doing the same business work (bench/kserve_chain.py;
+# KServe in its own pinned venv under var/bench/venvs, installed on first run); JSON lines + a table.
 bench-predict: $(STAMP)
 	$(PY) bench/predict_load.py --model-repository $(MODEL_REPOSITORY)
 

@@ -83,7 +83,9 @@ class Service:
         """
         with open(self.log_path, "a") as log:
             started = time.monotonic()
-            self.process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", self.role],
+            # -P: the working directory is not put first on sys.path, so a PYTHONPATH naming another
+            # release's package (the A/B phase) is what runs, not this checkout's mlpair/
+            self.process = subprocess.Popen([sys.executable, "-P", "-m", "mlpair.cli", "serve", self.role],
                                             env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
         self.starts += 1
         self.wait_serving(ready_timeout_s)

@@ -18,7 +18,13 @@ the one-machine SQLite ledger). One load generator (:mod:`bench.load`) drives, i
    history: :data:`bench.pair.PREVIOUS_RELEASE`) and this release's (shared PostgreSQL ledger),
    both running over the same InferenceService and CRM, loaded in turn (A, B, A, B, …) at
    ``--ab-concurrency``: the cost of the shared ledger, interleaved on one machine;
-5. ``null Predict`` and ``null BatchPredict`` — the same calls against ``bench/null_prediction.py``,
+5. ``interleaved Predict / KServe chain / null Predict`` — the closest peer design
+   (:mod:`bench.kserve_chain`: a KServe transformer doing the same feature assembly, calibration
+   and policy with the same code, calling a KServe predictor running the same ONNX file over OIP
+   gRPC) and the do-nothing PredictionService, loaded in turn by this one load generator for
+   ``--chain-rounds`` rounds at ``--chain-concurrency``, Predict and the chain on the same
+   applicants; first 200 applicants' answers are checked to be the same from both;
+6. ``null Predict`` and ``null BatchPredict`` — the same calls against ``bench/null_prediction.py``,
    a do-nothing PredictionService: the floor a Python gRPC prediction hop cannot beat here.
 
 Every phase of PredictionService also reports the ledger's commit latency p50/p99 over the phase
@@ -27,7 +33,10 @@ Every phase of PredictionService also reports the ledger's commit latency p50/p9
 
 Each reply is parsed: a decision with a probability in [0, 1], not a fallback, not from the
 cache. One JSON line per phase on stdout, then a table and the targets of issue 8
-(Predict ≥ 1,200/s with p99 ≤ 120 ms; BatchPredict ≥ 20,000 rows/s). The added latency of
+(Predict ≥ 1,200/s with p99 ≤ 120 ms; BatchPredict ≥ 20,000 rows/s) and issue 16 (from the
+interleaved rounds: Predict ≥ 3 × the KServe chain, ≥ 50 % of the do-nothing service with
+p99 ≤ 120 ms). In the chain's lines the CPU columns "prediction" and "inference" are the KServe
+transformer and predictor. The added latency of
 the prediction hop is Predict's p50 minus direct Infer's p50 at the same concurrency.
 Client and servers share this machine's cores: every figure is "client + both servers".
 """
@@ -58,6 +67,9 @@ INFER = "/mlpair.inference.v1.InferenceService/Infer"
 TARGET_PREDICT_PER_S = 1200
 TARGET_PREDICT_P99_MS = 120
 TARGET_BATCH_ROWS_PER_S = 20_000
+TARGET_OVER_CHAIN = 3.0  # Predict's rate over the KServe chain's, same rounds
+TARGET_SHARE_OF_NULL = 0.5  # … over the do-nothing PredictionService's
+CHAIN_AGREEMENT_ROWS = 200  # applicants whose answers Predict and the KServe chain must agree on
 
 
 def emit(line: dict) -> None:
@@ -217,7 +229,7 @@ def run(args) -> int:
     with harness.scratch_postgres() as pg_url:
         crm = pg_url or None
         emit({"phase": "crm", "crm": "postgresql (throw-away database on 127.0.0.1)" if pg_url else "sqlite file"})
-        real = {"infer", "predict", "batch"} & set(args.phases)
+        real = {"infer", "predict", "batch", "ab", "chain"} & set(args.phases)
         for ledger in args.ledgers if real else []:
             metrics_port = harness.free_port()
             # PostgreSQL: the shared ledger in the CRM's database (its own schema), as replicas run it
@@ -275,6 +287,9 @@ def run(args) -> int:
                     results.append(line)
                 if first and "ab" in args.phases:
                     results += ab_predict(args, p, metrics_ports, workdir, workload, checker, pb, to_attributes)
+                if first and "chain" in args.phases:
+                    results += chain_rounds(args, p, metrics_ports, entry, workdir, workload, checker, pb,
+                                            to_attributes)
             emit({"phase": "stopped", "ledger": ledger,
                   "exit_codes": {**{f"prediction-{i + 1}" if i else "prediction": r.process.returncode
                                     for i, r in enumerate(p.predictions)},
@@ -347,6 +362,99 @@ def ab_predict(args, p: harness.Pair, metrics_ports: list[int], workdir: Path, w
     return lines
 
 
+def chain_rounds(args, p: harness.Pair, metrics_ports: list[int], entry, workdir: Path, workload,
+                 checker: PredictCheck, pb, to_attributes) -> list[dict]:
+    """Predict against the KServe transformer → predictor chain (:mod:`bench.kserve_chain`: the
+    same business work, the same model version and policy) and the do-nothing PredictionService,
+    interleaved: each of ``--chain-rounds`` rounds loads Predict, the chain and the null service in
+    turn (the order rotating by round) at each ``--chain-concurrency``, with the same applicants
+    for Predict and the chain (every Predict a cache miss). First the answers are compared: the
+    chain's probability, decision and reason codes for ``CHAIN_AGREEMENT_ROWS`` applicants must be
+    Predict's. Returns one line per setup, level and round."""
+    from bench.kserve_chain import MODEL_INFER, Chain, chain_payloads, chain_reply
+
+    try:
+        chain = Chain(harness.MODEL, entry.path, entry.model_path, harness.CONFIG_DIR / harness.MODEL / "policy.toml",
+                      workdir, Path(args.chain_venvs).resolve())
+        chain.start()
+    except RuntimeError as exc:
+        emit({"phase": "chain", "skipped": str(exc)[-600:]})
+        return []
+    lines: list[dict] = []
+    try:
+        agreement = chain_agreement(p, chain, workload, pb, to_attributes, chain_payloads, chain_reply, MODEL_INFER)
+        emit({"phase": "chain agreement", **agreement})
+        if agreement["mismatches"]:
+            return lines
+
+        def chain_check(key: str, raw: bytes) -> str:
+            try:
+                probability, decision, _ = chain_reply(raw)
+            except ValueError as exc:
+                raise BadReply(str(exc)) from exc
+            if not decision or not 0.0 <= probability <= 1.0:
+                raise BadReply("no chain decision")
+            return key
+
+        null_check = PredictCheck()
+        with null_prediction(workdir) as null:
+            for round_ in range(args.chain_rounds):
+                for concurrency in args.chain_concurrency:
+                    n = int(min(args.max_calls, 5000 * (args.warmup_s + args.duration_s)))
+                    requests = list(itertools.islice(workload, n))  # the same applicants for both
+                    setups = [
+                        ("Predict", [r.address for r in p.predictions], PREDICT,
+                         predict_payloads(requests, pb, to_attributes), checker.predict,
+                         {"inference": p.inference.cpu_seconds,
+                          "prediction": lambda: sum(r.cpu_seconds() for r in p.predictions)}),
+                        ("KServe chain", [chain.address], MODEL_INFER, chain_payloads(requests, harness.MODEL),
+                         chain_check, {"prediction": lambda: chain.cpu_seconds("transformer"),
+                                       "inference": lambda: chain.cpu_seconds("predictor")}),
+                        ("null Predict", [null.address], PREDICT,
+                         Repeated(predict_payloads(requests[:2000], pb, to_attributes), args.max_calls),
+                         null_check.predict, {"prediction": null.cpu_seconds}),
+                    ]
+                    shift = round_ % len(setups)
+                    for name, addresses, method, payloads, check, cpu in setups[shift:] + setups[:shift]:
+                        scraped0, started = scrape(metrics_ports), time.monotonic()
+                        figures = asyncio.run(drive(addresses, method, payloads, check=check,
+                                                    concurrency=concurrency, duration_s=args.duration_s,
+                                                    warmup_s=args.warmup_s, cpu_of=cpu))
+                        line = {"phase": f"interleaved {name}", "round": round_ + 1, "ledger": None,
+                                "concurrency": concurrency, "rows_per_call": 1, **figures}
+                        if name == "Predict":
+                            line["ledger"] = "postgresql"
+                            line.update(ledger_figures(scraped0, scrape(metrics_ports), time.monotonic() - started))
+                        emit(line)
+                        lines.append(line)
+    finally:
+        chain.stop()
+    return lines
+
+
+def chain_agreement(p: harness.Pair, chain, workload, pb, to_attributes, chain_payloads, chain_reply,
+                    method: str) -> dict:
+    """Sends ``CHAIN_AGREEMENT_ROWS`` applicants to Predict and to the chain, one at a time, and
+    counts the answers that differ (probability beyond float32 rounding, decision or reason codes)."""
+    import grpc
+
+    requests = list(itertools.islice(workload, CHAIN_AGREEMENT_ROWS))
+    mismatches, worst = [], 0.0
+    with grpc.insecure_channel(p.prediction.address) as ours, grpc.insecure_channel(chain.address) as theirs:
+        predict, infer = ours.unary_unary(PREDICT), theirs.unary_unary(method)
+        for (rid, raw), (_, chain_raw), request in zip(predict_payloads(requests, pb, to_attributes),
+                                                       chain_payloads(requests, harness.MODEL), requests):
+            a = pb.PredictResponse.FromString(predict(raw, timeout=10))
+            probability, decision, reasons = chain_reply(infer(chain_raw, timeout=10))
+            worst = max(worst, abs(a.probability - probability))
+            if abs(a.probability - probability) > 1e-6 or a.decision_label != decision \
+                    or tuple(a.reason_codes) != reasons:
+                mismatches.append({"request_id": rid, "predict": [a.probability, a.decision_label, list(a.reason_codes)],
+                                   "chain": [probability, decision, list(reasons)]})
+    return {"applicants": len(requests), "mismatches": len(mismatches), "first_mismatches": mismatches[:3],
+            "max_abs_probability_diff": worst}
+
+
 @contextlib.contextmanager
 def null_prediction(workdir: Path) -> Iterator[harness.Service]:
     """``bench/null_prediction.py`` (a do-nothing PredictionService) as a process on a free
@@ -376,7 +484,8 @@ def summarise(results: list[dict], levels: list[int]) -> int:
         table.add_column(column, justify="left" if column in ("phase", "ledger") else "right")
     for r in results:
         cpu, per_call = r.get("cpu_pct", {}), r.get("cpu_ms_per_call", {})
-        phase = f"{r['phase']} {r['variant'][:1]}{r['round']}" if "variant" in r else r["phase"]
+        phase = f"{r['phase']} {r['variant'][:1]}{r['round']}" if "variant" in r \
+            else f"{r['phase']} r{r['round']}" if "round" in r else r["phase"]
         table.add_row(phase, r["ledger"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
                       f"{r['calls_per_s']:,.0f}", f"{r['rows_per_s']:,.0f}", str(r["p50_ms"]), str(r["p99_ms"]),
                       str(r["errors"]), str(r.get("rows_per_infer_call", "-")),
@@ -428,12 +537,41 @@ def summarise(results: list[dict], levels: list[int]) -> int:
             summary["ab_rate_ratio_b_over_a"] = round(sum(rates["B"]) / sum(rates["A"]), 3)
         summary["ab_ledger_commit_p50_p99_ms"] = [(r.get("ledger_commit_p50_ms"), r.get("ledger_commit_p99_ms"))
                                                   for r in ab if r["ledger"] == "B"]
+    summary.update(chain_summary(results))
     summary["targets"] = {"predict_per_s": TARGET_PREDICT_PER_S, "predict_p99_ms": TARGET_PREDICT_P99_MS,
-                          "batch_rows_per_s": TARGET_BATCH_ROWS_PER_S}
+                          "batch_rows_per_s": TARGET_BATCH_ROWS_PER_S,
+                          "predict_over_chain": TARGET_OVER_CHAIN, "predict_share_of_null": TARGET_SHARE_OF_NULL}
     summary["errors"] = sum(r["errors"] for r in results)
     summary["replies_from_cache"] = sum(r.get("replies_from_cache", 0) for r in results)
     emit(summary)
     return 1 if summary["errors"] else 0
+
+
+def chain_summary(results: list[dict]) -> dict:
+    """The interleaved rounds' medians per setup and level, and Predict's ratios to the KServe
+    chain and to the do-nothing PredictionService (same rounds), against the targets."""
+    import statistics
+
+    out: dict = {}
+    interleaved = [r for r in results if r["phase"].startswith("interleaved ")]
+    for conc in sorted({r["concurrency"] for r in interleaved}):
+        rates, p99 = {}, {}
+        for name in ("Predict", "KServe chain", "null Predict"):
+            lines = [r for r in interleaved if r["phase"] == f"interleaved {name}" and r["concurrency"] == conc]
+            if lines:
+                rates[name] = statistics.median(r["calls_per_s"] for r in lines)
+                p99[name] = statistics.median(r["p99_ms"] or 1e9 for r in lines)
+                out[f"interleaved_{name.lower().replace(' ', '_')}_per_s_c{conc}"] = [r["calls_per_s"] for r in lines]
+        if rates.get("Predict") and rates.get("KServe chain"):
+            ratio = round(rates["Predict"] / rates["KServe chain"], 2)
+            out[f"predict_over_chain_c{conc}"] = {"value": ratio, "target": TARGET_OVER_CHAIN,
+                                                  "met": ratio >= TARGET_OVER_CHAIN}
+        if rates.get("Predict") and rates.get("null Predict"):
+            share = round(rates["Predict"] / rates["null Predict"], 2)
+            out[f"predict_share_of_null_interleaved_c{conc}"] = {
+                "value": share, "p99_ms": p99["Predict"], "target": f">= {TARGET_SHARE_OF_NULL} with p99 <= "
+                f"{TARGET_PREDICT_P99_MS} ms", "met": share >= TARGET_SHARE_OF_NULL and p99["Predict"] <= TARGET_PREDICT_P99_MS}
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -456,15 +594,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ab-rounds", type=int, default=2, help="interleaved A/B rounds (A then B in each)")
     parser.add_argument("--baseline", default=harness.PREVIOUS_RELEASE,
                         help="git commit of the A side of the A/B [default: the previous release]")
+    parser.add_argument("--chain-concurrency", type=int, nargs="+", default=[32],
+                        help="calls in flight in the interleaved Predict / KServe chain / null rounds")
+    parser.add_argument("--chain-rounds", type=int, default=2, help="interleaved rounds of the chain phase")
+    parser.add_argument("--chain-venvs", default="var/bench/venvs",
+                        help="where the KServe virtualenv is (made there on first use, as `make bench` does)")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
     parser.add_argument("--prediction-replicas", type=int, default=1,
                         help="PredictionService processes (own port each; one InferenceService, ledger and CRM); "
                              "calls are spread over them round-robin, as a Service over several pods would")
-    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch", "ab", "null"],
-                        choices=["infer", "predict", "batch", "ab", "null"],
+    parser.add_argument("--phases", nargs="+", default=["infer", "predict", "batch", "ab", "chain", "null"],
+                        choices=["infer", "predict", "batch", "ab", "chain", "null"],
                         help="which phases to run (all by default); ab = Predict, previous release against this "
-                             "one, interleaved; null = Predict and BatchPredict against bench/null_prediction.py, a "
-                             "do-nothing PredictionService")
+                             "one, interleaved; chain = Predict, the KServe transformer → predictor chain (bench/kserve_chain.py) "
+                             "and the do-nothing PredictionService, interleaved; null = Predict and BatchPredict "
+                             "against bench/null_prediction.py, a do-nothing PredictionService")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 2 or args.duration_s <= 0 or args.warmup_s + args.duration_s > 300:
         parser.error("need concurrency >= 2 (1 always runs) and 0 < duration-s, warmup-s + duration-s <= 300")

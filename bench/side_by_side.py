@@ -574,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved sweeps; each point reports their median")
     parser.add_argument("--max-batch-size", type=int, default=128)
     parser.add_argument("--max-queue-delay-ms", type=float, default=1.0)
-    parser.add_argument("--cold-starts", type=int, default=3)
+    parser.add_argument("--cold-starts", type=int, default=3, help="0 skips the cold-start measurement")
+    parser.add_argument("--models", nargs="+", default=[MODEL, HEAVY], choices=[MODEL, HEAVY],
+                        help="models measured (a bounded run: --models credit-risk)")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--no-streaming", dest="streaming", action="store_false",
                         help="skip the ModelStreamInfer points of mlpair and triton")
@@ -605,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cold = cold_start(models_root, args.cold_starts)
     emit({"label": "cold start to SERVING", "model": MODEL, "runs_s": [round(s, 3) for s in cold],
-          "median_s": round(statistics.median(cold), 3)}, out)
+          "median_s": round(statistics.median(cold), 3) if cold else None}, out)
 
     servers: list[Server] = [mlpair_server("mlpair", models_root, True, feature_version, args),
                              mlpair_server("mlpair-nobatch", models_root, False, feature_version, args), null_server()]
@@ -648,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                   "start_to_ready_s": round(ready_s, 2), "max_abs_logit_error": worst}, out)
         for number in range(1, args.rounds + 1):
             for c in args.concurrency:  # interleaved: every server gets its point before the next level
-                for model in (MODEL, HEAVY):
+                for model in args.models:
                     for server in live:
                         if model in server.models:
                             line = {"round": number, **measure(server, model, c, rows_file, args)}
@@ -667,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     summary["elapsed_s"] = round(time.monotonic() - began, 1)
     emit(summary, out)
-    text = table(results, live, args.concurrency, [MODEL, HEAVY])
+    text = table(results, live, args.concurrency, args.models)
     (work / "table.md").write_text(text + "\n")
     print("\n" + text + "\n")
     for key, value in summary.items():

@@ -31,7 +31,7 @@ from mlpair.inference.errors import Draining, InvalidInput, ModelFailure
 from mlpair.inference.repository import ModelRepository, RuntimeFactory, ServedVersion
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.settings import InferenceSettings
-from mlpair.inference.validation import TensorIn, check_feature_version, decode_features
+from mlpair.inference.validation import TensorIn, all_finite, check_feature_version, decode_features
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class InferenceEngine:
                                    np.zeros((0, served.n_classes), dtype=np.float32))
             logits = await served.batcher.submit(x, deadline)
             logs.record_stage("queue_and_compute", time.perf_counter() - validated)
-            if np.isfinite(logits).all():
+            if all_finite(logits):
                 return InferResult(served.name, served.version, served.output_name, logits)
             return self._invalid_output(served, logits, per_row_errors)
         except ServiceError as exc:
