@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 
 import grpc
 
@@ -38,6 +37,7 @@ from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
+from mlpair.lifecycle import DrainGate, drain
 from mlpair.observability.calls import observe_servicer
 from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
 
@@ -64,8 +64,9 @@ class InferenceServer:
         # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
         # by wrappers of the servicers' methods; tracer_provider None = the global one.
         self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
-        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
-        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
+        self.gate = DrainGate()  # the drain holds new calls with it, then answers them UNAVAILABLE
+        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN, self.gate)
+        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN, self.gate)
         count_failures_with("inference", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
         if settings.tracing:
             observe_servicer(own_api, SERVICE_NAME, "inference", tracer_provider, log_calls=True)
@@ -100,17 +101,17 @@ class InferenceServer:
         await self.health.update(self.engine.ready(), models)
 
     async def drain(self) -> None:
-        """Graceful stop: not ready at once; still serve for ``shutdown_accept_ms`` (calls already
-        on the wire when the signal came: gRPC has them, the busy event loop has not dispatched
-        them yet, and ``server.stop`` would cancel them); then refuse new work with UNAVAILABLE,
-        let in-flight work finish within ``shutdown_grace_s``, stop the server, retire the models."""
-        deadline = time.monotonic() + self.settings.shutdown_grace_s
-        await self.health.shutdown()
-        await asyncio.sleep(min(self.settings.shutdown_accept_ms / 1000, self.settings.shutdown_grace_s))
-        await self.engine.begin_drain()
-        if not await self.engine.wait_idle(max(0.0, deadline - time.monotonic())):
-            logger.warning("grace period of %.1f s ended with requests still in flight", self.settings.shutdown_grace_s)
-        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        """Graceful stop (:func:`mlpair.lifecycle.drain`): not ready on every signal at once and
+        health Watch streams ended; still serve for ``shutdown_accept_ms`` (calls already on the
+        wire when the signal came); then refuse new work with UNAVAILABLE, let in-flight work
+        finish within ``shutdown_grace_s``, stop the server, retire the models."""
+        async def begin() -> None:
+            await self.engine.withdraw_readiness()
+            await self.health.shutdown()
+
+        await drain(self.server, self.gate, grace_s=self.settings.shutdown_grace_s,
+                    accept_s=self.settings.shutdown_accept_ms / 1000, begin=begin,
+                    refuse=self.engine.begin_drain, wait_idle=self.engine.wait_idle)
         await self.engine.close()
 
     async def stop(self) -> None:

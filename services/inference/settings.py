@@ -67,7 +67,7 @@ class InferenceSettings(BaseSettings):
     runtime: Literal["onnx", "torch"] = "onnx"
     """Execution backend: ONNX Runtime (model.onnx) or PyTorch (the exported program beside it)."""
     execution_provider: Literal["auto", "cuda", "cpu"] = "auto"
-    """Device: auto = CUDA when available, else CPU (the fallback is logged); cuda insists, logging if absent."""
+    """Device: auto = CUDA when available, else CPU (logged); cuda = CUDA or refuse to start (exit 2, one-line reason)."""
     intra_op_threads: int = 1
     """Threads per model execution; 1 suits small models and many concurrent calls."""
     graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"

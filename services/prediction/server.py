@@ -115,12 +115,13 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
     # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
     # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
     server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
-    servicer = guard_servicer(PredictionServicer(predictor), DOMAIN)
+    health = PredictionHealth(SERVICE_NAME)
+    # health.gate: after the drain's accept window, new calls get UNAVAILABLE (DRAINING)
+    servicer = guard_servicer(PredictionServicer(predictor), DOMAIN, health.gate)
     count_failures_with("prediction", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
     if settings.tracing:
         observe_servicer(servicer, SERVICE_NAME, "prediction", tracer_provider)
     add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, servicer, server)
-    health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
     tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
     port = bind_port(server, f"{settings.host}:{settings.port}", tls)

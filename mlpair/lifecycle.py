@@ -1,0 +1,202 @@
+"""Serving lifecycle shared by both servers: liveness beside readiness, the drain, connection
+keepalive and server reflection.
+
+Health names (``grpc.health.v1``) on both services:
+
+* ``liveness`` (:data:`LIVENESS`): SERVING from the moment the port answers until the server
+  stops, whatever the models, the ledger or the drain say; for the Kubernetes liveness probe,
+  which must restart only a process that can no longer answer at all.
+* ``""`` and each service name: readiness (each service's health module says what it checks);
+  NOT_SERVING at once when the drain starts.
+
+Drain (:func:`drain`), on SIGTERM:
+
+1. readiness turns NOT_SERVING on every name and protocol, and every open health ``Watch``
+   stream ends (with its last status sent), so neither a probe nor a watcher holds the shutdown;
+2. for ``accept_s`` calls are still served: calls a client sent just before the signal, which
+   gRPC has received but the busy event loop has not dispatched yet;
+3. then new calls are held (:class:`DrainGate`) while calls in flight get what is left of
+   ``grace_s`` to finish, until no new call has arrived for :data:`QUIET_S`;
+4. the server stops (listener closed, GOAWAY sent), and only then are the held calls answered
+   UNAVAILABLE (reason ``DRAINING``, retryable).
+
+gRPC's own ``server.stop(grace)`` cancels every call that reaches the server after it is
+called, including calls already on the wire (the client sees CANCELLED, which neither a mesh
+nor PredictionService retries). Steps 3 and 4 leave no call on the wire at that moment from a
+client that waits for its answers; a client that sends without waiting keeps the server in
+step 3 until the grace runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from mlpair.errors import ServiceError
+
+logger = logging.getLogger(__name__)
+
+LIVENESS = "liveness"
+"""Health name of liveness: SERVING while the process serves at all (see the module docstring)."""
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class LifecycleHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 with a ``liveness`` name that stays SERVING, and ``Watch`` streams that end
+    when the drain starts (grpc's own servicer keeps them open until the server's grace runs out,
+    so one watcher delayed every shutdown by the whole grace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._server_status[LIVENESS] = SERVING
+        self._changed = asyncio.Condition()
+        self._draining = False
+
+    async def set(self, service: str, status) -> None:
+        """Sets ``service``'s status and wakes its watchers; ignored for every name once draining
+        (nothing turns ready again during a drain)."""
+        if self._draining:
+            return
+        await super().set(service, status)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
+        """Streams the name's status on every change; ends after the last one once draining."""
+        last = None
+        while True:
+            status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._draining:
+                return
+            async with self._changed:
+                if not self._draining and self._server_status.get(request.service) == status:
+                    await self._changed.wait()
+
+    async def begin_drain(self, readiness_names: list[str]) -> None:
+        """Readiness names NOT_SERVING for good; open Watch streams send it and end."""
+        for name in readiness_names:
+            await super().set(name, NOT_SERVING)
+        self._draining = True
+        async with self._changed:
+            self._changed.notify_all()
+
+
+class Draining(ServiceError):
+    """The server is shutting down and takes no new calls; retry on another replica."""
+
+    code = "UNAVAILABLE"
+    reason = "DRAINING"
+
+
+class DrainGate:
+    """Counts calls in flight and, once closed, holds each new call until the server has begun to
+    stop, then refuses it with :class:`Draining` (UNAVAILABLE).
+
+    Holding rather than refusing at once matters for the last moment of a drain: a client that
+    got its UNAVAILABLE sends its next call at once, and a call on the wire when gRPC's shutdown
+    begins is cancelled (CANCELLED). A held client has nothing on the wire; it gets its answer
+    after the server has sent GOAWAY, so its next call goes elsewhere or is refused before it is
+    sent. Used by :func:`mlpair.rpc.guard_servicer` around every unary RPC of a servicer.
+    """
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.in_flight = 0
+        self.last_arrival = 0.0
+        """``time.monotonic()`` of the latest call held (or of closing, before any)."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._released = asyncio.Event()
+
+    async def enter(self) -> None:
+        """Admits one call, or holds it until :meth:`release` once the gate is closed.
+
+        Raises:
+            Draining: the gate is closed (raised once released).
+        """
+        if self.closed:
+            self.last_arrival = time.monotonic()
+            await self._released.wait()
+            raise Draining("the server is shutting down; retry on another replica")
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def close(self) -> None:
+        """Holds every new call from now on."""
+        self.closed = True
+        self.last_arrival = time.monotonic()
+
+    def release(self) -> None:
+        """Answers every held call, and every later one, UNAVAILABLE."""
+        self._released.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no admitted call is in flight; False when ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+
+    async def wait_quiet(self, quiet_s: float, timeout_s: float) -> bool:
+        """Waits until no call has arrived for ``quiet_s`` seconds; False when ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while (now := time.monotonic()) < deadline:
+            left = self.last_arrival + quiet_s - now
+            if left <= 0:
+                return True
+            await asyncio.sleep(min(left, deadline - now))
+        return False
+
+
+QUIET_S = 0.05
+"""The drain stops the server once no call has arrived for this long (every closed-loop client
+then waits on a held call; measured arrivals on loopback are well under a millisecond apart)."""
+
+
+async def drain(server: grpc.aio.Server, gate: DrainGate, *, grace_s: float, accept_s: float,
+                begin: Callable[[], Awaitable[None]], refuse: Callable[[], Awaitable[None]] | None = None,
+                wait_idle: Callable[[float], Awaitable[bool]] | None = None) -> None:
+    """Stops ``server`` gracefully (the module docstring's steps).
+
+    Args:
+        gate: the servicers' gate (:func:`mlpair.rpc.guard_servicer`): closed after ``accept_s``,
+            released once the server has begun to stop.
+        grace_s: seconds from the call until the server is stopped at the latest.
+        accept_s: seconds calls are still served after readiness turned NOT_SERVING (capped at ``grace_s``).
+        begin: turns every readiness signal not-ready and ends health Watch streams.
+        refuse: more to close with the gate (e.g. the engine's own refusal); None = the gate alone.
+        wait_idle: waits up to the given seconds for calls in flight, False when some remain;
+            None = the gate's count.
+    """
+    deadline = time.monotonic() + grace_s
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    await begin()
+    await asyncio.sleep(min(accept_s, grace_s))
+    gate.close()
+    if refuse is not None:
+        await refuse()
+    if not await (wait_idle or gate.wait_idle)(left()):
+        logger.warning("grace period of %.1f s ended with calls still in flight", grace_s)
+    await gate.wait_quiet(QUIET_S, left())
+    stopping = asyncio.ensure_future(server.stop(left()))
+    await asyncio.sleep(0.01)  # shutdown begun (GOAWAY sent) before the held calls get their answer
+    gate.release()
+    await stopping
