@@ -200,3 +200,44 @@ async def drain(server: grpc.aio.Server, gate: DrainGate, *, grace_s: float, acc
     await asyncio.sleep(0.01)  # shutdown begun (GOAWAY sent) before the held calls get their answer
     gate.release()
     await stopping
+
+
+def server_options(settings) -> list[tuple[str, int]]:
+    """gRPC server options for the keepalive and connection-age policy of ``settings`` (either
+    service's settings: ``keepalive_min_ping_interval_ms``, ``keepalive_permit_without_calls``,
+    ``max_connection_age_ms``, ``max_connection_age_grace_ms``).
+
+    gRPC's server defaults refuse what many clients do: a ping more often than every 5 minutes
+    without a call in flight is a strike, and after 2 strikes the server closes the connection
+    with GOAWAY ``too_many_pings`` (a client pinging every second was cut off after 3 s).
+    """
+    options = [("grpc.http2.min_ping_interval_without_data_ms", settings.keepalive_min_ping_interval_ms),
+               ("grpc.keepalive_permit_without_calls", int(settings.keepalive_permit_without_calls))]
+    if settings.max_connection_age_ms > 0:
+        options += [("grpc.max_connection_age_ms", settings.max_connection_age_ms),
+                    ("grpc.max_connection_age_grace_ms", settings.max_connection_age_grace_ms)]
+    return options
+
+
+def client_keepalive_options(keepalive_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
+    """Channel options of a client that pings every ``keepalive_ms`` (calls in flight or not) and
+    drops the connection when a ping is not answered within ``timeout_ms``; 0 = no pings.
+
+    The server must accept pings that often (its ``keepalive_min_ping_interval_ms``, at most
+    ``keepalive_ms``), or it closes the connection after two early pings.
+    """
+    if keepalive_ms <= 0:
+        return []
+    return [("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """gRPC server reflection (grpcio-reflection) listing ``service_names``, health and reflection
+    itself, so grpcurl and grpc_cli can call the server without the .proto files."""
+    from grpc_health.v1 import health_pb2 as health_messages
+    from grpc_reflection.v1alpha import reflection
+
+    names = [*service_names, health_messages.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)

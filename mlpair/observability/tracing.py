@@ -5,14 +5,16 @@ mlpair.observability.calls) → the client span of its ``Infer`` call, which inj
 W3C ``traceparent`` metadata → the InferenceService server span → back in PredictionService,
 one span per CRM statement (``crm INSERT`` …) under the same Predict span.
 
-Export is off by default. With ``otlp_endpoint`` set, spans go to that OTLP/gRPC collector
-(batched), head-sampled at ``sample_ratio`` for new traces and following the caller's choice
-for continued ones. Without an endpoint, spans are still *created but not sampled*: they
+Export is off by default. With ``otlp_endpoint`` set (or, failing it, the standard
+``OTEL_EXPORTER_OTLP_ENDPOINT``), spans go to that OTLP/gRPC collector (batched), head-sampled
+at ``sample_ratio`` (or the standard ``OTEL_TRACES_SAMPLER``) for new traces and following the
+caller's choice for continued ones; ``OTEL_SERVICE_NAME`` renames the service. Without an endpoint, spans are still *created but not sampled*: they
 cost little, and their trace and span ids still reach every log line and the next hop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -24,31 +26,52 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 INSTRUMENTATION_NAME = "mlpair"
 
 
-def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_ratio: float = 1.0,
-                          service_version: str = "", exporter: SpanExporter | None = None) -> TracerProvider:
+def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_ratio: float | None = 1.0,
+                          service_version: str = "", exporter: SpanExporter | None = None,
+                          environ: Mapping[str, str] | None = None) -> TracerProvider:
     """A tracer provider for one service.
 
     Args:
         service_name: the ``service.name`` resource attribute, e.g. ``mlpair-inference``.
-        otlp_endpoint: OTLP/gRPC collector, e.g. ``http://otel-collector:4317``; "" = no export.
+        otlp_endpoint: OTLP/gRPC collector, e.g. ``http://otel-collector:4317``; "" = no export
+            (or, with ``environ``, the standard variables' collector).
         sample_ratio: fraction in [0, 1] of new traces recorded when exporting
-            (``ParentBased(TraceIdRatioBased)``: a caller's sampling decision is kept).
+            (``ParentBased(TraceIdRatioBased)``: a caller's sampling decision is kept); None = the
+            standard ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``) when ``environ`` sets it, else 1.
         service_version: the ``service.version`` resource attribute.
         exporter: an explicit exporter (tests pass an in-memory one); wins over ``otlp_endpoint``.
+        environ: the process environment (``main()`` passes ``os.environ``), for the standard
+            OpenTelemetry variables, each used only where the project's own setting is unset:
+            ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (with the
+            exporter's other ``OTEL_EXPORTER_OTLP_*`` variables), ``OTEL_SERVICE_NAME``,
+            ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG``; ``OTEL_SDK_DISABLED=true``
+            turns export off. None = ignore the environment.
 
     Raises:
         ValueError: ``sample_ratio`` is outside [0, 1].
     """
-    if not 0.0 <= sample_ratio <= 1.0:
+    environ = environ if environ is not None else {}
+    if sample_ratio is not None and not 0.0 <= sample_ratio <= 1.0:
         raise ValueError(f"sample_ratio must be in [0, 1], got {sample_ratio}")
-    if exporter is None and otlp_endpoint:
+    service_name = environ.get("OTEL_SERVICE_NAME") or service_name
+    exporting_from_environment = not otlp_endpoint and environ.get("OTEL_SDK_DISABLED", "").lower() != "true" and any(
+        environ.get(name) for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if exporter is None and (otlp_endpoint or exporting_from_environment):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=otlp_endpoint.startswith("http://"))
-    root = TraceIdRatioBased(sample_ratio) if exporter is not None else ALWAYS_OFF
+        # No endpoint argument: the exporter reads the standard variables itself (endpoint,
+        # headers, certificates, OTEL_EXPORTER_OTLP_INSECURE; http:// means plaintext).
+        exporter = (OTLPSpanExporter(endpoint=otlp_endpoint, insecure=otlp_endpoint.startswith("http://"))
+                    if otlp_endpoint else OTLPSpanExporter())
+    if exporter is None:
+        sampler = ParentBased(ALWAYS_OFF)
+    elif sample_ratio is None and environ.get("OTEL_TRACES_SAMPLER"):
+        sampler = None  # the SDK builds OTEL_TRACES_SAMPLER's sampler (from os.environ, as main() passed)
+    else:
+        sampler = ParentBased(TraceIdRatioBased(1.0 if sample_ratio is None else sample_ratio))
     resource = Resource.create({"service.name": service_name, "service.namespace": "mlpair",
                                 "service.version": service_version})
-    provider = TracerProvider(resource=resource, sampler=ParentBased(root))
+    provider = TracerProvider(resource=resource, sampler=sampler)
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider

@@ -37,7 +37,7 @@ from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
-from mlpair.lifecycle import DrainGate, drain
+from mlpair.lifecycle import DrainGate, drain, enable_reflection, server_options
 from mlpair.observability.calls import observe_servicer
 from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
 
@@ -63,7 +63,8 @@ class InferenceServer:
         # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
         # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
         # by wrappers of the servicers' methods; tracer_provider None = the global one.
-        self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
+        self.server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes),
+                                               *server_options(settings)])
         self.gate = DrainGate()  # the drain holds new calls with it, then answers them UNAVAILABLE
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN, self.gate)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN, self.gate)
@@ -76,6 +77,8 @@ class InferenceServer:
         add_servicer(pb_grpc.add_InferenceServiceServicer_to_server, own_api, self.server)
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, open_inference, self.server)
         self.health.add_to(self.server)
+        if settings.reflection:
+            enable_reflection(self.server, [SERVICE_NAME, OIP_SERVICE_NAME])
         tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
         self.port = bind_port(self.server, f"{settings.host}:{settings.port}", tls)
 

@@ -37,11 +37,27 @@ class InferenceSettings(BaseSettings):
     """OpenTelemetry spans with W3C trace context and per-call log context on every RPC (about
     0.1 ms of CPU per call, docs/observability.md); off only where that matters more than traces."""
     otlp_endpoint: str = ""
-    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = no export."""
+    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT (and OTEL_EXPORTER_OTLP_* options) when set, else no export."""
     trace_sample_ratio: float = 1.0
-    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept."""
+    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept. When not
+    set, the standard OTEL_TRACES_SAMPLER (+ OTEL_TRACES_SAMPLER_ARG) decides, if set, else 1.0."""
     log_sample_ratio: float = 0.0
     """Fraction of Infer calls logged at INFO when DEBUG is off (0 = none; per-call lines are DEBUG)."""
+
+    # -- connections: keepalive, rebalancing, reflection ------------------------------------
+    keepalive_min_ping_interval_ms: int = 1000
+    """Shortest interval between a client's keepalive pings that the server accepts, in ms; pinging
+    more often is a strike, and two strikes close the connection (GOAWAY too_many_pings)."""
+    keepalive_permit_without_calls: bool = True
+    """Accept keepalive pings on a connection with no call in flight (clients keeping idle connections warm)."""
+    max_connection_age_ms: int = 300_000
+    """Connections are closed gracefully (GOAWAY) after about this long, so clients reconnect and spread
+    over replicas added since; 0 = never. Long ModelStreamInfer streams end with their connection."""
+    max_connection_age_grace_ms: int = 30_000
+    """Milliseconds calls in flight on an aged connection get to finish before it is closed."""
+    reflection: bool = True
+    """gRPC server reflection (grpcurl, grpc_cli, Postman list and call the services without .proto files)."""
 
     # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
     tls_cert_file: Path | None = None

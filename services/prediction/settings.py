@@ -61,6 +61,20 @@ class PredictionSettings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
 
+    # -- connections: keepalive, rebalancing, reflection ------------------------------------
+    keepalive_min_ping_interval_ms: int = 1000
+    """Shortest interval between a client's keepalive pings that the server accepts, in ms; pinging
+    more often is a strike, and two strikes close the connection (GOAWAY too_many_pings)."""
+    keepalive_permit_without_calls: bool = True
+    """Accept keepalive pings on a connection with no call in flight (clients keeping idle connections warm)."""
+    max_connection_age_ms: int = 300_000
+    """Connections are closed gracefully (GOAWAY) after about this long, so clients reconnect and spread
+    over replicas added since; 0 = never. Long ModelStreamInfer streams end with their connection."""
+    max_connection_age_grace_ms: int = 30_000
+    """Milliseconds calls in flight on an aged connection get to finish before it is closed."""
+    reflection: bool = True
+    """gRPC server reflection (grpcurl, grpc_cli, Postman list and call the services without .proto files)."""
+
     # Caching with a stale fallback (cache.py).
     cache_backend: Literal["memory", "redis", "off"] = "memory"
     """Where inference results are cached: in-process LRU, a shared Redis, or not at all."""
@@ -88,6 +102,12 @@ class PredictionSettings(BaseSettings):
     """Base of the full-jitter exponential backoff between Infer attempts, in milliseconds."""
     inference_reconnect_backoff_max_ms: int = 1000
     """Longest wait between reconnection attempts of the inference channel, in milliseconds."""
+    inference_keepalive_ms: int = 10_000
+    """Keepalive ping interval on the InferenceService channel, in ms (0 = none): a connection to a node
+    that vanished without a TCP reset is dropped within this plus inference_keepalive_timeout_ms, not
+    after the kernel's ~15 minutes. At least InferenceService's keepalive_min_ping_interval_ms."""
+    inference_keepalive_timeout_ms: int = 5_000
+    """Milliseconds a keepalive ping may go unanswered before the InferenceService connection is dropped."""
     breaker_failure_threshold: int = 5
     """Consecutive unavailable/timed-out Infer calls that open the circuit."""
     breaker_open_ms: int = 2000
@@ -104,6 +124,9 @@ class PredictionSettings(BaseSettings):
     """Most PostgreSQL connections to the ledger per process (group commits, relay claims, probes)."""
     ledger_statement_cache_size: int = 100
     """Prepared statements asyncpg keeps per ledger connection; 0 behind PgBouncer in transaction mode."""
+    crm_statement_cache_size: int = 100
+    """PostgreSQL CRM only: prepared statements asyncpg (through SQLAlchemy) keeps per connection; 0 behind
+    PgBouncer in transaction mode, where a statement prepared on one server connection is unknown on the next."""
     ledger_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """SQLite ledger only: FULL fsyncs each commit (survives power loss), NORMAL survives a process crash only."""
     relay_batch_size: int = 2048
@@ -123,9 +146,11 @@ class PredictionSettings(BaseSettings):
     on every RPC (about 0.15 ms of CPU per call, docs/observability.md); off only where that matters
     more than traces."""
     otlp_endpoint: str = ""
-    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = no export."""
+    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT (and OTEL_EXPORTER_OTLP_* options) when set, else no export."""
     trace_sample_ratio: float = 1.0
-    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept."""
+    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept. When not
+    set, the standard OTEL_TRACES_SAMPLER (+ OTEL_TRACES_SAMPLER_ARG) decides, if set, else 1.0."""
     log_sample_ratio: float = 0.0
     """Fraction of decisions logged at INFO when DEBUG is off (0 = none; per-decision lines are DEBUG)."""
     drift_window_rows: int = 1000
