@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
 
 INSTRUMENTATION_NAME = "mlpair"
 
@@ -66,7 +66,7 @@ def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_
     if exporter is None:
         sampler = ParentBased(ALWAYS_OFF)
     elif sample_ratio is None and environ.get("OTEL_TRACES_SAMPLER"):
-        sampler = None  # the SDK builds OTEL_TRACES_SAMPLER's sampler (from os.environ, as main() passed)
+        sampler = standard_sampler(environ["OTEL_TRACES_SAMPLER"], environ.get("OTEL_TRACES_SAMPLER_ARG"))
     else:
         sampler = ParentBased(TraceIdRatioBased(1.0 if sample_ratio is None else sample_ratio))
     resource = Resource.create({"service.name": service_name, "service.namespace": "mlpair",
@@ -75,6 +75,27 @@ def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+def standard_sampler(name: str, arg: str | None = None) -> Sampler:
+    """The sampler an ``OTEL_TRACES_SAMPLER`` value names (the OpenTelemetry specification's
+    built-in values), with ``OTEL_TRACES_SAMPLER_ARG`` as the ratio of the ratio samplers
+    (default 1.0).
+
+    Raises:
+        ValueError: another name (e.g. a vendor's sampler), or a ratio outside [0, 1].
+    """
+    ratio = float(arg) if arg else 1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be in [0, 1], got {arg}")
+    samplers = {"always_on": lambda: ALWAYS_ON, "always_off": lambda: ALWAYS_OFF,
+                "traceidratio": lambda: TraceIdRatioBased(ratio),
+                "parentbased_always_on": lambda: ParentBased(ALWAYS_ON),
+                "parentbased_always_off": lambda: ParentBased(ALWAYS_OFF),
+                "parentbased_traceidratio": lambda: ParentBased(TraceIdRatioBased(ratio))}
+    if name.lower() not in samplers:
+        raise ValueError(f"OTEL_TRACES_SAMPLER={name!r} is not supported; use one of {', '.join(samplers)}")
+    return samplers[name.lower()]()
 
 
 def instrument_engine(engine: Any, tracer_provider: trace.TracerProvider | None = None) -> None:
