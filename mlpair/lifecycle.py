@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mlpair.errors import ServiceError
 
@@ -202,10 +203,27 @@ async def drain(server: grpc.aio.Server, gate: DrainGate, *, grace_s: float, acc
     await stopping
 
 
-def server_options(settings) -> list[tuple[str, int]]:
-    """gRPC server options for the keepalive and connection-age policy of ``settings`` (either
-    service's settings: ``keepalive_min_ping_interval_ms``, ``keepalive_permit_without_calls``,
-    ``max_connection_age_ms``, ``max_connection_age_grace_ms``).
+class ConnectionSettings(BaseSettings):
+    """Connection settings both services' settings classes share (each adds its own env prefix)."""
+
+    model_config = SettingsConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    keepalive_min_ping_interval_ms: int = 1000
+    """Shortest interval between a client's keepalive pings that the server accepts, in ms; pinging
+    more often is a strike, and two strikes close the connection (GOAWAY too_many_pings)."""
+    keepalive_permit_without_calls: bool = True
+    """Accept keepalive pings on a connection with no call in flight (clients keeping idle connections warm)."""
+    max_connection_age_ms: int = 300_000
+    """Connections are closed gracefully (GOAWAY) after about this long, so clients reconnect and spread
+    over replicas added since; 0 = never. Long ModelStreamInfer streams end with their connection."""
+    max_connection_age_grace_ms: int = 30_000
+    """Milliseconds calls in flight on an aged connection get to finish before it is closed."""
+    reflection: bool = True
+    """gRPC server reflection (grpcurl, grpc_cli, Postman list and call the services without .proto files)."""
+
+
+def server_options(settings: ConnectionSettings) -> list[tuple[str, int]]:
+    """gRPC server options for the keepalive and connection-age policy of ``settings``.
 
     gRPC's server defaults refuse what many clients do: a ping more often than every 5 minutes
     without a call in flight is a strike, and after 2 strikes the server closes the connection

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from mlpair.lifecycle import ConnectionSettings
 
 
-class InferenceSettings(BaseSettings):
+class InferenceSettings(ConnectionSettings):
     """Everything the inference server reads; built once in ``main()`` and passed down."""
 
     model_config = SettingsConfigDict(env_prefix="INFERENCE_", extra="ignore", protected_namespaces=(),
@@ -44,20 +46,6 @@ class InferenceSettings(BaseSettings):
     set, the standard OTEL_TRACES_SAMPLER (+ OTEL_TRACES_SAMPLER_ARG) decides, if set, else 1.0."""
     log_sample_ratio: float = 0.0
     """Fraction of Infer calls logged at INFO when DEBUG is off (0 = none; per-call lines are DEBUG)."""
-
-    # -- connections: keepalive, rebalancing, reflection ------------------------------------
-    keepalive_min_ping_interval_ms: int = 1000
-    """Shortest interval between a client's keepalive pings that the server accepts, in ms; pinging
-    more often is a strike, and two strikes close the connection (GOAWAY too_many_pings)."""
-    keepalive_permit_without_calls: bool = True
-    """Accept keepalive pings on a connection with no call in flight (clients keeping idle connections warm)."""
-    max_connection_age_ms: int = 300_000
-    """Connections are closed gracefully (GOAWAY) after about this long, so clients reconnect and spread
-    over replicas added since; 0 = never. Long ModelStreamInfer streams end with their connection."""
-    max_connection_age_grace_ms: int = 30_000
-    """Milliseconds calls in flight on an aged connection get to finish before it is closed."""
-    reflection: bool = True
-    """gRPC server reflection (grpcurl, grpc_cli, Postman list and call the services without .proto files)."""
 
     # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
     tls_cert_file: Path | None = None

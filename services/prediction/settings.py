@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from mlpair.lifecycle import ConnectionSettings
 
 
-class PredictionSettings(BaseSettings):
+class PredictionSettings(ConnectionSettings):
     """Everything the prediction server reads; built once in ``main()`` and passed down."""
 
     model_config = SettingsConfigDict(env_prefix="PREDICTION_", extra="ignore", protected_namespaces=(),
@@ -60,20 +62,6 @@ class PredictionSettings(BaseSettings):
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
-
-    # -- connections: keepalive, rebalancing, reflection ------------------------------------
-    keepalive_min_ping_interval_ms: int = 1000
-    """Shortest interval between a client's keepalive pings that the server accepts, in ms; pinging
-    more often is a strike, and two strikes close the connection (GOAWAY too_many_pings)."""
-    keepalive_permit_without_calls: bool = True
-    """Accept keepalive pings on a connection with no call in flight (clients keeping idle connections warm)."""
-    max_connection_age_ms: int = 300_000
-    """Connections are closed gracefully (GOAWAY) after about this long, so clients reconnect and spread
-    over replicas added since; 0 = never. Long ModelStreamInfer streams end with their connection."""
-    max_connection_age_grace_ms: int = 30_000
-    """Milliseconds calls in flight on an aged connection get to finish before it is closed."""
-    reflection: bool = True
-    """gRPC server reflection (grpcurl, grpc_cli, Postman list and call the services without .proto files)."""
 
     # Caching with a stale fallback (cache.py).
     cache_backend: Literal["memory", "redis", "off"] = "memory"
