@@ -164,9 +164,11 @@ class DrainGate:
         return False
 
 
-QUIET_S = 0.05
-"""The drain stops the server once no call has arrived for this long (every closed-loop client
-then waits on a held call; measured arrivals on loopback are well under a millisecond apart)."""
+QUIET_S = 0.2
+"""The drain stops the server once no call has arrived for this long: every client that waits for
+its answers then waits on a held call, and none is left on the wire. A margin over the time a
+sent call takes to reach its handler on a loaded event loop (well under a millisecond idle, tens
+of milliseconds on this project's 2-core test machine under a full test run)."""
 
 
 async def drain(server: grpc.aio.Server, gate: DrainGate, *, grace_s: float, accept_s: float,
