@@ -118,18 +118,23 @@ class DrainGate:
         self._idle.set()
         self._released = asyncio.Event()
 
-    async def enter(self) -> None:
-        """Admits one call, or holds it until :meth:`release` once the gate is closed.
-
-        Raises:
-            Draining: the gate is closed (raised once released).
-        """
+    def enter(self) -> bool:
+        """Admits one call (True), unless the gate is closed (False: :meth:`refuse` it)."""
         if self.closed:
-            self.last_arrival = time.monotonic()
-            await self._released.wait()
-            raise Draining("the server is shutting down; retry on another replica")
+            return False
         self.in_flight += 1
         self._idle.clear()
+        return True
+
+    async def refuse(self) -> None:
+        """Holds a call the closed gate did not admit until :meth:`release`, then refuses it.
+
+        Raises:
+            Draining: always, once released.
+        """
+        self.last_arrival = time.monotonic()
+        await self._released.wait()
+        raise Draining("the server is shutting down; retry on another replica")
 
     def leave(self) -> None:
         self.in_flight -= 1

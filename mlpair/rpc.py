@@ -8,7 +8,6 @@ never reaches a client and servicers need no try/except.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -178,13 +177,14 @@ def add_servicer(add_to_server: Callable, servicer, server: grpc.aio.Server) -> 
 def _guarded(inner: Callable[..., Awaitable], method: str, domain: str,
              gate: DrainGate | None = None) -> Callable[..., Awaitable]:
     """``inner`` with exceptions mapped to rich statuses (the one place that does the mapping),
-    counted by ``gate`` and refused UNAVAILABLE (DRAINING) once it is closed."""
+    counted by ``gate``; once the drain closes it, held and then refused UNAVAILABLE (DRAINING)."""
 
     async def guarded(request, context: grpc.aio.ServicerContext):
         admitted = False
         try:
             if gate is not None:
-                await gate.enter()
+                if not gate.enter():
+                    await gate.refuse()  # held until the server has begun to stop, then UNAVAILABLE
                 admitted = True
             if request is _UNDECODABLE:
                 raise MalformedRequest(f"the request is not a valid {method.rsplit('.', 1)[-1]} request message")
@@ -217,8 +217,8 @@ def rpc_methods(servicer) -> list[str]:
 
 def guard_servicer(servicer, domain: str, gate: DrainGate | None = None):
     """Maps exceptions escaping every RPC method of a servicer instance to rich gRPC statuses
-    (:func:`_guarded`), by wrapping the methods in place; with a ``gate``, its calls are counted
-    and refused UNAVAILABLE (DRAINING) once the drain closes it.
+    (:func:`_guarded`), by wrapping the methods in place; with a ``gate``, its calls are counted,
+    and once the drain closes it they are held, then refused UNAVAILABLE (DRAINING).
 
     Not an interceptor: grpc.aio runs interceptors in Python on every call, which measured
     15-25 µs of server CPU per request and a 20-30 % lower request rate at concurrency 64 on a

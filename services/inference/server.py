@@ -11,8 +11,10 @@ Lifecycle (see :mod:`mlpair.inference.health` for what each health name means):
 2. load: every model is verified (version triple, file hashes), loaded and warmed up; an
    inconsistent entry or failed load refuses the start with a clear message (exit 1);
 3. ready: health SERVING, OIP ServerReady/ModelReady true;
-4. SIGTERM: health NOT_SERVING at once and new requests get UNAVAILABLE (DRAINING) so
-   clients and load balancers move on; in-flight requests finish (their batches run); the
+4. SIGTERM (:func:`mlpair.lifecycle.drain`): not ready at once on every name and protocol
+   (``liveness`` stays SERVING), health Watch streams end; after ``shutdown_accept_ms`` new
+   requests are held and, once the server has begun to stop, answered UNAVAILABLE (DRAINING)
+   so clients and load balancers move on; in-flight requests finish (their batches run); the
    server stops when nothing is in flight or ``shutdown_grace_s`` has passed, whichever is
    first, then the process exits.
 """
@@ -106,8 +108,9 @@ class InferenceServer:
     async def drain(self) -> None:
         """Graceful stop (:func:`mlpair.lifecycle.drain`): not ready on every signal at once and
         health Watch streams ended; still serve for ``shutdown_accept_ms`` (calls already on the
-        wire when the signal came); then refuse new work with UNAVAILABLE, let in-flight work
-        finish within ``shutdown_grace_s``, stop the server, retire the models."""
+        wire when the signal came); then hold new work (answered UNAVAILABLE once the server has
+        begun to stop), let in-flight work finish within ``shutdown_grace_s``, stop the server,
+        retire the models."""
         async def begin() -> None:
             await self.engine.withdraw_readiness()
             await self.health.shutdown()

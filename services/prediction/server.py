@@ -120,7 +120,7 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
     # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
     server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes), *server_options(settings)])
     health = PredictionHealth(SERVICE_NAME)
-    # health.gate: after the drain's accept window, new calls get UNAVAILABLE (DRAINING)
+    # health.gate: after the drain's accept window new calls are held, then answered UNAVAILABLE (DRAINING)
     servicer = guard_servicer(PredictionServicer(predictor), DOMAIN, health.gate)
     count_failures_with("prediction", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
     if settings.tracing:
