@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -81,8 +82,10 @@ def _run_server(layer: str, settings, serve) -> int:
     from mlpair.startup import StartupError
 
     configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    # The standard OTEL_* variables fill in what the project's own settings leave unset.
+    sample_ratio = settings.trace_sample_ratio if "trace_sample_ratio" in settings.model_fields_set else None
     provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
-                                     sample_ratio=settings.trace_sample_ratio, service_version=version("mlpair"))
+                                     sample_ratio=sample_ratio, service_version=version("mlpair"), environ=os.environ)
     trace.set_tracer_provider(provider)
     try:
         if settings.metrics_port:

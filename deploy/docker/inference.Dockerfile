@@ -4,6 +4,9 @@
 #
 # CUDA 12 runtime + cuDNN 9 base: onnxruntime-gpu's CUDA execution provider loads those libraries
 # at session creation, and the "runtime" flavour carries them without the compilers of "devel".
+# The CUDA major must match the onnxruntime-gpu wheel's (pyproject pins one built for CUDA 12);
+# the build stage runs deploy/docker/check_cuda_libs.py, which fails the build when the CUDA
+# provider's library needs anything the image lacks (other than the driver's libcuda.so.1).
 # Python 3.11 comes from Ubuntu 22.04's archive so the build and runtime stages share one
 # interpreter path (/usr/bin/python3.11) and the copied virtualenv stays valid.
 # No torch: the `inference-gpu` extra brings onnxruntime-gpu only, and the build fails if torch
@@ -47,6 +50,9 @@ COPY training ./training
 RUN pip install --no-cache-dir '.[inference-gpu]' \
     && if pip show torch >/dev/null 2>&1; then echo "torch must not ship in the inference image" >&2; exit 1; fi \
     && python -c "import onnxruntime, mlpair"
+# The CUDA provider resolves against this image's CUDA (CUDA_VERSION, set by the base image).
+COPY deploy/docker/check_cuda_libs.py /src/check_cuda_libs.py
+RUN python /src/check_cuda_libs.py
 
 # ---- runtime: interpreter + virtualenv, a fixed non-root user, nothing else ----
 FROM python AS runtime

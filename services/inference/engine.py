@@ -72,6 +72,8 @@ class InferenceEngine:
         self._on_change = on_change
         self._max_rows = settings.max_request_rows
         self.draining = False
+        self.stopping = False
+        """Set when the drain starts (readiness withdrawn); ``draining`` follows after the accept window."""
         self._in_flight = 0
         self._idle = asyncio.Event()
         self.drain_started = asyncio.Event()
@@ -93,16 +95,22 @@ class InferenceEngine:
                 self.repository.poll_forever(self.settings.repository_poll_s), name="repository-poll")
 
     def ready(self) -> bool:
-        """Server readiness: not draining and every expected model serving."""
-        return not self.draining and self.repository.all_expected_ready()
+        """Server readiness: not stopping and every expected model serving."""
+        return not self.stopping and self.repository.all_expected_ready()
 
     def model_ready(self, name: str, version: str = "") -> bool:
-        """Whether ``name`` (at ``version``, or any) is serving and the server is not draining."""
-        return not self.draining and self.repository.is_ready(name, version)
+        """Whether ``name`` (at ``version``, or any) is serving and the server is not stopping."""
+        return not self.stopping and self.repository.is_ready(name, version)
+
+    async def withdraw_readiness(self) -> None:
+        """The drain started: every readiness signal (OIP ServerReady/ModelReady, health) says not
+        ready from now on, while requests are still served until :meth:`begin_drain`."""
+        self.stopping = True
+        await self._changed()
 
     async def begin_drain(self) -> None:
         """Refuses new requests from now on (UNAVAILABLE); in-flight ones continue."""
-        self.draining = True
+        self.stopping = self.draining = True
         self.drain_started.set()
         if self._in_flight == 0:
             self._idle.set()

@@ -7,14 +7,17 @@ Names and their meaning (readiness, for Kubernetes readiness probes and load bal
   has a loaded, verified and warmed version, and the server is not draining;
 * ``<model name>`` (e.g. ``credit-risk``): SERVING when that model has a serving version.
 
-Everything starts NOT_SERVING and turns NOT_SERVING again at once on SIGTERM. Liveness is the
-port answering at all (the OIP ``ServerLive`` RPC, or any health Check reply).
+Everything starts NOT_SERVING and turns NOT_SERVING again at once on SIGTERM, when open Watch
+streams end too. Liveness is the name ``liveness`` (:mod:`mlpair.lifecycle`): SERVING while the
+port answers, whatever the models and the drain (the OIP ``ServerLive`` RPC says the same).
 """
 
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mlpair.lifecycle import LifecycleHealthServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -24,7 +27,7 @@ class ServingHealth:
     """Publishes the engine's readiness on the standard health service."""
 
     def __init__(self, service_names: list[str]) -> None:
-        self.servicer = health.aio.HealthServicer()
+        self.servicer = LifecycleHealthServicer()
         self._server_names = ["", *service_names]
         self._models: set[str] = set()
 
@@ -46,5 +49,6 @@ class ServingHealth:
         self._models |= models.keys()
 
     async def shutdown(self) -> None:
-        """NOT_SERVING for every name, for good (later updates are ignored)."""
-        await self.servicer.enter_graceful_shutdown()
+        """NOT_SERVING for every readiness name, for good (later updates are ignored); open Watch
+        streams end; ``liveness`` stays SERVING."""
+        await self.servicer.begin_drain([*self._server_names, *sorted(self._models)])

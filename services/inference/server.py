@@ -11,8 +11,10 @@ Lifecycle (see :mod:`mlpair.inference.health` for what each health name means):
 2. load: every model is verified (version triple, file hashes), loaded and warmed up; an
    inconsistent entry or failed load refuses the start with a clear message (exit 1);
 3. ready: health SERVING, OIP ServerReady/ModelReady true;
-4. SIGTERM: health NOT_SERVING at once and new requests get UNAVAILABLE (DRAINING) so
-   clients and load balancers move on; in-flight requests finish (their batches run); the
+4. SIGTERM (:func:`mlpair.lifecycle.drain`): not ready at once on every name and protocol
+   (``liveness`` stays SERVING), health Watch streams end; after ``shutdown_accept_ms`` new
+   requests are held and, once the server has begun to stop, answered UNAVAILABLE (DRAINING)
+   so clients and load balancers move on; in-flight requests finish (their batches run); the
    server stops when nothing is in flight or ``shutdown_grace_s`` has passed, whichever is
    first, then the process exits.
 """
@@ -22,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 
 import grpc
 
@@ -38,6 +39,7 @@ from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
+from mlpair.lifecycle import DrainGate, drain, enable_reflection, server_options
 from mlpair.observability.calls import observe_servicer
 from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
 
@@ -63,9 +65,11 @@ class InferenceServer:
         # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
         # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
         # by wrappers of the servicers' methods; tracer_provider None = the global one.
-        self.server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
-        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN)
-        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN)
+        self.server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes),
+                                               *server_options(settings)])
+        self.gate = DrainGate()  # the drain holds new calls with it, then answers them UNAVAILABLE
+        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN, self.gate)
+        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN, self.gate)
         count_failures_with("inference", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
         if settings.tracing:
             observe_servicer(own_api, SERVICE_NAME, "inference", tracer_provider, log_calls=True)
@@ -75,6 +79,8 @@ class InferenceServer:
         add_servicer(pb_grpc.add_InferenceServiceServicer_to_server, own_api, self.server)
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, open_inference, self.server)
         self.health.add_to(self.server)
+        if settings.reflection:
+            enable_reflection(self.server, [SERVICE_NAME, OIP_SERVICE_NAME])
         tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
         self.port = bind_port(self.server, f"{settings.host}:{settings.port}", tls)
 
@@ -100,17 +106,18 @@ class InferenceServer:
         await self.health.update(self.engine.ready(), models)
 
     async def drain(self) -> None:
-        """Graceful stop: not ready at once; still serve for ``shutdown_accept_ms`` (calls already
-        on the wire when the signal came: gRPC has them, the busy event loop has not dispatched
-        them yet, and ``server.stop`` would cancel them); then refuse new work with UNAVAILABLE,
-        let in-flight work finish within ``shutdown_grace_s``, stop the server, retire the models."""
-        deadline = time.monotonic() + self.settings.shutdown_grace_s
-        await self.health.shutdown()
-        await asyncio.sleep(min(self.settings.shutdown_accept_ms / 1000, self.settings.shutdown_grace_s))
-        await self.engine.begin_drain()
-        if not await self.engine.wait_idle(max(0.0, deadline - time.monotonic())):
-            logger.warning("grace period of %.1f s ended with requests still in flight", self.settings.shutdown_grace_s)
-        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        """Graceful stop (:func:`mlpair.lifecycle.drain`): not ready on every signal at once and
+        health Watch streams ended; still serve for ``shutdown_accept_ms`` (calls already on the
+        wire when the signal came); then hold new work (answered UNAVAILABLE once the server has
+        begun to stop), let in-flight work finish within ``shutdown_grace_s``, stop the server,
+        retire the models."""
+        async def begin() -> None:
+            await self.engine.withdraw_readiness()
+            await self.health.shutdown()
+
+        await drain(self.server, self.gate, grace_s=self.settings.shutdown_grace_s,
+                    accept_s=self.settings.shutdown_accept_ms / 1000, begin=begin,
+                    refuse=self.engine.begin_drain, wait_idle=self.engine.wait_idle)
         await self.engine.close()
 
     async def stop(self) -> None:

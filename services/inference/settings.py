@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from mlpair.lifecycle import ConnectionSettings
 
 
-class InferenceSettings(BaseSettings):
+class InferenceSettings(ConnectionSettings):
     """Everything the inference server reads; built once in ``main()`` and passed down."""
 
     model_config = SettingsConfigDict(env_prefix="INFERENCE_", extra="ignore", protected_namespaces=(),
@@ -37,9 +39,11 @@ class InferenceSettings(BaseSettings):
     """OpenTelemetry spans with W3C trace context and per-call log context on every RPC (about
     0.1 ms of CPU per call, docs/observability.md); off only where that matters more than traces."""
     otlp_endpoint: str = ""
-    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = no export."""
+    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT (and OTEL_EXPORTER_OTLP_* options) when set, else no export."""
     trace_sample_ratio: float = 1.0
-    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept."""
+    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept. When not
+    set, the standard OTEL_TRACES_SAMPLER (+ OTEL_TRACES_SAMPLER_ARG) decides, if set, else 1.0."""
     log_sample_ratio: float = 0.0
     """Fraction of Infer calls logged at INFO when DEBUG is off (0 = none; per-call lines are DEBUG)."""
 
@@ -67,7 +71,7 @@ class InferenceSettings(BaseSettings):
     runtime: Literal["onnx", "torch"] = "onnx"
     """Execution backend: ONNX Runtime (model.onnx) or PyTorch (the exported program beside it)."""
     execution_provider: Literal["auto", "cuda", "cpu"] = "auto"
-    """Device: auto = CUDA when available, else CPU (the fallback is logged); cuda insists, logging if absent."""
+    """Device: auto = CUDA when available, else CPU (logged); cuda = CUDA or refuse to start (exit 2, one-line reason)."""
     intra_op_threads: int = 1
     """Threads per model execution; 1 suits small models and many concurrent calls."""
     graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"

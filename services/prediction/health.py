@@ -2,11 +2,14 @@
 
 ``grpc.health.v1`` names served:
 
+* ``liveness`` — SERVING while the process answers at all, whatever the ledger, the outbox
+  relay or the drain say (:mod:`mlpair.lifecycle`): the name for the liveness probe, so a
+  ledger outage makes replicas unready, never restarts them.
 * ``""`` and ``mlpair.prediction.v1.PredictionService`` — **readiness**: SERVING while the
   configuration is loaded (the process started) and the decision ledger answers: without it no
   decision can be recorded, so none is made (fail closed). Nothing else: with InferenceService
   down requests are still answered (stale or fallback), and with the CRM database down
-  decisions still wait durably in the ledger.
+  decisions still wait durably in the ledger. NOT_SERVING for good once the drain starts.
 * ``mlpair.prediction.v1.PredictionService/<dependency>`` for ``inference``, ``crm``,
   ``cache`` and ``ledger`` — SERVING when that dependency is healthy. The service is
   **degraded** when it is ready while inference, CRM or cache is not; the

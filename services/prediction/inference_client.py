@@ -22,6 +22,7 @@ from mlpair.observability.calls import CallTracer, Caller
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import (InferenceContractError, InferenceFailed, InferenceOverloaded, InferenceTimeout,
                                       InferenceUnavailable, PredictionError)
+from mlpair.lifecycle import client_keepalive_options
 from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,10 @@ class InferenceClient:
         max_message_bytes: gRPC message limit, both directions.
         reconnect_backoff_max_ms: longest wait between reconnection attempts after the server
             went away (gRPC's default of 120 s would delay recovery by minutes).
+        keepalive_ms, keepalive_timeout_ms: ping the server every ``keepalive_ms`` (with or without
+            calls; 0 = never) and drop the connection when a ping goes unanswered for
+            ``keepalive_timeout_ms`` (:func:`mlpair.lifecycle.client_keepalive_options`).
+            InferenceService accepts pings every ``keepalive_min_ping_interval_ms`` (1 s by default).
         credentials: TLS to InferenceService when given, else plaintext.
         tracer: opens each call's CLIENT span and adds its trace context and the request id to the
             metadata (:class:`mlpair.observability.calls.CallTracer`); None = no tracing.
@@ -100,11 +105,12 @@ class InferenceClient:
 
     def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
                  reconnect_backoff_max_ms: int = 1000, credentials: grpc.ChannelCredentials | None = None,
-                 tracer: CallTracer | None = None) -> None:
+                 tracer: CallTracer | None = None, keepalive_ms: int = 0, keepalive_timeout_ms: int = 5000) -> None:
         options = [*message_size_options(max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
                    ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
-                   ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms)]
+                   ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms),
+                   *client_keepalive_options(keepalive_ms, keepalive_timeout_ms)]
         self._channel = open_channel(target, options, credentials)
         self._tracer = tracer
         self._stub = pb_grpc.InferenceServiceStub(self._channel)

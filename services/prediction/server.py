@@ -15,6 +15,7 @@ import logging
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.lifecycle import enable_reflection, server_options
 from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
 from mlpair.observability.calls import CallTracer, observe_servicer
@@ -55,6 +56,8 @@ def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> Cache
     client = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
                              max_message_bytes=settings.max_message_bytes,
                              reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms, credentials=tls,
+                             keepalive_ms=settings.inference_keepalive_ms,
+                             keepalive_timeout_ms=settings.inference_keepalive_timeout_ms,
                              tracer=CallTracer(tracer_provider) if settings.tracing else None)
     caller = ResilientCaller(
         CircuitBreaker("inference", failure_threshold=settings.breaker_failure_threshold,
@@ -93,6 +96,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         settings.ledger_url, settings.crm_url, ledger_timeout_s=settings.ledger_timeout_ms / 1000,
         synchronous=settings.ledger_synchronous, pool_size=settings.ledger_pool_size,
         statement_cache_size=settings.ledger_statement_cache_size, crm_timeout_s=settings.crm_timeout_ms / 1000,
+        crm_statement_cache_size=settings.crm_statement_cache_size,
         batch_size=settings.relay_batch_size, linger_s=settings.relay_linger_ms / 1000,
         backoff_max_s=settings.relay_backoff_max_ms / 1000)
     # Observability (issue 6): CRM spans, personal fields kept out of logs, drift monitoring.
@@ -114,14 +118,17 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
     """Builds the server with PredictionService and health and binds its port (0 = free port)."""
     # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
     # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
-    server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
-    servicer = guard_servicer(PredictionServicer(predictor), DOMAIN)
+    server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes), *server_options(settings)])
+    health = PredictionHealth(SERVICE_NAME)
+    # health.gate: after the drain's accept window new calls are held, then answered UNAVAILABLE (DRAINING)
+    servicer = guard_servicer(PredictionServicer(predictor), DOMAIN, health.gate)
     count_failures_with("prediction", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
     if settings.tracing:
         observe_servicer(servicer, SERVICE_NAME, "prediction", tracer_provider)
     add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, servicer, server)
-    health = PredictionHealth(SERVICE_NAME)
     health.add_to(server)
+    if settings.reflection:
+        enable_reflection(server, [SERVICE_NAME])
     tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
     port = bind_port(server, f"{settings.host}:{settings.port}", tls)
     return server, port, health

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from mlpair.lifecycle import ConnectionSettings
 
 
-class PredictionSettings(BaseSettings):
+class PredictionSettings(ConnectionSettings):
     """Everything the prediction server reads; built once in ``main()`` and passed down."""
 
     model_config = SettingsConfigDict(env_prefix="PREDICTION_", extra="ignore", protected_namespaces=(),
@@ -88,6 +90,12 @@ class PredictionSettings(BaseSettings):
     """Base of the full-jitter exponential backoff between Infer attempts, in milliseconds."""
     inference_reconnect_backoff_max_ms: int = 1000
     """Longest wait between reconnection attempts of the inference channel, in milliseconds."""
+    inference_keepalive_ms: int = 10_000
+    """Keepalive ping interval on the InferenceService channel, in ms (0 = none): a connection to a node
+    that vanished without a TCP reset is dropped within this plus inference_keepalive_timeout_ms, not
+    after the kernel's ~15 minutes. At least InferenceService's keepalive_min_ping_interval_ms."""
+    inference_keepalive_timeout_ms: int = 5_000
+    """Milliseconds a keepalive ping may go unanswered before the InferenceService connection is dropped."""
     breaker_failure_threshold: int = 5
     """Consecutive unavailable/timed-out Infer calls that open the circuit."""
     breaker_open_ms: int = 2000
@@ -104,6 +112,9 @@ class PredictionSettings(BaseSettings):
     """Most PostgreSQL connections to the ledger per process (group commits, relay claims, probes)."""
     ledger_statement_cache_size: int = 100
     """Prepared statements asyncpg keeps per ledger connection; 0 behind PgBouncer in transaction mode."""
+    crm_statement_cache_size: int = 100
+    """PostgreSQL CRM only: prepared statements asyncpg (through SQLAlchemy) keeps per connection; 0 behind
+    PgBouncer in transaction mode, where a statement prepared on one server connection is unknown on the next."""
     ledger_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     """SQLite ledger only: FULL fsyncs each commit (survives power loss), NORMAL survives a process crash only."""
     relay_batch_size: int = 2048
@@ -123,9 +134,11 @@ class PredictionSettings(BaseSettings):
     on every RPC (about 0.15 ms of CPU per call, docs/observability.md); off only where that matters
     more than traces."""
     otlp_endpoint: str = ""
-    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = no export."""
+    """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT (and OTEL_EXPORTER_OTLP_* options) when set, else no export."""
     trace_sample_ratio: float = 1.0
-    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept."""
+    """Fraction of new traces recorded when exporting; a caller's sampling decision is kept. When not
+    set, the standard OTEL_TRACES_SAMPLER (+ OTEL_TRACES_SAMPLER_ARG) decides, if set, else 1.0."""
     log_sample_ratio: float = 0.0
     """Fraction of decisions logged at INFO when DEBUG is off (0 = none; per-decision lines are DEBUG)."""
     drift_window_rows: int = 1000

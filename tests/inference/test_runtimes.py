@@ -12,6 +12,7 @@ from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.runtimes.onnx import OnnxRuntime, choose_providers
+from mlpair.startup import StartupError
 
 from tests.inference.helpers import MODEL, channel_to, make_settings, running
 
@@ -36,21 +37,25 @@ def test_deterministic_mode_repeats_bit_for_bit(credit_entry, holdout_x, tmp_pat
     torch.use_deterministic_algorithms(False)  # process-wide switch; leave the rest of the suite as it was
 
 
-def test_cuda_request_without_cuda_falls_back_to_cpu_and_says_so(credit_entry, caplog, tmp_path):
-    assert choose_providers("cuda", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+def test_cuda_request_without_cuda_refuses_to_start_with_its_reason(credit_entry, caplog, tmp_path):
     assert choose_providers("auto", ["CUDAExecutionProvider", "CPUExecutionProvider"])[0] == "CUDAExecutionProvider"
     assert choose_providers("cpu", ["CUDAExecutionProvider", "CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-    with caplog.at_level(logging.WARNING):
-        rt = OnnxRuntime(credit_entry.model_path, provider="cuda")
-    if "CUDAExecutionProvider" not in rt.description:
-        assert rt.description == "onnxruntime:CPUExecutionProvider"
-        assert "CUDA execution provider requested but not available" in caplog.text
-    with caplog.at_level(logging.INFO):
-        program = create_runtime(credit_entry, make_settings(tmp_path, runtime="torch", execution_provider="cuda",
+    assert choose_providers("auto", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    with pytest.raises(StartupError, match="execution_provider=cuda but this ONNX Runtime has no CUDA"):
+        choose_providers("cuda", ["CPUExecutionProvider"])
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: cuda starts")
+    with pytest.raises(StartupError, match="execution_provider=cuda") as onnx_refusal:
+        OnnxRuntime(credit_entry.model_path, provider="cuda")
+    with pytest.raises(StartupError, match=r"torch sees no usable GPU") as torch_refusal:
+        create_runtime(credit_entry, make_settings(tmp_path, runtime="torch", execution_provider="cuda"))
+    for refusal in (onnx_refusal, torch_refusal):
+        assert "\n" not in str(refusal.value) and "INFERENCE_EXECUTION_PROVIDER=auto" in str(refusal.value)
+    with caplog.at_level(logging.INFO):  # auto still falls back, and says why the options are off
+        program = create_runtime(credit_entry, make_settings(tmp_path, runtime="torch", execution_provider="auto",
                                                              half_precision=True, cuda_graphs=True))
-    if not torch.cuda.is_available():
-        assert program.description == "torch:cpu"
-        assert "torch sees no GPU" in caplog.text and "half_precision ignored" in caplog.text
+    assert program.description == "torch:cpu"
+    assert "half_precision ignored" in caplog.text and "cuda_graphs ignored" in caplog.text
 
 
 async def test_the_torch_runtime_serves_through_the_same_server(model_repository, holdout_x, feature_version, credit_entry):

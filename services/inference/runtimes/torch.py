@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mlpair.startup import StartupError
+
 logger = logging.getLogger(__name__)
 
 DETERMINISTIC_SEED = 0
@@ -65,7 +67,9 @@ class TorchRuntime:
         if requested in ("auto", "cuda") and torch.cuda.is_available():
             return torch.device("cuda")
         if requested == "cuda":
-            logger.warning("CUDA requested but torch sees no GPU; using CPU")
+            raise StartupError("execution_provider=cuda but torch sees no usable GPU (torch.cuda.is_available() is "
+                               "false: no driver, no device, or a torch build without CUDA): run on a GPU node with "
+                               "a CUDA build of torch, or set INFERENCE_EXECUTION_PROVIDER=auto to allow CPU")
         return torch.device("cpu")
 
     def _capture(self, sizes: list[int]) -> None:

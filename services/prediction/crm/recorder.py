@@ -44,11 +44,13 @@ class DecisionRecorder:
     @classmethod
     def open(cls, ledger_url: str, crm_url: str, *, ledger_timeout_s: float = 2.0, synchronous: str = "FULL",
              pool_size: int = 4, statement_cache_size: int = 100, crm_timeout_s: float = 5.0,
-             batch_size: int = 2048, linger_s: float = 0.05, backoff_max_s: float = 5.0) -> DecisionRecorder:
-        """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments."""
+             batch_size: int = 2048, linger_s: float = 0.05, backoff_max_s: float = 5.0,
+             crm_statement_cache_size: int = 100) -> DecisionRecorder:
+        """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments and
+        :func:`~mlpair.prediction.crm.store.make_engine` for ``crm_statement_cache_size``."""
         ledger = open_ledger(ledger_url, timeout_s=ledger_timeout_s, synchronous=synchronous, pool_size=pool_size,
                              statement_cache_size=statement_cache_size)
-        crm = CrmStore(crm_url, timeout_s=crm_timeout_s)
+        crm = CrmStore(crm_url, timeout_s=crm_timeout_s, statement_cache_size=crm_statement_cache_size)
         relay = LedgerRelay(ledger, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s)
         return cls(ledger, crm, relay)
 

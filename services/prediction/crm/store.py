@@ -127,7 +127,8 @@ def as_utc(value: datetime | None) -> datetime | None:
     return value
 
 
-def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL") -> AsyncEngine:
+def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL",
+                statement_cache_size: int = 100) -> AsyncEngine:
     """Async engine for ``url``.
 
     SQLite gets WAL (readers never block the writer), ``synchronous`` (FULL: fsync at every
@@ -135,6 +136,13 @@ def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL
     concurrent writers wait instead of failing with "database is locked". Other databases get
     ``pool_pre_ping`` (a dead pooled connection is replaced before use) and connect and
     statement timeouts of ``timeout_s`` (asyncpg's ``timeout`` / ``command_timeout``).
+
+    ``statement_cache_size=0`` (asyncpg only) is for PgBouncer in transaction mode, where
+    consecutive statements of one client may run on different server connections: no
+    prepared statement is cached (asyncpg's and SQLAlchemy's caches both off) and each one
+    SQLAlchemy still prepares gets a unique name, so two clients never collide on
+    ``__asyncpg_stmt_1__`` (SQLAlchemy's asyncpg dialect documentation, "Prepared Statement
+    Name with PGBouncer").
     """
     if url.startswith("sqlite"):
         database = make_url(url).database
@@ -151,6 +159,11 @@ def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL
 
         return engine
     connect_args = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
+    if connect_args and statement_cache_size == 0:
+        connect_args.update(statement_cache_size=0, prepared_statement_cache_size=0,
+                            prepared_statement_name_func=lambda: f"__asyncpg_{uuid.uuid4().hex}__")
+    elif connect_args:
+        connect_args.update(statement_cache_size=statement_cache_size)
     return create_async_engine(url, pool_pre_ping=True, connect_args=connect_args)
 
 
@@ -187,8 +200,8 @@ def _insert(dialect_name: str):
 class CrmStore:
     """The CRM database: idempotent batch delivery and look-ups."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
-        self.engine = make_engine(url, timeout_s=timeout_s)
+    def __init__(self, url: str, *, timeout_s: float = 30.0, statement_cache_size: int = 100) -> None:
+        self.engine = make_engine(url, timeout_s=timeout_s, statement_cache_size=statement_cache_size)
 
     async def create_schema(self) -> None:
         """Migrates the CRM database to the latest revision (idempotent).
