@@ -38,9 +38,12 @@ def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Bas
 def _serve_inference(args: argparse.Namespace) -> int:
     from mlpair.inference.server import serve
     from mlpair.inference.settings import InferenceSettings
+    from mlpair.workers import gpu_visible
 
     settings = _settings(InferenceSettings, args)
-    return _run_server("inference", settings, serve)
+    # the torch runtime follows execution_provider too; "auto" takes a GPU when one is visible
+    on_gpu = settings.execution_provider == "cuda" or (settings.execution_provider == "auto" and gpu_visible())
+    return _run_server("inference", settings, serve, on_gpu=on_gpu)
 
 
 def _serve_prediction(args: argparse.Namespace) -> int:
@@ -51,29 +54,56 @@ def _serve_prediction(args: argparse.Namespace) -> int:
     return _run_server("prediction", settings, serve)
 
 
-def _run_server(layer: str, settings, serve) -> int:
+def _run_server(layer: str, settings, serve, *, on_gpu: bool = False) -> int:
+    """One serving process, or a supervisor of ``settings.workers`` of them (:mod:`mlpair.workers`)."""
+    import functools
+
+    from mlpair.logs import configure_logging
+    from mlpair.startup import StartupError
+    from mlpair.workers import supervise, worker_count
+
+    configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    try:
+        workers = worker_count(settings.workers, uses_gpu=on_gpu)
+        if workers > 1:
+            return supervise(layer, settings, workers,
+                             functools.partial(_serve_process, layer, settings, serve, shared_port=True))
+    except StartupError as exc:
+        return _refused(layer, exc)
+    return _serve_process(layer, settings, serve)
+
+
+def _serve_process(layer: str, settings, serve, *, shared_port: bool = False) -> int:
+    """Serves until SIGTERM: alone (exclusive port, own metrics port), or as a supervisor's worker
+    (``shared_port``: a fresh interpreter; the supervisor owns the port check and the metrics port)."""
     import logging
     from importlib.metadata import version
 
     from opentelemetry import trace
-    from prometheus_client import start_http_server
 
     from mlpair.logs import configure_logging
     from mlpair.observability.tracing import build_tracer_provider
     from mlpair.startup import StartupError
+    from mlpair.workers import check_port_free, port_error
 
-    configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    if shared_port:
+        configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
     provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
                                      sample_ratio=settings.trace_sample_ratio, service_version=version("mlpair"))
     trace.set_tracer_provider(provider)
     try:
-        if settings.metrics_port:
-            start_http_server(settings.metrics_port, addr=settings.host)
-        asyncio.run(serve(settings))
-    except StartupError as exc:  # the user can fix it: one line, exit 2
-        logging.getLogger("mlpair").debug("%s service refused to start", layer, exc_info=True)
-        print(f"mlpair: {layer} service: {exc}", file=sys.stderr)
-        return 2
+        if not shared_port:
+            check_port_free(settings.host, settings.port)  # at once, before any model or database work
+            if settings.metrics_port:
+                from prometheus_client import start_http_server
+
+                try:
+                    start_http_server(settings.metrics_port, addr=settings.host)
+                except OSError as exc:
+                    raise port_error(settings.host, settings.metrics_port, exc, "metrics port") from exc
+        asyncio.run(serve(settings, shared_port=shared_port))
+    except StartupError as exc:
+        return _refused(layer, exc)
     except Exception as exc:  # start-up refusals: say why in one line, full detail in the log
         logging.getLogger("mlpair").error("%s service failed: %s", layer, exc, exc_info=True)
         print(f"mlpair: {layer} service failed to start: {exc}", file=sys.stderr)
@@ -81,6 +111,15 @@ def _run_server(layer: str, settings, serve) -> int:
     finally:
         provider.shutdown()  # flushes spans still batched for export
     return 0
+
+
+def _refused(layer: str, exc: Exception) -> int:
+    """A start-up refusal the user can fix (StartupError): one line on stderr, exit 2."""
+    import logging
+
+    logging.getLogger("mlpair").debug("%s service refused to start", layer, exc_info=True)
+    print(f"mlpair: {layer} service: {exc}", file=sys.stderr)
+    return 2
 
 
 def _train(args: argparse.Namespace) -> int:
