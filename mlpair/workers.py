@@ -209,9 +209,9 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_main(run: Callable[[], int], parent_pid: int) -> None:
+def _worker_main(run: Callable[[object], int], settings, parent_pid: int) -> None:
     die_with_parent(parent_pid)
-    sys.exit(run())
+    sys.exit(run(settings))
 
 
 def serve_metrics(host: str, port: int, folder: Path) -> None:
@@ -231,9 +231,10 @@ def serve_metrics(host: str, port: int, folder: Path) -> None:
         raise port_error(host, port, exc, "metrics port") from exc
 
 
-def supervise(layer: str, settings, workers: int, run_worker: Callable[[], int]) -> int:
-    """Runs ``workers`` processes of ``run_worker`` (a picklable callable that serves on the shared
-    port and returns an exit code) until SIGTERM/SIGINT or until one exits; see the module docstring.
+def supervise(layer: str, settings, workers: int, run_worker: Callable[[object], int]) -> int:
+    """Runs ``workers`` processes of ``run_worker(settings)`` (picklable; serves on the shared port and
+    returns an exit code) until SIGTERM/SIGINT or until one exits; see the module docstring. Port 0
+    picks one free port for all of them.
 
     Returns:
         0 after a signal when every worker drained; 2 or 1 when a worker exited by itself.
@@ -241,10 +242,17 @@ def supervise(layer: str, settings, workers: int, run_worker: Callable[[], int])
     Raises:
         StartupError: the port (or the metrics port) is in use or cannot be bound.
     """
-    lock = PortLock(settings.port)
-    folder = Path(tempfile.mkdtemp(prefix=f"mlpair-{layer}-metrics-"))
+    port = check_port_free(settings.host, settings.port)
+    settings = settings.model_copy(update={"port": port})
+    lock = PortLock(port)
     try:
-        check_port_free(settings.host, settings.port)
+        folder = Path(tempfile.mkdtemp(prefix=f"mlpair-{layer}-metrics-"))
+    except OSError as exc:
+        lock.release()
+        raise StartupError(f"{workers} workers need a writable folder for their metrics, and {tempfile.gettempdir()} "
+                           f"is not ({exc.strerror}); mount one there (or set TMPDIR), or set workers to 1") from exc
+    try:
+        check_port_free(settings.host, port)  # again, now that no other supervisor can start on it
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)  # inherited by the workers
         if settings.metrics_port:
             serve_metrics(settings.host, settings.metrics_port, folder)
@@ -255,10 +263,10 @@ def supervise(layer: str, settings, workers: int, run_worker: Callable[[], int])
 
 
 class _Supervisor:
-    def __init__(self, layer: str, settings, workers: int, run_worker: Callable[[], int], folder: Path) -> None:
+    def __init__(self, layer: str, settings, workers: int, run_worker: Callable[[object], int], folder: Path) -> None:
         self.layer, self.settings, self.folder = layer, settings, folder
         context = multiprocessing.get_context("spawn")
-        self.processes = [context.Process(target=_worker_main, args=(run_worker, os.getpid()),
+        self.processes = [context.Process(target=_worker_main, args=(run_worker, settings, os.getpid()),
                                           name=f"{layer}-worker-{i}") for i in range(workers)]
         self.stop = threading.Event()
         self.stopping_since: float | None = None

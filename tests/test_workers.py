@@ -95,3 +95,20 @@ async def test_a_single_server_binds_its_port_exclusively() -> None:
                 bind_port(second, f"127.0.0.1:{port}", None)
     finally:
         await first.stop(0)
+
+
+def test_a_supervisor_without_a_writable_temp_folder_says_so(monkeypatch) -> None:
+    """A read-only root filesystem without a writable /tmp: the workers' metrics have nowhere to go."""
+    import errno
+    import types
+
+    import mlpair.workers as workers
+
+    def read_only(**_):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(workers.tempfile, "mkdtemp", read_only)
+    settings = types.SimpleNamespace(host="127.0.0.1", port=0, metrics_port=0,
+                                     model_copy=lambda update: types.SimpleNamespace(host="127.0.0.1", **update))
+    with pytest.raises(StartupError, match="writable folder .*Read-only file system.*workers to 1"):
+        workers.supervise("inference", settings, 2, lambda s: 0)
