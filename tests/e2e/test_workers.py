@@ -54,6 +54,13 @@ def listeners(supervisor: int, port: int) -> dict[int, int]:
     return found
 
 
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 async def every_worker_serving(address: str, checks: int = 12, timeout_s: float = 60.0) -> None:
     """Waits until ``checks`` health checks in a row, each on a new connection, say SERVING."""
     deadline, in_a_row = time.monotonic() + timeout_s, 0
@@ -186,3 +193,36 @@ async def _drive_prediction(p, metrics_port: int, records: list[dict]):
     while len(rows := await crm_rows(p.crm_url, [f"w-{i}" for i in range(n)])) < n and time.monotonic() < deadline:
         await asyncio.sleep(0.2)  # the workers' relays deliver from the one ledger
     return served, counts, first, again, rows
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_worker_stops_the_supervisor_and_a_dead_supervisor_its_workers(model_repository, tmp_path) -> None:
+    """kill -9 of one worker: the supervisor drains the other and exits 1 (the orchestrator restarts
+    the container), freeing the port; kill -9 of a supervisor: its workers die with it (the port is
+    free at once for the next start)."""
+    from mlpair.workers import check_port_free
+
+    port = free_port()
+    env = {"INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_METRICS_PORT": "0",
+           "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MODELS": json.dumps([MODEL]),
+           "INFERENCE_WORKERS": "2", "INFERENCE_SHUTDOWN_GRACE_S": str(GRACE_S), "INFERENCE_LOG_LEVEL": "WARNING"}
+    service = Service("inference", env, port, tmp_path / "inference.log")
+    try:
+        service.start(ready_timeout_s=90)
+        workers = list(listeners(service.pid, port))
+        os.kill(workers[0], signal.SIGKILL)
+        code = service.wait_exit(GRACE_S + 15)
+        crashed_exit, port_after_crash = code, check_port_free("127.0.0.1", port)
+        service.start(ready_timeout_s=90)  # the same port again
+        workers = list(listeners(service.pid, port))
+        service.kill()
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in workers):
+            assert time.monotonic() < deadline, "workers outlived their supervisor"
+            time.sleep(0.1)
+        port_after_kill = check_port_free("127.0.0.1", port)
+    finally:
+        service.kill()
+    assert len(workers) == 2
+    assert crashed_exit == 1 and port_after_crash == port
+    assert port_after_kill == port
