@@ -36,22 +36,34 @@ def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Bas
 
 
 def _serve_inference(args: argparse.Namespace) -> int:
-    from mlpair.inference.server import serve
     from mlpair.inference.settings import InferenceSettings
     from mlpair.workers import gpu_visible
 
     settings = _settings(InferenceSettings, args)
     # the torch runtime follows execution_provider too; "auto" takes a GPU when one is visible
     on_gpu = settings.execution_provider == "cuda" or (settings.execution_provider == "auto" and gpu_visible())
-    return _run_server("inference", settings, serve, on_gpu=on_gpu)
+    return _run_server("inference", settings, _inference, on_gpu=on_gpu)
 
 
 def _serve_prediction(args: argparse.Namespace) -> int:
-    from mlpair.prediction.server import serve
     from mlpair.prediction.settings import PredictionSettings
 
     settings = _settings(PredictionSettings, args)
-    return _run_server("prediction", settings, serve)
+    return _run_server("prediction", settings, _prediction)
+
+
+# The servers are imported only once the port is known to be free: a refusal comes in about a
+# second, not after the imports of ONNX Runtime, SQLAlchemy and SciPy.
+async def _inference(settings, *, shared_port: bool = False) -> None:
+    from mlpair.inference.server import serve
+
+    await serve(settings, shared_port=shared_port)
+
+
+async def _prediction(settings, *, shared_port: bool = False) -> None:
+    from mlpair.prediction.server import serve
+
+    await serve(settings, shared_port=shared_port)
 
 
 def _run_server(layer: str, settings, serve, *, on_gpu: bool = False) -> int:
@@ -78,28 +90,33 @@ def _serve_process(layer: str, settings, serve, *, shared_port: bool = False) ->
     import logging
     from importlib.metadata import version
 
-    from opentelemetry import trace
-
     from mlpair.logs import configure_logging
-    from mlpair.observability.tracing import build_tracer_provider
     from mlpair.startup import StartupError
     from mlpair.workers import check_port_free, port_error
 
     if shared_port:
         configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    else:
+        try:
+            check_port_free(settings.host, settings.port)  # at once, before any model or database work
+        except StartupError as exc:
+            return _refused(layer, exc)
+
+    from opentelemetry import trace
+
+    from mlpair.observability.tracing import build_tracer_provider
+
     provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
                                      sample_ratio=settings.trace_sample_ratio, service_version=version("mlpair"))
     trace.set_tracer_provider(provider)
     try:
-        if not shared_port:
-            check_port_free(settings.host, settings.port)  # at once, before any model or database work
-            if settings.metrics_port:
-                from prometheus_client import start_http_server
+        if not shared_port and settings.metrics_port:
+            from prometheus_client import start_http_server
 
-                try:
-                    start_http_server(settings.metrics_port, addr=settings.host)
-                except OSError as exc:
-                    raise port_error(settings.host, settings.metrics_port, exc, "metrics port") from exc
+            try:
+                start_http_server(settings.metrics_port, addr=settings.host)
+            except OSError as exc:
+                raise port_error(settings.host, settings.metrics_port, exc, "metrics port") from exc
         asyncio.run(serve(settings, shared_port=shared_port))
     except StartupError as exc:
         return _refused(layer, exc)

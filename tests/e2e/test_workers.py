@@ -30,7 +30,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as ppb_grpc
 from tests.e2e.replicas import crm_rows, request
 
 MODEL = "credit-risk"
-GRACE_S = 5.0
+GRACE_S = 10.0
 CHANNELS = 12  # fresh connections: the kernel spreads them over the workers (all on one: 2**-11)
 # a channel of its own per connection: gRPC would otherwise share one connection among channels to one target
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
@@ -102,20 +102,21 @@ def test_inference_workers_share_the_port_count_every_call_and_drain(model_repos
     env = {"INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_METRICS_PORT": str(metrics_port),
            "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MODELS": json.dumps([MODEL]),
            "INFERENCE_WORKERS": "2", "INFERENCE_SHUTDOWN_GRACE_S": str(GRACE_S), "INFERENCE_SHUTDOWN_ACCEPT_MS": "100",
-           "INFERENCE_MAX_QUEUE_DELAY_MS": "1000", "INFERENCE_LOG_LEVEL": "WARNING"}
+           "INFERENCE_MAX_QUEUE_DELAY_MS": "2000", "INFERENCE_LOG_LEVEL": "WARNING"}
     service = Service("inference", env, port, tmp_path / "inference.log")
     service.start(ready_timeout_s=90)
     try:
         asyncio.run(every_worker_serving(service.address))
         second_server_is_refused("inference", {**env, "INFERENCE_WORKERS": "1", "INFERENCE_METRICS_PORT": "0"}, port)
         second_server_is_refused("inference", {**env, "INFERENCE_METRICS_PORT": "0"}, port)
-        served, counted, in_flight, (code, took) = asyncio.run(_drive_inference(service, metrics_port, holdout_x,
-                                                                                 good_metadata))
+        served, counted, depth, in_flight, (code, took) = asyncio.run(_drive_inference(service, metrics_port, holdout_x,
+                                                                                        good_metadata))
     finally:
         service.kill()
     assert len(served) == 2 and service.pid not in served, served  # two workers, the supervisor does not listen
     assert all(n > 0 for n in served.values()), served  # each holds some of the calls' connections
     assert counted == 2 * CHANNELS  # every call once, whichever worker served it
+    assert depth == CHANNELS  # the rows queued in both workers, summed (the autoscaler's signal)
     assert in_flight == [(1, 2)] * CHANNELS  # calls queued in both workers at SIGTERM were answered
     assert code == 0 and took < GRACE_S, (code, took)
 
@@ -134,10 +135,13 @@ async def _drive_inference(service: Service, metrics_port: int, holdout_x, good_
         served = listeners(service.pid, service.port)
         counted = await asyncio.to_thread(metric_sum, metrics_port, "inference_requests_total", code="OK") - before
         calls = [asyncio.ensure_future(infer(stub, i)) for i, stub in enumerate(stubs)]
-        await asyncio.sleep(0.3)  # queued: each worker holds its calls for the 1 s batch window
+        depth, deadline = 0.0, time.monotonic() + 1.5  # queued: each worker holds its calls for the 2 s window
+        while depth != CHANNELS and time.monotonic() < deadline:  # sampled every 0.5 s
+            await asyncio.sleep(0.1)
+            depth = await asyncio.to_thread(metric_sum, metrics_port, "inference_queue_depth_rows")
         code, took = await asyncio.to_thread(sigterm_drains, service)
         replies = await asyncio.gather(*calls)
-        return served, counted, [tuple(r.logits.shape) for r in replies], (code, took)
+        return served, counted, depth, [tuple(r.logits.shape) for r in replies], (code, took)
     finally:
         for channel in channels:
             await channel.close()
