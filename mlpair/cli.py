@@ -78,7 +78,8 @@ def _run_server(layer: str, settings, serve, *, on_gpu: bool = False) -> int:
     try:
         workers = worker_count(settings.workers, uses_gpu=on_gpu)
         if workers > 1:
-            return supervise(layer, settings, workers, functools.partial(_serve_process, layer, serve=serve, shared_port=True))
+            return supervise(layer, settings, workers,
+                             functools.partial(_serve_process, layer, serve=serve, shared_port=True))
     except StartupError as exc:
         return _refused(layer, exc)
     return _serve_process(layer, settings, serve)

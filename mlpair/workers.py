@@ -162,14 +162,16 @@ def check_port_free(host: str, port: int, what: str = "port") -> int:
         return probe.getsockname()[1]
 
 
-def port_error(host: str, port: int, exc: OSError | None, what: str = "port") -> StartupError:
-    """The one-line start-up refusal for an address that cannot be bound."""
+def port_error(host: str, port: int, exc: OSError, what: str = "port") -> StartupError:
+    """The one-line start-up refusal for an address that cannot be bound (``what``: "port", "metrics port")."""
     import errno
 
-    if exc is None or exc.errno == errno.EADDRINUSE:
+    setting = what.replace(" ", "_")
+    if exc.errno == errno.EADDRINUSE:
         return StartupError(f"{what} {port} is in use on {host} (another server is bound to it); "
-                            f"stop it or choose another {what.replace(' ', '_')}")
-    return StartupError(f"cannot bind {what} {port} on {host}: {exc.strerror or exc}; check the host and {what.replace(' ', '_')} settings")
+                            f"stop it or choose another {setting}")
+    return StartupError(f"cannot bind {what} {port} on {host}: {exc.strerror or exc}; "
+                        f"check the host and {setting} settings")
 
 
 class PortLock:
