@@ -54,6 +54,15 @@ def listeners(supervisor: int, port: int) -> dict[int, int]:
     return found
 
 
+def both_listening(supervisor: int, port: int, timeout_s: float = 60.0) -> list[int]:
+    """The two workers' PIDs once both listen (SERVING through one does not mean the other has bound)."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := listeners(supervisor, port)) < 2:
+        assert time.monotonic() < deadline, f"workers listening: {found}"
+        time.sleep(0.1)
+    return list(found)
+
+
 def running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -106,6 +115,7 @@ def test_inference_workers_share_the_port_count_every_call_and_drain(model_repos
     service = Service("inference", env, port, tmp_path / "inference.log")
     service.start(ready_timeout_s=90)
     try:
+        both_listening(service.pid, port)
         asyncio.run(every_worker_serving(service.address))
         second_server_is_refused("inference", {**env, "INFERENCE_WORKERS": "1", "INFERENCE_METRICS_PORT": "0"}, port)
         second_server_is_refused("inference", {**env, "INFERENCE_METRICS_PORT": "0"}, port)
@@ -156,6 +166,7 @@ def test_prediction_workers_share_the_port_and_the_ledger_and_drain(model_reposi
         "PREDICTION_RELAY_LINGER_MS": "10", "PREDICTION_INFERENCE_TIMEOUT_MS": "10000"})
     p.start()
     try:
+        both_listening(p.prediction.pid, p.prediction.port)
         asyncio.run(every_worker_serving(p.prediction.address))
         second_server_is_refused("prediction", {**p.prediction.env, "PREDICTION_WORKERS": "1",
                                                 "PREDICTION_METRICS_PORT": "0"}, p.prediction.port)
@@ -213,12 +224,12 @@ def test_a_dead_worker_stops_the_supervisor_and_a_dead_supervisor_its_workers(mo
     service = Service("inference", env, port, tmp_path / "inference.log")
     try:
         service.start(ready_timeout_s=90)
-        workers = list(listeners(service.pid, port))
+        workers = both_listening(service.pid, port)
         os.kill(workers[0], signal.SIGKILL)
         code = service.wait_exit(GRACE_S + 15)
         crashed_exit, port_after_crash = code, check_port_free("127.0.0.1", port)
         service.start(ready_timeout_s=90)  # the same port again
-        workers = list(listeners(service.pid, port))
+        workers = both_listening(service.pid, port)
         service.kill()
         deadline = time.monotonic() + 10
         while any(running(pid) for pid in workers):
