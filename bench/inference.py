@@ -84,7 +84,8 @@ def start_service(root: Path, port: int, batching: bool, args) -> subprocess.Pop
     env = {**os.environ, "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_METRICS_PORT": "0",
            "INFERENCE_MODEL_REPOSITORY": str(root), "INFERENCE_MODELS": json.dumps([MODEL]),
            "INFERENCE_BATCHING": str(batching).lower(), "INFERENCE_MAX_BATCH_SIZE": str(args.max_batch_size),
-           "INFERENCE_MAX_QUEUE_DELAY_MS": str(args.max_queue_delay_ms), "INFERENCE_LOG_LEVEL": "WARNING"}
+           "INFERENCE_MAX_QUEUE_DELAY_MS": str(args.max_queue_delay_ms), "INFERENCE_LOG_LEVEL": "WARNING",
+           "INFERENCE_WORKERS": "1"}  # one process: this bench's figures are per event loop
     return subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "inference"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

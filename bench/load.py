@@ -33,7 +33,10 @@ LOOPBACK = ("127.", "localhost:", "[::1]")
 # Reconnect quickly after a server restart (gRPC's default backoff grows to minutes).
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500)]
+                   ("grpc.max_reconnect_backoff_ms", 500),
+                   # one connection per channel, even to the same target: several channels to one address
+                   # reach several of its workers (SO_REUSEPORT spreads connections, not calls)
+                   ("grpc.use_local_subchannel_pool", 1)]
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:

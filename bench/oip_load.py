@@ -1,7 +1,7 @@
 """Closed-loop load generator for any Open Inference Protocol v2 gRPC server.
 
-``--concurrency N`` keeps N ``ModelInfer`` calls in flight (N asyncio workers on one channel,
-each send → wait → send). With ``--streams K`` the same N requests are kept in flight over K
+``--concurrency N`` keeps N ``ModelInfer`` calls in flight (N asyncio workers spread over
+``--channels`` connections, one by default; each send → wait → send). With ``--streams K`` the same N requests are kept in flight over K
 ``ModelStreamInfer`` streams instead (N / K per stream, pipelined: a new request is written as
 soon as a response frees a place; responses are matched to requests by id). Each call carries
 ``--rows`` real rows as raw FP32 bytes, built once per worker, so the client spends as little
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -81,8 +82,12 @@ async def run(args) -> dict:
 
     data = np.load(args.rows_file).astype(np.float32)
     metadata = tuple((k.lower(), v) for k, _, v in (h.partition("=") for h in args.header))
-    async with grpc.aio.insecure_channel(args.url, options=CHANNEL_OPTIONS) as channel:
-        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+    async with contextlib.AsyncExitStack() as opened:
+        # one connection each (a local subchannel pool): a server's workers share a port and the
+        # kernel spreads connections, not calls, over them
+        stubs = [oip_grpc.GRPCInferenceServiceStub(await opened.enter_async_context(grpc.aio.insecure_channel(
+            args.url, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]))) for _ in range(args.channels)]
+        stub = stubs[0]
         await wait_ready(stub, oip, args)
         loop_start = time.perf_counter()
         t_measure = loop_start + args.warmup_s
@@ -102,6 +107,7 @@ async def run(args) -> dict:
             nonlocal sent
             start = (index * args.rows) % max(1, len(data) - args.rows)
             request = build_request(oip, args, data[start:start + args.rows])
+            stub = stubs[index % len(stubs)]
             while sent < args.max_requests:
                 sent += 1
                 t0 = time.perf_counter()
@@ -124,7 +130,7 @@ async def run(args) -> dict:
             request = build_request(oip, args, data[start:start + args.rows])
             places = asyncio.Semaphore(args.concurrency // args.streams)
             started: dict[str, float] = {}
-            call = stub.ModelStreamInfer(metadata=metadata,
+            call = stubs[index % len(stubs)].ModelStreamInfer(metadata=metadata,
                                          timeout=args.warmup_s + args.duration_s + args.timeout_s)
 
             async def write() -> None:
@@ -186,7 +192,7 @@ async def run(args) -> dict:
     lat = sorted(v * 1000 for v in latencies)
     out = {
         "url": args.url, "model": args.model, "concurrency": args.concurrency, "rows_per_request": args.rows,
-        "rpc": f"ModelStreamInfer x{args.streams}" if args.streams else "ModelInfer",
+        "rpc": f"ModelStreamInfer x{args.streams}" if args.streams else "ModelInfer", "channels": args.channels,
         "duration_s": args.duration_s, "requests": len(lat),
         "requests_per_s": round(len(lat) / args.duration_s, 1),
         "rows_per_s": round(len(lat) * args.rows / args.duration_s, 1),
@@ -232,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parameter", action="append", default=[], help="request parameter KEY=VALUE (string)")
     parser.add_argument("--header", action="append", default=[], help="metadata KEY=VALUE (sent lower-case)")
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--channels", type=int, default=1,
+                        help="connections the concurrency is spread over (a server's workers each take some)")
     parser.add_argument("--streams", type=int, default=0,
                         help="0: unary ModelInfer calls; K: the concurrency over K ModelStreamInfer streams")
     parser.add_argument("--duration-s", type=float, default=8.0)
@@ -244,8 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.url.startswith(LOOPBACK):
         parser.error(f"refusing non-loopback target {args.url!r}")
-    if args.duration_s <= 0 or args.warmup_s < 0 or args.warmup_s + args.duration_s > 600 or args.concurrency < 1:
-        parser.error("need concurrency >= 1, duration-s > 0, warmup-s >= 0, warmup-s + duration-s <= 600")
+    if args.duration_s <= 0 or args.warmup_s < 0 or args.warmup_s + args.duration_s > 600 or args.concurrency < 1 \
+            or args.channels < 1:
+        parser.error("need concurrency >= 1, channels >= 1, duration-s > 0, warmup-s >= 0, warmup-s + duration-s <= 600")
     if args.streams < 0 or (args.streams and args.concurrency % args.streams):
         parser.error("--streams must divide --concurrency")
     return args

@@ -129,22 +129,37 @@ class Service:
             self.process.wait(10)
             return -9
 
-    def rss_bytes(self) -> int:
-        """Resident set size of the process (0 when it is not running)."""
+    def processes(self) -> list:
+        """The process and its descendants (a supervisor's workers), as psutil processes."""
         import psutil
 
+        if not self.alive():
+            return []
         try:
-            return psutil.Process(self.pid).memory_info().rss if self.alive() else 0
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
         except psutil.Error:
-            return 0
+            return []
+
+    def rss_bytes(self) -> int:
+        """Resident set size of the process and its workers, summed (0 when it is not running)."""
+        import psutil
+
+        total = 0
+        for process in self.processes():
+            with contextlib.suppress(psutil.Error):
+                total += process.memory_info().rss
+        return total
 
     def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the process and its workers."""
         import psutil
 
-        try:
-            return sum(psutil.Process(self.pid).cpu_times()[:2]) if self.alive() else 0.0
-        except psutil.Error:
-            return 0.0
+        total = 0.0
+        for process in self.processes():
+            with contextlib.suppress(psutil.Error):
+                total += sum(process.cpu_times()[:2])
+        return total
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -208,7 +223,8 @@ def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, l
         crm_url: SQLAlchemy async URL of the CRM; default a SQLite file in ``workdir``.
         ledger_url: SQLAlchemy async URL of the decision ledger; default the CRM's database when
             that is PostgreSQL (the ledger has a schema of its own there), else a SQLite file in ``workdir``.
-        prediction_env, inference_env: extra ``PREDICTION_*`` / ``INFERENCE_*`` settings.
+        prediction_env, inference_env: extra ``PREDICTION_*`` / ``INFERENCE_*`` settings (one serving
+            process each unless they set ``*_WORKERS``, so that PIDs, kills and timings mean one process).
         prediction_replicas: PredictionService processes, each with its own port and (when
             ``PREDICTION_METRICS_PORT`` is set) metrics port, sharing InferenceService, the ledger and the CRM.
     """
@@ -219,14 +235,14 @@ def pair(workdir: Path, model_repository: Path, *, crm_url: str | None = None, l
     inference = Service("inference", {
         "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": "0", "INFERENCE_METRICS_PORT": "0",
         "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MODELS": json.dumps([MODEL]),
-        "INFERENCE_LOG_LEVEL": log_level, **(inference_env or {})}, free_port(), workdir / "inference.log")
+        "INFERENCE_LOG_LEVEL": log_level, "INFERENCE_WORKERS": "1", **(inference_env or {})}, free_port(), workdir / "inference.log")
     inference.env["INFERENCE_PORT"] = str(inference.port)
     prediction = Service("prediction", {
         "PREDICTION_HOST": "127.0.0.1", "PREDICTION_METRICS_PORT": "0",
         "PREDICTION_INFERENCE_TARGET": inference.address, "PREDICTION_CRM_URL": crm_url,
         "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_MODEL_REPOSITORY": str(model_repository),
         "PREDICTION_CONFIG_DIR": str(CONFIG_DIR), "PREDICTION_MODEL_NAME": MODEL, "PREDICTION_LOG_LEVEL": log_level,
-        **(prediction_env or {})}, free_port(), workdir / "prediction.log")
+        "PREDICTION_WORKERS": "1", **(prediction_env or {})}, free_port(), workdir / "prediction.log")
     prediction.env["PREDICTION_PORT"] = str(prediction.port)
     more = []
     for n in range(2, prediction_replicas + 1):

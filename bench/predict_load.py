@@ -27,6 +27,11 @@ the one-machine SQLite ledger). One load generator (:mod:`bench.load`) drives, i
 6. ``null Predict`` and ``null BatchPredict`` — the same calls against ``bench/null_prediction.py``,
    a do-nothing PredictionService: the floor a Python gRPC prediction hop cannot beat here.
 
+With ``--workers 1 2`` (the default) the PredictionService phases run once per worker count
+(``PREDICTION_WORKERS``; the first count also runs the Infer, BatchPredict and A/B phases, the
+others Predict only), the client spreading its calls over ``--channels`` connections per replica
+in every run (the kernel spreads connections, not calls, over a replica's workers).
+
 Every phase of PredictionService also reports the ledger's commit latency p50/p99 over the phase
 (``prediction_ledger_commit_duration_seconds``, interpolated within its buckets as Prometheus's
 ``histogram_quantile`` does).
@@ -230,24 +235,26 @@ def run(args) -> int:
         crm = pg_url or None
         emit({"phase": "crm", "crm": "postgresql (throw-away database on 127.0.0.1)" if pg_url else "sqlite file"})
         real = {"infer", "predict", "batch", "ab", "chain"} & set(args.phases)
-        for ledger in args.ledgers if real else []:
+        for ledger, workers in itertools.product(args.ledgers if real else [], args.workers):
             metrics_port = harness.free_port()
             # PostgreSQL: the shared ledger in the CRM's database (its own schema), as replicas run it
             ledger_url = f"sqlite+aiosqlite:///{workdir / 'sqlite' / 'ledger.sqlite'}" if ledger == "sqlite" or not pg_url else None
             p = harness.pair(workdir / ledger, root, crm_url=crm, ledger_url=ledger_url,
                              prediction_env={"PREDICTION_METRICS_PORT": str(metrics_port),
+                                             "PREDICTION_WORKERS": str(workers),
                                              **dict(e.split("=", 1) for e in args.env)},
                              prediction_replicas=args.prediction_replicas)
             metrics_ports = [int(r.env["PREDICTION_METRICS_PORT"]) for r in p.predictions]
-            replicas = [r.address for r in p.predictions]
+            # several connections per replica: the kernel spreads connections, not calls, over its workers
+            replicas = [r.address for r in p.predictions] * args.channels
             with harness.running(p):
-                emit({"phase": "started", "ledger": ledger, "prediction_replicas": len(replicas),
+                emit({"phase": "started", "ledger": ledger, "workers": workers, "prediction_replicas": len(p.predictions),
                       "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
                 cpu = {"inference": p.inference.cpu_seconds,
                        "prediction": lambda: sum(r.cpu_seconds() for r in p.predictions)}
                 phases = []
                 levels = [1, *args.concurrency]
-                first = ledger == args.ledgers[0]
+                first = ledger == args.ledgers[0] and workers == args.workers[0]
                 if first and "infer" in args.phases:
                     infer, meta = infer_payloads(entry, budget(max(levels), timed))
                     phases += [("direct Infer", c, INFER, infer, check_infer, 1, meta) for c in levels]
@@ -272,6 +279,7 @@ def run(args) -> int:
                         warmup_s=args.warmup_s if concurrency > 1 else 1.0, metadata=meta, rows_per_call=rows,
                         cpu_of=cpu))
                     line = {"phase": name, "ledger": ledger if method != INFER else None,
+                            "workers": workers if method != INFER else None,
                             "concurrency": concurrency, "rows_per_call": rows, **figures}
                     if method != INFER:
                         line["replies_from_cache"] = checker.sources["cache"] - before["cache"]
@@ -290,7 +298,7 @@ def run(args) -> int:
                 if first and "chain" in args.phases:
                     results += chain_rounds(args, p, metrics_ports, entry, workdir, workload, checker, pb,
                                             to_attributes)
-            emit({"phase": "stopped", "ledger": ledger,
+            emit({"phase": "stopped", "ledger": ledger, "workers": workers,
                   "exit_codes": {**{f"prediction-{i + 1}" if i else "prediction": r.process.returncode
                                     for i, r in enumerate(p.predictions)},
                                  "inference": p.inference.process.returncode}})
@@ -315,7 +323,7 @@ def run(args) -> int:
                         **figures}
                 emit(line)
                 results.append(line)
-    return summarise(results, args.concurrency)
+    return summarise(results, args.concurrency, args.workers)
 
 
 def ab_predict(args, p: harness.Pair, metrics_ports: list[int], workdir: Path, workload, checker: PredictCheck, pb,
@@ -472,7 +480,7 @@ def null_prediction(workdir: Path) -> Iterator[harness.Service]:
         service.terminate(10.0)
 
 
-def summarise(results: list[dict], levels: list[int]) -> int:
+def summarise(results: list[dict], levels: list[int], workers: list[int]) -> int:
     """Prints the table and one summary line (hop latency, targets); returns 1 if any call failed."""
     from rich.console import Console
     from rich.table import Table
@@ -486,6 +494,7 @@ def summarise(results: list[dict], levels: list[int]) -> int:
         cpu, per_call = r.get("cpu_pct", {}), r.get("cpu_ms_per_call", {})
         phase = f"{r['phase']} {r['variant'][:1]}{r['round']}" if "variant" in r \
             else f"{r['phase']} r{r['round']}" if "round" in r else r["phase"]
+        phase += f" ({r['workers']} workers)" if r.get("workers") and len(workers) > 1 else ""
         table.add_row(phase, r["ledger"] or "-", str(r["concurrency"]), str(r["rows_per_call"]),
                       f"{r['calls_per_s']:,.0f}", f"{r['rows_per_s']:,.0f}", str(r["p50_ms"]), str(r["p99_ms"]),
                       str(r["errors"]), str(r.get("rows_per_infer_call", "-")),
@@ -497,9 +506,9 @@ def summarise(results: list[dict], levels: list[int]) -> int:
                       " / ".join(f"{1000 * per_call.get(k, 0):,.0f}" for k in ("client", "prediction", "inference")))
     Console(file=sys.stdout, width=200).print(table)
 
-    def find(phase: str, conc: int, ledger: str = "postgresql") -> dict | None:
+    def find(phase: str, conc: int, ledger: str = "postgresql", n: int = workers[0]) -> dict | None:
         return next((r for r in results if r["phase"] == phase and r["concurrency"] == conc
-                     and r["ledger"] in (ledger, None)), None)
+                     and r["ledger"] in (ledger, None) and r.get("workers") in (n, None)), None)
 
     summary: dict = {"phase": "summary"}
     for conc in [1, *levels]:
@@ -515,6 +524,11 @@ def summarise(results: list[dict], levels: list[int]) -> int:
                 summary[f"predict_p99_ms_{suffix}"] = predict["p99_ms"]
                 summary[f"predict_target_met_{suffix}"] = (predict["calls_per_s"] >= TARGET_PREDICT_PER_S
                                                            and (predict["p99_ms"] or 1e9) <= TARGET_PREDICT_P99_MS)
+    for conc in levels:  # the same load over `--channels` connections per replica, by workers per replica
+        by_workers = {n: find("Predict", conc, n=n) for n in workers}
+        if len(workers) > 1 and all(by_workers.values()):
+            summary[f"predict_per_s_c{conc}_by_workers"] = {n: r["calls_per_s"] for n, r in by_workers.items()}
+            summary[f"predict_p99_ms_c{conc}_by_workers"] = {n: r["p99_ms"] for n, r in by_workers.items()}
     if batch := next((r for r in results if r["phase"] == "BatchPredict"), None):
         summary["batch_rows_per_s"] = batch["rows_per_s"]
         summary["batch_crm_delivered_per_s"] = batch.get("crm_delivered_per_s")
@@ -600,6 +614,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chain-venvs", default="var/bench/venvs",
                         help="where the KServe virtualenv is (made there on first use, as `make bench` does)")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="PredictionService workers per replica, one run each (the first also runs Infer, "
+                             "BatchPredict, A/B; the others Predict only)")
+    parser.add_argument("--channels", type=int, default=4,
+                        help="client connections per PredictionService replica (its workers each take some)")
     parser.add_argument("--prediction-replicas", type=int, default=1,
                         help="PredictionService processes (own port each; one InferenceService, ledger and CRM); "
                              "calls are spread over them round-robin, as a Service over several pods would")

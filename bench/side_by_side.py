@@ -22,7 +22,10 @@ A benchmark, not a test: it reports numbers and asserts none. Steps:
 6. one JSON line per point, then per server and point the median over the rounds, the
    targets of the issue, streaming against unary, and a table with the ratios ours / peer.
 
-Servers: ``mlpair`` (InferenceService, batching on), ``mlpair-nobatch`` (batching off),
+Servers: ``mlpair`` (InferenceService, batching on, one process), ``mlpair-nobatch`` (batching off),
+``mlpair-w1`` and ``mlpair-w2`` (batching on, ``--workers`` 1 and 2 under the supervisor, each point's
+calls spread over ``--worker-channels`` connections, since the kernel spreads connections, not
+calls, over the workers: the gain of a second worker, in the same run),
 ``null`` (``bench/null_server.py``: a do-nothing grpc.aio OIP server, the Python gRPC ceiling
 here), ``pytriton`` (NVIDIA PyTriton 0.7.0), ``triton`` (the tritonserver 2.51 binary inside
 the PyTriton wheel with a Python-backend model), ``mlserver`` (Seldon MLServer 1.7.1,
@@ -181,6 +184,7 @@ class Server:
     env: dict[str, str]
     port: int
     load_args: list[str] = dataclasses.field(default_factory=list)
+    channels: int = 1  # connections each point's calls are spread over
     process: subprocess.Popen | None = None
     tree: set[int] = dataclasses.field(default_factory=set)
     log: Path | None = None
@@ -191,15 +195,19 @@ class Server:
         return f"127.0.0.1:{self.port}"
 
 
-def mlpair_server(name: str, models_root: Path, batching: bool, feature_version: str, args) -> Server:
+def mlpair_server(name: str, models_root: Path, batching: bool, feature_version: str, args, workers: int = 1,
+                  channels: int = 1) -> Server:
     port = free_port()
     env = {"INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_METRICS_PORT": "0",
+           "INFERENCE_WORKERS": str(workers),
            "INFERENCE_MODEL_REPOSITORY": str(models_root), "INFERENCE_MODELS": json.dumps([MODEL, HEAVY]),
            "INFERENCE_BATCHING": str(batching).lower(), "INFERENCE_MAX_BATCH_SIZE": str(args.max_batch_size),
            "INFERENCE_MAX_QUEUE_DELAY_MS": str(args.max_queue_delay_ms), "INFERENCE_LOG_LEVEL": "WARNING"}
     described = f"dynamic {args.max_batch_size} rows / {args.max_queue_delay_ms:g} ms" if batching else "off"
+    if workers > 1 or channels > 1:
+        described += f"; {workers} worker(s), {channels} connections"
     return Server(name, described, (MODEL, HEAVY), [sys.executable, "-m", "mlpair.cli", "serve", "inference"],
-                  env, port, ["--parameter", f"x-feature-version={feature_version}"])
+                  env, port, ["--parameter", f"x-feature-version={feature_version}"], channels=channels)
 
 
 def null_server() -> Server:
@@ -404,7 +412,7 @@ def cold_start(models_root: Path, runs: int) -> list[float]:
     seconds = []
     for _ in range(runs):
         port = free_port()
-        env = {**os.environ, "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port),
+        env = {**os.environ, "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_WORKERS": "1",
                "INFERENCE_METRICS_PORT": "0", "INFERENCE_MODEL_REPOSITORY": str(models_root),
                "INFERENCE_MODELS": json.dumps([MODEL]), "INFERENCE_LOG_LEVEL": "WARNING"}
         started = time.monotonic()
@@ -440,7 +448,7 @@ def measure(server: Server, model: str, concurrency: int, rows_file: Path, args)
     cmd = [sys.executable, str(BENCH / "oip_load.py"), "--url", server.url, "--model", model,
            "--rows-file", str(rows_file), "--concurrency", str(concurrency), "--duration-s", str(args.duration_s),
            "--warmup-s", str(args.warmup_s), "--ready-timeout-s", "10", "--label", server.name, *server.load_args,
-           "--streams", str(server.streams)]
+           "--streams", str(server.streams), "--channels", str(server.channels)]
     if server.process is not None:
         cmd += ["--server-pid", str(server.process.pid)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.warmup_s + args.duration_s + 90)
@@ -530,6 +538,19 @@ def streaming_summary(results: dict, concurrencies: list[int]) -> dict:
     return out
 
 
+def workers_summary(results: dict, workers: list[int], concurrencies: list[int]) -> dict:
+    """Per model and concurrency: req/s, p99 and server CPU per request of mlpair-w<N>, by N."""
+    out: dict = {"label": "InferenceService by workers"}
+    for model in (MODEL, HEAVY):
+        for c in concurrencies:
+            points = {n: results.get((f"mlpair-w{n}", model, c), {}) for n in workers}
+            if not all(p.get("requests_per_s") for p in points.values()):
+                continue
+            out[f"{model} c{c}"] = {key: {n: p.get(key) for n, p in points.items()}
+                                    for key in ("requests_per_s", "p99_ms", "server_cpu_us_per_request")}
+    return out
+
+
 def targets(results: dict, cold: list[float], top: int) -> dict:
     """The issue's targets, each with the measured figure and whether it was met (None: not measured)."""
     ours = results.get(("mlpair", MODEL, top), {})
@@ -577,6 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-starts", type=int, default=3, help="0 skips the cold-start measurement")
     parser.add_argument("--models", nargs="+", default=[MODEL, HEAVY], choices=[MODEL, HEAVY],
                         help="models measured (a bounded run: --models credit-risk)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2],
+                        help="InferenceService worker counts measured as mlpair-w<N> (none: skip)")
+    parser.add_argument("--worker-channels", type=int, default=4,
+                        help="connections each mlpair-w<N> point spreads its calls over")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--no-streaming", dest="streaming", action="store_false",
                         help="skip the ModelStreamInfer points of mlpair and triton")
@@ -610,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
           "median_s": round(statistics.median(cold), 3) if cold else None}, out)
 
     servers: list[Server] = [mlpair_server("mlpair", models_root, True, feature_version, args),
-                             mlpair_server("mlpair-nobatch", models_root, False, feature_version, args), null_server()]
+                             mlpair_server("mlpair-nobatch", models_root, False, feature_version, args), null_server(),
+                             *(mlpair_server(f"mlpair-w{n}", models_root, True, feature_version, args, workers=n,
+                                             channels=args.worker_channels) for n in args.workers)]
     builders: dict[str, Callable[[Path], Server]] = {
         "pytriton": lambda v: pytriton_server(v, model_files, run, args),
         "triton": lambda v: triton_server(v, model_files, run, args),
@@ -665,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         emit({**line, "label": f"{line['label']} (median of {args.rounds} rounds)"}, out)
     streaming = streaming_summary(results, args.concurrency)
     emit(streaming, out)
+    by_workers = workers_summary(results, args.workers, args.concurrency)
+    emit(by_workers, out)
     summary = targets(results, cold, max(args.concurrency))
     summary["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
     summary["elapsed_s"] = round(time.monotonic() - began, 1)
@@ -686,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: stream {value['stream_req_s']:,.0f} vs unary {value['unary_req_s']:,.0f} req/s "
                   f"({value['stream_vs_unary_req_s']} x), p99 {value['stream_p99_ms']} vs {value['unary_p99_ms']} ms, "
                   f"server µs CPU/req {value['server_us_per_request'][1]} vs {value['server_us_per_request'][0]}")
+    for key, value in by_workers.items():
+        if isinstance(value, dict):
+            print(f"workers {key}: req/s {value['requests_per_s']}, p99 ms {value['p99_ms']}, "
+                  f"server µs CPU/req {value['server_cpu_us_per_request']}")
     print(f"cold start to SERVING: {[round(s, 2) for s in cold]} s; results in {work / 'results.jsonl'}")
     return 0
 

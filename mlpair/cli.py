@@ -56,41 +56,90 @@ def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> Bas
 
 
 def _serve_inference(args: argparse.Namespace) -> int:
-    from mlpair.inference.server import serve
     from mlpair.inference.settings import InferenceSettings
+    from mlpair.workers import gpu_visible
 
     settings = _settings(InferenceSettings, args)
-    return _run_server("inference", settings, serve)
+    # the torch runtime follows execution_provider too; "auto" takes a GPU when one is visible
+    on_gpu = settings.execution_provider == "cuda" or (settings.execution_provider == "auto" and gpu_visible())
+    return _run_server("inference", settings, _inference, on_gpu=on_gpu)
 
 
 def _serve_prediction(args: argparse.Namespace) -> int:
-    from mlpair.prediction.server import serve
     from mlpair.prediction.settings import PredictionSettings
 
     settings = _settings(PredictionSettings, args)
-    return _run_server("prediction", settings, serve)
+    return _run_server("prediction", settings, _prediction)
 
 
-def _run_server(layer: str, settings, serve) -> int:
-    from importlib.metadata import version
+# The servers are imported only once the port is known to be free: a refusal comes in about a
+# second, not after the imports of ONNX Runtime, SQLAlchemy and SciPy.
+async def _inference(settings, *, shared_port: bool = False) -> None:
+    from mlpair.inference.server import serve
 
-    from opentelemetry import trace
-    from prometheus_client import start_http_server
+    await serve(settings, shared_port=shared_port)
+
+
+async def _prediction(settings, *, shared_port: bool = False) -> None:
+    from mlpair.prediction.server import serve
+
+    await serve(settings, shared_port=shared_port)
+
+
+def _run_server(layer: str, settings, serve, *, on_gpu: bool = False) -> int:
+    """One serving process, or a supervisor of ``settings.workers`` of them (:mod:`mlpair.workers`)."""
+    import functools
 
     from mlpair.logs import configure_logging
-    from mlpair.observability.tracing import build_tracer_provider
     from mlpair.startup import StartupError
+    from mlpair.workers import supervise, worker_count
 
     configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    try:
+        workers = worker_count(settings.workers, uses_gpu=on_gpu)
+        if workers > 1:
+            return supervise(layer, settings, workers,
+                             functools.partial(_serve_process, layer, serve=serve, shared_port=True))
+    except StartupError as exc:
+        return _fail(f"{layer} service", exc, 2)
+    return _serve_process(layer, settings, serve)
+
+
+def _serve_process(layer: str, settings, serve, *, shared_port: bool = False) -> int:
+    """Serves until SIGTERM: alone (exclusive port, own metrics port), or as a supervisor's worker
+    (``shared_port``: a fresh interpreter; the supervisor owns the port check and the metrics port)."""
+    from importlib.metadata import version
+
+    from mlpair.logs import configure_logging
+    from mlpair.startup import StartupError
+    from mlpair.workers import check_port_free, port_error
+
+    if shared_port:
+        configure_logging(layer, settings.log_level, settings.log_format, sample_ratio=settings.log_sample_ratio)
+    else:
+        try:
+            check_port_free(settings.host, settings.port)  # at once, before any model or database work
+        except StartupError as exc:
+            return _fail(f"{layer} service", exc, 2)
+
+    from opentelemetry import trace
+
+    from mlpair.observability.tracing import build_tracer_provider
+
     # The standard OTEL_* variables fill in what the project's own settings leave unset.
     sample_ratio = settings.trace_sample_ratio if "trace_sample_ratio" in settings.model_fields_set else None
     provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
                                      sample_ratio=sample_ratio, service_version=version("mlpair"), environ=os.environ)
     trace.set_tracer_provider(provider)
     try:
-        if settings.metrics_port:
-            start_http_server(settings.metrics_port, addr=settings.host)
-        asyncio.run(serve(settings))
+        if not shared_port and settings.metrics_port:
+            from prometheus_client import start_http_server
+
+            try:
+                start_http_server(settings.metrics_port, addr=settings.host)
+            except OSError as exc:
+                raise port_error(settings.host, settings.metrics_port, exc, "metrics port") from exc
+        asyncio.run(serve(settings, shared_port=shared_port))
     except StartupError as exc:  # the user can fix it: one line, exit 2
         return _fail(f"{layer} service", exc, 2)
     except Exception as exc:  # anything else: one line, exit 1, the traceback with --debug

@@ -84,11 +84,31 @@ def channel_credentials(ca_file: Path | None, cert_file: Path | None = None,
         certificate_chain=Path(cert_file).read_bytes() if cert_file else None)
 
 
+def port_sharing_options(shared: bool) -> list[tuple[str, int]]:
+    """Server options for the port: ``SO_REUSEPORT`` only for the workers of one supervisor
+    (:mod:`mlpair.workers`, which owns the port first); a single process binds it exclusively, so a
+    second server on its port fails to start instead of silently taking part of the traffic
+    (gRPC's default is ``grpc.so_reuseport = 1``)."""
+    return [("grpc.so_reuseport", 1 if shared else 0)]
+
+
 def bind_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Binds ``address`` with TLS when ``credentials`` are given, else plaintext; returns the port."""
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    """Binds ``address`` with TLS when ``credentials`` are given, else plaintext; returns the port.
+
+    Raises:
+        StartupError: the port is in use or the address cannot be bound (one line naming the port).
+    """
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # gRPC says only "Failed to bind to address ...": find out why
+        from mlpair.startup import StartupError
+        from mlpair.workers import check_port_free
+
+        host, _, port = address.rpartition(":")
+        check_port_free(host, int(port))  # raises, naming the port, when it is in use
+        raise StartupError(f"cannot bind port {port} on {host}; check the host and port settings") from exc
 
 
 def open_channel(target: str, options: list[tuple[str, int | str]],

@@ -16,6 +16,18 @@ from mlpair.training.pipeline import train_family
 from tests.support import CHURN_SCHEMA, CREDIT_SCHEMA
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_serving_process_per_service():
+    """Services the tests start as processes (``mlpair serve``) run as one process each, as before
+    ``workers`` existed, so that a PID, a kill -9 or a timing means one process; tests of several
+    workers (tests/e2e/test_workers.py) set ``*_WORKERS`` themselves."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("INFERENCE_WORKERS", "1")
+    mp.setenv("PREDICTION_WORKERS", "1")
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory) -> Path:
     """A model repository holding credit-risk and churn version 1, trained on the real data."""

@@ -42,6 +42,8 @@ from mlpair.inference.statistics import VersionStatistics
 
 logger = logging.getLogger(__name__)
 
+QUEUE_DEPTH_SAMPLE_S = 0.5  # how often a supervisor's worker writes its queue depth (scrapes are 15-30 s apart)
+
 _QUEUED, _TAKEN, _DROPPED = 0, 1, 2
 
 
@@ -97,8 +99,13 @@ class DynamicBatcher:
         self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         # Metric children resolved once: label lookups are not free on the hot path.
-        # Queue depth is read at scrape time, so the hot path pays nothing for it.
-        metrics.QUEUE_DEPTH.labels(model, version).set_function(lambda: self._queued_rows)
+        # Queue depth is read at scrape time, so the hot path pays nothing for it; a supervisor's
+        # worker is scraped from another process, which cannot call back into this one: there a task
+        # writes the depth every QUEUE_DEPTH_SAMPLE_S instead (start()).
+        self._depth = metrics.QUEUE_DEPTH.labels(model, version)
+        self._sampler: asyncio.Task | None = None
+        if not metrics.shared_across_processes():
+            self._depth.set_function(lambda: self._queued_rows)
         self._m_queue = metrics.QUEUE_DURATION.labels(model, version)
         self._m_compute = metrics.COMPUTE_DURATION.labels(model, version)
         self._m_batch = metrics.BATCH_SIZE.labels(model, version)
@@ -114,6 +121,13 @@ class DynamicBatcher:
         """Starts the scheduler task on the running event loop."""
         name = f"batcher-{self.model}-{self.version}"
         self._task = asyncio.get_running_loop().create_task(self._schedule(), name=name)
+        if metrics.shared_across_processes():
+            self._sampler = asyncio.get_running_loop().create_task(self._sample_depth(), name=f"depth-{name}")
+
+    async def _sample_depth(self) -> None:
+        while True:
+            self._depth.set(self._queued_rows)
+            await asyncio.sleep(QUEUE_DEPTH_SAMPLE_S)
 
     async def close(self) -> None:
         """Runs everything already queued (without waiting out the delay), then stops."""
@@ -124,7 +138,11 @@ class DynamicBatcher:
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
         self._executor.shutdown(wait=True)
-        metrics.QUEUE_DEPTH.remove(self.model, self.version)  # drop the scrape-time callback with us
+        if self._sampler is not None:
+            self._sampler.cancel()
+            self._depth.set(0)  # multiprocess mode cannot remove a series
+        else:
+            metrics.QUEUE_DEPTH.remove(self.model, self.version)  # drop the scrape-time callback with us
 
     @property
     def executes_inline(self) -> bool:

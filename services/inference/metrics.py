@@ -3,9 +3,16 @@
 Served on the service's own HTTP port (``metrics_port``). Histograms, never summaries, so
 replicas aggregate. Model and version labels only take loaded names ("unknown" otherwise), so
 a client cannot create time series.
+
+With several workers (``workers`` > 1, :mod:`mlpair.workers`) the supervisor serves every worker's
+metrics summed (prometheus-client multiprocess mode); each gauge says how workers combine:
+queue depth and device memory add up (``livesum``), a model version is ready only when it is in
+every live worker (``livemin``). ``live*`` modes drop a worker that exited.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -23,7 +30,7 @@ COMPUTE_DURATION = Histogram("inference_compute_duration_seconds", "Runtime exec
                              ["model", "version"], buckets=LATENCY_BUCKETS)
 BATCH_SIZE = Histogram("inference_batch_size_rows", "Rows per executed batch.", ["model", "version"],
                        buckets=ROW_BUCKETS)
-QUEUE_DEPTH = Gauge("inference_queue_depth_rows", "Rows waiting in the batch queue.", ["model", "version"])
+QUEUE_DEPTH = Gauge("inference_queue_depth_rows", "Rows waiting in the batch queue.", ["model", "version"], multiprocess_mode="livesum")
 QUEUE_DROPPED = Counter("inference_queue_dropped_total",
                         "Queued requests removed before compute: deadline expired or caller cancelled.",
                         ["model", "version", "reason"])
@@ -40,6 +47,13 @@ MODEL_LOAD_DURATION = Histogram("inference_model_load_duration_seconds", "Load p
 MODEL_LOAD_FAILURES = Counter("inference_model_load_failures_total", "Model versions that failed to load or warm up.",
                               ["model", "version"])
 MODEL_READY = Gauge("inference_model_ready", "1 when a model version is loaded, warmed and serving.",
-                    ["model", "version"])
+                    ["model", "version"], multiprocess_mode="livemin")
 DEVICE_MEMORY = Gauge("inference_device_memory_bytes", "Accelerator memory held by a model version (GPU only).",
-                      ["model", "version"])
+                      ["model", "version"], multiprocess_mode="livesum")
+
+
+def shared_across_processes() -> bool:
+    """Whether this process writes its metrics for a supervisor to aggregate (prometheus-client's
+    multiprocess mode, set up by :mod:`mlpair.workers`): a value computed at scrape time
+    (``set_function``) cannot be read from there."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))

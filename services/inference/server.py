@@ -41,7 +41,8 @@ from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.collector import tune_collector
 from mlpair.lifecycle import DrainGate, drain, enable_reflection, server_options
 from mlpair.observability.calls import observe_servicer
-from mlpair.rpc import add_servicer, bind_port, guard_servicer, message_size_options, server_credentials
+from mlpair.rpc import (add_servicer, bind_port, guard_servicer, message_size_options, port_sharing_options,
+                        server_credentials)
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,15 @@ class InferenceServer:
     Args:
         settings: the service settings (``port=0`` picks a free port: see :attr:`port`).
         runtime_factory: builds each model version's runtime (tests may wrap the real one).
+        shared_port: this process is one of a supervisor's workers (:mod:`mlpair.workers`): bind the
+            port with SO_REUSEPORT; otherwise exclusively.
+
+    Raises:
+        StartupError: the port is in use.
     """
 
     def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *,
-                 tracer_provider=None) -> None:
+                 tracer_provider=None, shared_port: bool = False) -> None:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
         self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
@@ -66,7 +72,7 @@ class InferenceServer:
         # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
         # by wrappers of the servicers' methods; tracer_provider None = the global one.
         self.server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes),
-                                               *server_options(settings)])
+                                               *server_options(settings), *port_sharing_options(shared_port)])
         self.gate = DrainGate()  # the drain holds new calls with it, then answers them UNAVAILABLE
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN, self.gate)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN, self.gate)
@@ -145,13 +151,14 @@ async def start(settings: InferenceSettings, runtime_factory: RuntimeFactory = c
     return server.server, server.port, server.health, server.engine
 
 
-async def serve(settings: InferenceSettings) -> None:
-    """Runs until SIGTERM/SIGINT, then drains (see the module docstring)."""
+async def serve(settings: InferenceSettings, *, shared_port: bool = False) -> None:
+    """Runs until SIGTERM/SIGINT, then drains (see the module docstring); ``shared_port``: as one of a
+    supervisor's workers (each loads its own copy of every model: on a GPU, N times the device memory)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = InferenceServer(settings)
+    server = InferenceServer(settings, shared_port=shared_port)
     await server.start()
     load = asyncio.create_task(server.load())
     stopped = asyncio.create_task(stop.wait())

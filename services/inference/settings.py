@@ -26,6 +26,10 @@ class InferenceSettings(ConnectionSettings):
     """Prometheus HTTP port; 0 disables the exporter."""
     max_message_bytes: int = 16 * 1024 * 1024
     """gRPC message size limit, both directions, in bytes; larger messages get RESOURCE_EXHAUSTED."""
+    workers: int = 0
+    """Serving processes sharing the gRPC port under one supervisor (docs/performance.md); 0 = one per CPU
+    of the container's limit (cgroup cpu.max or CFS quota, else the CPUs available), but 1 when serving on
+    a GPU (each worker loads its own copy of every model onto the device)."""
     shutdown_grace_s: float = 20.0
     """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
     shutdown_accept_ms: int = 500

@@ -1,4 +1,12 @@
-"""``prediction_*`` Prometheus metrics (the business-layer SLA), labelled by model."""
+"""``prediction_*`` Prometheus metrics (the business-layer SLA), labelled by model.
+
+With several workers (``workers`` > 1, :mod:`mlpair.workers`) the supervisor serves every worker's
+metrics (prometheus-client multiprocess mode): counters and histograms add up; each gauge says how
+workers combine, the worst worker winning (``livemax`` of breaker state, degraded, drift statistics
+and flags; ``livemin`` of dependency health and p-values); the ledger backlog is the same figure in
+every worker (``livemax``). Each worker judges drift over its own window. ``live*`` modes drop a
+worker that exited.
+"""
 
 from __future__ import annotations
 
@@ -92,7 +100,7 @@ INFERENCE_ERRORS = Counter("prediction_inference_errors_total",
 INFERENCE_RETRIES = Counter("prediction_inference_retries_total", "Infer attempts retried after UNAVAILABLE.",
                             ["model"])
 CIRCUIT_STATE = Gauge("prediction_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-                      ["dependency"])
+                      ["dependency"], multiprocess_mode="livemax")
 CIRCUIT_TRANSITIONS = Counter("prediction_circuit_transitions_total", "Circuit breaker state changes, by new state.",
                               ["dependency", "state"])
 
@@ -104,40 +112,40 @@ LEDGER_COMMIT_DURATION = Histogram("prediction_ledger_commit_duration_seconds",
                                    buckets=LATENCY_BUCKETS)
 LEDGER_COMMIT_ROWS = Histogram("prediction_ledger_commit_rows", "Decisions written by one decision ledger commit.",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
-OUTBOX_DEPTH = Gauge("prediction_outbox_depth", "Decisions on record in the shared ledger and not yet delivered to the CRM.")
+OUTBOX_DEPTH = Gauge("prediction_outbox_depth", "Decisions on record in the shared ledger and not yet delivered to the CRM.", multiprocess_mode="livemax")
 OUTBOX_OLDEST_AGE = Gauge("prediction_outbox_oldest_age_seconds",
-                          "Age of the oldest decision the ledger has not delivered to the CRM (0 when none).")
+                          "Age of the oldest decision the ledger has not delivered to the CRM (0 when none).", multiprocess_mode="livemax")
 OUTBOX_DELIVERED = Counter("prediction_outbox_delivered_total", "Decisions the relay inserted into the CRM database.")
 OUTBOX_ALREADY_IN_CRM = Counter("prediction_outbox_already_in_crm_total",
                                 "Decisions the relay found already in the CRM (a retried transaction); not doubled.")
 RELAY_FAILURES = Counter("prediction_relay_failures_total", "Failed relay attempts (CRM database unreachable or refusing).")
 
 # Health of what PredictionService depends on (health.py).
-DEPENDENCY_UP = Gauge("prediction_dependency_up", "1 when a dependency is healthy, else 0.", ["dependency"])
-DEGRADED = Gauge("prediction_degraded", "1 when serving with a fallback (inference, CRM or cache unhealthy), else 0.")
+DEPENDENCY_UP = Gauge("prediction_dependency_up", "1 when a dependency is healthy, else 0.", ["dependency"], multiprocess_mode="livemin")
+DEGRADED = Gauge("prediction_degraded", "1 when serving with a fallback (inference, CRM or cache unhealthy), else 0.", multiprocess_mode="livemax")
 
 # -- Observability (issue 6): CRM write health, fallbacks, drift. -------------------------------
 CRM_WRITES = Counter("prediction_crm_writes_total", "CRM write attempts by outcome (ok, error).", ["model", "outcome"])
 DRIFT_STATISTIC = Gauge("prediction_drift_statistic",
                         "Drift effect size per feature over the window: KS statistic (test=ks) or total variation "
-                        "distance (test=chi2).", ["model", "feature", "test"])
+                        "distance (test=chi2).", ["model", "feature", "test"], multiprocess_mode="livemax")
 DRIFT_P_VALUE = Gauge("prediction_drift_p_value", "Drift test p-value per feature, before the Bonferroni correction.",
-                      ["model", "feature", "test"])
+                      ["model", "feature", "test"], multiprocess_mode="livemin")
 DRIFT_DETECTED = Gauge("prediction_drift_detected",
                        "1 when a feature drifted: effect size above its threshold and p-value below alpha / tests.",
-                       ["model", "feature"])
-DRIFT_WINDOW_ROWS = Gauge("prediction_drift_window_rows", "Decisions in the drift window.", ["model"])
+                       ["model", "feature"], multiprocess_mode="livemax")
+DRIFT_WINDOW_ROWS = Gauge("prediction_drift_window_rows", "Decisions in the drift window.", ["model"], multiprocess_mode="livemax")
 DRIFT_MIN_ROWS = Gauge("prediction_drift_min_rows", "Fewest decisions in the window before drift is judged at all.",
-                       ["model"])
+                       ["model"], multiprocess_mode="livemax")
 SCORE_DRIFT_STATISTIC = Gauge("prediction_score_drift_statistic",
-                              "KS statistic of the calibrated score over the window against training's.", ["model"])
-SCORE_DRIFT_P_VALUE = Gauge("prediction_score_drift_p_value", "KS p-value of the calibrated score drift test.", ["model"])
+                              "KS statistic of the calibrated score over the window against training's.", ["model"], multiprocess_mode="livemax")
+SCORE_DRIFT_P_VALUE = Gauge("prediction_score_drift_p_value", "KS p-value of the calibrated score drift test.", ["model"], multiprocess_mode="livemin")
 SCORE_DRIFT_DETECTED = Gauge("prediction_score_drift_detected", "1 when the calibrated score distribution drifted.",
-                             ["model"])
+                             ["model"], multiprocess_mode="livemax")
 DRIFT_THRESHOLD = Gauge("prediction_drift_threshold", "Effect-size threshold of each drift test (ks, chi2).",
-                        ["model", "test"])
+                        ["model", "test"], multiprocess_mode="livemax")
 DRIFT_CORRECTED_ALPHA = Gauge("prediction_drift_corrected_alpha",
-                              "Per-test significance level: alpha / number of tests (Bonferroni).", ["model"])
+                              "Per-test significance level: alpha / number of tests (Bonferroni).", ["model"], multiprocess_mode="livemax")
 
 # -- Distribution signals every replica contributes to (signals.py): drift across replicas and
 # threshold probing. Counters and histograms sum across replicas and workers; the baseline gauges

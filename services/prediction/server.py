@@ -30,8 +30,8 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import (add_servicer, bind_port, channel_credentials, drain, guard_servicer,
-                        message_size_options, server_credentials, wait_for_termination_signal)
+from mlpair.rpc import (add_servicer, bind_port, channel_credentials, drain, guard_servicer, message_size_options,
+                        port_sharing_options, server_credentials, wait_for_termination_signal)
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +113,18 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
                      explain_top_k=settings.explain_top_reasons, drift=drift, unknown_attributes=settings.unknown_attributes)
 
 
-def create_server(settings: PredictionSettings, predictor: Predictor, *,
-                  tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth]:
-    """Builds the server with PredictionService and health and binds its port (0 = free port)."""
+def create_server(settings: PredictionSettings, predictor: Predictor, *, tracer_provider=None,
+                  shared_port: bool = False) -> tuple[grpc.aio.Server, int, PredictionHealth]:
+    """Builds the server with PredictionService and health and binds its port (0 = free port):
+    with SO_REUSEPORT when ``shared_port`` (one of a supervisor's workers), else exclusively.
+
+    Raises:
+        StartupError: the port is in use.
+    """
     # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
     # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
-    server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes), *server_options(settings)])
+    server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes), *server_options(settings),
+                                      *port_sharing_options(shared_port)])
     health = PredictionHealth(SERVICE_NAME)
     # health.gate: after the drain's accept window new calls are held, then answered UNAVAILABLE (DRAINING)
     servicer = guard_servicer(PredictionServicer(predictor), DOMAIN, health.gate)
@@ -134,8 +140,8 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *,
     return server, port, health
 
 
-async def start(settings: PredictionSettings, *,
-                tracer_provider=None) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
+async def start(settings: PredictionSettings, *, tracer_provider=None,
+                shared_port: bool = False) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
     """Opens the decision ledger, starts the relay and the server, and reports readiness.
 
     Raises:
@@ -144,7 +150,12 @@ async def start(settings: PredictionSettings, *,
     """
     predictor = build_predictor(settings, tracer_provider=tracer_provider)
     await predictor.recorder.start()
-    server, port, health = create_server(settings, predictor, tracer_provider=tracer_provider)
+    try:
+        server, port, health = create_server(settings, predictor, tracer_provider=tracer_provider,
+                                             shared_port=shared_port)
+    except BaseException:
+        await predictor.recorder.close(drain_timeout_s=0)
+        raise
     await server.start()
     predictor.drift.start(settings.drift_interval_s)
     interval_s = settings.health_interval_ms / 1000
@@ -168,9 +179,10 @@ async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Pre
     await predictor.recorder.close(drain_timeout_s=min(grace_s, SHUTDOWN_DELIVERY_S))
 
 
-async def serve(settings: PredictionSettings) -> None:
-    """Runs until SIGTERM/SIGINT, then drains."""
-    server, _, health, predictor = await start(settings)
+async def serve(settings: PredictionSettings, *, shared_port: bool = False) -> None:
+    """Runs until SIGTERM/SIGINT, then drains; ``shared_port``: as one of a supervisor's workers, each
+    with its own ledger pool, relay, cache and breaker over the one shared ledger."""
+    server, _, health, predictor = await start(settings, shared_port=shared_port)
     tune_collector()
     await wait_for_termination_signal()
     await stop(server, health, predictor, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)

@@ -54,6 +54,10 @@ class PredictionSettings(ConnectionSettings):
     """Top reasons, in business language, returned with an explanation."""
     max_message_bytes: int = 4 * 1024 * 1024
     """gRPC message size limit, both directions, in bytes."""
+    workers: int = 0
+    """Serving processes sharing the gRPC port under one supervisor (docs/performance.md), each with its own
+    ledger pool, relay and caches; 0 = one per CPU of the container's limit (cgroup cpu.max or CFS quota,
+    else the CPUs available)."""
     shutdown_grace_s: float = 20.0
     """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
     shutdown_accept_ms: int = 500

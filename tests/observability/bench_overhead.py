@@ -80,7 +80,8 @@ class PairProcesses:
 
     def __enter__(self) -> PairProcesses:
         inference_port, self.port = free_port(), free_port()
-        common = ["--host", "127.0.0.1", "--metrics-port", "0", "--log-format", "json", "--log-level", "INFO"]
+        common = ["--host", "127.0.0.1", "--metrics-port", "0", "--log-format", "json", "--log-level", "INFO",
+                  "--workers", "1"]  # one process each: CPU is read from /proc/<pid>
         self._spawn(["serve", "inference", "--port", str(inference_port), "--model-repository", str(self.models),
                      *common], "inference")
         wait_serving(inference_port)
