@@ -23,7 +23,9 @@ from pydantic_settings import BaseSettings
 
 DEFAULT_SCHEMAS = [Path("config/credit-risk/feature-schema.toml"), Path("config/churn/feature-schema.toml")]
 DRIFT_NO_VERDICT = 3  # `mlpair drift-report`: some model has too few decisions for a verdict yet
-_debug = False  # `mlpair --debug`: tracebacks on stderr (set once in main())
+# `mlpair --debug`: tracebacks on stderr (set once in main(); MLPAIR_DEBUG carries it to the workers
+# a supervisor spawns, which import this module afresh)
+_debug = os.environ.get("MLPAIR_DEBUG") == "1"
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings], prefix: str) -> None:
@@ -407,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     from mlpair.startup import StartupError
 
     args = build_parser().parse_args(argv)
-    _debug = args.debug
+    _debug = args.debug or _debug
+    if _debug:
+        os.environ["MLPAIR_DEBUG"] = "1"
     what = f"{args.role} service" if args.command == "serve" else args.command
     try:
         return args.func(args)

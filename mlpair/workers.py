@@ -297,7 +297,8 @@ class _Supervisor:
                     logger.error("worker %d still running after the grace period; killing it", process.pid)
                     process.kill()
                 self.exit_code = self.exit_code or 1
-        logger.info("%s supervisor stopped", self.layer)
+        # after a worker's start-up refusal (exit 2) its one line, already on stderr, stays the last
+        logger.log(logging.DEBUG if self.exit_code == 2 else logging.INFO, "%s supervisor stopped", self.layer)
         return self.exit_code
 
     def _reap(self, process) -> None:
@@ -308,11 +309,14 @@ class _Supervisor:
         if self.stopping_since is not None and code in (0, -signal.SIGTERM):
             return
         if self.stopping_since is None:
-            logger.error("worker %d exited with code %s; draining the others and exiting", process.pid, code)
+            # exit 2: the worker refused to start and printed why (a configuration error) — not repeated
+            logger.log(logging.DEBUG if code == 2 else logging.ERROR,
+                       "worker %d exited with code %s; draining the others and exiting", process.pid, code)
             self.exit_code = 2 if code == 2 else 1
             self._stop_all([p for p in self.processes if p.is_alive()])
         else:
-            logger.error("worker %d exited with code %s while draining", process.pid, code)
+            logger.log(logging.DEBUG if code == 2 else logging.ERROR,
+                       "worker %d exited with code %s while draining", process.pid, code)
             self.exit_code = self.exit_code or (2 if code == 2 else 1)
 
     def _stop_all(self, processes) -> None:

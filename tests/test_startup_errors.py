@@ -15,7 +15,7 @@ from tests.support import CONFIG_DIR
 UNEXPECTED = """
 import sys
 import mlpair.inference.server as server
-async def serve(settings):
+async def serve(settings, **kwargs):
     raise RuntimeError("the runtime fell over")
 server.serve = serve
 from mlpair.cli import main
@@ -69,12 +69,12 @@ def test_an_invalid_setting_is_one_line_naming_the_flag_and_variable(role, flag,
 
 
 def test_an_unexpected_failure_is_one_line_and_exit_1_with_the_traceback_under_debug():
-    out = mlpair("serve", "inference", "--metrics-port", "0", code=UNEXPECTED)
+    out = mlpair("serve", "inference", "--workers", "1", "--metrics-port", "0", code=UNEXPECTED)
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines() == [last_line(out)], "exactly one line"
     assert last_line(out) == ("mlpair: inference service failed to start: RuntimeError: the runtime fell over "
                               "(mlpair --debug … for the traceback)")
-    debug = mlpair("--debug", "serve", "inference", "--metrics-port", "0", code=UNEXPECTED)
+    debug = mlpair("--debug", "serve", "inference", "--workers", "1", "--metrics-port", "0", code=UNEXPECTED)
     assert debug.returncode == 1
     assert debug.stderr.count("Traceback") == 1, debug.stderr
     assert "in serve\nRuntimeError: the runtime fell over\n" in debug.stderr
