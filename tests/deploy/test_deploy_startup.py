@@ -15,8 +15,8 @@ writes anywhere a read-only root filesystem would refuse.
 
 Only what a laptop cannot have is replaced: addresses (127.0.0.1, free ports), the URLs the
 Secrets would hold (a fresh database on the test PostgreSQL holding ledger and CRM, a serving role
-of this test alone, the test Redis), no trace collector, and the GPU (ONNX Runtime falls back to
-its CPU provider when CUDA is requested and absent, and logs it). The model repository holds
+of this test alone, the test Redis), no trace collector, and the GPU (ONNX Runtime's CPU execution
+provider instead of the rendered `cuda`). The model repository holds
 credit-risk versions 1 and 2 and churn version 1, trained here.
 """
 
@@ -190,6 +190,9 @@ async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
         port="0",
         metrics_port="0",
         otlp_endpoint="",
+        # The GPU: ONNX Runtime's CPU provider stands in for CUDA (a server told to use CUDA
+        # where there is none does not serve).
+        execution_provider="cpu",
     )
     server = InferenceServer(settings)
     await server.start()
