@@ -15,8 +15,9 @@ writes anywhere a read-only root filesystem would refuse.
 
 Only what a laptop cannot have is replaced: addresses (127.0.0.1, free ports), the URLs the
 Secrets would hold (a fresh database on the test PostgreSQL holding ledger and CRM, a serving role
-of this test alone, the test Redis), no trace collector, and the GPU (ONNX Runtime's CPU execution
-provider instead of the rendered `cuda`). The model repository holds
+of this test alone, the test Redis), no trace collector, and the GPU (ONNX Runtime falls back to
+its CPU provider: ``execution_provider=cuda`` refuses to start without CUDA, so the test sets
+``auto`` where no CUDA provider is installed). The model repository holds
 credit-risk versions 1 and 2 and churn version 1, trained here.
 """
 
@@ -177,6 +178,12 @@ async def assert_probes_pass(workload: dict, target: str) -> None:
         assert await health_of(target, service) == SERVING, (dc.name_of(workload), probe)
 
 
+def _has_gpu() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
 @contextlib.asynccontextmanager
 async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
     from mlpair.inference.server import InferenceServer
@@ -190,9 +197,8 @@ async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
         port="0",
         metrics_port="0",
         otlp_endpoint="",
-        # The GPU: ONNX Runtime's CPU provider stands in for CUDA (a server told to use CUDA
-        # where there is none does not serve).
-        execution_provider="cpu",
+        # no GPU here: execution_provider=cuda (the pods' setting) would refuse to start
+        execution_provider="cuda" if _has_gpu() else "auto",
     )
     server = InferenceServer(settings)
     await server.start()
