@@ -9,6 +9,7 @@ broken install and fails.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -88,3 +89,23 @@ def istio_schemas() -> dc.IstioSchemas:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    """promtool from Debian's prometheus package (`make .venv/bin/promtool` fetches it)."""
+    for candidate in (Path(sys.prefix) / "bin" / "promtool", shutil.which("promtool")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    message = (
+        "promtool not found; `make .venv/bin/promtool` fetches it from Debian's prometheus package"
+    )
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{message}: required in CI", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def rendered_adapter(kubectl: Path) -> list[dict]:
+    """deploy/observability/prometheus-adapter: the adapter's ConfigMap, as applied."""
+    return dc.render(kubectl, dc.ADAPTER_DIR)

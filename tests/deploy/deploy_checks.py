@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_DIR = REPO_ROOT / "deploy"
 K8S_DIR = DEPLOY_DIR / "k8s"
 ISTIO_DIR = DEPLOY_DIR / "istio"
+ADAPTER_DIR = DEPLOY_DIR / "observability" / "prometheus-adapter"
 OVERLAYS = ("dev", "prod")
 
 
@@ -809,3 +810,251 @@ def _retry_problems(where: str, route: Obj) -> list[str]:
     ):
         problems.append(f"{where}: perTryTimeout exceeds the route timeout")
     return problems
+
+
+# --------------------------------------------------------------------------- QoS of the whole pod
+
+# What Istio's injection template gives istio-proxy (and istio-init / istio-validation, which use
+# the same "resources" template): requests from proxyCPU / proxyMemory and limits from
+# proxyCPULimit / proxyMemoryLimit, only those annotated, when any of the four is set; otherwise
+# the mesh's global.proxy.resources (Istio's defaults below).
+SIDECAR_RESOURCE_ANNOTATIONS = {
+    ("requests", "cpu"): "sidecar.istio.io/proxyCPU",
+    ("requests", "memory"): "sidecar.istio.io/proxyMemory",
+    ("limits", "cpu"): "sidecar.istio.io/proxyCPULimit",
+    ("limits", "memory"): "sidecar.istio.io/proxyMemoryLimit",
+}
+ISTIO_DEFAULT_PROXY_RESOURCES = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"cpu": "2000m", "memory": "1024Mi"},
+}
+QOS_RESOURCES = ("cpu", "memory")
+
+
+def injected_sidecars(owner: Obj) -> list[Obj]:
+    """The containers Istio's injector adds to ``owner``'s pods (none with sidecar.istio.io/inject:
+    "false"), with the resources its template gives them."""
+    annotations = owner["spec"]["template"]["metadata"].get("annotations") or {}
+    if annotations.get("sidecar.istio.io/inject") == "false":
+        return []
+    if any(name in annotations for name in SIDECAR_RESOURCE_ANNOTATIONS.values()):
+        resources: dict[str, dict[str, str]] = {}
+        for (section, resource), name in SIDECAR_RESOURCE_ANNOTATIONS.items():
+            if name in annotations:
+                resources.setdefault(section, {})[resource] = annotations[name]
+    else:
+        resources = copy.deepcopy(ISTIO_DEFAULT_PROXY_RESOURCES)
+    return [
+        {"name": name, "resources": copy.deepcopy(resources)}
+        for name in ("istio-init", "istio-proxy")
+    ]
+
+
+def qos_class(pod_containers: Iterable[Obj]) -> str:
+    """The pod's QoS class as Kubernetes computes it (ComputePodQOS, pkg/apis/core/helper/qos),
+    over every container, init and sidecar containers included, after the API server's defaulting
+    of an unset request to its limit.
+
+    Guaranteed: every container has CPU and memory limits, and the pod's summed requests equal its
+    summed limits for each; BestEffort: no CPU or memory request or limit anywhere; else Burstable.
+    """
+    requests: dict[str, Decimal] = {}
+    limits: dict[str, Decimal] = {}
+    guaranteed = True
+    for container in pod_containers:
+        resources = container.get("resources") or {}
+        container_limits = {
+            name: parse_quantity(value)
+            for name, value in (resources.get("limits") or {}).items()
+            if name in QOS_RESOURCES
+        }
+        container_requests = {
+            name: parse_quantity(value)
+            for name, value in (resources.get("requests") or {}).items()
+            if name in QOS_RESOURCES
+        }
+        for name, limit in container_limits.items():
+            container_requests.setdefault(name, limit)  # defaulted by the API server
+        for name, value in container_requests.items():
+            if value > 0:
+                requests[name] = requests.get(name, Decimal(0)) + value
+        found = set()
+        for name, value in container_limits.items():
+            if value > 0:
+                found.add(name)
+                limits[name] = limits.get(name, Decimal(0)) + value
+        if not set(QOS_RESOURCES) <= found:
+            guaranteed = False
+    if not requests and not limits:
+        return "BestEffort"
+    if guaranteed and requests.keys() == limits.keys() and all(
+        limits[name] == value for name, value in requests.items()
+    ):
+        return "Guaranteed"
+    return "Burstable"
+
+
+def pod_qos_class(owner: Obj) -> str:
+    """QoS class of ``owner``'s pods as they run: its containers plus the injected sidecars."""
+    return qos_class([*containers(owner), *injected_sidecars(owner)])
+
+
+# --------------------------------------------------------------------------- autoscaling
+
+
+def cpu_limit(container: Obj) -> Decimal:
+    return parse_quantity(container["resources"]["limits"]["cpu"])
+
+
+def adapter_config(config_map: Obj) -> Obj:
+    """prometheus-adapter's configuration carried by its ConfigMap (key config.yaml)."""
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+def adapter_rule_metric(rule: Obj) -> tuple[str, str]:
+    """(series name, custom metric name) of one prometheus-adapter rule.
+
+    The series is the metric name the seriesQuery selects; the custom metric name is that series
+    name rewritten by name.matches / name.as as the adapter does (``as`` defaults to the whole
+    match without a capture group, to the first group with one).
+    """
+    match = re.match(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", rule["seriesQuery"])
+    if not match:
+        raise ValueError(f"seriesQuery {rule['seriesQuery']!r} does not name one metric")
+    series = match[1]
+    naming = rule.get("name") or {}
+    pattern = re.compile(naming.get("matches") or ".*")
+    found = pattern.search(series)
+    if not found:
+        raise ValueError(f"name.matches {pattern.pattern!r} does not match {series}")
+    default = "${1}" if pattern.groups == 1 else "${0}"
+    template = naming.get("as") or default
+    name = re.sub(r"\$\{?(\d+)\}?", lambda m: found.group(int(m[1])), template)
+    return series, name
+
+
+def expand_adapter_query(rule: Obj, namespace: str, pods: list[str]) -> str:
+    """The PromQL the adapter sends for ``pods`` of ``namespace`` (its Go template filled in)."""
+    series, _ = adapter_rule_metric(rule)
+    matchers = f'namespace="{namespace}",pod=~"{"|".join(pods)}"'
+    query = rule["metricsQuery"]
+    for placeholder, value in (
+        ("<<.Series>>", series),
+        ("<<.LabelMatchers>>", matchers),
+        ("<<.GroupBy>>", "pod"),
+    ):
+        query = query.replace(placeholder, value)
+    return query
+
+
+def adapter_problems(objects: list[Obj], rules: list[Obj]) -> list[str]:
+    """Per-pod (and object) metrics the HPAs of ``objects`` name that no rule provides, or that
+    more than one does, and rules that cannot give one number per pod.
+
+    Resource and ContainerResource metrics come from metrics-server, not the adapter.
+    """
+    problems: list[str] = []
+    provided: dict[str, list[Obj]] = {}
+    for rule in rules:
+        _, name = adapter_rule_metric(rule)
+        provided.setdefault(name, []).append(rule)
+        overrides = (rule.get("resources") or {}).get("overrides") or {}
+        mapped = {value.get("resource") for value in overrides.values()}
+        if not {"namespace", "pod"} <= mapped:
+            problems.append(f"rule for {name}: its series are not mapped to namespace and pod")
+        for placeholder in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
+            if placeholder not in rule.get("metricsQuery", ""):
+                problems.append(f"rule for {name}: metricsQuery lacks {placeholder}")
+    for hpa in of_kind(objects, "HorizontalPodAutoscaler"):
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] not in ("Pods", "Object"):
+                continue
+            name = metric[metric["type"].lower()]["metric"]["name"]
+            count = len(provided.get(name, ()))
+            if count != 1:
+                problems.append(
+                    f"{name_of(hpa)}: metric {name} is provided by {count} adapter rules"
+                )
+    return problems
+
+
+# --------------------------------------------------------------------------- authorization
+
+
+def _istio_value_matches(pattern: str, value: str) -> bool:
+    """Istio's match of an AuthorizationPolicy value: exact, ``prefix*``, ``*suffix``, ``*``."""
+    if pattern == "*":
+        return True
+    if pattern.endswith("*"):
+        return value.startswith(pattern[:-1])
+    if pattern.startswith("*"):
+        return value.endswith(pattern[1:])
+    return value == pattern
+
+
+_SOURCE_FIELDS = {"principals", "namespaces"}
+_OPERATION_FIELDS = {"ports", "paths", "notPaths"}
+
+
+def _source_matches(source: Obj, principal: str, namespace: str) -> bool:
+    unknown = set(source) - _SOURCE_FIELDS
+    if unknown:
+        raise ValueError(f"source fields {sorted(unknown)} are not modelled here")
+    for field, value in (("principals", principal), ("namespaces", namespace)):
+        if field in source and not any(_istio_value_matches(p, value) for p in source[field]):
+            return False
+    return True
+
+
+def _operation_matches(operation: Obj, path: str, port: int) -> bool:
+    unknown = set(operation) - _OPERATION_FIELDS
+    if unknown:
+        raise ValueError(f"operation fields {sorted(unknown)} are not modelled here")
+    if "ports" in operation and str(port) not in operation["ports"]:
+        return False
+    if "paths" in operation and not any(_istio_value_matches(p, path) for p in operation["paths"]):
+        return False
+    if any(_istio_value_matches(p, path) for p in operation.get("notPaths", ())):
+        return False
+    return True
+
+
+def authorization_allows(
+    objects: list[Obj], workload: Obj, principal: str, path: str, port: int
+) -> bool:
+    """Whether Istio admits a call from ``principal`` (<trust domain>/ns/<namespace>/sa/<account>)
+    to ``path`` on ``port`` of ``workload``'s pods under the render's AuthorizationPolicies.
+
+    Istio's order: a matching DENY policy refuses; with no ALLOW policy selecting the workload the
+    call passes; otherwise one rule of an ALLOW policy must match (an ALLOW policy without rules,
+    such as allow-nothing, matches nothing). Fields this project does not use raise ValueError
+    rather than being ignored.
+    """
+    namespace = principal.split("/ns/", 1)[1].split("/", 1)[0]
+    allow_selected = False
+    allowed = denied = False
+    for policy in of_kind(objects, "AuthorizationPolicy"):
+        spec = policy.get("spec") or {}
+        selector = (spec.get("selector") or {}).get("matchLabels")
+        if selector and not selector_matches(selector, pod_labels(workload)):
+            continue
+        action = spec.get("action", "ALLOW")
+        if action not in ("ALLOW", "DENY"):
+            raise ValueError(f"{name_of(policy)}: action {action} is not modelled here")
+        allow_selected |= action == "ALLOW"
+        for rule in spec.get("rules") or ():
+            if set(rule) - {"from", "to"}:
+                raise ValueError(f"{name_of(policy)}: rule fields {sorted(rule)} not modelled here")
+            sources = [entry["source"] for entry in rule.get("from") or ()]
+            operations = [entry["operation"] for entry in rule.get("to") or ()]
+            if sources and not any(_source_matches(s, principal, namespace) for s in sources):
+                continue
+            if operations and not any(_operation_matches(o, path, port) for o in operations):
+                continue
+            if action == "DENY":
+                denied = True
+            else:
+                allowed = True
+    if denied:
+        return False
+    return allowed or not allow_selected

@@ -292,6 +292,7 @@ def test_migration_job_check_refuses_broken_jobs(rendered: dict) -> None:
         f"{JOB}: its pods are selected by Service/prediction",
         f"{JOB}: its pods are selected by NetworkPolicy/prediction",
         f"{JOB}: its pods are selected by AuthorizationPolicy/prediction-callers",
+        f"{JOB}: its pods are selected by AuthorizationPolicy/prediction-operators",
     ]
 
 

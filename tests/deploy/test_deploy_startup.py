@@ -241,6 +241,32 @@ def shadow_count(family: str, primary: str, shadow: str) -> float:
     )
 
 
+def deciding_versions(objects: list) -> set[tuple[str, str]]:
+    """(family, version) of every version some prediction track decides with."""
+    return {
+        (family, version)
+        for workload in dc.workloads(objects, "prediction")
+        for family, versions in dc.json_setting(
+            dc.settings_of(workload, objects), "PREDICTION_ENSEMBLES", {}
+        ).items()
+        for version in versions
+    }
+
+
+def adapter_series(release: set) -> dict[tuple[str, str, str, str, bool], float | None]:
+    """This process's value of every series a shipped prometheus-adapter rule reads, per model
+    version of the release: (rule's metric, series, family, version, read through rate()) ->
+    value, None when absent."""
+    (config_map,) = dc.load_file(dc.ADAPTER_DIR / "config-map.yaml")
+    values = {}
+    for rule in dc.adapter_config(config_map)["rules"]:
+        series, name = dc.adapter_rule_metric(rule)
+        for family, version in release:
+            key = (name, series, family, version, "rate(" in rule["metricsQuery"])
+            values[key] = REGISTRY.get_sample_value(series, {"model": family, "version": version})
+    return values
+
+
 async def decide(target: str, request_id: str, family: str, record) -> pb.PredictResponse:
     entity_id, attributes = record
     async with grpc.aio.insecure_channel(target) as channel:
@@ -336,6 +362,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     async with inference_pod(inference_fs, monkeypatch) as (inference_target, server):
         await assert_probes_pass(inference, inference_target)
         release = {(f, v) for f, v in dc.mounted_versions(inference, "/models")[0]}
+        series_before = {key: value or 0.0 for key, value in adapter_series(release).items()}
         serving = {(f, v) for f, vs in server.engine.repository.serving().items() for v in vs}
         assert serving == release  # every mounted version, nothing else
         local = {
@@ -404,6 +431,14 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
             if index == 0:
                 # Gone with its decisions undelivered: they wait in the shared ledger.
                 assert await crm_and_ledger(databases, request_ids[name]) == (0, 0, len(records))
+        # The series the inference HPA's adapter rules read, as the serving pod exports them: one
+        # per version of the release, and those read through rate() (calls in flight: the
+        # latency sum) moved by the calls to the versions that decide.
+        for key, value in adapter_series(release).items():
+            _, _, family, version, counted = key
+            assert value is not None, key
+            if counted and (family, version) in deciding_versions(objects):
+                assert value > series_before[key], key
     everything = [request_id for ids in request_ids.values() for request_id in ids]
     assert await crm_and_ledger(databases, everything) == (len(everything), len(everything), 0)
     # The serving role may do what the service needs and nothing more.
