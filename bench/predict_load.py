@@ -354,20 +354,27 @@ def ab_predict(args, p: harness.Pair, metrics_ports: list[int], workdir: Path, w
             for variant, (addresses, cpu, ports) in variants.items():
                 n = int(min(args.max_calls, 5000 * (args.warmup_s + args.duration_s)))
                 payloads = predict_payloads(itertools.islice(workload, n), pb, to_attributes)
-                scraped0, started = (scrape(ports), time.monotonic()) if ports else (None, 0.0)
-                figures = asyncio.run(drive(addresses, PREDICT, payloads, check=checker.predict,
-                                            concurrency=args.ab_concurrency, duration_s=args.duration_s,
-                                            warmup_s=args.warmup_s, cpu_of={"inference": p.inference.cpu_seconds,
-                                                                            "prediction": cpu}))
-                line = {"phase": "A/B Predict", "variant": variant, "round": round_ + 1, "ledger": variant[:1],
-                        "concurrency": args.ab_concurrency, "rows_per_call": 1, **figures}
-                if ports:
-                    line.update(ledger_figures(scraped0, scrape(ports), time.monotonic() - started))
-                emit(line)
-                lines.append(line)
+                lines.append(measured(args, addresses, PREDICT, payloads, checker.predict, args.ab_concurrency,
+                                      {"inference": p.inference.cpu_seconds, "prediction": cpu}, ports,
+                                      {"phase": "A/B Predict", "variant": variant, "round": round_ + 1,
+                                       "ledger": variant[:1]}))
     finally:
         baseline.terminate()
     return lines
+
+
+def measured(args, addresses, method: str, payloads, check, concurrency: int, cpu_of: dict,
+             metrics_ports: list[int], fields: dict) -> dict:
+    """One measured phase of single-row calls: drives the load, adds the ledger's figures over the
+    phase when ``metrics_ports`` are given, emits the line and returns it."""
+    scraped0, started = (scrape(metrics_ports), time.monotonic()) if metrics_ports else (None, 0.0)
+    figures = asyncio.run(drive(addresses, method, payloads, check=check, concurrency=concurrency,
+                                duration_s=args.duration_s, warmup_s=args.warmup_s, cpu_of=cpu_of))
+    line = {**fields, "concurrency": concurrency, "rows_per_call": 1, **figures}
+    if metrics_ports:
+        line.update(ledger_figures(scraped0, scrape(metrics_ports), time.monotonic() - started))
+    emit(line)
+    return line
 
 
 def chain_rounds(args, p: harness.Pair, metrics_ports: list[int], entry, workdir: Path, workload,
@@ -424,17 +431,11 @@ def chain_rounds(args, p: harness.Pair, metrics_ports: list[int], entry, workdir
                     ]
                     shift = round_ % len(setups)
                     for name, addresses, method, payloads, check, cpu in setups[shift:] + setups[:shift]:
-                        scraped0, started = scrape(metrics_ports), time.monotonic()
-                        figures = asyncio.run(drive(addresses, method, payloads, check=check,
-                                                    concurrency=concurrency, duration_s=args.duration_s,
-                                                    warmup_s=args.warmup_s, cpu_of=cpu))
-                        line = {"phase": f"interleaved {name}", "round": round_ + 1, "ledger": None,
-                                "concurrency": concurrency, "rows_per_call": 1, **figures}
-                        if name == "Predict":
-                            line["ledger"] = "postgresql"
-                            line.update(ledger_figures(scraped0, scrape(metrics_ports), time.monotonic() - started))
-                        emit(line)
-                        lines.append(line)
+                        predict = name == "Predict"  # only Predict has a ledger to report on
+                        lines.append(measured(args, addresses, method, payloads, check, concurrency, cpu,
+                                              metrics_ports if predict else [],
+                                              {"phase": f"interleaved {name}", "round": round_ + 1,
+                                               "ledger": "postgresql" if predict else None}))
     finally:
         chain.stop()
     return lines
