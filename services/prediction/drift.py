@@ -237,6 +237,16 @@ class DriftMonitor:
         self._next = (i + 1) % self.config.window_rows
         self._rows = min(self._rows + 1, self.config.window_rows)
 
+    def observe_many(self, vectors: np.ndarray, scores: np.ndarray) -> None:
+        """Adds many decisions in order: ``[rows, n_features] float32`` and ``[rows]`` probabilities."""
+        window, total = self.config.window_rows, len(scores)
+        skipped = max(0, total - window)  # only the newest fit: they land where row-by-row adding puts them
+        at = (self._next + skipped + np.arange(total - skipped)) % window
+        self._x[at] = vectors[skipped:]
+        self._scores[at] = scores[skipped:]
+        self._next = (self._next + total) % window
+        self._rows = min(self._rows + total, window)
+
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the window's rows ``[rows, n_features]`` and scores ``[rows]`` (cheap; call
         on the thread that observes, then evaluate the copies anywhere)."""
@@ -325,6 +335,16 @@ class DriftMonitors:
         signals = self.signals.get(model_name)
         if signals is not None:
             signals.observe(vector, score)
+
+    def observe_many(self, model_name: str, vectors: np.ndarray, scores: np.ndarray) -> None:
+        """Records many decisions of ``model_name``: ``[rows, n_features] float32`` and ``[rows]``
+        probabilities, as :meth:`observe` row by row would."""
+        monitor = self.monitors.get(model_name)
+        if monitor is not None:
+            monitor.observe_many(vectors, scores)
+        signals = self.signals.get(model_name)
+        if signals is not None:
+            signals.observe_many(vectors, scores)
 
     async def evaluate(self) -> list[DriftReport]:
         """Reports for every family, computed off the event loop, exported as gauges."""

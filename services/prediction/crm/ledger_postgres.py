@@ -26,6 +26,7 @@ from datetime import datetime
 import asyncpg
 from sqlalchemy import make_url
 
+from mlpair.prediction.crm.columns import DecisionColumns
 from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
                                           on_record, row_values, settle, unique_new)
 from mlpair.prediction.crm.migrate import SchemaNotReady
@@ -73,6 +74,7 @@ class PostgresLedger(DecisionLedger):
     max_commit_rows = 2048
     commit_concurrency = 3  # measured with bench/ledger_engines.py: p50 at 32 in flight 10.2 → see docs/design.md
     db_system = "postgresql"
+    bulk_rows = 8  # a BatchPredict's decisions go in one statement of their own
 
     def __init__(self, url: str, *, timeout_s: float = 2.0, pool_size: int = 8, statement_cache_size: int = 100) -> None:
         super().__init__()
@@ -149,6 +151,19 @@ class PostgresLedger(DecisionLedger):
                     recorded = on_record(row, _same)
                     held[recorded.decision.request_id] = recorded
         return settle(entries, held)
+
+    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
+        arrays = batch.ledger_arrays(rows)
+        async with self._connection() as conn, conn.transaction():
+            inserted = {r[0] for r in await conn.fetch(INSERT, *arrays)}
+            if len(inserted) == len(rows):
+                return {}
+            held = {}
+            for row in await conn.fetch(SELECT_RECORDED, [rid for rid in arrays[0] if rid not in inserted]):
+                recorded = on_record(row, _same)
+                held[recorded.decision.request_id] = recorded
+        ids = batch.request_id
+        return {i: held[ids[i]] for i in rows if ids[i] not in inserted}
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
