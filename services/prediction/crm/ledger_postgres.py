@@ -26,6 +26,7 @@ from datetime import datetime
 import asyncpg
 from sqlalchemy import make_url
 
+from mlpair.prediction.crm import packed
 from mlpair.prediction.crm.columns import DecisionColumns
 from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
                                           on_record, row_values, settle, unique_new)
@@ -46,6 +47,21 @@ SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::te
 CLAIM = (f"SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
          "FOR UPDATE SKIP LOCKED")
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
+# The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by PostgreSQL.
+_NAMES = ", ".join(f"c{k}" for k in range(len(DECISION_COLUMNS)))
+INSERT_PACKED = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
+                 + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
+                 + " FROM unnest(" + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
+                 + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+# A relay's claim, packed: one row of (seqs, one packed text per CRM column), no object per decision.
+_CLAIMED_TYPES = dict(zip(DECISION_COLUMNS, _ARRAY_TYPES))
+CLAIM_PACKED = (f"WITH claimed AS (SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
+                "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) "
+                "SELECT count(*), coalesce(array_agg(seq ORDER BY seq)::text, '{}'), "
+                + ", ".join(packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq")
+                            for c in CLAIMED_COLUMNS.split(", "))
+                + " FROM claimed")
+MARK_DELIVERED_TEXT = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::text::bigint[])"
 IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
           f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING")
 
@@ -57,6 +73,24 @@ def _same(value: datetime) -> datetime:
 def _columns(rows: Sequence[tuple]) -> list[list]:
     """Row tuples → one list per column (asyncpg sends each as a typed array)."""
     return [list(column) for column in zip(*rows)] if rows else [[] for _ in DECISION_COLUMNS]
+
+
+def _packed(arrays: list[list]) -> list[str]:
+    """The ledger's columns (``DECISION_COLUMNS`` order) packed for :data:`INSERT_PACKED`.
+
+    Raises:
+        packed.Unpackable: a value holds the separator.
+    """
+    texts = []
+    for values, sql_type in zip(arrays, _ARRAY_TYPES):
+        if sql_type == "float8":
+            values = packed.floats(values)
+        elif sql_type == "int4":
+            values = list(map(str, values))
+        elif sql_type == "timestamptz":
+            values = packed.timestamps(values)
+        texts.append(packed.pack(values))
+    return texts
 
 
 class PostgresLedger(DecisionLedger):
@@ -118,6 +152,16 @@ class PostgresLedger(DecisionLedger):
             if rows:
                 await conn.execute(MARK_DELIVERED, [row[0] for row in rows])
 
+    @contextlib.asynccontextmanager
+    async def claim_packed(self, limit: int) -> AsyncIterator[tuple[int, list[str]]]:
+        """:meth:`claim`, with the claimed decisions as (how many, one packed text per CRM column
+        in ``CRM_COLUMNS`` order: see ``crm/packed.py``)."""
+        async with self._connection() as conn, conn.transaction():
+            n, seqs, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
+            yield n, columns
+            if n:
+                await conn.execute(MARK_DELIVERED_TEXT, seqs)
+
     async def backlog(self) -> tuple[int, float]:
         async with self._connection() as conn:
             count, age_s = await conn.fetchrow(
@@ -154,8 +198,12 @@ class PostgresLedger(DecisionLedger):
 
     async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
         arrays = batch.ledger_arrays(rows)
+        try:
+            statement, parameters = INSERT_PACKED, _packed(arrays)
+        except packed.Unpackable:
+            statement, parameters = INSERT, arrays
         async with self._connection() as conn, conn.transaction():
-            inserted = {r[0] for r in await conn.fetch(INSERT, *arrays)}
+            inserted = {r[0] for r in await conn.fetch(statement, *parameters)}
             if len(inserted) == len(rows):
                 return {}
             held = {}

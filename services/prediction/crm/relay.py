@@ -18,6 +18,7 @@ from collections import Counter
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.ledger import DecisionLedger
+from mlpair.prediction.crm.packed import SEP
 from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, CrmStore
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,36 @@ class LedgerRelay:
             self._idle.set()
 
     async def _deliver_batch(self) -> int:
-        """Claims one batch, delivers it and marks it delivered; returns how many it claimed."""
+        """Claims one batch, delivers it and marks it delivered; returns how many it claimed.
+
+        From a PostgreSQL ledger to a PostgreSQL CRM the batch travels packed (``crm/packed.py``):
+        one text per column, never one Python object per decision."""
+        if getattr(self.crm, "takes_packed", False) and hasattr(self.ledger, "claim_packed"):
+            async with self.ledger.claim_packed(self.batch_size) as (n, columns):
+                await self._deliver_packed(n, columns)
+            return n
         async with self.ledger.claim(self.batch_size) as batch:
             await self._deliver(batch)
         return len(batch)
+
+    async def _deliver_packed(self, n: int, columns: list[str]) -> None:
+        if not n:
+            return
+        started = time.perf_counter()
+        models = Counter(columns[_MODEL].split(SEP)[1:])
+        try:
+            inserted = await self.crm.deliver_packed(columns)
+        except Exception:
+            self.crm_up = False
+            metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
+            _count_models(models, "error")
+            raise
+        metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
+        _count_models(models, "ok")
+        self.crm_up = True
+        self.delivered += inserted
+        metrics.OUTBOX_DELIVERED.inc(inserted)
+        metrics.OUTBOX_ALREADY_IN_CRM.inc(n - inserted)
 
     async def _deliver(self, rows: list[CrmRow]) -> None:
         if not rows:
@@ -152,5 +179,9 @@ _MODEL = CRM_COLUMNS.index("model_name")
 
 def _count_writes(rows: list[CrmRow], outcome: str) -> None:
     """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
-    for model, n in Counter(row[_MODEL] for row in rows).items():
+    _count_models(Counter(row[_MODEL] for row in rows), outcome)
+
+
+def _count_models(models: Counter, outcome: str) -> None:
+    for model, n in models.items():
         metrics.CRM_WRITES.labels(model, outcome).inc(n)
