@@ -23,7 +23,7 @@ from mlpair.prediction.columns import ACTION_BITS, AssembledColumns, ColumnAssem
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
 from mlpair.prediction.families import ModelFamily
-from mlpair.prediction.idempotency import request_fingerprint
+from mlpair.prediction.idempotency import request_fingerprints
 
 if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput
@@ -138,7 +138,7 @@ def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[Pr
         family, [index[k] for k in keep], kept,
         assembled.matrix if not refused else assembled.matrix[keep],
         assembler.guards(actions),
-        [request_fingerprint(name, r.entity_id, r.attributes) for r in kept],
+        request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept]),
         warnings if renumber is None else {renumber[k]: w for k, w in warnings.items()},
         frozenset(j for j, r in enumerate(kept) if r.explain))
 

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 
 from mlpair.contracts.assembly import ConversionError, FeatureAssembler
 from mlpair.prediction.columns import ColumnAssembler
+from mlpair.prediction.idempotency import request_fingerprint, request_fingerprints
 from mlpair.prediction.policy import DecisionPolicy
 from mlpair.prediction.signals import FamilySignals
 from tests.support import CONFIG_DIR
@@ -90,6 +91,21 @@ def test_columnar_assembly_is_the_row_wise_one_on_generated_records(data, credit
             record["not_in_schema"] = 1.0
         records.append(record)
     assert columnar(ColumnAssembler(assembler), records) == row_wise(assembler, records)
+    entities = [f"e{i}" for i in range(len(records))]
+    assert request_fingerprints("credit-risk", entities, records) == [
+        request_fingerprint("credit-risk", e, r) for e, r in zip(entities, records)]
+
+
+def test_fingerprints_of_a_batch_are_each_request_s_own(credit_holdout):
+    records = [dict(r) for r in credit_holdout.records]
+    records[3]["Amount"] = float("inf")
+    records[4]["Home"] = ""
+    records[5]["Age"] = True
+    records[6]["extra"] = "x"
+    entities = [f"entity-\"{i}\u00e9" for i in range(len(records))]
+    expected = [request_fingerprint("credit-risk", e, r) for e, r in zip(entities, records)]
+    assert request_fingerprints("credit-risk", entities, records) == expected
+    assert len(set(expected)) == len(expected)
 
 
 @pytest.mark.parametrize("model", ["credit-risk", "churn"])

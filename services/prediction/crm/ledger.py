@@ -132,6 +132,7 @@ class DecisionLedger(abc.ABC):
         self.reachable = True
         self._pending: list[tuple[Entry, _Caller, int]] = []  # entry, its caller, its index there
         self._writers: set[asyncio.Task] = set()
+        self._bulk_slots: asyncio.Semaphore | None = None  # bulk commits in progress at once: commit_concurrency
 
     @abc.abstractmethod
     async def open(self) -> None:
@@ -217,9 +218,12 @@ class DecisionLedger(abc.ABC):
         order = sorted(first.values(), key=batch.request_id.__getitem__)
         for start in range(0, len(order), self.max_commit_rows):
             rows = order[start:start + self.max_commit_rows]
+            if self._bulk_slots is None:
+                self._bulk_slots = asyncio.Semaphore(self.commit_concurrency)
             started = time.perf_counter()
             try:
-                replays = await self._commit_bulk(batch, rows)
+                async with self._bulk_slots:  # as many transactions as the group commit runs: the relay keeps a connection
+                    replays = await self._commit_bulk(batch, rows)
             except Exception as exc:  # noqa: BLE001  (every row of the transaction gets a retryable error)
                 self.reachable = False
                 logger.warning("decision ledger commit failed (%s); %d decision(s) not recorded",
