@@ -53,15 +53,17 @@ INSERT_PACKED = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
                  + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
                  + " FROM unnest(" + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
                  + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
-# A relay's claim, packed: one row of (seqs, one packed text per CRM column), no object per decision.
+# A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
+# The rows are marked delivered by the same statement, inside the claim's transaction: it commits
+# only once the CRM has them, and a failed delivery rolls the mark back with it.
 _CLAIMED_TYPES = dict(zip(DECISION_COLUMNS, _ARRAY_TYPES))
 CLAIM_PACKED = (f"WITH claimed AS (SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
-                "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) "
-                "SELECT count(*), coalesce(array_agg(seq ORDER BY seq)::text, '{}'), "
+                "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
+                f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
+                "SELECT count(*), "
                 + ", ".join(packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq")
                             for c in CLAIMED_COLUMNS.split(", "))
                 + " FROM claimed")
-MARK_DELIVERED_TEXT = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::text::bigint[])"
 IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
           f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING")
 
@@ -155,12 +157,11 @@ class PostgresLedger(DecisionLedger):
     @contextlib.asynccontextmanager
     async def claim_packed(self, limit: int) -> AsyncIterator[tuple[int, list[str]]]:
         """:meth:`claim`, with the claimed decisions as (how many, one packed text per CRM column
-        in ``CRM_COLUMNS`` order: see ``crm/packed.py``)."""
+        in ``CRM_COLUMNS`` order: see ``crm/packed.py``); marked delivered when the body returns
+        normally (the transaction commits), released when it raises (it rolls back)."""
         async with self._connection() as conn, conn.transaction():
-            n, seqs, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
+            n, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
             yield n, columns
-            if n:
-                await conn.execute(MARK_DELIVERED_TEXT, seqs)
 
     async def backlog(self) -> tuple[int, float]:
         async with self._connection() as conn:
