@@ -329,22 +329,17 @@ class DriftMonitors:
 
     def observe(self, model_name: str, vector: np.ndarray, score: float) -> None:
         """Records one decision of ``model_name`` (ignored for a family without a monitor)."""
-        monitor = self.monitors.get(model_name)
-        if monitor is not None:
-            monitor.observe(vector, score)
-        signals = self.signals.get(model_name)
-        if signals is not None:
-            signals.observe(vector, score)
+        for sink in self._sinks(model_name):
+            sink.observe(vector, score)
 
     def observe_many(self, model_name: str, vectors: np.ndarray, scores: np.ndarray) -> None:
         """Records many decisions of ``model_name``: ``[rows, n_features] float32`` and ``[rows]``
         probabilities, as :meth:`observe` row by row would."""
-        monitor = self.monitors.get(model_name)
-        if monitor is not None:
-            monitor.observe_many(vectors, scores)
-        signals = self.signals.get(model_name)
-        if signals is not None:
-            signals.observe_many(vectors, scores)
+        for sink in self._sinks(model_name):
+            sink.observe_many(vectors, scores)
+
+    def _sinks(self, model_name: str) -> list:
+        return [s for s in (self.monitors.get(model_name), self.signals.get(model_name)) if s is not None]
 
     async def evaluate(self) -> list[DriftReport]:
         """Reports for every family, computed off the event loop, exported as gauges."""

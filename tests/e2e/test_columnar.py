@@ -1,7 +1,7 @@
 """A batch decided column by column decides every item as a single Predict of it would (C43 too).
 
 Real InferenceService (the credit-risk model whose logits are NaN for applicants of 95+, see
-``tests.nonfinite``) and PredictionService with the cache off, so every row is scored afresh. A
+``tests.nonfinite``) and PredictionService with the cache off (``test_isolation``'s pair), so every row is scored afresh. A
 BatchPredict of eight or more items goes through the columnar assembly; a single Predict through
 the row-wise one: the two must agree bit for bit, and an item's own problem stays its own.
 """
@@ -15,23 +15,11 @@ from google.rpc import code_pb2
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.prediction.converters import to_attributes
 from tests import nonfinite
-from tests.e2e.conftest import crm_count, inference_service, prediction_service
+from tests.e2e.conftest import crm_count
+from tests.e2e.test_isolation import inference, prediction  # noqa: F401  (the same pair, cache off)
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "credit-risk"
-
-
-@pytest.fixture(scope="module")
-async def inference(nonfinite_repository):
-    async with inference_service(nonfinite_repository) as target:
-        yield target
-
-
-@pytest.fixture(scope="module")
-async def prediction(inference, nonfinite_repository, tmp_path_factory):
-    async with prediction_service(inference, nonfinite_repository, tmp_path_factory.mktemp("columnar"),
-                                  cache_backend="off", max_batch_items=1000) as served:
-        yield served
 
 
 def item(request_id: str, record: dict, *, model: str = MODEL, explain: bool = False) -> pb.PredictRequest:

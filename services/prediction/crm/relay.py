@@ -131,12 +131,20 @@ class LedgerRelay:
         return len(batch)
 
     async def _deliver_packed(self, n: int, columns: list[str]) -> None:
-        if not n:
-            return
+        if n:
+            await self._write(n, Counter(columns[_MODEL].split(SEP)[1:]), lambda: self.crm.deliver_packed(columns))
+
+    async def _deliver(self, rows: list[CrmRow]) -> None:
+        if rows:
+            await self._write(len(rows), Counter(row[_MODEL] for row in rows),
+                              lambda: _count(self.crm.deliver_rows(rows)))
+
+    async def _write(self, n: int, models: Counter, insert) -> None:
+        """One CRM transaction of ``n`` decisions (``models``: how many per model); ``insert()``
+        returns how many were new in the CRM."""
         started = time.perf_counter()
-        models = Counter(columns[_MODEL].split(SEP)[1:])
         try:
-            inserted = await self.crm.deliver_packed(columns)
+            inserted = await insert()
         except Exception:
             self.crm_up = False
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
@@ -149,24 +157,6 @@ class LedgerRelay:
         metrics.OUTBOX_DELIVERED.inc(inserted)
         metrics.OUTBOX_ALREADY_IN_CRM.inc(n - inserted)
 
-    async def _deliver(self, rows: list[CrmRow]) -> None:
-        if not rows:
-            return
-        started = time.perf_counter()
-        try:
-            inserted = await self.crm.deliver_rows(rows)
-        except Exception:
-            self.crm_up = False
-            metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
-            _count_writes(rows, "error")
-            raise
-        metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
-        _count_writes(rows, "ok")
-        self.crm_up = True
-        self.delivered += len(inserted)
-        metrics.OUTBOX_DELIVERED.inc(len(inserted))
-        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(rows) - len(inserted))
-
     def _record_failure(self, exc: Exception, failures: int) -> None:
         metrics.RELAY_FAILURES.inc()
         if failures == 1 or failures % 20 == 0:  # one line per outage, then a reminder, not one per retry
@@ -177,11 +167,12 @@ class LedgerRelay:
 _MODEL = CRM_COLUMNS.index("model_name")
 
 
-def _count_writes(rows: list[CrmRow], outcome: str) -> None:
-    """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
-    _count_models(Counter(row[_MODEL] for row in rows), outcome)
+async def _count(inserting) -> int:
+    """How many request ids an insert returned as new."""
+    return len(await inserting)
 
 
 def _count_models(models: Counter, outcome: str) -> None:
+    """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
     for model, n in models.items():
         metrics.CRM_WRITES.labels(model, outcome).inc(n)
