@@ -98,6 +98,7 @@ class _StageTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self._stack: list[list] = []  # [stage, thread_time when last resumed]
+        self.enabled = False  # only the --stages pass: a clock read costs CPU of its own
 
     def _enter(self, stage: str) -> None:
         now = time.thread_time()
@@ -140,6 +141,9 @@ class _StageTimer:
 
     def timed(self, stage: str):
         import contextlib
+
+        if not self.enabled:
+            return contextlib.nullcontext()
 
         @contextlib.contextmanager
         def block():
@@ -290,6 +294,7 @@ async def stage_breakdown(args, predictor, stages: _StageTimer, drive) -> dict:
     deciding and then timed alone delivering the pass's decisions; "rest" is what no stage covers
     (the event loop, the servicer's glue, metrics)."""
     wrapped = wrap_stages(stages)
+    stages.enabled = True
     relay = predictor.recorder.relay
     await relay.stop()
     concurrency, args.concurrency = args.concurrency, 1

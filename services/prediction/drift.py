@@ -239,6 +239,10 @@ class DriftMonitor:
 
     def observe_many(self, vectors: np.ndarray, scores: np.ndarray) -> None:
         """Adds many decisions in order: ``[rows, n_features] float32`` and ``[rows]`` probabilities."""
+        if len(scores) < 8:  # a few rows: NumPy's per-call cost would exceed adding them one by one
+            for vector, score in zip(vectors, scores.tolist()):
+                self.observe(vector, score)
+            return
         window, total = self.config.window_rows, len(scores)
         skipped = max(0, total - window)  # only the newest fit: they land where row-by-row adding puts them
         at = (self._next + skipped + np.arange(total - skipped)) % window

@@ -46,8 +46,8 @@ def request_fingerprints(model_name: str, entity_ids: Sequence[str], records: Se
     set than the first row's, a missing value, a non-finite number or a value of another type is
     fingerprinted by :func:`request_fingerprint` itself.
     """
-    if not records:
-        return []
+    if len(records) < 8:  # a few rows: building the fragments would cost more than it saves
+        return [request_fingerprint(model_name, e, r) for e, r in zip(entity_ids, records)]
     names = sorted(records[0])
     keys = records[0].keys()
     fragments = [_Fragments(name) for name in names]

@@ -174,7 +174,9 @@ class FamilySignals:
         Args:
             vectors: ``[rows, n_features] float32``. scores: ``[rows] float64`` calibrated probabilities.
         """
-        if not len(scores):
+        if len(scores) < 8:  # a few rows: NumPy's per-call cost would exceed observing them one by one
+            for vector, score in zip(vectors, scores.tolist()):
+                self.observe(vector, score)
             return
         for child, edges, column in self._ranks:
             _observe_buckets(child, np.searchsorted(edges, vectors[:, column].astype(np.float64), side="left"))
