@@ -19,7 +19,6 @@ from mlpair.prediction.explain import Explanation
 
 if TYPE_CHECKING:
     from mlpair.prediction.decisions import Decided
-    from mlpair.prediction.errors import PredictionError
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -47,12 +46,10 @@ from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
 from mlpair.prediction.crm.recorder import DecisionRecorder
-from mlpair.prediction.crm.store import StoredDecision
 from mlpair.prediction.decisions import (FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided,
                                          decide_columns)
 from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
-from mlpair.prediction.explain import Explanation
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
 from mlpair.prediction.scoring import UnexpectedFailure, as_item_error, score_groups
