@@ -23,7 +23,7 @@ from datetime import datetime
 import numpy as np
 
 from mlpair.prediction import metrics
-from mlpair.prediction.batch import Group
+from mlpair.prediction.batch import ROW_WISE_BELOW, Group
 from mlpair.prediction.cache import Source
 from mlpair.prediction.crm.columns import DecisionColumns
 from mlpair.prediction.crm.store import decision_id_for
@@ -63,7 +63,11 @@ class Decided:
 
 def decide_columns(group: Group, decided_at: datetime, explain_top_k: int, memo: dict) -> Decided:
     """Decides every scored row of ``group`` (see the module docstring); ``memo`` keeps the
-    (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls."""
+    (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls.
+    A group of fewer than ``ROW_WISE_BELOW`` rows goes through :func:`decide_rows` (the same
+    decisions; NumPy's per-call cost would dominate)."""
+    if len(group) < ROW_WISE_BELOW:
+        return decide_rows(group, decided_at, explain_top_k)
     family, policy = group.family, group.family.policy
     n = len(group)
     errors: dict[int, Exception] = dict(group.errors)
@@ -94,29 +98,72 @@ def decide_columns(group: Group, decided_at: datetime, explain_top_k: int, memo:
             hist.observe(value)
         if n_uncertain := int(np.count_nonzero(route[valid] == 2)):
             metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
-    return _records(group, decided_at, explain_top_k, memo, verdicts.tolist(), probability, spread, errors)
+    found: list[tuple[str, tuple[str, ...]] | None] = [None] * n
+    for k, verdict in enumerate(verdicts.tolist()):
+        if verdict >= 0:
+            served, codes = group.served[k], group.guards[k].reason_codes
+            stale = served.source is Source.STALE_CACHE
+            key = (verdict, stale, codes)
+            found[k] = memo.get(key)
+            if found[k] is None:
+                found[k] = _verdict(policy, verdict, stale, codes)
+                if len(memo) < _MEMO_LIMIT:
+                    memo[key] = found[k]
+    return _records(group, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
 
 
-def _records(group: Group, decided_at: datetime, explain_top_k: int, memo: dict, verdicts: list[int],
-             probability: np.ndarray, spread: np.ndarray, errors: dict[int, Exception]) -> Decided:
+def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decided:
+    """:func:`decide_columns` row by row, with :meth:`DecisionPolicy.decide
+    <mlpair.prediction.policy.DecisionPolicy.decide>` (the code a single Predict used before the
+    columnar path): the same decisions, records and metrics, for groups too small for NumPy to pay.
+    The mean and spread are the same float64 operations in the same order (members summed in order
+    and divided by their number, ``ndarray.mean`` from eight members on), so bit for bit the same."""
+    family, policy = group.family, group.family.policy
+    n, n_schema = len(group), family.n_schema_features
+    errors: dict[int, Exception] = dict(group.errors)
+    found: list[tuple[str, tuple[str, ...]] | None] = [None] * n
+    probability, spread = [0.0] * n, [0.0] * n
+    columns, usable = group.probabilities.T.tolist(), group.usable.tolist()
+    for k, (members, ok, served, guards) in enumerate(zip(columns, usable, group.served, group.guards)):
+        if not ok or k in errors:
+            continue
+        if len(members) == 1:
+            p, s = members[0], 0.0
+        elif len(members) < 8:
+            p = members[0]
+            for member in members[1:]:  # not sum(): Python 3.12's sum() of floats is compensated
+                p += member
+            p, s = p / len(members), max(members) - min(members)
+        else:
+            p, s = float(group.probabilities[:, k].mean()), max(members) - min(members)
+        try:
+            verdict = policy.decide(p, s, guards.defaulted / n_schema)
+        except ValueError:
+            errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
+            continue
+        if family.is_ensemble:
+            metrics.ENSEMBLE_SPREAD.labels(family.name).observe(s)
+            if verdict.uncertain:
+                metrics.UNCERTAIN_DECISIONS.labels(family.name).inc()
+        stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
+        found[k] = verdict.decision, (*verdict.reason_codes, *stale, *guards.reason_codes)
+        probability[k], spread[k] = p, s
+    return _records(group, decided_at, explain_top_k, found, probability, spread, errors)
+
+
+def _records(group: Group, decided_at: datetime, explain_top_k: int, verdicts: list, probability_list: list[float],
+             spread_list: list[float], errors: dict[int, Exception]) -> Decided:
+    """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
     family, policy = group.family, group.family.policy
     fallback_decision = policy.fallback_decision
     out_rows, decision, reasons, served_from, age, degraded, prob, spreads, cached, methods = \
         [], [], [], [], [], [], [], [], [], []
     without_model: dict[int, str] = {}
-    probability_list, spread_list = probability.tolist(), spread.tolist()
     method = family.calibration_method
-    for k, (verdict, served, guards) in enumerate(zip(verdicts, group.served, group.guards)):
+    for k, (found, served, guards) in enumerate(zip(verdicts, group.served, group.guards)):
         if k in errors:
             continue
-        if verdict >= 0:
-            stale = served.source is Source.STALE_CACHE
-            key = (verdict, stale, guards.reason_codes)
-            found = memo.get(key)
-            if found is None:
-                found = _verdict(policy, verdict, stale, guards.reason_codes)
-                if len(memo) < _MEMO_LIMIT:
-                    memo[key] = found
+        if found is not None:
             decision.append(found[0])
             reasons.append(found[1])
             served_from.append(served.source.value)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from mlpair.errors import ServiceError
-from mlpair.prediction.batch import Group
+from mlpair.prediction.batch import ROW_WISE_BELOW, Group
 from mlpair.prediction.cache import Scored, Source
 from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
@@ -94,6 +94,9 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
 def _fill(group: Group, start: int, end: int, answers: list[list[Scored]], probabilities: np.ndarray,
           usable: np.ndarray, margins: np.ndarray | None, offsets, sizes: list[int] | None) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
+    if len(group) < ROW_WISE_BELOW:
+        _fill_rows(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
+        return
     single = len(answers) == 1
     own = answers[0] if single and sizes is None else [
         answers[0][o] if single else _served([rows[o] for rows in answers]) for o in offsets]
@@ -112,6 +115,26 @@ def _fill(group: Group, start: int, end: int, answers: list[list[Scored]], proba
         versions[k] = served.model_version if single else "+".join(rows_[o].model_version for rows_ in answers)
         n = 1 if sizes is None else sizes[k - start]
         if n > 1 and usable[o:o + n].all():  # an explanation needs every occluded row scored
+            group.occluded[k] = probabilities[:, o + 1:o + n]
+
+
+def _fill_rows(group: Group, start: int, end: int, answers: list[list[Scored]], probabilities: np.ndarray,
+               usable: np.ndarray, margins: np.ndarray | None, offsets, sizes: list[int] | None) -> None:
+    """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the
+    same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
+    single, ok = len(answers) == 1, usable.tolist()
+    for k, o in zip(range(start, end), offsets):
+        own = [rows[o] for rows in answers]
+        served = group.served[k] = own[0] if single else _served(own)
+        if served.source is Source.FALLBACK or not ok[o]:  # fallback first, as in _fill
+            continue
+        group.usable[k] = True
+        group.probabilities[:, k] = probabilities[:, o]
+        if margins is not None:
+            group.margins[k] = margins[o]
+        group.model_versions[k] = served.model_version if single else "+".join(r.model_version for r in own)
+        n = 1 if sizes is None else sizes[k - start]
+        if n > 1 and all(ok[o:o + n]):  # an explanation needs every occluded row scored
             group.occluded[k] = probabilities[:, o + 1:o + n]
 
 

@@ -152,3 +152,97 @@ def test_signals_count_a_batch_as_row_by_row_observations_would(credit_entry, ho
             assert at_once[key] == pytest.approx(value, rel=1e-9)
         else:
             assert at_once[key] == value, key
+
+
+def _scored_group(entry, records: list[dict], members: int, seed: int):
+    """A group of ``records`` (their real guards) as scoring leaves it, with ``members`` ensemble
+    members' probabilities: inside the bands, on their edges, and a few the policy refuses; every
+    source (fresh, cached, stale, fallback), unusable output, a chunk's error and explained rows."""
+    from types import SimpleNamespace
+
+    from mlpair.prediction.batch import Group
+    from mlpair.prediction.cache import Scored, Source
+    from mlpair.prediction.outcomes import PredictInput
+    from mlpair.prediction.scoring import UnexpectedFailure
+
+    policy = DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml")
+    schema = entry.preprocessing.feature_schema
+    family = SimpleNamespace(name="credit-risk", policy=policy, schema=schema, n_schema_features=len(schema.features),
+                             is_ensemble=members > 1, calibration_method="temperature", feature_version="fs-1")
+    columns = ColumnAssembler(FeatureAssembler(entry.preprocessing))
+    assembled = columns.assemble(records)
+    n, rng = len(records), np.random.default_rng(seed)
+    edges = [b.min_probability for b in policy.bands]
+    probabilities = rng.uniform(0, 1, (members, n))
+    probabilities[:, :len(edges) * 2] = np.concatenate([edges, np.nextafter(edges, 0.0)])
+    probabilities[:, -3:] = [math.nan, 1.5, -0.25]  # usable yet refused by the policy
+    sources = [Source.INFERENCE, Source.CACHE, Source.STALE_CACHE, Source.FALLBACK]
+    served = [Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if sources[k % 4] is Source.FALLBACK else
+              Scored(np.zeros(2, np.float32), f"v{k % 3}", sources[k % 4], 17 * (k % 5),
+                     "INFERENCE_TIMEOUT" if sources[k % 4] is Source.STALE_CACHE else "") for k in range(n)]
+    usable = np.array([served[k].source is not Source.FALLBACK and k % 11 != 5 for k in range(n)])
+    group = Group(family, list(range(n)), [PredictInput(f"r{k}", f"e{k}", records[k]) for k in range(n)],
+                  assembled.matrix, columns.guards(assembled.actions), [f"fp{k}" for k in range(n)],
+                  served=served, probabilities=np.where(usable, probabilities, 0.0), usable=usable,
+                  model_versions=[s.model_version for s in served], errors={7: UnexpectedFailure("internal error")})
+    group.occluded = {k: rng.uniform(0, 1, (members, family.n_schema_features)) for k in range(0, n, 13) if usable[k]}
+    return group
+
+
+def _decided(d) -> list:
+    return [(k, d.columns[j], d.columns.fingerprints[j], d.spread[j], d.from_cache[j], d.calibration_method[j],
+             d.explanations.get(j), d.without_model.get(j)) for j, k in enumerate(d.rows)]
+
+
+@pytest.mark.parametrize("members", [1, 3, 8])
+def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(members, credit_entry, credit_holdout):
+    """Every holdout applicant's row decided alone (the row-wise path a Predict takes) gives the same
+    record, reason codes, probability bits, spread, explanation and errors as deciding them all at once."""
+    from datetime import datetime, timezone
+
+    from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+    from mlpair.prediction.decisions import decide_columns, decide_rows
+
+    group = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
+    assert len(group) >= ROW_WISE_BELOW
+    at = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    columnar_ = decide_columns(group, at, 3, {})
+    row_wise_ = decide_rows(group, at, 3)
+    assert _decided(row_wise_) == _decided(columnar_)
+    assert {k: str(e) for k, e in row_wise_.errors.items()} == {k: str(e) for k, e in columnar_.errors.items()}
+    assert len(columnar_.errors) > 3 and columnar_.explanations and columnar_.without_model
+    probs = [p for p in columnar_.columns.probability if p is not None]
+    assert [p.hex() for p in probs] == [p.hex() for p in row_wise_.columns.probability if p is not None]
+    one = Group(group.family, [0], group.requests[:1], group.vectors[:1], group.guards[:1], group.fingerprints[:1],
+                served=group.served[:1], probabilities=group.probabilities[:, :1], usable=group.usable[:1],
+                model_versions=group.model_versions[:1], occluded={k: v for k, v in group.occluded.items() if k == 0})
+    assert _decided(decide_columns(one, at, 3, {})) == _decided(columnar_)[:1]  # one row takes the row-wise path
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
+    """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
+    from mlpair.prediction.cache import Scored, Source
+    from mlpair.prediction.scoring import _fill, _fill_rows
+
+    records = credit_holdout.records[:40]
+    rng = np.random.default_rng(members)
+    sizes = [1 + 5 * (k % 3 == 0) for k in range(len(records))]  # explained items carry occluded rows
+    total = sum(sizes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    answers = [[Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
+                Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2], r % 3)
+                for r in range(total)] for m in range(members)]
+    probabilities, usable = rng.uniform(0, 1, (members, total)), rng.uniform(0, 1, total) > 0.1
+    margins = rng.normal(size=total)
+    filled = []
+    for fill in (_fill, _fill_rows):
+        group = _scored_group(credit_entry, records, members, seed=0)
+        n = len(group)
+        group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
+        group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
+        fill(group, 0, n, answers, probabilities, usable, margins, offsets, sizes)
+        filled.append((group.served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
+                       group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
+    assert filled[0] == filled[1]
+    assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and filled[0][5]
