@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mlpair.contracts.assembly import ConversionError
+from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
 from mlpair.prediction import metrics
 from mlpair.prediction.cache import Scored
 from mlpair.prediction.checks import check_id, unknown_attribute_warnings, unknown_attributes_error
-from mlpair.prediction.columns import ACTION_BITS, AssembledColumns, ColumnAssembler, RowGuards
+from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
 from mlpair.prediction.families import ModelFamily
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput
 
 ROW_WISE_BELOW = 8  # fewer rows than this are assembled row by row: NumPy's per-call cost would dominate
+DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
 
 
 @dataclass(eq=False)
@@ -109,8 +110,11 @@ def prepare_items(requests: Sequence[PredictInput], resolve: Callable[[str], Mod
 def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[PredictInput], index: list[int],
               refuse_unknown: bool, outcomes: list) -> Group | None:
     attributes = [r.attributes for r in requests]
-    assembled = assembler.assemble(attributes) if len(requests) >= ROW_WISE_BELOW else \
-        _row_wise(family, assembler, attributes)
+    row_guards = None
+    if len(requests) >= ROW_WISE_BELOW:
+        assembled = assembler.assemble(attributes)
+    else:
+        assembled, row_guards = _row_wise(family, assembler, attributes)
     refused: dict[int, PredictionError] = {
         k: InvalidRequest(f"attribute values cannot be converted: {ConversionError(problems)}",
                           metadata={"attributes": ",".join(sorted(problems))})
@@ -129,15 +133,22 @@ def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[Pr
         outcomes[index[k]] = error
     if not keep:
         return None
-    actions = assembled.actions if not refused else assembled.actions[keep]
-    _count_guards(family, actions)
+    if row_guards is None:
+        actions = assembled.actions if not refused else assembled.actions[keep]
+        _count_guards(family, actions)
+        guards = assembler.guards(actions)
+    else:
+        guards = [row_guards[k] for k in keep]
+        for g in guards:  # the same counts as _count_guards: one per (row, feature, action)
+            for event in g.events:
+                metrics.labelled(metrics.FEATURE_GUARDS, family.name, event.feature, event.action).inc()
     name = family.name
     kept = [requests[k] for k in keep]
     renumber = {k: j for j, k in enumerate(keep)} if refused else None
     return Group(
         family, [index[k] for k in keep], kept,
         assembled.matrix if not refused else assembled.matrix[keep],
-        assembler.guards(actions),
+        guards,
         request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept]),
         warnings if renumber is None else {renumber[k]: w for k, w in warnings.items()},
         frozenset(j for j, r in enumerate(kept) if r.explain))
@@ -157,12 +168,13 @@ def _count_guards(family: ModelFamily, actions: np.ndarray) -> None:
                 metrics.labelled(metrics.FEATURE_GUARDS, family.name, feat.name, action).inc(n)
 
 
-def _row_wise(family: ModelFamily, assembler: ColumnAssembler, attributes: list) -> AssembledColumns:
-    """A few rows through the row-wise assembler (the same vectors and guards, see ``columns``)."""
-    features = {feat.name: k for k, feat in enumerate(family.schema.features)}
+def _row_wise(family: ModelFamily, assembler: ColumnAssembler,
+              attributes: list) -> tuple[AssembledColumns, list[RowGuards]]:
+    """A few rows through the row-wise assembler: the same vectors as ``columns``, and each row's
+    guards as :meth:`ColumnAssembler.guards` decodes them (events in row-wise order, their distinct
+    reason codes, the features defaulted), without the guard bits (``actions`` is None)."""
     matrix = np.zeros((len(attributes), assembler.n_features), dtype=np.float32)
-    actions = np.zeros((len(attributes), len(features)), dtype=np.uint8)
-    problems, unknown = {}, {}
+    guards, problems, unknown = [NO_GUARDS] * len(attributes), {}, {}
     for i, record in enumerate(attributes):
         try:
             row = family.assembler.assemble(record)
@@ -170,8 +182,9 @@ def _row_wise(family: ModelFamily, assembler: ColumnAssembler, attributes: list)
             problems[i] = exc.problems
             continue
         matrix[i] = row.vector
-        for guard in row.guards:
-            actions[i, features[guard.feature]] |= ACTION_BITS[guard.action]
+        if events := row.guards:
+            guards[i] = RowGuards(tuple(events), tuple(dict.fromkeys(e.reason_code for e in events)),
+                                  len({e.feature for e in events if e.action in DEFAULTED_ACTIONS}))
         if row.unknown_attributes:
             unknown[i] = row.unknown_attributes
-    return AssembledColumns(matrix, actions, problems, unknown)
+    return AssembledColumns(matrix, None, problems, unknown), guards

@@ -57,13 +57,14 @@ class AssembledColumns:
 
     Attributes:
         matrix: ``[rows, n_features] float32``; a refused row's values are meaningless.
-        actions: ``[rows, n_schema_features] uint8`` guard bits (:data:`ACTION_BITS`).
+        actions: ``[rows, n_schema_features] uint8`` guard bits (:data:`ACTION_BITS`); None from
+            the row-wise path for a few rows (``batch._row_wise``), which gives the guards themselves.
         problems: row → attribute → message, for rows no conversion rule accepts (refused).
         unknown: row → attribute names the schema does not know, for rows that carry any.
     """
 
     matrix: np.ndarray
-    actions: np.ndarray
+    actions: np.ndarray | None
     problems: dict[int, dict[str, str]]
     unknown: dict[int, tuple[str, ...]]
 

@@ -246,3 +246,25 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
                        group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
     assert filled[0] == filled[1]
     assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and filled[0][5]
+
+
+def test_a_few_rows_assembled_row_by_row_get_the_columnar_guards(credit_entry, credit_holdout):
+    """``batch._row_wise`` (groups under eight rows) builds each row's guards from the row-wise
+    assembler; they are the ones :meth:`ColumnAssembler.guards` decodes, on every holdout record."""
+    from types import SimpleNamespace
+
+    from mlpair.prediction.batch import _row_wise
+
+    assembler = FeatureAssembler(credit_entry.preprocessing)
+    columns = ColumnAssembler(assembler)
+    family = SimpleNamespace(schema=credit_entry.preprocessing.feature_schema, assembler=assembler)
+    records = [dict(r) for r in credit_holdout.records]
+    records[1]["Age"] = "abc"  # refused
+    assembled = columns.assemble(records)
+    expected = columns.guards(assembled.actions)
+    row_wise_, guards = _row_wise(family, columns, records)
+    kept = [i for i in range(len(records)) if i not in assembled.problems]  # a refused row's values mean nothing
+    assert row_wise_.problems == assembled.problems and len(kept) == len(records) - 1
+    assert row_wise_.matrix[kept].tobytes() == assembled.matrix[kept].tobytes()
+    assert [guards[i] for i in kept] == [expected[i] for i in kept]
+    assert sum(g.defaulted > 0 for g in guards) > 0 and sum(len(g.reason_codes) > 1 for g in guards) > 0
