@@ -4,14 +4,15 @@ A benchmark, not a test: it reports numbers and asserts no speed.
 
 The real :class:`~mlpair.prediction.servicer.PredictionServicer` and
 :class:`~mlpair.prediction.pipeline.Predictor` (as ``build_predictor`` wires them: cache,
-coalescing, outbox with ``synchronous=NORMAL``, relay to a CRM database) with one thing
+coalescing, the shared decision ledger and its relay to a CRM database, both in a throw-away
+PostgreSQL database when one is up, else SQLite files with ``synchronous=NORMAL``) with one thing
 replaced: InferenceService is a fake client that answers with a fixed linear model of the
 features, so the process's CPU time is PredictionService's own work. Requests are real holdout
 applicants, each row distinct (every row a cache miss), serialised as BatchPredict requests and
 parsed back as gRPC would. ``--concurrency`` calls are in flight at a time.
 
 The figure is ``time.process_time()`` (every thread of the process: the event loop, the
-outbox thread, the relay's database driver) from the first measured call until the relay has
+ledger's and the relay's database drivers) from the first measured call until the relay has
 delivered every decision to the CRM, divided by the rows decided: **CPU µs per row**, with the
 garbage collector's share. Other processes on a shared machine move it much less than rows/s,
 but still by about ±10%: compare interleaved runs. The collector is tuned as ``serve()`` tunes
@@ -49,7 +50,7 @@ class FakeInference:
         self.weights = rng.normal(0.0, 0.6, size=(n_features, 2)).astype(np.float32)
         self.calls = self.rows = 0
 
-    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None):
+    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None, callers=()):
         self.calls += 1
         self.rows += len(features)
         return features @ self.weights, model_version
@@ -87,6 +88,114 @@ class _GcTimer:
         gc.callbacks.remove(self._callback)
 
 
+class _StageTimer:
+    """CPU seconds (``time.thread_time``) per named stage, each exclusive of the stages it calls.
+
+    Wraps functions and methods in place (:meth:`wrap`); meant for one call in flight at a time,
+    with the relay paused, so that the CPU between entering and leaving a stage is that stage's.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._stack: list[list] = []  # [stage, thread_time when last resumed]
+        self.enabled = False  # only the --stages pass: a clock read costs CPU of its own
+
+    def _enter(self, stage: str) -> None:
+        now = time.thread_time()
+        if self._stack:
+            parent = self._stack[-1]
+            self.seconds[parent[0]] = self.seconds.get(parent[0], 0.0) + now - parent[1]
+        self._stack.append([stage, now])
+
+    def _leave(self) -> None:
+        now = time.thread_time()
+        stage, resumed = self._stack.pop()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - resumed
+        if self._stack:
+            self._stack[-1][1] = now
+
+    def wrap(self, stage: str, owner, name: str) -> bool:
+        """Times ``owner.name`` as ``stage`` (False when there is no such attribute)."""
+        import functools
+        import inspect
+
+        original = getattr(owner, name, None)
+        if original is None:
+            return False
+        if inspect.iscoroutinefunction(original):
+            async def timed(*args, **kwargs):
+                self._enter(stage)
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    self._leave()
+        else:
+            def timed(*args, **kwargs):
+                self._enter(stage)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._leave()
+        setattr(owner, name, functools.wraps(original)(timed))
+        return True
+
+    def timed(self, stage: str):
+        import contextlib
+
+        if not self.enabled:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def block():
+            self._enter(stage)
+            try:
+                yield
+            finally:
+                self._leave()
+        return block()
+
+
+# (stage, module, attribute path): the functions each stage is made of, in this release or the
+# previous one (absent ones are skipped), so one table compares both.
+STAGES = (
+    ("attribute conversion", "mlpair.prediction.converters", "batch_inputs"),
+    ("assembly and guards", "mlpair.contracts.assembly", "FeatureAssembler.assemble"),
+    ("assembly and guards", "mlpair.prediction.columns", "ColumnAssembler.assemble"),
+    ("assembly and guards", "mlpair.prediction.columns", "ColumnAssembler.guards"),
+    ("ids and fingerprints", "mlpair.prediction.pipeline", "request_fingerprint"),
+    ("ids and fingerprints", "mlpair.prediction.batch", "request_fingerprint"),
+    ("ids and fingerprints", "mlpair.prediction.pipeline", "Predictor._prepare"),
+    ("ids and fingerprints", "mlpair.prediction.pipeline", "prepare_items"),
+    ("scoring (cache, calibration)", "mlpair.prediction.pipeline", "Predictor._score"),
+    ("scoring (cache, calibration)", "mlpair.prediction.pipeline", "score_groups"),
+    ("decision and record", "mlpair.prediction.pipeline", "Predictor._decide"),
+    ("decision and record", "mlpair.prediction.pipeline", "Predictor._fallback"),
+    ("decision and record", "mlpair.prediction.pipeline", "decide_columns"),
+    ("decision and record", "mlpair.prediction.pipeline", "Predictor._record"),
+    ("drift and signals", "mlpair.prediction.drift", "DriftMonitors.observe"),
+    ("drift and signals", "mlpair.prediction.drift", "DriftMonitors.observe_many"),
+    ("ledger commit", "mlpair.prediction.crm.recorder", "DecisionRecorder.record_many"),
+    ("response", "mlpair.prediction.converters", "batch_response"),
+)
+
+
+def wrap_stages(timer: _StageTimer) -> list[str]:
+    import importlib
+
+    wrapped = []
+    for stage, module_name, path in STAGES:
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        if owner is not None and timer.wrap(stage, owner, name):
+            wrapped.append(f"{module_name}.{path}")
+    return wrapped
+
+
 class _Context:
     """The part of ``grpc.aio.ServicerContext`` the servicer reads."""
 
@@ -94,7 +203,7 @@ class _Context:
         return 30.0
 
 
-async def measure(args, crm_url: str, workdir: Path) -> dict:
+async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.collector import tune_collector
     from mlpair.prediction import server
@@ -106,8 +215,7 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
     entry = harness.trained_model(root)
     settings = PredictionSettings(
         model_repository=root, config_dir=harness.CONFIG_DIR, model_name=harness.MODEL, crm_url=crm_url,
-        outbox_url=f"sqlite+aiosqlite:///{workdir / 'outbox.sqlite'}", outbox_synchronous="NORMAL",
-        cache_backend=args.cache)
+        ledger_url=ledger_url, ledger_synchronous="NORMAL", cache_backend=args.cache)
     predictor = server.build_predictor(settings)
     fake = FakeInference(entry.preprocessing.n_features)
     predictor.scorer.client = predictor.scorer.coalescer.client = predictor.inference = fake
@@ -116,7 +224,7 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
     context = _Context()
 
     workload = harness.credit_workload(entry, f"cpu-{workdir.name}")
-    total_calls = args.warmup_calls + args.calls * args.repeats + (args.calls if args.profile else 0)
+    total_calls = args.warmup_calls + args.calls * (args.repeats + bool(args.profile) + bool(args.stages))
     payloads = []
     for _ in range(total_calls):
         chunk = list(itertools.islice(workload, args.batch_items))
@@ -125,20 +233,27 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
             for rid, eid, a in chunk]).SerializeToString())
     queue = iter(payloads)
 
+    stages = _StageTimer()
+
     async def one(raw: bytes) -> int:
-        reply = await servicer.BatchPredict(pb.BatchPredictRequest.FromString(raw), context)
-        raw_reply = reply.SerializeToString()  # as grpc would
+        with stages.timed("parse request"):
+            request = pb.BatchPredictRequest.FromString(raw)
+        with stages.timed("servicer and pipeline glue"):  # less the stages timed inside it
+            reply = await servicer.BatchPredict(request, context)
+            with stages.timed("response"):
+                raw_reply = reply.SerializeToString()  # as grpc would
         errors = sum(1 for r in reply.results if r.WhichOneof("outcome") != "prediction")
         if errors:
-            raise RuntimeError(f"{errors} item errors in one call")
+            first = next(r.error for r in reply.results if r.WhichOneof("outcome") == "error")
+            raise RuntimeError(f"{errors} item errors in one call, the first: {first.message}")
         return len(raw_reply) and len(reply.results)
 
-    async def drive(calls: int) -> int:
+    async def drive(calls: int, deliver: bool = True) -> int:
         rows = 0
         remaining = iter(itertools.islice(queue, calls))
         while batch := list(itertools.islice(remaining, args.concurrency)):
             rows += sum(await asyncio.gather(*(one(raw) for raw in batch)))
-        if not await predictor.recorder.wait_delivered(60):
+        if deliver and not await predictor.recorder.wait_delivered(60):
             raise RuntimeError("the relay did not deliver every decision within 60 s")
         return rows
 
@@ -163,13 +278,49 @@ async def measure(args, crm_url: str, workdir: Path) -> dict:
         await drive(args.calls)
         profiler.disable()
         profiler.dump_stats(args.profile)
+    breakdown = await stage_breakdown(args, predictor, stages, drive) if args.stages else None
     await predictor.recorder.close()
     await predictor.scorer.close()
     figures = sorted(p["cpu_us_per_row"] for p in passes)
     return {"bench": "batch_cpu", "batch_items": args.batch_items, "concurrency": args.concurrency,
             "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
+            "ledger": ledger_url.split(":", 1)[0],
             "cpu_us_per_row_median": figures[len(figures) // 2], "cpu_us_per_row_min": figures[0],
-            "passes": passes, "infer_calls": fake.calls, "outbox_overflows": predictor.recorder.outbox.overflows}
+            "passes": passes, "infer_calls": fake.calls, **({"stages_us_per_row": breakdown} if breakdown else {})}
+
+
+async def stage_breakdown(args, predictor, stages: _StageTimer, drive) -> dict:
+    """CPU µs per row of each stage over one more pass: one call in flight, the relay paused while
+    deciding and then timed alone delivering the pass's decisions; "rest" is what no stage covers
+    (the event loop, the servicer's glue, metrics)."""
+    wrapped = wrap_stages(stages)
+    stages.enabled = True
+    relay = predictor.recorder.relay
+    await relay.stop()
+    concurrency, args.concurrency = args.concurrency, 1
+    stages.seconds.clear()
+    cpu0 = time.process_time()
+    rows = await drive(args.calls, deliver=False)
+    decide_cpu = time.process_time() - cpu0
+    cpu0 = time.process_time()
+    relay.start()
+    if not await predictor.recorder.wait_delivered(120):
+        raise RuntimeError("the relay did not deliver every decision within 120 s")
+    relay_cpu = time.process_time() - cpu0
+    args.concurrency = concurrency
+    table = {stage: round(1e6 * seconds / rows, 2) for stage, seconds in stages.seconds.items()}
+    table["rest"] = round(1e6 * (decide_cpu - sum(stages.seconds.values())) / rows, 2)
+    table["relay (ledger → CRM)"] = round(1e6 * relay_cpu / rows, 2)
+    table["total"] = round(1e6 * (decide_cpu + relay_cpu) / rows, 2)
+    return {"rows": rows, "concurrency": 1, "wrapped": wrapped, "us_per_row": table}
+
+
+def migrate(crm_url: str, ledger_url: str) -> None:
+    """``mlpair migrate`` for both databases, as the pre-deploy job does."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "mlpair.cli", "migrate", "--ledger-url", ledger_url, "--crm-url", crm_url],
+                   check=True, capture_output=True, timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,14 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="measured passes")
     parser.add_argument("--warmup-calls", type=int, default=8)
     parser.add_argument("--cache", default="memory", choices=["memory", "off"])
-    parser.add_argument("--sqlite-crm", action="store_true", help="a SQLite CRM even when PostgreSQL is up")
+    parser.add_argument("--sqlite", action="store_true", help="SQLite ledger and CRM even when PostgreSQL is up")
     parser.add_argument("--no-gc-tuning", action="store_true", help="skip serve()'s tune_collector() after start-up")
     parser.add_argument("--profile", help="write a cProfile of one extra pass to this file")
+    parser.add_argument("--stages", action="store_true",
+                        help="one extra pass, one call at a time, timing each stage (CPU µs per row)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="batch-cpu-") as tmp, harness.scratch_postgres() as pg_url:
-        crm_url = pg_url if pg_url and not args.sqlite_crm else f"sqlite+aiosqlite:///{tmp}/crm.sqlite"
-        print(json.dumps(asyncio.run(measure(args, crm_url, Path(tmp)))), flush=True)
+        postgres = pg_url is not None and not args.sqlite
+        crm_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/crm.sqlite"
+        ledger_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/ledger.sqlite"
+        migrate(crm_url, ledger_url)
+        print(json.dumps(asyncio.run(measure(args, crm_url, ledger_url, Path(tmp)))), flush=True)
     return 0
 
 

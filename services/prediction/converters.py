@@ -6,13 +6,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.errors import ServiceError
 from mlpair.prediction.errors import DOMAIN
-from mlpair.prediction.pipeline import PredictInput, PredictionResult
+from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
 
 # Decision labels that the wire enum also names; any other label travels only as decision_label.
 _DECISION_ENUM = {name.removeprefix("DECISION_"): number for name, number in pb.Decision.items()
@@ -66,13 +66,8 @@ def predict_response(result: PredictionResult) -> pb.PredictResponse:
     )
     if s.decided_at is not None:
         response.decided_at.FromDatetime(s.decided_at)
-    for w in result.warnings:
-        response.warnings.add(code=w.code, field=w.field, message=w.message)
-    if result.explanation is not None:
-        response.contributions.extend(
-            pb.FeatureContribution(feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text)
-            for c in result.explanation.contributions)
-        response.top_reasons.extend(result.explanation.top_reasons)
+    if result.warnings or result.explanation is not None:
+        _add_extras(response, result.warnings, result.explanation)
     return response
 
 
@@ -84,14 +79,55 @@ def error_status(error: ServiceError) -> status_pb2.Status:
 
 
 def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.BatchPredictResponse:
+    """Each item's response or error, in order; fresh decisions are read straight from their
+    columns (an :class:`Outcomes`' unread slots), never turned into result objects first."""
     response = pb.BatchPredictResponse()
     results = response.results
-    for o in outcomes:  # added in place: a BatchPredictResult built first would be copied in again
-        if isinstance(o, ServiceError):
+    timestamps: dict = {}
+    for o in (outcomes.slots if isinstance(outcomes, Outcomes) else outcomes):
+        # added in place: a BatchPredictResult built first would be copied in again
+        if type(o) is tuple:
+            results.add(prediction=_fresh_response(*o, timestamps))
+        elif isinstance(o, ServiceError):
             results.add(error=error_status(o))
         else:
             results.add(prediction=predict_response(o))
     return response
+
+
+def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:
+    """Row ``j`` of a group's fresh decisions (``decisions.Decided``) as :func:`predict_response`
+    would encode its :class:`PredictionResult`."""
+    c = decided.columns
+    label, served_from, decided_at = c.decision[j], c.served_from[j], c.decided_at[j]
+    stamp = timestamps.get(decided_at)
+    if stamp is None:
+        stamp = timestamps[decided_at] = timestamp_pb2.Timestamp()
+        stamp.FromDatetime(decided_at)
+    response = pb.PredictResponse(
+        request_id=c.request_id[j], decision_id=c.decision_id[j], probability=c.probability[j] or 0.0,
+        decision=_DECISION_ENUM.get(label, pb.DECISION_UNSPECIFIED), decision_label=label,
+        reason_codes=c.reason_codes[j], model_version=c.model_version[j],
+        feature_schema_version=c.feature_schema_version[j], from_cache=decided.from_cache[j],
+        policy_version=c.policy_version[j], spread=decided.spread[j],
+        calibration_method=decided.calibration_method[j], stale=served_from == "stale_cache",
+        cache_age_ms=c.cache_age_ms[j], degraded_reason=c.degraded_reason[j], fallback=served_from == "fallback",
+        decided_at=stamp)
+    warnings = decided.group.warnings.get(decided.rows[j])
+    explanation = decided.explanations.get(j)
+    if warnings or explanation is not None:
+        _add_extras(response, warnings or (), explanation)
+    return response
+
+
+def _add_extras(response: pb.PredictResponse, warnings, explanation) -> None:
+    for w in warnings:
+        response.warnings.add(code=w.code, field=w.field, message=w.message)
+    if explanation is not None:
+        response.contributions.extend(
+            pb.FeatureContribution(feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text)
+            for c in explanation.contributions)
+        response.top_reasons.extend(explanation.top_reasons)
 
 
 def to_attributes(record: dict[str, Any]) -> dict[str, pb.AttributeValue]:

@@ -237,6 +237,20 @@ class DriftMonitor:
         self._next = (i + 1) % self.config.window_rows
         self._rows = min(self._rows + 1, self.config.window_rows)
 
+    def observe_many(self, vectors: np.ndarray, scores: np.ndarray) -> None:
+        """Adds many decisions in order: ``[rows, n_features] float32`` and ``[rows]`` probabilities."""
+        if len(scores) < 8:  # a few rows: NumPy's per-call cost would exceed adding them one by one
+            for vector, score in zip(vectors, scores.tolist()):
+                self.observe(vector, score)
+            return
+        window, total = self.config.window_rows, len(scores)
+        skipped = max(0, total - window)  # only the newest fit: they land where row-by-row adding puts them
+        at = (self._next + skipped + np.arange(total - skipped)) % window
+        self._x[at] = vectors[skipped:]
+        self._scores[at] = scores[skipped:]
+        self._next = (self._next + total) % window
+        self._rows = min(self._rows + total, window)
+
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the window's rows ``[rows, n_features]`` and scores ``[rows]`` (cheap; call
         on the thread that observes, then evaluate the copies anywhere)."""
@@ -319,12 +333,17 @@ class DriftMonitors:
 
     def observe(self, model_name: str, vector: np.ndarray, score: float) -> None:
         """Records one decision of ``model_name`` (ignored for a family without a monitor)."""
-        monitor = self.monitors.get(model_name)
-        if monitor is not None:
-            monitor.observe(vector, score)
-        signals = self.signals.get(model_name)
-        if signals is not None:
-            signals.observe(vector, score)
+        for sink in self._sinks(model_name):
+            sink.observe(vector, score)
+
+    def observe_many(self, model_name: str, vectors: np.ndarray, scores: np.ndarray) -> None:
+        """Records many decisions of ``model_name``: ``[rows, n_features] float32`` and ``[rows]``
+        probabilities, as :meth:`observe` row by row would."""
+        for sink in self._sinks(model_name):
+            sink.observe_many(vectors, scores)
+
+    def _sinks(self, model_name: str) -> list:
+        return [s for s in (self.monitors.get(model_name), self.signals.get(model_name)) if s is not None]
 
     async def evaluate(self) -> list[DriftReport]:
         """Reports for every family, computed off the event loop, exported as gauges."""

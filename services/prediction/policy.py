@@ -7,17 +7,23 @@ own decisions (APPROVE / REVIEW / DECLINE for credit, NO_ACTION / RETAIN_OFFER f
 from __future__ import annotations
 
 import bisect
+import functools
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 # Decision labels and reason codes are stable machine-readable identifiers; 32 characters is
 # also the width of the CRM's decision column.
 Label = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
 Code = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,63}$")]
+
+
+# How decide_many routed a row: by its band, or overridden by scarce data or ensemble disagreement.
+ROUTE_BAND, ROUTE_INSUFFICIENT_DATA, ROUTE_UNCERTAIN = 0, 1, 2
 
 
 class _Frozen(BaseModel):
@@ -148,3 +154,48 @@ class DecisionPolicy(_Frozen):
         if self.uncertainty is not None and spread > self.uncertainty.max_spread:
             return Decision(self.uncertainty.decision, (self.uncertainty.reason_code, band.reason_code), band, True)
         return Decision(band.decision, (band.reason_code,), band)
+
+    # -- many rows at once (the same verdicts as decide(), row by row) --------------------------
+
+    def decide_many(self, probability: np.ndarray, spread: np.ndarray,
+                    defaulted_fraction: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`decide` for many rows: ``[n] float64`` probabilities, spreads and defaulted fractions.
+
+        Returns:
+            Band index ``[n] int``, route ``[n] int`` (:data:`ROUTE_BAND`, :data:`ROUTE_INSUFFICIENT_DATA`,
+            :data:`ROUTE_UNCERTAIN`) and validity ``[n] bool``: False where :meth:`decide` would raise
+            (a value not finite or outside [0, 1]); :meth:`verdict` turns a (band, route) into the
+            :class:`Decision`. The band is found as :meth:`band` finds it (``searchsorted`` is
+            ``bisect`` over the same float64 values).
+        """
+        p = np.asarray(probability, dtype=np.float64)
+        valid = (p >= 0.0) & (p <= 1.0) & (spread >= 0.0) & (spread <= 1.0) & \
+            (defaulted_fraction >= 0.0) & (defaulted_fraction <= 1.0)
+        starts = self._starts
+        if self.comparison == ">=":
+            band = np.searchsorted(starts, p, side="right") - 1
+        else:
+            band = np.maximum(np.searchsorted(starts, p, side="left") - 1, 0)
+        band = np.clip(band, 0, len(self.bands) - 1)  # only rows refused as invalid fall outside
+        route = np.zeros(len(p), dtype=np.int64)
+        if self.uncertainty is not None:
+            route[spread > self.uncertainty.max_spread] = ROUTE_UNCERTAIN
+        if self.insufficient_data is not None:  # checked first by decide(): it wins
+            route[defaulted_fraction > self.insufficient_data.max_defaulted_fraction] = ROUTE_INSUFFICIENT_DATA
+        return band, route, valid
+
+    def verdict(self, band: int, route: int) -> Decision:
+        """The :class:`Decision` of a band index and route from :meth:`decide_many`."""
+        return self._verdicts[band][route]
+
+    @functools.cached_property
+    def _starts(self) -> np.ndarray:
+        return np.array([b.min_probability for b in self.bands], dtype=np.float64)
+
+    @functools.cached_property
+    def _verdicts(self) -> tuple[tuple[Decision | None, ...], ...]:
+        scarce, uncertain = self.insufficient_data, self.uncertainty
+        return tuple((Decision(b.decision, (b.reason_code,), b),
+                      Decision(scarce.decision, (scarce.reason_code, b.reason_code), b) if scarce else None,
+                      Decision(uncertain.decision, (uncertain.reason_code, b.reason_code), b, True) if uncertain else None)
+                     for b in self.bands)

@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from mlpair.prediction import metrics
+from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
 from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, StoredDecision, decision_id_for
 from mlpair.prediction.errors import LedgerUnavailable
 
@@ -124,12 +125,14 @@ class DecisionLedger(abc.ABC):
     max_commit_rows = 500  # decisions per transaction
     commit_concurrency = 1  # transactions in progress at once
     db_system = ""  # OpenTelemetry's name of the engine
+    bulk_rows = 0  # a DecisionColumns batch of at least this many rows commits on its own (0: never)
 
     def __init__(self) -> None:
         self.committed = asyncio.Event()
         self.reachable = True
         self._pending: list[tuple[Entry, _Caller, int]] = []  # entry, its caller, its index there
         self._writers: set[asyncio.Task] = set()
+        self._bulk_slots: asyncio.Semaphore | None = None  # bulk commits in progress at once: commit_concurrency
 
     @abc.abstractmethod
     async def open(self) -> None:
@@ -160,6 +163,8 @@ class DecisionLedger(abc.ABC):
         """
         if not decisions:
             return []
+        if self.bulk_rows and isinstance(decisions, DecisionColumns) and len(decisions) >= self.bulk_rows:
+            return await self._record_bulk(decisions)
         loop = asyncio.get_running_loop()
         caller = _Caller(loop.create_future(), [None] * len(decisions), len(decisions))
         self._pending.extend(((complete(d), f), caller, k) for k, (d, f) in enumerate(zip(decisions, fingerprints)))
@@ -201,6 +206,52 @@ class DecisionLedger(abc.ABC):
     @abc.abstractmethod
     async def _commit(self, entries: list[Entry]) -> list[Recorded]:
         """One transaction: inserts what is new, reads back what was on record (see :func:`settle`)."""
+
+    async def _record_bulk(self, batch: DecisionColumns) -> RecordedBatch:
+        """A whole batch in its own transactions (``max_commit_rows`` rows each), its columns sent as
+        they are: already a group, it has nothing to wait for. The same outcomes as the group commit."""
+        outcome = RecordedBatch(batch)
+        first: dict[str, int] = {}
+        for i, request_id in enumerate(batch.request_id):
+            first.setdefault(request_id, i)
+        # sorted by request id: concurrent transactions take the unique index's locks in one order
+        order = sorted(first.values(), key=batch.request_id.__getitem__)
+        for start in range(0, len(order), self.max_commit_rows):
+            rows = order[start:start + self.max_commit_rows]
+            if self._bulk_slots is None:
+                self._bulk_slots = asyncio.Semaphore(self.commit_concurrency)
+            started = time.perf_counter()
+            try:
+                async with self._bulk_slots:  # as many transactions as the group commit runs: the relay keeps a connection
+                    replays = await self._commit_bulk(batch, rows)
+            except Exception as exc:  # noqa: BLE001  (every row of the transaction gets a retryable error)
+                self.reachable = False
+                logger.warning("decision ledger commit failed (%s); %d decision(s) not recorded",
+                               type(exc).__name__, len(rows))
+                error = LedgerUnavailable(NOT_RECORDED)
+                outcome.errors.update((i, error) for i in rows)
+                continue
+            self.reachable = True
+            metrics.LEDGER_COMMIT_DURATION.observe(time.perf_counter() - started)
+            metrics.LEDGER_COMMIT_ROWS.observe(len(rows))
+            self.committed.set()
+            outcome.replays.update(replays)
+        if len(first) < len(batch):  # a request id repeated within the batch: a retry of its first occurrence
+            for i, request_id in enumerate(batch.request_id):
+                j = first[request_id]
+                if i == j:
+                    continue
+                if j in outcome.errors:
+                    outcome.errors[i] = outcome.errors[j]
+                else:
+                    recorded = outcome.replays.get(j) or Recorded(batch[j], False, batch.fingerprints[j])
+                    outcome.replays[i] = Recorded(recorded.decision, True, recorded.fingerprint)
+        return outcome
+
+    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
+        """One transaction inserting rows ``rows`` of ``batch`` (distinct request ids, sorted);
+        returns row → what was on record before, for the rows that were."""
+        raise NotImplementedError
 
     async def _write_pending(self) -> None:
         while self._pending:

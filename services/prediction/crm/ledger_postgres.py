@@ -26,6 +26,8 @@ from datetime import datetime
 import asyncpg
 from sqlalchemy import make_url
 
+from mlpair.prediction.crm import packed
+from mlpair.prediction.crm.columns import DecisionColumns
 from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
                                           on_record, row_values, settle, unique_new)
 from mlpair.prediction.crm.migrate import SchemaNotReady
@@ -45,6 +47,23 @@ SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::te
 CLAIM = (f"SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
          "FOR UPDATE SKIP LOCKED")
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
+# The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by PostgreSQL.
+_NAMES = ", ".join(f"c{k}" for k in range(len(DECISION_COLUMNS)))
+INSERT_PACKED = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
+                 + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
+                 + " FROM unnest(" + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
+                 + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+# A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
+# The rows are marked delivered by the same statement, inside the claim's transaction: it commits
+# only once the CRM has them, and a failed delivery rolls the mark back with it.
+_CLAIMED_TYPES = dict(zip(DECISION_COLUMNS, _ARRAY_TYPES))
+CLAIM_PACKED = (f"WITH claimed AS (SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
+                "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
+                f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
+                "SELECT count(*), "
+                + ", ".join(packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq")
+                            for c in CLAIMED_COLUMNS.split(", "))
+                + " FROM claimed")
 IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
           f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING")
 
@@ -56,6 +75,24 @@ def _same(value: datetime) -> datetime:
 def _columns(rows: Sequence[tuple]) -> list[list]:
     """Row tuples → one list per column (asyncpg sends each as a typed array)."""
     return [list(column) for column in zip(*rows)] if rows else [[] for _ in DECISION_COLUMNS]
+
+
+def _packed(arrays: list[list]) -> list[str]:
+    """The ledger's columns (``DECISION_COLUMNS`` order) packed for :data:`INSERT_PACKED`.
+
+    Raises:
+        packed.Unpackable: a value holds the separator.
+    """
+    texts = []
+    for values, sql_type in zip(arrays, _ARRAY_TYPES):
+        if sql_type == "float8":
+            values = packed.floats(values)
+        elif sql_type == "int4":
+            values = list(map(str, values))
+        elif sql_type == "timestamptz":
+            values = packed.timestamps(values)
+        texts.append(packed.pack(values))
+    return texts
 
 
 class PostgresLedger(DecisionLedger):
@@ -73,6 +110,7 @@ class PostgresLedger(DecisionLedger):
     max_commit_rows = 2048
     commit_concurrency = 3  # measured with bench/ledger_engines.py: p50 at 32 in flight 10.2 → see docs/design.md
     db_system = "postgresql"
+    bulk_rows = 8  # a BatchPredict's decisions go in one statement of their own
 
     def __init__(self, url: str, *, timeout_s: float = 2.0, pool_size: int = 8, statement_cache_size: int = 100) -> None:
         super().__init__()
@@ -116,6 +154,15 @@ class PostgresLedger(DecisionLedger):
             if rows:
                 await conn.execute(MARK_DELIVERED, [row[0] for row in rows])
 
+    @contextlib.asynccontextmanager
+    async def claim_packed(self, limit: int) -> AsyncIterator[tuple[int, list[str]]]:
+        """:meth:`claim`, with the claimed decisions as (how many, one packed text per CRM column
+        in ``CRM_COLUMNS`` order: see ``crm/packed.py``); marked delivered when the body returns
+        normally (the transaction commits), released when it raises (it rolls back)."""
+        async with self._connection() as conn, conn.transaction():
+            n, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
+            yield n, columns
+
     async def backlog(self) -> tuple[int, float]:
         async with self._connection() as conn:
             count, age_s = await conn.fetchrow(
@@ -149,6 +196,23 @@ class PostgresLedger(DecisionLedger):
                     recorded = on_record(row, _same)
                     held[recorded.decision.request_id] = recorded
         return settle(entries, held)
+
+    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
+        arrays = batch.ledger_arrays(rows)
+        try:
+            statement, parameters = INSERT_PACKED, _packed(arrays)
+        except packed.Unpackable:
+            statement, parameters = INSERT, arrays
+        async with self._connection() as conn, conn.transaction():
+            inserted = {r[0] for r in await conn.fetch(statement, *parameters)}
+            if len(inserted) == len(rows):
+                return {}
+            held = {}
+            for row in await conn.fetch(SELECT_RECORDED, [rid for rid in arrays[0] if rid not in inserted]):
+                recorded = on_record(row, _same)
+                held[recorded.decision.request_id] = recorded
+        ids = batch.request_id
+        return {i: held[ids[i]] for i in rows if ids[i] not in inserted}
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:

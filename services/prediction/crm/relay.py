@@ -18,6 +18,7 @@ from collections import Counter
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.ledger import DecisionLedger
+from mlpair.prediction.crm.packed import SEP
 from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, CrmStore
 
 logger = logging.getLogger(__name__)
@@ -117,28 +118,44 @@ class LedgerRelay:
             self._idle.set()
 
     async def _deliver_batch(self) -> int:
-        """Claims one batch, delivers it and marks it delivered; returns how many it claimed."""
+        """Claims one batch, delivers it and marks it delivered; returns how many it claimed.
+
+        From a PostgreSQL ledger to a PostgreSQL CRM the batch travels packed (``crm/packed.py``):
+        one text per column, never one Python object per decision."""
+        if getattr(self.crm, "takes_packed", False) and hasattr(self.ledger, "claim_packed"):
+            async with self.ledger.claim_packed(self.batch_size) as (n, columns):
+                await self._deliver_packed(n, columns)
+            return n
         async with self.ledger.claim(self.batch_size) as batch:
             await self._deliver(batch)
         return len(batch)
 
+    async def _deliver_packed(self, n: int, columns: list[str]) -> None:
+        if n:
+            await self._write(n, Counter(columns[_MODEL].split(SEP)[1:]), lambda: self.crm.deliver_packed(columns))
+
     async def _deliver(self, rows: list[CrmRow]) -> None:
-        if not rows:
-            return
+        if rows:
+            await self._write(len(rows), Counter(row[_MODEL] for row in rows),
+                              lambda: _count(self.crm.deliver_rows(rows)))
+
+    async def _write(self, n: int, models: Counter, insert) -> None:
+        """One CRM transaction of ``n`` decisions (``models``: how many per model); ``insert()``
+        returns how many were new in the CRM."""
         started = time.perf_counter()
         try:
-            inserted = await self.crm.deliver_rows(rows)
+            inserted = await insert()
         except Exception:
             self.crm_up = False
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
-            _count_writes(rows, "error")
+            _count_models(models, "error")
             raise
         metrics.CRM_WRITE_DURATION.labels("ok").observe(time.perf_counter() - started)
-        _count_writes(rows, "ok")
+        _count_models(models, "ok")
         self.crm_up = True
-        self.delivered += len(inserted)
-        metrics.OUTBOX_DELIVERED.inc(len(inserted))
-        metrics.OUTBOX_ALREADY_IN_CRM.inc(len(rows) - len(inserted))
+        self.delivered += inserted
+        metrics.OUTBOX_DELIVERED.inc(inserted)
+        metrics.OUTBOX_ALREADY_IN_CRM.inc(n - inserted)
 
     def _record_failure(self, exc: Exception, failures: int) -> None:
         metrics.RELAY_FAILURES.inc()
@@ -150,7 +167,12 @@ class LedgerRelay:
 _MODEL = CRM_COLUMNS.index("model_name")
 
 
-def _count_writes(rows: list[CrmRow], outcome: str) -> None:
+async def _count(inserting) -> int:
+    """How many request ids an insert returned as new."""
+    return len(await inserting)
+
+
+def _count_models(models: Counter, outcome: str) -> None:
     """``prediction_crm_writes_total`` per model for one relay transaction's decisions."""
-    for model, n in Counter(row[_MODEL] for row in rows).items():
+    for model, n in models.items():
         metrics.CRM_WRITES.labels(model, outcome).inc(n)

@@ -189,6 +189,22 @@ def _unnest_insert() -> str:
 _UNNEST_INSERT = _unnest_insert()
 
 
+def _packed_insert() -> str:
+    """As :func:`_unnest_insert`, from packed text columns (``crm/packed.py``), counting the rows inserted."""
+    from mlpair.prediction.crm import packed
+
+    columns = DecisionRecord.__table__.columns
+    types = [_ARRAY_TYPES[type(columns[name].type)] for name in CRM_COLUMNS]
+    names = ", ".join(f"c{k}" for k in range(len(CRM_COLUMNS)))
+    return (f"WITH inserted AS (INSERT INTO {DecisionRecord.__tablename__} ({', '.join(CRM_COLUMNS)}) SELECT "
+            + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(types))
+            + " FROM unnest(" + ", ".join(packed.unpacked(k) for k in range(1, len(types) + 1))
+            + f") AS t({names}) ON CONFLICT DO NOTHING RETURNING 1) SELECT count(*) FROM inserted")
+
+
+_PACKED_INSERT = _packed_insert()
+
+
 def _insert(dialect_name: str):
     if dialect_name == "postgresql":
         return postgresql.insert(DecisionRecord)
@@ -242,6 +258,19 @@ class CrmStore:
         async with self.engine.begin() as conn:
             result = await conn.execute(stmt, [dict(zip(CRM_COLUMNS, row)) for row in rows])
             return list(result.scalars())
+
+    @property
+    def takes_packed(self) -> bool:
+        """Whether :meth:`deliver_packed` works here (PostgreSQL through asyncpg)."""
+        return self.engine.dialect.driver == "asyncpg"
+
+    async def deliver_packed(self, columns: list[str]) -> int:
+        """Inserts decisions given as packed text columns (``CRM_COLUMNS`` order, ``crm/packed.py``)
+        in one transaction, as :meth:`deliver_rows` does; returns how many were inserted (request
+        ids already recorded are skipped)."""
+        async with self.engine.begin() as conn:
+            result = await conn.exec_driver_sql(_PACKED_INSERT, tuple(columns))
+            return int(result.scalar_one())
 
     async def ping(self) -> bool:
         """Whether the CRM database answers ``SELECT 1``."""

@@ -1,0 +1,190 @@
+"""A call's items, columnar: what the pipeline knows of each model family's rows, as arrays.
+
+:func:`prepare_items` checks every item (ids, duplicates, model family), assembles each family's
+rows into one guarded matrix (:mod:`~mlpair.prediction.columns`) and fingerprints each request;
+an item that fails gets its own error and leaves the batch. What remains of each family is one
+:class:`Group`, which scoring (:mod:`~mlpair.prediction.scoring`) and the decisions
+(:mod:`~mlpair.prediction.decisions`) fill and read column by column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
+from mlpair.prediction import metrics
+from mlpair.prediction.cache import Scored
+from mlpair.prediction.checks import check_id, unknown_attribute_warnings, unknown_attributes_error
+from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
+from mlpair.prediction.errors import InvalidRequest, PredictionError
+from mlpair.prediction.explain import explanation_rows
+from mlpair.prediction.families import ModelFamily
+from mlpair.prediction.idempotency import request_fingerprints
+
+if TYPE_CHECKING:
+    from mlpair.prediction.pipeline import PredictInput
+
+ROW_WISE_BELOW = 8  # fewer rows than this are assembled row by row: NumPy's per-call cost would dominate
+DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
+
+
+@dataclass(eq=False)
+class Group:
+    """The accepted items of one model family in one call, in request order.
+
+    Attributes:
+        family: the family that decides them.
+        index: each item's position in the call ``[n]``.
+        requests: each item's request.
+        vectors: the items' own rows ``[n, n_features] float32``.
+        guards: what the guards did to each row.
+        fingerprints: each request's SHA-256 (:func:`~mlpair.prediction.idempotency.request_fingerprint`).
+        warnings: row → warnings about that request (unknown attributes), for rows with any.
+        explained: rows whose request asks for an explanation (each sends 1 + n_schema_features rows).
+    """
+
+    family: ModelFamily
+    index: list[int]
+    requests: list[PredictInput]
+    vectors: np.ndarray
+    guards: list[RowGuards]
+    fingerprints: list[str]
+    warnings: dict[int, tuple] = field(default_factory=dict)
+    explained: frozenset[int] = frozenset()
+    # filled by scoring: per row, how the own row was scored and the calibrated result
+    served: list[Scored | None] = field(default_factory=list)
+    probabilities: np.ndarray | None = None  # [n_members, n] calibrated, own rows (0 where unusable)
+    usable: np.ndarray | None = None  # [n] bool: every member's output for the own row is usable
+    occluded: dict[int, np.ndarray] = field(default_factory=dict)  # row → [n_members, n_schema] (complete only)
+    margins: np.ndarray | None = None  # [n] first member's margin (shadow comparison), 0 where unusable
+    model_versions: list[str] = field(default_factory=list)
+    errors: dict[int, PredictionError] = field(default_factory=dict)  # row → its call's error
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def rows_of(self, k: int) -> np.ndarray:
+        """Row ``k``'s rows for inference: ``[1, n_features]``, or with its occlusions when explained."""
+        if k in self.explained:
+            return explanation_rows(self.family.assembler, self.vectors[k])
+        return self.vectors[k:k + 1]
+
+    def n_rows(self, k: int) -> int:
+        """How many rows row ``k`` sends to inference."""
+        return 1 + self.family.n_schema_features if k in self.explained else 1
+
+
+def prepare_items(requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily],
+                  columns: Callable[[ModelFamily], ColumnAssembler], refuse_unknown: bool,
+                  outcomes: list) -> list[Group]:
+    """Checks ids, resolves families and assembles each family's rows; a failing item's error is
+    put in ``outcomes`` at its position and the item leaves the batch.
+
+    Args:
+        resolve: model name → family (raises :class:`~mlpair.prediction.errors.UnknownModel`).
+        columns: family → its :class:`ColumnAssembler`.
+        refuse_unknown: refuse requests naming attributes the schema does not know.
+    """
+    by_family: dict[str, tuple[ModelFamily, list[int]]] = {}
+    seen: set[str] = set()
+    for index, request in enumerate(requests):
+        try:
+            family = resolve(request.model_name)
+            check_id("request_id", request.request_id)
+            check_id("entity_id", request.entity_id)
+            if request.request_id in seen:
+                raise InvalidRequest("request_id appears more than once in this batch", metadata={"field": "request_id"})
+            seen.add(request.request_id)
+        except PredictionError as exc:
+            outcomes[index] = exc
+            continue
+        by_family.setdefault(family.name, (family, []))[1].append(index)
+    return [group for family, index in by_family.values()
+            if (group := _assemble(family, columns(family), [requests[i] for i in index], index, refuse_unknown, outcomes))]
+
+
+def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[PredictInput], index: list[int],
+              refuse_unknown: bool, outcomes: list) -> Group | None:
+    attributes = [r.attributes for r in requests]
+    row_guards = None
+    if len(requests) >= ROW_WISE_BELOW:
+        assembled = assembler.assemble(attributes)
+    else:
+        assembled, row_guards = _row_wise(family, assembler, attributes)
+    refused: dict[int, PredictionError] = {
+        k: InvalidRequest(f"attribute values cannot be converted: {ConversionError(problems)}",
+                          metadata={"attributes": ",".join(sorted(problems))})
+        for k, problems in assembled.problems.items()}
+    warnings = {}
+    for k, names in assembled.unknown.items():
+        if k in refused:
+            continue
+        metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(names))
+        if refuse_unknown:
+            refused[k] = unknown_attributes_error(family, names)
+        else:
+            warnings[k] = unknown_attribute_warnings(family, names)
+    keep = [k for k in range(len(requests)) if k not in refused] if refused else range(len(requests))
+    for k, error in refused.items():
+        outcomes[index[k]] = error
+    if not keep:
+        return None
+    if row_guards is None:
+        actions = assembled.actions if not refused else assembled.actions[keep]
+        _count_guards(family, actions)
+        guards = assembler.guards(actions)
+    else:
+        guards = [row_guards[k] for k in keep]
+        for g in guards:  # the same counts as _count_guards: one per (row, feature, action)
+            for event in g.events:
+                metrics.labelled(metrics.FEATURE_GUARDS, family.name, event.feature, event.action).inc()
+    name = family.name
+    kept = [requests[k] for k in keep]
+    renumber = {k: j for j, k in enumerate(keep)} if refused else None
+    return Group(
+        family, [index[k] for k in keep], kept,
+        assembled.matrix if not refused else assembled.matrix[keep],
+        guards,
+        request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept]),
+        warnings if renumber is None else {renumber[k]: w for k, w in warnings.items()},
+        frozenset(j for j, r in enumerate(kept) if r.explain))
+
+
+def _count_guards(family: ModelFamily, actions: np.ndarray) -> None:
+    """``prediction_feature_guards_total`` per feature and action: one increment per (feature, action)."""
+    if not actions.any():
+        return
+    for k, feat in enumerate(family.schema.features):
+        column = actions[:, k]
+        if not column.any():
+            continue
+        for action, bit in ACTION_BITS.items():
+            n = int(np.count_nonzero(column & bit))
+            if n:
+                metrics.labelled(metrics.FEATURE_GUARDS, family.name, feat.name, action).inc(n)
+
+
+def _row_wise(family: ModelFamily, assembler: ColumnAssembler,
+              attributes: list) -> tuple[AssembledColumns, list[RowGuards]]:
+    """A few rows through the row-wise assembler: the same vectors as ``columns``, and each row's
+    guards as :meth:`ColumnAssembler.guards` decodes them (events in row-wise order, their distinct
+    reason codes, the features defaulted), without the guard bits (``actions`` is None)."""
+    matrix = np.zeros((len(attributes), assembler.n_features), dtype=np.float32)
+    guards, problems, unknown = [NO_GUARDS] * len(attributes), {}, {}
+    for i, record in enumerate(attributes):
+        try:
+            row = family.assembler.assemble(record)
+        except ConversionError as exc:
+            problems[i] = exc.problems
+            continue
+        matrix[i] = row.vector
+        if events := row.guards:
+            guards[i] = RowGuards(tuple(events), tuple(dict.fromkeys(e.reason_code for e in events)),
+                                  len({e.feature for e in events if e.action in DEFAULTED_ACTIONS}))
+        if row.unknown_attributes:
+            unknown[i] = row.unknown_attributes
+    return AssembledColumns(matrix, None, problems, unknown), guards

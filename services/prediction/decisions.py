@@ -1,0 +1,212 @@
+"""Deciding a scored group at once: policy bands, reason codes and the records, as columns.
+
+For each row of a :class:`~mlpair.prediction.batch.Group` the same decision as deciding it alone:
+
+* a row with usable model output: the mean of the members' calibrated probabilities (summed in
+  member order, as ``ndarray.mean`` does for fewer than eight members), the ensemble spread
+  (max − min), the fraction of schema features that took their default, then the policy's band
+  and overrides (:meth:`DecisionPolicy.decide_many <mlpair.prediction.policy.DecisionPolicy.decide_many>`);
+  reason codes = the verdict's, ``STALE_CACHE_RESULT`` when served stale, then each guard's once;
+* no model output (inference unavailable, no stale entry): the policy's fallback decision with
+  ``INFERENCE_UNAVAILABLE`` and no probability;
+* output unusable for this row alone: the fallback decision with ``MODEL_OUTPUT_INVALID``.
+
+The decisions come out as :class:`~mlpair.prediction.crm.columns.DecisionColumns` (no object per
+row) plus, per row, what a response carries beside the record (:class:`Extras`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+
+from mlpair.prediction import metrics
+from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+from mlpair.prediction.cache import Source
+from mlpair.prediction.crm.columns import DecisionColumns
+from mlpair.prediction.crm.store import decision_id_for
+from mlpair.prediction.explain import Explanation, explain
+from mlpair.prediction.scoring import as_item_error
+
+FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
+INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
+STALE_REASON = "STALE_CACHE_RESULT"
+_FROM_CACHE = (Source.CACHE, Source.STALE_CACHE)
+_MEMO_LIMIT = 4096
+
+
+@dataclass(eq=False)
+class Decided:
+    """One group's decisions: the records of its decided rows and what responses add to them.
+
+    Attributes:
+        rows: the group's rows that were decided, in order (others are in ``errors``).
+        columns: their records, in the same order.
+        spread, from_cache: per decided row. calibration_method: per decided row ("" without model output).
+        explanations: decided row → its explanation (explained rows with every occlusion scored).
+        without_model: decided row → ``INFERENCE_UNAVAILABLE``'s degraded reason or ``MODEL_OUTPUT_INVALID``.
+        errors: group row → why it was not decided.
+    """
+
+    group: Group
+    rows: list[int]
+    columns: DecisionColumns
+    spread: list[float]
+    from_cache: list[bool]
+    calibration_method: list[str]
+    explanations: dict[int, Explanation] = field(default_factory=dict)
+    without_model: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
+def decide_columns(group: Group, decided_at: datetime, explain_top_k: int, memo: dict) -> Decided:
+    """Decides every scored row of ``group`` (see the module docstring); ``memo`` keeps the
+    (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls.
+    A group of fewer than ``ROW_WISE_BELOW`` rows goes through :func:`decide_rows` (the same
+    decisions; NumPy's per-call cost would dominate)."""
+    if len(group) < ROW_WISE_BELOW:
+        return decide_rows(group, decided_at, explain_top_k)
+    family, policy = group.family, group.family.policy
+    n = len(group)
+    errors: dict[int, Exception] = dict(group.errors)
+    usable = group.usable.copy()
+    if errors:
+        usable[list(errors)] = False
+    probs = group.probabilities
+    if len(probs) == 1:
+        probability, spread = probs[0], np.zeros(n)
+    elif len(probs) < 8:
+        total = probs[0].copy()
+        for member in probs[1:]:
+            total += member
+        probability, spread = total / len(probs), probs.max(axis=0) - probs.min(axis=0)
+    else:  # ndarray.mean sums eight or more members pairwise: per row, as deciding alone does
+        probability = np.array([probs[:, k].mean() for k in range(n)])
+        spread = probs.max(axis=0) - probs.min(axis=0)
+    defaulted = np.array([g.defaulted for g in group.guards], dtype=np.float64) / family.n_schema_features
+    rows = np.flatnonzero(usable)
+    band, route, valid = policy.decide_many(probability[rows], spread[rows], defaulted[rows])
+    verdicts = np.full(n, -1, dtype=np.int64)
+    verdicts[rows] = np.where(valid, band * 3 + route, -2)
+    for k in np.flatnonzero(verdicts == -2).tolist():
+        errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
+    if family.is_ensemble and len(rows):
+        hist = metrics.ENSEMBLE_SPREAD.labels(family.name)
+        for value in spread[rows[valid]].tolist():
+            hist.observe(value)
+        if n_uncertain := int(np.count_nonzero(route[valid] == 2)):
+            metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
+    found: list[tuple[str, tuple[str, ...]] | None] = [None] * n
+    for k, verdict in enumerate(verdicts.tolist()):
+        if verdict >= 0:
+            served, codes = group.served[k], group.guards[k].reason_codes
+            stale = served.source is Source.STALE_CACHE
+            key = (verdict, stale, codes)
+            found[k] = memo.get(key)
+            if found[k] is None:
+                found[k] = _verdict(policy, verdict, stale, codes)
+                if len(memo) < _MEMO_LIMIT:
+                    memo[key] = found[k]
+    return _records(group, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
+
+
+def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decided:
+    """:func:`decide_columns` row by row, with :meth:`DecisionPolicy.decide
+    <mlpair.prediction.policy.DecisionPolicy.decide>` (the code a single Predict used before the
+    columnar path): the same decisions, records and metrics, for groups too small for NumPy to pay.
+    The mean and spread are the same float64 operations in the same order (members summed in order
+    and divided by their number, ``ndarray.mean`` from eight members on), so bit for bit the same."""
+    family, policy = group.family, group.family.policy
+    n, n_schema = len(group), family.n_schema_features
+    errors: dict[int, Exception] = dict(group.errors)
+    found: list[tuple[str, tuple[str, ...]] | None] = [None] * n
+    probability, spread = [0.0] * n, [0.0] * n
+    columns, usable = group.probabilities.T.tolist(), group.usable.tolist()
+    for k, (members, ok, served, guards) in enumerate(zip(columns, usable, group.served, group.guards)):
+        if not ok or k in errors:
+            continue
+        if len(members) == 1:
+            p, s = members[0], 0.0
+        elif len(members) < 8:
+            p = members[0]
+            for member in members[1:]:  # not sum(): Python 3.12's sum() of floats is compensated
+                p += member
+            p, s = p / len(members), max(members) - min(members)
+        else:
+            p, s = float(group.probabilities[:, k].mean()), max(members) - min(members)
+        try:
+            verdict = policy.decide(p, s, guards.defaulted / n_schema)
+        except ValueError:
+            errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
+            continue
+        if family.is_ensemble:
+            metrics.ENSEMBLE_SPREAD.labels(family.name).observe(s)
+            if verdict.uncertain:
+                metrics.UNCERTAIN_DECISIONS.labels(family.name).inc()
+        stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
+        found[k] = verdict.decision, (*verdict.reason_codes, *stale, *guards.reason_codes)
+        probability[k], spread[k] = p, s
+    return _records(group, decided_at, explain_top_k, found, probability, spread, errors)
+
+
+def _records(group: Group, decided_at: datetime, explain_top_k: int, verdicts: list, probability_list: list[float],
+             spread_list: list[float], errors: dict[int, Exception]) -> Decided:
+    """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
+    family, policy = group.family, group.family.policy
+    fallback_decision = policy.fallback_decision
+    out_rows, decision, reasons, served_from, age, degraded, prob, spreads, cached, methods = \
+        [], [], [], [], [], [], [], [], [], []
+    without_model: dict[int, str] = {}
+    method = family.calibration_method
+    for k, (found, served, guards) in enumerate(zip(verdicts, group.served, group.guards)):
+        if k in errors:
+            continue
+        if found is not None:
+            decision.append(found[0])
+            reasons.append(found[1])
+            served_from.append(served.source.value)
+            age.append(served.age_ms)
+            degraded.append(served.degraded_reason)
+            prob.append(probability_list[k])
+            spreads.append(spread_list[k])
+            cached.append(served.source in _FROM_CACHE)
+            methods.append(method)
+        else:
+            invalid = served.source is not Source.FALLBACK
+            reason = INVALID_OUTPUT_REASON if invalid else FALLBACK_REASON
+            without_model[len(out_rows)] = INVALID_OUTPUT_REASON if invalid else served.degraded_reason
+            decision.append(fallback_decision)
+            reasons.append((reason, *guards.reason_codes))
+            served_from.append(Source.FALLBACK.value)
+            age.append(0)
+            degraded.append(without_model[len(out_rows)])
+            prob.append(None)
+            spreads.append(0.0)
+            cached.append(False)
+            methods.append("")
+        out_rows.append(k)
+    m = len(out_rows)
+    requests = group.requests
+    request_ids = [requests[k].request_id for k in out_rows]
+    versions = group.model_versions
+    columns = DecisionColumns(
+        request_ids, [decision_id_for(r) for r in request_ids], [requests[k].entity_id for k in out_rows],
+        [family.name] * m, [versions[k] for k in out_rows], [family.feature_version] * m, [policy.version] * m,
+        prob, decision, reasons, served_from, age, degraded, [decided_at] * m,
+        [group.fingerprints[k] for k in out_rows])
+    explanations = {}
+    for j, k in enumerate(out_rows):
+        if k in group.occluded and j not in without_model:
+            occluded = group.occluded[k]
+            explanations[j] = explain(family.schema, prob[j], occluded.mean(axis=0), explain_top_k)
+    if explanations:
+        metrics.EXPLANATIONS.labels(family.name).inc(len(explanations))
+    return Decided(group, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
+
+
+def _verdict(policy, verdict: int, stale: bool, guard_codes: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """(decision, reason codes) of a verdict code ``band * 3 + route`` (see ``DecisionPolicy.decide_many``)."""
+    found = policy.verdict(verdict // 3, verdict % 3)
+    return found.decision, (*found.reason_codes, *((STALE_REASON,) if stale else ()), *guard_codes)

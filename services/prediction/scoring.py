@@ -1,0 +1,187 @@
+"""Scoring a call's groups: their rows packed into InferenceService calls, calibrated per row.
+
+Each group's rows (an explained item's occlusions next to its own row) are packed, in order and
+without splitting an item, into calls of at most ``max_rows`` rows per model version; every member
+of an ensemble scores the same matrix. Calibration is row-wise: a row whose output is unusable (a
+non-finite logit, a probability outside [0, 1]) is marked so alone, and every other row of the same
+call is calibrated exactly as if it had been sent alone. A call that fails gives its error to the
+items whose rows it carried, and to no others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from mlpair.errors import ServiceError
+from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+from mlpair.prediction.cache import Scored, Source
+from mlpair.prediction.errors import PredictionError
+from mlpair.prediction.families import ModelFamily, ModelVersion
+
+logger = logging.getLogger(__name__)
+
+Infer = Callable[[ModelFamily, ModelVersion, np.ndarray, float | None], Awaitable[list[Scored]]]
+
+
+async def score_groups(groups: list[Group], infer: Infer, max_rows: int) -> None:
+    """Fills each group's scoring columns (``served``, ``probabilities``, ``usable``, ``occluded``,
+    ``margins``, ``model_versions``, ``errors``) through ``infer`` in calls of at most ``max_rows`` rows."""
+    calls = []
+    for group in groups:
+        n, members = len(group), len(group.family.members)
+        group.served = [None] * n
+        group.probabilities = np.zeros((members, n), dtype=np.float64)
+        group.usable = np.zeros(n, dtype=bool)
+        group.margins = np.zeros(n, dtype=np.float64)
+        group.model_versions = [""] * n
+        calls += [_score_chunk(group, start, end, infer) for start, end in pack(group, max_rows)]
+    await gather(calls)
+
+
+def pack(group: Group, max_rows: int) -> list[tuple[int, int]]:
+    """Greedy, order-keeping packing of the group's items into ``[start, end)`` ranges of at most
+    ``max_rows`` rows in total; an item's rows are never split (each has at most ``max_rows``)."""
+    n = len(group)
+    if not group.explained:
+        return [(start, min(start + max_rows, n)) for start in range(0, n, max_rows)]
+    chunks: list[tuple[int, int]] = []
+    start, rows = 0, 0
+    for k in range(n):
+        size = group.n_rows(k)
+        if k > start and rows + size > max_rows:
+            chunks.append((start, k))
+            start, rows = k, 0
+        rows += size
+    chunks.append((start, n))
+    return chunks
+
+
+async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None:
+    family = group.family
+    explained = [k for k in range(start, end) if k in group.explained]
+    if explained:
+        sizes = [group.n_rows(k) for k in range(start, end)]
+        matrix = np.concatenate([group.rows_of(k) for k in range(start, end)])
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    else:
+        sizes, matrix, offsets = None, group.vectors[start:end], range(end - start)
+    deadlines = [r.deadline for r in group.requests[start:end] if r.deadline is not None]
+    deadline = min(deadlines) if deadlines else None
+    try:
+        answers = await gather([infer(family, m, matrix, deadline) for m in family.members])
+        stacked = [_stack(rows, len(m.entry.manifest.class_names)) for m, rows in zip(family.members, answers)]
+        calibrated = [m.calibrator.probabilities_per_row(z) for m, z in zip(family.members, stacked)]
+        probabilities = np.stack([p for p, _ in calibrated])
+        usable = np.logical_and.reduce([ok for _, ok in calibrated])  # every member's output usable
+        # margins only feed the shadow comparison (unusable rows: zeros, never compared)
+        margins = family.members[0].calibrator.margins(
+            np.where(usable[:, None], stacked[0], np.float32(0.0))) if family.shadow else None
+    except ServiceError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001  (one chunk's failure must not fail the batch)
+        error = as_item_error(exc)
+    else:
+        _fill(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
+        return
+    for k in range(start, end):
+        group.errors[k] = error
+
+
+def _fill(group: Group, start: int, end: int, answers: list[list[Scored]], probabilities: np.ndarray,
+          usable: np.ndarray, margins: np.ndarray | None, offsets, sizes: list[int] | None) -> None:
+    """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
+    if len(group) < ROW_WISE_BELOW:
+        _fill_rows(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
+        return
+    single = len(answers) == 1
+    own = answers[0] if single and sizes is None else [
+        answers[0][o] if single else _served([rows[o] for rows in answers]) for o in offsets]
+    group.served[start:end] = own
+    rows = np.asarray(offsets, dtype=np.intp) if sizes is not None else slice(0, end - start)
+    fallback = np.fromiter((s.source is Source.FALLBACK for s in own), dtype=bool, count=len(own))
+    decided = usable[rows] & ~fallback  # fallback first: a row without output is not "invalid"
+    group.usable[start:end] = decided
+    group.probabilities[:, start:end] = np.where(decided, probabilities[:, rows], 0.0)
+    if margins is not None:
+        group.margins[start:end] = np.where(decided, margins[rows], 0.0)
+    versions = group.model_versions
+    for k, o, served, ok in zip(range(start, end), offsets, own, decided.tolist()):
+        if not ok:
+            continue
+        versions[k] = served.model_version if single else "+".join(rows_[o].model_version for rows_ in answers)
+        n = 1 if sizes is None else sizes[k - start]
+        if n > 1 and usable[o:o + n].all():  # an explanation needs every occluded row scored
+            group.occluded[k] = probabilities[:, o + 1:o + n]
+
+
+def _fill_rows(group: Group, start: int, end: int, answers: list[list[Scored]], probabilities: np.ndarray,
+               usable: np.ndarray, margins: np.ndarray | None, offsets, sizes: list[int] | None) -> None:
+    """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the
+    same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
+    single, ok = len(answers) == 1, usable.tolist()
+    for k, o in zip(range(start, end), offsets):
+        own = [rows[o] for rows in answers]
+        served = group.served[k] = own[0] if single else _served(own)
+        if served.source is Source.FALLBACK or not ok[o]:  # fallback first, as in _fill
+            continue
+        group.usable[k] = True
+        group.probabilities[:, k] = probabilities[:, o]
+        if margins is not None:
+            group.margins[k] = margins[o]
+        group.model_versions[k] = served.model_version if single else "+".join(r.model_version for r in own)
+        n = 1 if sizes is None else sizes[k - start]
+        if n > 1 and all(ok[o:o + n]):  # an explanation needs every occluded row scored
+            group.occluded[k] = probabilities[:, o + 1:o + n]
+
+
+async def gather(calls: list) -> list:
+    """``asyncio.gather`` without its task per call when there is only one (a single Predict)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return await asyncio.gather(*calls)
+
+
+def _stack(rows: list[Scored], n_classes: int) -> np.ndarray:
+    """Per-row results → logits ``[rows, n_classes]``. A row without logits (fallback), or
+    whose logits are not ``[n_classes]``, is NaN: the per-row calibration marks it unusable, and
+    it can fail no other row."""
+    shape = (n_classes,)
+    if all(r.logits is not None and r.logits.shape == shape for r in rows):
+        return np.array([r.logits for r in rows], dtype=np.float32).reshape(len(rows), n_classes)
+    logits = np.full((len(rows), n_classes), np.nan, dtype=np.float32)
+    for i, r in enumerate(rows):
+        if r.logits is not None and r.logits.shape == shape:
+            logits[i] = r.logits
+    return logits
+
+
+def _served(own: list[Scored]) -> Scored:
+    """How an item's own row was scored across ensemble members: fallback if any member has no
+    output, stale if any member's is stale, from cache only if all are, else fresh inference."""
+    for source in (Source.FALLBACK, Source.STALE_CACHE):
+        if found := next((r for r in own if r.source is source), None):
+            return found
+    return own[0] if all(r.source is Source.CACHE for r in own) else next(r for r in own if r.source is Source.INFERENCE)
+
+
+class UnexpectedFailure(PredictionError):
+    """An unexpected failure while deciding one item; the details are only in the log."""
+
+    code = "INTERNAL"
+    reason = "INTERNAL"
+
+
+def as_item_error(exc: BaseException) -> PredictionError:
+    """An item's failure as a client-safe error; anything unexpected is logged and made generic."""
+    if isinstance(exc, asyncio.CancelledError):
+        raise exc
+    if isinstance(exc, PredictionError):
+        return exc
+    if isinstance(exc, ServiceError):
+        return UnexpectedFailure(exc.message)
+    logger.error("unexpected failure deciding one item", exc_info=exc)
+    return UnexpectedFailure("internal error")

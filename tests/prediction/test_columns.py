@@ -1,0 +1,270 @@
+"""Columnar decisions are the row-wise ones: assembly, guards, policy and drift signals, bit for bit.
+
+The pipeline assembles and decides a batch column by column (``columns``, ``policy.decide_many``,
+``signals.observe_many``); these tests compare each with the row-wise code training and single
+requests use, on every real holdout record and on generated records full of what guards handle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY
+
+from mlpair.contracts.assembly import ConversionError, FeatureAssembler
+from mlpair.prediction.columns import ColumnAssembler
+from mlpair.prediction.idempotency import request_fingerprint, request_fingerprints
+from mlpair.prediction.policy import DecisionPolicy
+from mlpair.prediction.signals import FamilySignals
+from tests.support import CONFIG_DIR
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def row_wise(assembler: FeatureAssembler, records: list[dict]) -> list:
+    """Each record as the row-wise assembler sees it: (vector bytes, guards, unknown) or the problems."""
+    out = []
+    for record in records:
+        try:
+            row = assembler.assemble(record)
+        except ConversionError as exc:
+            out.append(("refused", exc.problems))
+        else:
+            out.append((row.vector.tobytes(), row.guards, row.unknown_attributes))
+    return out
+
+
+def columnar(columns: ColumnAssembler, records: list[dict]) -> list:
+    assembled = columns.assemble(records)
+    guards = columns.guards(assembled.actions)
+    return [("refused", assembled.problems[i]) if i in assembled.problems else
+            (assembled.matrix[i].tobytes(), guards[i].events, assembled.unknown.get(i, ()))
+            for i in range(len(records))]
+
+
+@pytest.mark.parametrize("family", ["credit", "churn"])
+def test_columnar_assembly_is_the_row_wise_one_on_every_holdout_record(family, credit_entry, credit_holdout,
+                                                                        churn_entry, request):
+    if family == "credit":
+        entry, records = credit_entry, credit_holdout.records
+    else:
+        from mlpair.training.data import load_dataset, stratified_split
+
+        entry = churn_entry
+        data = load_dataset(churn_entry.preprocessing.feature_schema)
+        seed = int(churn_entry.manifest.data_source["split"]["seed"])
+        records = data.subset(stratified_split(data.labels, seed)["holdout"]).records
+    assembler = FeatureAssembler(entry.preprocessing)
+    expected = row_wise(assembler, records)
+    assert len(expected) > 500 and sum(bool(e[1]) for e in expected) > 0  # real guards among them
+    assert columnar(ColumnAssembler(assembler), records) == expected
+
+
+def _messy_values(feature) -> st.SearchStrategy:
+    """What a client may send for one attribute: the wire's kinds, with what the guards and the
+    conversion rules exist for (missing, sentinels, out of range, infinities, words, fractions)."""
+    numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
+        [0.0, 1.0, -1.0, 2.5, 1e30, -1e30, *getattr(feature, "sentinels", ())]))
+    strings = st.one_of(st.sampled_from(["", " ", "42", " 7 ", "1e3", "nan", "yes", "No", "abc", "A11", " a12 "]),
+                        st.text(max_size=6))
+    return st.one_of(st.none(), numbers, strings, st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_columnar_assembly_is_the_row_wise_one_on_generated_records(data, credit_entry, credit_holdout):
+    assembler = FeatureAssembler(credit_entry.preprocessing)
+    features = credit_entry.preprocessing.feature_schema.features
+    base = credit_holdout.records[:40]
+    records = []
+    for record in base:
+        record = dict(record)
+        for feat in data.draw(st.lists(st.sampled_from(features), max_size=4, unique_by=lambda f: f.name)):
+            record[feat.name] = data.draw(_messy_values(feat))
+        if data.draw(st.booleans()):
+            record.pop(features[data.draw(st.integers(0, len(features) - 1))].name, None)
+        if data.draw(st.integers(0, 9)) == 0:
+            record["not_in_schema"] = 1.0
+        records.append(record)
+    assert columnar(ColumnAssembler(assembler), records) == row_wise(assembler, records)
+    entities = [f"e{i}" for i in range(len(records))]
+    assert request_fingerprints("credit-risk", entities, records) == [
+        request_fingerprint("credit-risk", e, r) for e, r in zip(entities, records)]
+
+
+def test_fingerprints_of_a_batch_are_each_request_s_own(credit_holdout):
+    records = [dict(r) for r in credit_holdout.records]
+    records[3]["Amount"] = float("inf")
+    records[4]["Home"] = ""
+    records[5]["Age"] = True
+    records[6]["extra"] = "x"
+    entities = [f"entity-\"{i}\u00e9" for i in range(len(records))]
+    expected = [request_fingerprint("credit-risk", e, r) for e, r in zip(entities, records)]
+    assert request_fingerprints("credit-risk", entities, records) == expected
+    assert len(set(expected)) == len(expected)
+
+
+@pytest.mark.parametrize("model", ["credit-risk", "churn"])
+def test_decide_many_gives_decide_s_verdict_for_every_row(model):
+    policy = DecisionPolicy.from_toml(CONFIG_DIR / model / "policy.toml")
+    edges = [b.min_probability for b in policy.bands]
+    rng = np.random.default_rng(3)
+    p = np.concatenate([rng.uniform(0, 1, 2000), edges, np.nextafter(edges, 1.0), np.nextafter(edges, 0.0),
+                        [0.0, 1.0, math.nan, -0.1, 1.5]])
+    spread = np.concatenate([rng.uniform(0, 0.5, len(p) - 2), [math.nan, 2.0]])
+    fraction = rng.choice([0.0, 0.1, 0.3, 0.5, 0.9, 1.0], len(p))
+    band, route, valid = policy.decide_many(p, spread, fraction)
+    for k in range(len(p)):
+        try:
+            expected = policy.decide(float(p[k]), float(spread[k]), float(fraction[k]))
+        except ValueError:
+            assert not valid[k]
+            continue
+        assert valid[k] and policy.verdict(int(band[k]), int(route[k])) == expected
+
+
+def _samples(model: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for metric in REGISTRY.collect()
+            if metric.name.startswith("prediction_drift_") or metric.name == "prediction_near_threshold"
+            for s in metric.samples if s.labels.get("model") == model and not s.name.endswith("_created")}
+
+
+def test_signals_count_a_batch_as_row_by_row_observations_would(credit_entry, holdout_x):
+    from mlpair.prediction.policy import DecisionPolicy
+
+    signals = FamilySignals(credit_entry, credit_entry, DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml"))
+    scores = np.random.default_rng(5).uniform(0, 1, len(holdout_x))
+    before = _samples("credit-risk")
+    for vector, score in zip(holdout_x, scores):
+        signals.observe(vector, float(score))
+    middle = _samples("credit-risk")
+    signals.observe_many(holdout_x, scores)
+    after = _samples("credit-risk")
+    row_by_row = {k: middle[k] - before.get(k, 0.0) for k in middle}
+    at_once = {k: after[k] - middle.get(k, 0.0) for k in after}
+    assert set(row_by_row) == set(at_once) and any(v for v in at_once.values())
+    for key, value in row_by_row.items():
+        if key[0].endswith("_sum"):  # the order of additions may differ in the last bits
+            assert at_once[key] == pytest.approx(value, rel=1e-9)
+        else:
+            assert at_once[key] == value, key
+
+
+def _scored_group(entry, records: list[dict], members: int, seed: int):
+    """A group of ``records`` (their real guards) as scoring leaves it, with ``members`` ensemble
+    members' probabilities: inside the bands, on their edges, and a few the policy refuses; every
+    source (fresh, cached, stale, fallback), unusable output, a chunk's error and explained rows."""
+    from types import SimpleNamespace
+
+    from mlpair.prediction.batch import Group
+    from mlpair.prediction.cache import Scored, Source
+    from mlpair.prediction.outcomes import PredictInput
+    from mlpair.prediction.scoring import UnexpectedFailure
+
+    policy = DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml")
+    schema = entry.preprocessing.feature_schema
+    family = SimpleNamespace(name="credit-risk", policy=policy, schema=schema, n_schema_features=len(schema.features),
+                             is_ensemble=members > 1, calibration_method="temperature", feature_version="fs-1")
+    columns = ColumnAssembler(FeatureAssembler(entry.preprocessing))
+    assembled = columns.assemble(records)
+    n, rng = len(records), np.random.default_rng(seed)
+    edges = [b.min_probability for b in policy.bands]
+    probabilities = rng.uniform(0, 1, (members, n))
+    probabilities[:, :len(edges) * 2] = np.concatenate([edges, np.nextafter(edges, 0.0)])
+    probabilities[:, -3:] = [math.nan, 1.5, -0.25]  # usable yet refused by the policy
+    sources = [Source.INFERENCE, Source.CACHE, Source.STALE_CACHE, Source.FALLBACK]
+    served = [Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if sources[k % 4] is Source.FALLBACK else
+              Scored(np.zeros(2, np.float32), f"v{k % 3}", sources[k % 4], 17 * (k % 5),
+                     "INFERENCE_TIMEOUT" if sources[k % 4] is Source.STALE_CACHE else "") for k in range(n)]
+    usable = np.array([served[k].source is not Source.FALLBACK and k % 11 != 5 for k in range(n)])
+    group = Group(family, list(range(n)), [PredictInput(f"r{k}", f"e{k}", records[k]) for k in range(n)],
+                  assembled.matrix, columns.guards(assembled.actions), [f"fp{k}" for k in range(n)],
+                  served=served, probabilities=np.where(usable, probabilities, 0.0), usable=usable,
+                  model_versions=[s.model_version for s in served], errors={7: UnexpectedFailure("internal error")})
+    group.occluded = {k: rng.uniform(0, 1, (members, family.n_schema_features)) for k in range(0, n, 13) if usable[k]}
+    return group
+
+
+def _decided(d) -> list:
+    return [(k, d.columns[j], d.columns.fingerprints[j], d.spread[j], d.from_cache[j], d.calibration_method[j],
+             d.explanations.get(j), d.without_model.get(j)) for j, k in enumerate(d.rows)]
+
+
+@pytest.mark.parametrize("members", [1, 3, 8])
+def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(members, credit_entry, credit_holdout):
+    """Every holdout applicant's row decided alone (the row-wise path a Predict takes) gives the same
+    record, reason codes, probability bits, spread, explanation and errors as deciding them all at once."""
+    from datetime import datetime, timezone
+
+    from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+    from mlpair.prediction.decisions import decide_columns, decide_rows
+
+    group = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
+    assert len(group) >= ROW_WISE_BELOW
+    at = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    columnar_ = decide_columns(group, at, 3, {})
+    row_wise_ = decide_rows(group, at, 3)
+    assert _decided(row_wise_) == _decided(columnar_)
+    assert {k: str(e) for k, e in row_wise_.errors.items()} == {k: str(e) for k, e in columnar_.errors.items()}
+    assert len(columnar_.errors) > 3 and columnar_.explanations and columnar_.without_model
+    probs = [p for p in columnar_.columns.probability if p is not None]
+    assert [p.hex() for p in probs] == [p.hex() for p in row_wise_.columns.probability if p is not None]
+    one = Group(group.family, [0], group.requests[:1], group.vectors[:1], group.guards[:1], group.fingerprints[:1],
+                served=group.served[:1], probabilities=group.probabilities[:, :1], usable=group.usable[:1],
+                model_versions=group.model_versions[:1], occluded={k: v for k, v in group.occluded.items() if k == 0})
+    assert _decided(decide_columns(one, at, 3, {})) == _decided(columnar_)[:1]  # one row takes the row-wise path
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
+    """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
+    from mlpair.prediction.cache import Scored, Source
+    from mlpair.prediction.scoring import _fill, _fill_rows
+
+    records = credit_holdout.records[:40]
+    rng = np.random.default_rng(members)
+    sizes = [1 + 5 * (k % 3 == 0) for k in range(len(records))]  # explained items carry occluded rows
+    total = sum(sizes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    answers = [[Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
+                Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2], r % 3)
+                for r in range(total)] for m in range(members)]
+    probabilities, usable = rng.uniform(0, 1, (members, total)), rng.uniform(0, 1, total) > 0.1
+    margins = rng.normal(size=total)
+    filled = []
+    for fill in (_fill, _fill_rows):
+        group = _scored_group(credit_entry, records, members, seed=0)
+        n = len(group)
+        group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
+        group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
+        fill(group, 0, n, answers, probabilities, usable, margins, offsets, sizes)
+        filled.append((group.served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
+                       group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
+    assert filled[0] == filled[1]
+    assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and filled[0][5]
+
+
+def test_a_few_rows_assembled_row_by_row_get_the_columnar_guards(credit_entry, credit_holdout):
+    """``batch._row_wise`` (groups under eight rows) builds each row's guards from the row-wise
+    assembler; they are the ones :meth:`ColumnAssembler.guards` decodes, on every holdout record."""
+    from types import SimpleNamespace
+
+    from mlpair.prediction.batch import _row_wise
+
+    assembler = FeatureAssembler(credit_entry.preprocessing)
+    columns = ColumnAssembler(assembler)
+    family = SimpleNamespace(schema=credit_entry.preprocessing.feature_schema, assembler=assembler)
+    records = [dict(r) for r in credit_holdout.records]
+    records[1]["Age"] = "abc"  # refused
+    assembled = columns.assemble(records)
+    expected = columns.guards(assembled.actions)
+    row_wise_, guards = _row_wise(family, columns, records)
+    kept = [i for i in range(len(records)) if i not in assembled.problems]  # a refused row's values mean nothing
+    assert row_wise_.problems == assembled.problems and len(kept) == len(records) - 1
+    assert row_wise_.matrix[kept].tobytes() == assembled.matrix[kept].tobytes()
+    assert [guards[i] for i in kept] == [expected[i] for i in kept]
+    assert sum(g.defaulted > 0 for g in guards) > 0 and sum(len(g.reason_codes) > 1 for g in guards) > 0

@@ -1,0 +1,104 @@
+"""The ledger's bulk path (a BatchPredict's decisions as columns, one statement): exactly one row
+per request id, replays and repeats answered as the group commit answers them, exact counts."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import pytest
+
+from bench.pair import scratch_postgres
+from mlpair.prediction.crm.admin import migrate
+from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
+from mlpair.prediction.crm.ledger import open_ledger
+from mlpair.prediction.crm.recorder import DecisionRecorder
+from mlpair.prediction.crm.store import decision_id_for
+from mlpair.prediction.errors import LedgerUnavailable
+from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def columns(request_ids: list[str], fingerprint: str = "fp", decision: str = "APPROVE") -> DecisionColumns:
+    n = len(request_ids)
+    now = datetime.now(timezone.utc)
+    return DecisionColumns(
+        list(request_ids), [decision_id_for(r) for r in request_ids], [f"e-{r}" for r in request_ids],
+        ["credit-risk"] * n, ["1"] * n, ["credit-risk/v1"] * n, ["policy/v1"] * n,
+        [0.125 if i % 5 else None for i in range(n)], [decision] * n,
+        [("LOW_DEFAULT_RISK",) if i % 3 else ("A", "B_MISSING_DEFAULTED") for i in range(n)],
+        ["inference"] * n, [0] * n, [""] * n, [now] * n, [fingerprint] * n)
+
+
+@pytest.fixture
+def postgres_url():
+    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
+    with scratch_postgres(prefix="mlpair_bulk") as url:
+        yield url
+
+
+@pytest.fixture
+async def recorder(postgres_url):
+    await migrate(postgres_url, postgres_url)
+    recorder = DecisionRecorder.open(postgres_url, postgres_url, ledger_timeout_s=15.0, linger_s=0.0)
+    await recorder.start()
+    try:
+        yield recorder
+    finally:
+        await recorder.close()
+
+
+async def ledger_rows(ledger) -> int:
+    async with ledger._connection() as conn:
+        return int(await conn.fetchval('SELECT count(*) FROM "prediction".decision_ledger'))
+
+
+async def test_a_batch_with_repeats_and_replays_records_exactly_one_row_per_new_request_id(recorder):
+    earlier = [f"old-{i}" for i in range(30)]
+    assert not any(isinstance(o, LedgerUnavailable) for o in await recorder.record_many(
+        columns(earlier[:20]), ["fp"] * 20))
+    await recorder.record_many(columns(earlier[20:], fingerprint="other", decision="DECLINE"), ["other"] * 10)
+    fresh = [f"new-{i}" for i in range(300)]
+    ids = fresh + earlier + fresh[:25]  # 300 new, 30 on record already, 25 repeated within the batch
+    batch = columns(ids)
+    outcomes = await recorder.record_many(batch, batch.fingerprints)
+    assert isinstance(outcomes, RecordedBatch) and len(outcomes) == len(ids) == 355
+    assert await ledger_rows(recorder.ledger) == 330  # exactly one row per request id
+    replayed = [i for i, o in enumerate(outcomes) if o.replayed]
+    assert replayed == list(range(300, 355))
+    assert all(outcomes[i].decision == batch[i] and outcomes[i].fingerprint == "fp" for i in range(300))
+    # on record before: what was recorded then (another payload's fingerprint where it differed)
+    assert [outcomes[300 + i].fingerprint for i in range(30)] == ["fp"] * 20 + ["other"] * 10
+    assert {outcomes[320 + i].decision.decision for i in range(10)} == {"DECLINE"}
+    # a repeat within the batch: the decision of its first occurrence, as a replay
+    assert all(outcomes[330 + i].decision == batch[i] for i in range(25))
+    assert await recorder.wait_delivered(30)
+    assert await recorder.crm.count() == 330
+
+
+async def test_concurrent_bulk_batches_of_the_same_request_ids_record_one_decision_each(recorder):
+    ids = [f"race-{i}" for i in range(200)]
+    a, b = columns(ids, decision="APPROVE"), columns(list(reversed(ids)), decision="DECLINE")
+    first, second = await asyncio.gather(recorder.record_many(a, a.fingerprints), recorder.record_many(b, b.fingerprints))
+    assert await ledger_rows(recorder.ledger) == 200
+    # each id went to exactly one batch as new, and the other got that decision as a replay
+    for i, rid in enumerate(ids):
+        x, y = first[i], second[len(ids) - 1 - i]
+        assert x.replayed != y.replayed and x.decision.decision_id == y.decision.decision_id == decision_id_for(rid)
+        assert x.decision.decision == y.decision.decision
+
+
+async def test_a_bulk_commit_that_fails_returns_ledger_unavailable_for_every_row(postgres_url):
+    await migrate(postgres_url, postgres_url)
+    ledger = open_ledger(postgres_url, timeout_s=15.0)
+    await ledger.open()
+    try:
+        async with ledger._connection() as conn:  # a ledger that refuses writes
+            await conn.execute('ALTER TABLE "prediction".decision_ledger ADD CONSTRAINT no_rows CHECK (false) NOT VALID')
+        batch = columns([f"refused-{i}" for i in range(40)])
+        outcomes = await ledger.record_many(batch, batch.fingerprints)
+        assert [type(o) for o in outcomes] == [LedgerUnavailable] * 40 and not ledger.reachable
+        assert await ledger_rows(ledger) == 0
+    finally:
+        await ledger.close()
