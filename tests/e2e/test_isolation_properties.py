@@ -139,7 +139,11 @@ async def test_no_bad_caller_changes_a_good_callers_answer(services, credit_hold
         elif kind == "refused":
             assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert transitions() == before and predictor.scorer.caller.breaker.state.name == "CLOSED"
-    assert forwarder.calls - calls_before <= 2  # everyone reached InferenceService in at most two shared calls
+    # the callers really shared calls (else the property would be vacuous): the rows that must reach
+    # InferenceService went in at most half as many calls (two at least: one coalescing window may close
+    # while a busy event loop is still reading the last requests)
+    reaching = sum(kind in ("good", "poisoned", "nonfinite") for kind in kinds)
+    assert forwarder.calls - calls_before <= max(2, reaching // 2), (forwarder.calls - calls_before, reaching)
 
 
 def request(rid: str, record: dict) -> pb.PredictRequest:
