@@ -134,7 +134,7 @@ def sigterm(process: subprocess.Popen) -> Callable[[], Awaitable[None]]:
 
 
 @pytest.mark.timeout(150)
-async def test_inference_calls_across_the_drain_end_ok_or_unavailable_never_cancelled(model_repository, holdout_x,
+async def test_c50_inference_calls_across_the_drain_end_ok_or_unavailable_never_cancelled(model_repository, holdout_x,
                                                                                 good_metadata):
     """5 SIGTERMs to a real ``mlpair serve inference`` process, 4 callers sending 1-row Infer calls."""
     x = holdout_x[:1]
@@ -157,7 +157,7 @@ async def test_inference_calls_across_the_drain_end_ok_or_unavailable_never_canc
 
 
 @pytest.mark.timeout(150)
-async def test_prediction_calls_across_the_drain_end_ok_or_unavailable_never_cancelled(
+async def test_c50_prediction_calls_across_the_drain_end_ok_or_unavailable_never_cancelled(
         model_repository, inference_server, credit_holdout, tmp_path):
     """5 drains of PredictionService, in process (the code ``serve`` runs on SIGTERM: a process start
     costs ~9 s of imports here), 4 callers sending Predict calls for real applicants."""
@@ -215,7 +215,7 @@ async def watch_then_sigterm(port: int, process: subprocess.Popen) -> tuple[floa
 
 
 @pytest.mark.timeout(120)
-async def test_an_open_health_watch_does_not_hold_the_shutdown(model_repository, inference_server, prediction_databases):
+async def test_c47_an_open_health_watch_does_not_hold_the_shutdown(model_repository, inference_server, prediction_databases):
     """6 s grace; each process exits within 2 s of SIGTERM, and its watcher saw NOT_SERVING first."""
     for role in ("inference", "prediction"):
         port = free_port()
@@ -227,3 +227,24 @@ async def test_an_open_health_watch_does_not_hold_the_shutdown(model_repository,
         print(f"{role}: exited {took:.2f} s after SIGTERM with a Watch open (grace 6 s)")  # for the record
         assert took < 2.0, f"{role} took {took:.2f} s to exit with a Watch open"
         assert seen[0] == health_pb2.HealthCheckResponse.SERVING and seen[-1] == NOT_SERVING, (role, seen)
+
+
+@pytest.mark.timeout(60)
+def test_c48_a_second_server_on_a_port_in_use_exits_2_naming_the_port(inference_server, tmp_path):
+    """Both services, a single process and a supervisor of two workers, started on the gRPC port the
+    suite's InferenceService already serves: each exits 2 within 10 s with one line naming the port."""
+    port = inference_server.rsplit(":", 1)[1]
+    for role in ("inference", "prediction"):
+        for workers in ("1", "2"):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERENCE_", "PREDICTION_"))}
+            prefix = role.upper()
+            env.update({f"{prefix}_HOST": "127.0.0.1", f"{prefix}_PORT": port, f"{prefix}_METRICS_PORT": "0",
+                        f"{prefix}_WORKERS": workers, f"{prefix}_MODEL_REPOSITORY": str(tmp_path)})
+            started = time.monotonic()
+            run = subprocess.run([sys.executable, "-m", "mlpair.cli", "serve", role], cwd=REPO_ROOT, env=env,
+                                 capture_output=True, text=True, timeout=30)
+            took = time.monotonic() - started
+            last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
+            assert run.returncode == 2, (role, workers, run.stderr[-1000:])
+            assert f"port {port} is in use" in last, (role, workers, last)
+            assert took < 10, (role, workers, took)
