@@ -48,8 +48,10 @@ def attribute_rows(config_dir: Path, model_repository: Path) -> list[AttributeRo
     for path in sorted(config_dir.glob(f"*/{SCHEMA_FILE}")):
         schema = FeatureSchema.from_toml(path)
         try:
-            vocabularies = {name: p.vocabulary for name, p in
-                            load_latest(model_repository, schema.name).preprocessing.categorical.items()}
+            vocabularies = {
+                name: p.vocabulary
+                for name, p in load_latest(model_repository, schema.name).preprocessing.categorical.items()
+            }
         except ManifestError:
             vocabularies = {}
         rows.extend(_numeric_row(schema.name, f) for f in schema.numeric)
@@ -63,8 +65,15 @@ def _numeric_row(family: str, f: NumericFeature) -> AttributeRow:
     accepted = "a number" + (" or a decimal string" if f.strings == "parse" else "")
     if f.sentinels:
         accepted += f"; {' and '.join(map(_number, f.sentinels))} {'mean' if len(f.sentinels) > 1 else 'means'} missing"
-    return AttributeRow(family, f.name, f.display, "whole number" if f.type == "integer" else "number", f.unit,
-                        f"{_number(f.min)} – {_number(f.max)}", accepted)
+    return AttributeRow(
+        family,
+        f.name,
+        f.display,
+        "whole number" if f.type == "integer" else "number",
+        f.unit,
+        f"{_number(f.min)} – {_number(f.max)}",
+        accepted,
+    )
 
 
 def _number(value: float) -> str:
@@ -87,10 +96,17 @@ def markdown(rows: list[AttributeRow]) -> str:
     """The table as GitHub Markdown: a heading and a table per family."""
     out: list[str] = []
     for family in dict.fromkeys(r.family for r in rows):
-        out += [f"**{family}**", "", "| attribute | meaning | type | unit | range | accepted values |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| `{r.name}` | {r.label} | {r.type} | {r.unit} | {r.range} | {r.accepted} |"
-                for r in rows if r.family == family]
+        out += [
+            f"**{family}**",
+            "",
+            "| attribute | meaning | type | unit | range | accepted values |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| `{r.name}` | {r.label} | {r.type} | {r.unit} | {r.range} | {r.accepted} |"
+            for r in rows
+            if r.family == family
+        ]
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 
@@ -104,4 +120,4 @@ def readme_section(readme: str) -> str:
     start, end = readme.find(README_BEGIN), readme.find(README_END)
     if start < 0 or end < start:
         raise ValueError("the README has no generated attribute table (markers missing)")
-    return readme[start + len(README_BEGIN):end].strip("\n") + "\n"
+    return readme[start + len(README_BEGIN) : end].strip("\n") + "\n"

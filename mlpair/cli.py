@@ -35,9 +35,14 @@ def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[Base
         flag = "--" + name.replace("_", "-")
         is_list = typing.get_origin(field.annotation) is list
         is_dict = typing.get_origin(field.annotation) is dict
-        parser.add_argument(flag, dest=name, default=None, nargs="*" if is_list else None,
-                            type=json.loads if is_dict else None,
-                            help=f"{field.description} [env {env}; default {field.default!r}]")
+        parser.add_argument(
+            flag,
+            dest=name,
+            default=None,
+            nargs="*" if is_list else None,
+            type=json.loads if is_dict else None,
+            help=f"{field.description} [env {env}; default {field.default!r}]",
+        )
 
 
 def _settings(settings_cls: type[BaseSettings], args: argparse.Namespace) -> BaseSettings:
@@ -100,8 +105,9 @@ def _run_server(layer: str, settings, serve, *, on_gpu: bool = False) -> int:
     try:
         workers = worker_count(settings.workers, uses_gpu=on_gpu)
         if workers > 1:
-            return supervise(layer, settings, workers,
-                             functools.partial(_serve_process, layer, serve=serve, shared_port=True))
+            return supervise(
+                layer, settings, workers, functools.partial(_serve_process, layer, serve=serve, shared_port=True)
+            )
     except StartupError as exc:
         return _fail(f"{layer} service", exc, 2)
     return _serve_process(layer, settings, serve)
@@ -130,8 +136,13 @@ def _serve_process(layer: str, settings, serve, *, shared_port: bool = False) ->
 
     # The standard OTEL_* variables fill in what the project's own settings leave unset.
     sample_ratio = settings.trace_sample_ratio if "trace_sample_ratio" in settings.model_fields_set else None
-    provider = build_tracer_provider(f"mlpair-{layer}", otlp_endpoint=settings.otlp_endpoint,
-                                     sample_ratio=sample_ratio, service_version=version("mlpair"), environ=os.environ)
+    provider = build_tracer_provider(
+        f"mlpair-{layer}",
+        otlp_endpoint=settings.otlp_endpoint,
+        sample_ratio=sample_ratio,
+        service_version=version("mlpair"),
+        environ=os.environ,
+    )
     trace.set_tracer_provider(provider)
     try:
         if not shared_port and settings.metrics_port:
@@ -144,7 +155,7 @@ def _serve_process(layer: str, settings, serve, *, shared_port: bool = False) ->
         asyncio.run(serve(settings, shared_port=shared_port))
     except StartupError as exc:  # the user can fix it: one line, exit 2
         return _fail(f"{layer} service", exc, 2)
-    except Exception as exc:  # anything else: one line, exit 1, the traceback with --debug
+    except Exception as exc:  # noqa: BLE001  (anything else: one line, exit 1, the traceback with --debug)
         return _fail(f"{layer} service failed to start", exc, 1)
     finally:
         provider.shutdown()  # flushes spans still batched for export
@@ -161,8 +172,11 @@ def _train(args: argparse.Namespace) -> int:
     configure_logging("training", "INFO")
     schemas = [Path(s) for s in args.schema or DEFAULT_SCHEMAS]
     if missing := [str(s) for s in schemas if not s.is_file()]:
-        print(f"mlpair: no feature schema at {', '.join(missing)} (paths are relative to {Path.cwd()}); "
-              "run from the repository root or pass --schema", file=sys.stderr)
+        print(
+            f"mlpair: no feature schema at {', '.join(missing)} (paths are relative to {Path.cwd()}); "
+            "run from the repository root or pass --schema",
+            file=sys.stderr,
+        )
         return 2
     for schema in schemas:
         config = load_train_config(Path(schema))
@@ -173,8 +187,14 @@ def _train(args: argparse.Namespace) -> int:
         cal = m.metrics["holdout_calibrated"]
         logging.getLogger("mlpair").info(
             "%s version %s %s: holdout ROC AUC %.4f, Brier %.4f, ECE %.4f (calibration %s)",
-            m.model_name, m.model_version, "trained" if fresh else "reused (up to date)",
-            cal["roc_auc"], cal["brier"], cal["ece_15"], m.calibration.method)
+            m.model_name,
+            m.model_version,
+            "trained" if fresh else "reused (up to date)",
+            cal["roc_auc"],
+            cal["brier"],
+            cal["ece_15"],
+            m.calibration.method,
+        )
     return 0
 
 
@@ -189,30 +209,41 @@ def _migrate(args: argparse.Namespace) -> int:
     defaults = PredictionSettings()  # PREDICTION_LEDGER_URL and PREDICTION_CRM_URL, as the services read them
     ledger_url, crm_url = args.ledger_url or defaults.ledger_url, args.crm_url or defaults.crm_url
     try:
-        report = asyncio.run(migrate(ledger_url, crm_url, serving_role=args.serving_role,
-                                     import_outboxes=[Path(p) for p in args.import_outbox or []],
-                                     backfill_from_crm=args.backfill_from_crm))
+        report = asyncio.run(
+            migrate(
+                ledger_url,
+                crm_url,
+                serving_role=args.serving_role,
+                import_outboxes=[Path(p) for p in args.import_outbox or []],
+                backfill_from_crm=args.backfill_from_crm,
+            )
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"mlpair migrate: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001  (a database refused or is unreachable: one line, detail with --debug)
         if _debug:
             logging.getLogger("mlpair").error("migration failed", exc_info=True)
-        print(f"mlpair migrate: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'failed'}",
-              file=sys.stderr)
+        print(
+            f"mlpair migrate: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'failed'}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"ledger at {report.revisions['ledger']}, CRM at {report.revisions['crm']}"
-          + (f"; serving role {report.granted_to} granted" if report.granted_to else "")
-          + (f"; {report.imported_from_outboxes} decision(s) imported from outboxes" if args.import_outbox else "")
-          + (f"; {report.backfilled_from_crm} decision(s) backfilled from the CRM" if args.backfill_from_crm else ""))
+    print(
+        f"ledger at {report.revisions['ledger']}, CRM at {report.revisions['crm']}"
+        + (f"; serving role {report.granted_to} granted" if report.granted_to else "")
+        + (f"; {report.imported_from_outboxes} decision(s) imported from outboxes" if args.import_outbox else "")
+        + (f"; {report.backfilled_from_crm} decision(s) backfilled from the CRM" if args.backfill_from_crm else "")
+    )
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from mlpair.demo import run_demo
 
-    return run_demo(Path(args.model_repository), Path(args.workdir), Path(args.config_dir),
-                    concurrency=args.concurrency)
+    return run_demo(
+        Path(args.model_repository), Path(args.workdir), Path(args.config_dir), concurrency=args.concurrency
+    )
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -222,7 +253,8 @@ def _health(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
+            )
         except grpc.RpcError as exc:
             print(f"{args.target}: {exc.code().name}", file=sys.stderr)
             return 1
@@ -267,8 +299,16 @@ def _predict(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from exc
     try:
-        reply = predict(args.target, args.family, attributes, request_id=args.request_id, entity_id=args.entity_id,
-                        explain=args.explain, timeout_s=args.timeout_s, credentials=credentials)
+        reply = predict(
+            args.target,
+            args.family,
+            attributes,
+            request_id=args.request_id,
+            entity_id=args.entity_id,
+            explain=args.explain,
+            timeout_s=args.timeout_s,
+            credentials=credentials,
+        )
     except grpc.RpcError as exc:
         print(f"mlpair predict: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -307,26 +347,49 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train model families on real data into the model repository")
-    train.add_argument("--schema", action="append", help="feature schema file (repeatable) [default: credit-risk and churn]")
+    train.add_argument(
+        "--schema", action="append", help="feature schema file (repeatable) [default: credit-risk and churn]"
+    )
     train.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
     train.add_argument("--force", action="store_true", help="train a new version even if the latest is up to date")
-    train.add_argument("--seed", type=int, default=None,
-                       help="weight-initialisation seed instead of the family's training.toml one (an ensemble member; "
-                            "the data split stays the same)")
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="weight-initialisation seed instead of the family's training.toml one (an ensemble member; "
+        "the data split stays the same)",
+    )
     train.set_defaults(func=_train)
 
-    migrate = sub.add_parser("migrate", help="create or upgrade the decision ledger and CRM schemas, as their owner "
-                                             "(before each deploy: the services never migrate)")
-    migrate.add_argument("--ledger-url", default=None,
-                         help="decision ledger URL [env PREDICTION_LEDGER_URL; default as `serve prediction`]")
-    migrate.add_argument("--crm-url", default=None, help="CRM database URL [env PREDICTION_CRM_URL; default as `serve prediction`]")
-    migrate.add_argument("--serving-role", default=None,
-                         help="PostgreSQL role the services connect as: granted exactly what they use, no DDL")
-    migrate.add_argument("--import-outbox", action="append", metavar="FILE",
-                         help="an outbox file of the previous release (per-pod SQLite) whose decisions join the ledger "
-                              "(repeatable)")
-    migrate.add_argument("--backfill-from-crm", action="store_true",
-                         help="add every CRM decision the ledger lacks (once, when moving to the shared ledger)")
+    migrate = sub.add_parser(
+        "migrate",
+        help="create or upgrade the decision ledger and CRM schemas, as their owner "
+        "(before each deploy: the services never migrate)",
+    )
+    migrate.add_argument(
+        "--ledger-url",
+        default=None,
+        help="decision ledger URL [env PREDICTION_LEDGER_URL; default as `serve prediction`]",
+    )
+    migrate.add_argument(
+        "--crm-url", default=None, help="CRM database URL [env PREDICTION_CRM_URL; default as `serve prediction`]"
+    )
+    migrate.add_argument(
+        "--serving-role",
+        default=None,
+        help="PostgreSQL role the services connect as: granted exactly what they use, no DDL",
+    )
+    migrate.add_argument(
+        "--import-outbox",
+        action="append",
+        metavar="FILE",
+        help="an outbox file of the previous release (per-pod SQLite) whose decisions join the ledger (repeatable)",
+    )
+    migrate.add_argument(
+        "--backfill-from-crm",
+        action="store_true",
+        help="add every CRM decision the ledger lacks (once, when moving to the shared ledger)",
+    )
     migrate.set_defaults(func=_migrate)
 
     serve = sub.add_parser("serve", help="run one of the two services")
@@ -351,33 +414,55 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout-s", type=float, default=2.0, help="seconds to wait [default: 2]")
     health.set_defaults(func=_health)
 
-    predict = sub.add_parser("predict", help="one decision from a running PredictionService: decision, reasons, "
-                                             "probability")
-    predict.add_argument("--family", required=True, help="model family, e.g. credit-risk (`mlpair attributes` lists them)")
-    predict.add_argument("--attr", action="append", metavar="NAME=VALUE",
-                         help="one raw attribute (repeatable); a number travels as a number, NAME= as missing")
-    predict.add_argument("--target", default="127.0.0.1:9001", help="PredictionService host:port [default: 127.0.0.1:9001]")
+    predict = sub.add_parser(
+        "predict", help="one decision from a running PredictionService: decision, reasons, probability"
+    )
+    predict.add_argument(
+        "--family", required=True, help="model family, e.g. credit-risk (`mlpair attributes` lists them)"
+    )
+    predict.add_argument(
+        "--attr",
+        action="append",
+        metavar="NAME=VALUE",
+        help="one raw attribute (repeatable); a number travels as a number, NAME= as missing",
+    )
+    predict.add_argument(
+        "--target", default="127.0.0.1:9001", help="PredictionService host:port [default: 127.0.0.1:9001]"
+    )
     predict.add_argument("--request-id", default="", help="idempotency key [default: a new UUID]")
     predict.add_argument("--entity-id", required=True, help="the entity decided about (stored with the decision)")
     predict.add_argument("--explain", action="store_true", help="also print the top reasons in business language")
     predict.add_argument("--timeout-s", type=float, default=10.0, help="deadline in seconds [default: 10]")
-    predict.add_argument("--tls-ca-file", type=Path, default=None, help="CA of the server's certificate: TLS instead of plaintext")
-    predict.add_argument("--tls-cert-file", type=Path, default=None, help="client certificate (mTLS; with --tls-key-file)")
+    predict.add_argument(
+        "--tls-ca-file", type=Path, default=None, help="CA of the server's certificate: TLS instead of plaintext"
+    )
+    predict.add_argument(
+        "--tls-cert-file", type=Path, default=None, help="client certificate (mTLS; with --tls-key-file)"
+    )
     predict.add_argument("--tls-key-file", type=Path, default=None, help="client private key (mTLS)")
     predict.set_defaults(func=_predict)
 
     attributes = sub.add_parser("attributes", help="each family's attributes: type, unit, range, accepted categories")
     attributes.add_argument("--config-dir", default="config", help="schemas [default: config]")
-    attributes.add_argument("--model-repository", default="var/models",
-                            help="trained models, whose vocabularies list the categories [default: var/models]")
+    attributes.add_argument(
+        "--model-repository",
+        default="var/models",
+        help="trained models, whose vocabularies list the categories [default: var/models]",
+    )
     attributes.add_argument("--markdown", action="store_true", help="print the README's Markdown table")
     attributes.set_defaults(func=_attributes)
 
-    drift = sub.add_parser("drift-report", help="drift of a running PredictionService's features and scores; "
-                                                 f"exit 0 none, 2 drift, {DRIFT_NO_VERDICT} no verdict yet "
-                                                 "(too few decisions), 1 unreadable")
-    drift.add_argument("--metrics-url", default="http://127.0.0.1:9002/metrics",
-                       help="PredictionService Prometheus endpoint [default: http://127.0.0.1:9002/metrics]")
+    drift = sub.add_parser(
+        "drift-report",
+        help="drift of a running PredictionService's features and scores; "
+        f"exit 0 none, 2 drift, {DRIFT_NO_VERDICT} no verdict yet "
+        "(too few decisions), 1 unreadable",
+    )
+    drift.add_argument(
+        "--metrics-url",
+        default="http://127.0.0.1:9002/metrics",
+        help="PredictionService Prometheus endpoint [default: http://127.0.0.1:9002/metrics]",
+    )
     drift.add_argument("--json", action="store_true", help="print JSON instead of a table")
     drift.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait [default: 5]")
     drift.set_defaults(func=_drift_report)

@@ -80,9 +80,13 @@ def discover_families(config_dir: Path) -> list[str]:
 
 def start_service(role: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """Starts ``mlpair serve <role>`` as its own process, logging to ``log_path``."""
-    log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", role], env={**os.environ, **env},
-                            stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "mlpair.cli", "serve", role],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def wait_ready(target: str, process: subprocess.Popen, log_path: Path) -> None:
@@ -111,8 +115,9 @@ def stop_service(process: subprocess.Popen, grace_s: float = 30.0) -> int:
     return process.returncode
 
 
-async def replay(target: str, model_name: str, requests: list[tuple[str, str, dict]], concurrency: int,
-                 progress: bool) -> Replay:
+async def replay(
+    target: str, model_name: str, requests: list[tuple[str, str, dict]], concurrency: int, progress: bool
+) -> Replay:
     """Sends every ``(request_id, entity_id, attributes)`` through Predict, ``concurrency`` at a time."""
     import grpc
     from rich.progress import Progress
@@ -132,9 +137,15 @@ async def replay(target: str, model_name: str, requests: list[tuple[str, str, di
                 async with gate:
                     t0 = time.perf_counter()
                     try:
-                        reply = await stub.Predict(pb.PredictRequest(
-                            request_id=request_id, entity_id=entity_id, model_name=model_name,
-                            attributes=to_attributes(attributes)), timeout=10)
+                        reply = await stub.Predict(
+                            pb.PredictRequest(
+                                request_id=request_id,
+                                entity_id=entity_id,
+                                model_name=model_name,
+                                attributes=to_attributes(attributes),
+                            ),
+                            timeout=10,
+                        )
                     except grpc.RpcError as exc:
                         out.failures[exc.code().name] += 1
                     else:
@@ -159,11 +170,20 @@ async def explain_sample(target: str, run: FamilyRun, run_id: str) -> None:
     from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
     from mlpair.prediction.converters import to_attributes
 
-    items = [pb.PredictRequest(request_id=f"demo-{run_id}-{run.name}-explain-{eid}", entity_id=eid,
-                               model_name=run.name, attributes=to_attributes(rec), explain=True)
-             for eid, rec in zip(run.holdout.entity_ids[:EXPLAIN_SAMPLE], run.holdout.records)]
+    items = [
+        pb.PredictRequest(
+            request_id=f"demo-{run_id}-{run.name}-explain-{eid}",
+            entity_id=eid,
+            model_name=run.name,
+            attributes=to_attributes(rec),
+            explain=True,
+        )
+        for eid, rec in zip(run.holdout.entity_ids[:EXPLAIN_SAMPLE], run.holdout.records)
+    ]
     async with grpc.aio.insecure_channel(target) as channel:
-        reply = await pb_grpc.PredictionServiceStub(channel).BatchPredict(pb.BatchPredictRequest(requests=items), timeout=10)
+        reply = await pb_grpc.PredictionServiceStub(channel).BatchPredict(
+            pb.BatchPredictRequest(requests=items), timeout=10
+        )
     run.explained = [r.prediction for r in reply.results if r.WhichOneof("outcome") == "prediction"]
     run.explain_failures = len(items) - len(run.explained)
 
@@ -177,8 +197,17 @@ async def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
     x = FeatureAssembler(run.entry.preprocessing).assemble_many(run.holdout.records)
     client = InferenceClient(target, timeout_ms=10_000, max_message_bytes=16 * 1024 * 1024)
     try:
-        logits = [(await client.infer(run.name, manifest.model_version, manifest.versions.feature_schema_version,
-                                      x[i:i + INFER_CHUNK_ROWS]))[0] for i in range(0, len(x), INFER_CHUNK_ROWS)]
+        logits = [
+            (
+                await client.infer(
+                    run.name,
+                    manifest.model_version,
+                    manifest.versions.feature_schema_version,
+                    x[i : i + INFER_CHUNK_ROWS],
+                )
+            )[0]
+            for i in range(0, len(x), INFER_CHUNK_ROWS)
+        ]
     finally:
         await client.close()
     return manifest.calibration.probabilities(np.concatenate(logits), manifest.positive_index, "none")
@@ -197,8 +226,13 @@ async def crm_rows(crm_url: str, request_ids: list[str], wait_s: float = 10.0) -
     try:
         while True:
             async with engine.connect() as conn:
-                rows = int(await conn.scalar(select(func.count()).select_from(DecisionRecord)
-                                             .where(DecisionRecord.request_id.in_(request_ids))))
+                rows = int(
+                    await conn.scalar(
+                        select(func.count())
+                        .select_from(DecisionRecord)
+                        .where(DecisionRecord.request_id.in_(request_ids))
+                    )
+                )
             if rows >= len(request_ids) or time.monotonic() > deadline:
                 return rows
             await asyncio.sleep(0.1)
@@ -225,12 +259,14 @@ def prepare(config_dir: Path, model_repository: Path, name: str, run_id: str, pr
     assembler = FeatureAssembler(entry.preprocessing)
     weights = fit_logistic_regression(assembler.assemble_many(train.records), train.labels)
     baseline = predict_probability(weights, assembler.assemble_many(holdout.records))
-    return FamilyRun(name, entry, fresh, holdout, requests, quality_targets(config_dir / name / TRAINING_CONFIG_FILE),
-                     baseline)
+    return FamilyRun(
+        name, entry, fresh, holdout, requests, quality_targets(config_dir / name / TRAINING_CONFIG_FILE), baseline
+    )
 
 
-def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurrency: int = 32,
-             progress: bool = True) -> int:
+def run_demo(
+    model_repository: Path, workdir: Path, config_dir: Path, *, concurrency: int = 32, progress: bool = True
+) -> int:
     """Runs the whole job; returns the process exit code (0 only if everything succeeded)."""
     from rich.console import Console
 
@@ -242,44 +278,64 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
     runs = [prepare(config_dir, model_repository, name, run_id, progress) for name in names]
     for run in runs:
         m = run.entry.manifest
-        console.print(f"{run.name} version {m.model_version}: {'trained' if run.fresh else 'reused (up to date)'}"
-                      f"{', ' + _training_end(m.training) if _training_end(m.training) else ''}; source {m.data_source['source']}, {m.data_source['rows']} rows, "
-                      f"holdout {len(run.requests)}")
+        console.print(
+            f"{run.name} version {m.model_version}: {'trained' if run.fresh else 'reused (up to date)'}"
+            f"{', ' + _training_end(m.training) if _training_end(m.training) else ''}; source {m.data_source['source']}, {m.data_source['rows']} rows, "
+            f"holdout {len(run.requests)}"
+        )
 
     crm_url = f"sqlite+aiosqlite:///{(workdir / 'crm.sqlite').resolve()}"
     ledger_url = f"sqlite+aiosqlite:///{(workdir / 'ledger.sqlite').resolve()}"
     ports = {name: free_port() for name in ("inference", "inference_metrics", "prediction", "prediction_metrics")}
     console.rule("[bold]2. Migrate the decision ledger and the CRM, start both services")
-    migrated = subprocess.run([sys.executable, "-m", "mlpair.cli", "migrate", "--ledger-url", ledger_url,
-                               "--crm-url", crm_url], capture_output=True, text=True)
+    migrated = subprocess.run(
+        [sys.executable, "-m", "mlpair.cli", "migrate", "--ledger-url", ledger_url, "--crm-url", crm_url],
+        capture_output=True,
+        text=True,
+    )
     if migrated.returncode != 0:
         console.print(f"[red]mlpair migrate failed: {migrated.stderr.strip()}")
         return 1
     console.print(f"mlpair migrate: {migrated.stdout.strip()}")
-    inference = start_service("inference", {
-        "INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(ports["inference"]),
-        "INFERENCE_METRICS_PORT": str(ports["inference_metrics"]),
-        "INFERENCE_MODEL_REPOSITORY": str(model_repository.resolve()), "INFERENCE_MODELS": json.dumps(names),
-    }, workdir / "inference.log")
+    inference = start_service(
+        "inference",
+        {
+            "INFERENCE_HOST": "127.0.0.1",
+            "INFERENCE_PORT": str(ports["inference"]),
+            "INFERENCE_METRICS_PORT": str(ports["inference_metrics"]),
+            "INFERENCE_MODEL_REPOSITORY": str(model_repository.resolve()),
+            "INFERENCE_MODELS": json.dumps(names),
+        },
+        workdir / "inference.log",
+    )
     prediction = None
     rows = 0
     try:
         inference_target = f"127.0.0.1:{ports['inference']}"
         wait_ready(inference_target, inference, workdir / "inference.log")
-        prediction = start_service("prediction", {
-            "PREDICTION_HOST": "127.0.0.1", "PREDICTION_PORT": str(ports["prediction"]),
-            "PREDICTION_METRICS_PORT": str(ports["prediction_metrics"]),
-            "PREDICTION_INFERENCE_TARGET": inference_target, "PREDICTION_CRM_URL": crm_url,
-            "PREDICTION_LEDGER_URL": ledger_url,
-            "PREDICTION_MODEL_REPOSITORY": str(model_repository.resolve()),
-            "PREDICTION_CONFIG_DIR": str(config_dir.resolve()), "PREDICTION_MODELS": json.dumps(names),
-            "PREDICTION_MODEL_NAME": names[0],
-        }, workdir / "prediction.log")
+        prediction = start_service(
+            "prediction",
+            {
+                "PREDICTION_HOST": "127.0.0.1",
+                "PREDICTION_PORT": str(ports["prediction"]),
+                "PREDICTION_METRICS_PORT": str(ports["prediction_metrics"]),
+                "PREDICTION_INFERENCE_TARGET": inference_target,
+                "PREDICTION_CRM_URL": crm_url,
+                "PREDICTION_LEDGER_URL": ledger_url,
+                "PREDICTION_MODEL_REPOSITORY": str(model_repository.resolve()),
+                "PREDICTION_CONFIG_DIR": str(config_dir.resolve()),
+                "PREDICTION_MODELS": json.dumps(names),
+                "PREDICTION_MODEL_NAME": names[0],
+            },
+            workdir / "prediction.log",
+        )
         target = f"127.0.0.1:{ports['prediction']}"
         wait_ready(target, prediction, workdir / "prediction.log")
-        console.print(f"InferenceService on :{ports['inference']} (metrics :{ports['inference_metrics']}), "
-                      f"PredictionService on :{ports['prediction']} (metrics :{ports['prediction_metrics']}), "
-                      f"serving {', '.join(names)}")
+        console.print(
+            f"InferenceService on :{ports['inference']} (metrics :{ports['inference_metrics']}), "
+            f"PredictionService on :{ports['prediction']} (metrics :{ports['prediction_metrics']}), "
+            f"serving {', '.join(names)}"
+        )
 
         console.rule(f"[bold]3. Replay {sum(len(r.requests) for r in runs)} holdout records through Predict")
         for run in runs:
@@ -287,12 +343,12 @@ def run_demo(model_repository: Path, workdir: Path, config_dir: Path, *, concurr
             run.retry = asyncio.run(replay(target, run.name, run.requests[:RETRY_SAMPLE], concurrency, False))
             asyncio.run(explain_sample(target, run, run_id))
             run.uncalibrated = asyncio.run(uncalibrated_probabilities(inference_target, run))
-        expected_ids = [r[0] for run in runs for r in run.requests] + \
-                       [p.request_id for run in runs for p in run.explained]
+        expected_ids = [r[0] for run in runs for r in run.requests] + [
+            p.request_id for run in runs for p in run.explained
+        ]
         rows = asyncio.run(crm_rows(crm_url, expected_ids))
     finally:
-        codes = {"prediction": stop_service(prediction) if prediction else None,
-                 "inference": stop_service(inference)}
+        codes = {"prediction": stop_service(prediction) if prediction else None, "inference": stop_service(inference)}
     return _summarise(console, runs, rows, codes, workdir)
 
 
@@ -321,35 +377,67 @@ def _family_rows(run: FamilyRun) -> tuple[list[tuple[str, str]], bool]:
     ece_before, ece_after = expected_calibration_error(labels, before), expected_calibration_error(labels, after)
     min_auc, max_ece = run.targets.get("min_roc_auc", 0.0), run.targets.get("max_ece", 1.0)
     auc_ok, ece_ok = auc >= min_auc, ece_after <= max_ece
-    same_ids = all(run.retry.decision_ids.get(r[0]) == result.decision_ids.get(r[0]) for r in run.requests[:RETRY_SAMPLE])
+    same_ids = all(
+        run.retry.decision_ids.get(r[0]) == result.decision_ids.get(r[0]) for r in run.requests[:RETRY_SAMPLE]
+    )
     mark = {True: "[green]met[/]", False: "[bold red]MISSED[/]"}
     example = run.explained[0] if run.explained else None
     lines = [
         ("holdout records", str(len(run.requests))),
-        ("decisions returned", f"{len(ids)} ({sum(result.failures.values())} failed"
-                               + (f": {dict(result.failures)})" if result.failures else ")")),
+        (
+            "decisions returned",
+            f"{len(ids)} ({sum(result.failures.values())} failed"
+            + (f": {dict(result.failures)})" if result.failures else ")"),
+        ),
         ("holdout ROC AUC (returned probabilities)", f"{auc:.4f}  (target ≥ {min_auc:.2f}: {mark[auc_ok]})"),
-        ("holdout ROC AUC, logistic regression", f"{baseline_auc:.4f}  (same split and features; served model "
-                                                 f"{auc - baseline_auc:+.4f})"),
+        (
+            "holdout ROC AUC, logistic regression",
+            f"{baseline_auc:.4f}  (same split and features; served model {auc - baseline_auc:+.4f})",
+        ),
         ("training", _training_end(run.entry.manifest.training) or "-"),
-        ("Brier score before → after calibration", f"{brier_score(labels, before):.4f} → {brier_score(labels, after):.4f}"),
-        ("ECE (15 bins) before → after calibration",
-         f"{ece_before:.4f} → {ece_after:.4f}  (target ≤ {max_ece:.2f}: {mark[ece_ok]})"),
-        ("calibration", f"{run.entry.manifest.calibration.method} (fitted on {run.entry.manifest.calibration.n_samples} "
-                        "calibration-split rows)"),
+        (
+            "Brier score before → after calibration",
+            f"{brier_score(labels, before):.4f} → {brier_score(labels, after):.4f}",
+        ),
+        (
+            "ECE (15 bins) before → after calibration",
+            f"{ece_before:.4f} → {ece_after:.4f}  (target ≤ {max_ece:.2f}: {mark[ece_ok]})",
+        ),
+        (
+            "calibration",
+            f"{run.entry.manifest.calibration.method} (fitted on {run.entry.manifest.calibration.n_samples} "
+            "calibration-split rows)",
+        ),
         ("decisions", ", ".join(f"{d} {n}" for d, n in Counter(result.decisions.values()).most_common())),
         ("top reason codes", ", ".join(f"{c} {n}" for c, n in result.reasons.most_common(4))),
-        (f"client latency p50 / p99 at {result.concurrency} in flight",
-         f"{np.percentile(lat, 50):.1f} ms / {np.percentile(lat, 99):.1f} ms"),
-        (f"throughput at {result.concurrency} in flight",
-         f"{len(ids) / result.wall_s:.0f} predictions/s" if result.wall_s else "-"),
-        (f"retried {RETRY_SAMPLE} request ids", f"same decision ids: {'yes' if same_ids else 'NO'}; "
-                                                f"{sum(run.retry.failures.values())} failed"),
-        (f"explained (entity {example.request_id.rsplit('-', 1)[-1]})" if example else "explained",
-         f"{example.decision_label} p={example.probability:.3f}: " + "; ".join(example.top_reasons) if example else "FAILED"),
+        (
+            f"client latency p50 / p99 at {result.concurrency} in flight",
+            f"{np.percentile(lat, 50):.1f} ms / {np.percentile(lat, 99):.1f} ms",
+        ),
+        (
+            f"throughput at {result.concurrency} in flight",
+            f"{len(ids) / result.wall_s:.0f} predictions/s" if result.wall_s else "-",
+        ),
+        (
+            f"retried {RETRY_SAMPLE} request ids",
+            f"same decision ids: {'yes' if same_ids else 'NO'}; {sum(run.retry.failures.values())} failed",
+        ),
+        (
+            f"explained (entity {example.request_id.rsplit('-', 1)[-1]})" if example else "explained",
+            f"{example.decision_label} p={example.probability:.3f}: " + "; ".join(example.top_reasons)
+            if example
+            else "FAILED",
+        ),
     ]
-    ok = (not result.failures and not run.retry.failures and len(ids) == len(run.requests) and same_ids
-          and auc_ok and ece_ok and run.explain_failures == 0)
+    ok = (
+        not result.failures
+        and not run.retry.failures
+        and len(ids) == len(run.requests)
+        and same_ids
+        and auc_ok
+        and ece_ok
+        and run.explain_failures == 0
+    )
     return lines, ok
 
 
@@ -361,8 +449,11 @@ def _summarise(console, runs: list[FamilyRun], rows: int, codes: dict, workdir: 
     console.rule("[bold]4. Summary")
     all_ok = True
     for run in runs:
-        table = Table(title=f"{run.name} (model version {run.entry.manifest.model_version})", show_header=False,
-                      title_justify="left")
+        table = Table(
+            title=f"{run.name} (model version {run.entry.manifest.model_version})",
+            show_header=False,
+            title_justify="left",
+        )
         lines, ok = _family_rows(run)
         for key, value in lines:
             table.add_row(key, value)
@@ -370,21 +461,34 @@ def _summarise(console, runs: list[FamilyRun], rows: int, codes: dict, workdir: 
         all_ok &= ok
     holdout, explained = sum(len(r.requests) for r in runs), sum(len(r.explained) for r in runs)
     expected_rows = holdout + explained
-    console.print(f"CRM rows written: {rows} = {holdout} holdout decisions + {explained} explain calls (BatchPredict, "
-                  f"{EXPLAIN_SAMPLE} per family, own request ids); the {sum(len(r.retry.decision_ids) for r in runs)} "
-                  f"retries reused request ids and added none (one row per request id: "
-                  f"{'yes' if rows == expected_rows else 'NO'})")
+    console.print(
+        f"CRM rows written: {rows} = {holdout} holdout decisions + {explained} explain calls (BatchPredict, "
+        f"{EXPLAIN_SAMPLE} per family, own request ids); the {sum(len(r.retry.decision_ids) for r in runs)} "
+        f"retries reused request ids and added none (one row per request id: "
+        f"{'yes' if rows == expected_rows else 'NO'})"
+    )
     console.print(f"service exit codes: {', '.join(f'{k} {v}' for k, v in codes.items())}")
     if all(run.result.probabilities for run in runs):
-        report = write_report([FamilyReport(
-            run.name,
-            np.array([run.holdout.labels[i] for i, r in enumerate(run.requests) if r[0] in run.result.probabilities]),
-            np.array([p for p, r in zip(run.uncalibrated, run.requests) if r[0] in run.result.probabilities]),
-            np.array([run.result.probabilities[r[0]] for r in run.requests if r[0] in run.result.probabilities]),
-            dict(Counter(run.result.decisions.values()).most_common()), np.array(run.result.latencies_ms),
-            np.array([p for p, r in zip(run.baseline, run.requests) if r[0] in run.result.probabilities]),
-            run.result.concurrency,
-        ) for run in runs], workdir / "report.png")
+        report = write_report(
+            [
+                FamilyReport(
+                    run.name,
+                    np.array(
+                        [run.holdout.labels[i] for i, r in enumerate(run.requests) if r[0] in run.result.probabilities]
+                    ),
+                    np.array([p for p, r in zip(run.uncalibrated, run.requests) if r[0] in run.result.probabilities]),
+                    np.array(
+                        [run.result.probabilities[r[0]] for r in run.requests if r[0] in run.result.probabilities]
+                    ),
+                    dict(Counter(run.result.decisions.values()).most_common()),
+                    np.array(run.result.latencies_ms),
+                    np.array([p for p, r in zip(run.baseline, run.requests) if r[0] in run.result.probabilities]),
+                    run.result.concurrency,
+                )
+                for run in runs
+            ],
+            workdir / "report.png",
+        )
         console.print(f"report: {report}")
     failed = not all_ok or rows != expected_rows or any(c != 0 for c in codes.values())
     console.print("[bold red]demo FAILED[/]" if failed else "[bold green]demo OK[/]")

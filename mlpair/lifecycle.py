@@ -176,9 +176,16 @@ sent call takes to reach its handler on a loaded event loop (well under a millis
 of milliseconds on this project's 2-core test machine under a full test run)."""
 
 
-async def drain(server: grpc.aio.Server, gate: DrainGate, *, grace_s: float, accept_s: float,
-                begin: Callable[[], Awaitable[None]], refuse: Callable[[], Awaitable[None]] | None = None,
-                wait_idle: Callable[[float], Awaitable[bool]] | None = None) -> None:
+async def drain(
+    server: grpc.aio.Server,
+    gate: DrainGate,
+    *,
+    grace_s: float,
+    accept_s: float,
+    begin: Callable[[], Awaitable[None]],
+    refuse: Callable[[], Awaitable[None]] | None = None,
+    wait_idle: Callable[[float], Awaitable[bool]] | None = None,
+) -> None:
     """Stops ``server`` gracefully (the module docstring's steps).
 
     Args:
@@ -236,11 +243,15 @@ def server_options(settings: ConnectionSettings) -> list[tuple[str, int]]:
     without a call in flight is a strike, and after 2 strikes the server closes the connection
     with GOAWAY ``too_many_pings`` (a client pinging every second was cut off after 3 s).
     """
-    options = [("grpc.http2.min_ping_interval_without_data_ms", settings.keepalive_min_ping_interval_ms),
-               ("grpc.keepalive_permit_without_calls", int(settings.keepalive_permit_without_calls))]
+    options = [
+        ("grpc.http2.min_ping_interval_without_data_ms", settings.keepalive_min_ping_interval_ms),
+        ("grpc.keepalive_permit_without_calls", int(settings.keepalive_permit_without_calls)),
+    ]
     if settings.max_connection_age_ms > 0:
-        options += [("grpc.max_connection_age_ms", settings.max_connection_age_ms),
-                    ("grpc.max_connection_age_grace_ms", settings.max_connection_age_grace_ms)]
+        options += [
+            ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
+            ("grpc.max_connection_age_grace_ms", settings.max_connection_age_grace_ms),
+        ]
     return options
 
 
@@ -253,8 +264,12 @@ def client_keepalive_options(keepalive_ms: int, timeout_ms: int) -> list[tuple[s
     """
     if keepalive_ms <= 0:
         return []
-    return [("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    return [
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
@@ -263,6 +278,5 @@ def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None
     from grpc_health.v1 import health_pb2 as health_messages
     from grpc_reflection.v1alpha import reflection
 
-    names = [*service_names, health_messages.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME]
+    names = [*service_names, health_messages.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)

@@ -46,7 +46,7 @@ import sys
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from opentelemetry import trace
@@ -57,7 +57,12 @@ CONTEXT_FIELDS = ("layer", "trace_id", "span_id", "request_id", "model_version")
 _INFERENCE_FIELDS = ("inference_id", "batch_id")
 # Attributes every LogRecord has; anything else on a record came from ``extra``.
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message", "asctime", "taskName", *CONTEXT_FIELDS, *_INFERENCE_FIELDS}
+    "message",
+    "asctime",
+    "taskName",
+    *CONTEXT_FIELDS,
+    *_INFERENCE_FIELDS,
+}
 
 _redactor = Redactor()
 _sample_ratio = 0.0
@@ -174,8 +179,17 @@ def observability_failed(stage: str) -> None:
         pass
 
 
-def log_decision(logger: logging.Logger, *, decision: str, reason_codes: Iterable[str], from_cache: bool,
-                 probability: float | None, decision_id: str, model_version: str, **extra: Any) -> None:
+def log_decision(
+    logger: logging.Logger,
+    *,
+    decision: str,
+    reason_codes: Iterable[str],
+    from_cache: bool,
+    probability: float | None,
+    decision_id: str,
+    model_version: str,
+    **extra: Any,
+) -> None:
     """The one line per decision (DEBUG, or a sampled INFO): decision, reason codes, cache use.
 
     Takes every decision shape: ``probability`` None (a fallback, or output the model could not
@@ -190,10 +204,19 @@ def log_decision(logger: logging.Logger, *, decision: str, reason_codes: Iterabl
         context = _current.get()
         if context is not None:
             context.model_version = model_version
-        logger.log(level, "decision %s", decision, extra={
-            **extra, "decision": decision, "reason_codes": list(reason_codes), "from_cache": from_cache,
-            "probability": None if probability is None else round(float(probability), 6),
-            "decision_id": decision_id})
+        logger.log(
+            level,
+            "decision %s",
+            decision,
+            extra={
+                **extra,
+                "decision": decision,
+                "reason_codes": list(reason_codes),
+                "from_cache": from_cache,
+                "probability": None if probability is None else round(float(probability), 6),
+                "decision_id": decision_id,
+            },
+        )
     except Exception:  # noqa: BLE001  (a log line never fails a request)
         observability_failed("decision_log")
 
@@ -250,8 +273,9 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name,
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
             "message": _redactor.text(record.getMessage()),
         }
         line.update(_fields(record))
@@ -269,8 +293,11 @@ class TextFormatter(logging.Formatter):
         layer = fields.pop("layer") or "-"
         trace_id = fields.pop("trace_id")
         fields.pop("span_id")
-        context = " ".join(f"{k}={json.dumps(v, default=str) if not isinstance(v, str) else v}"
-                           for k, v in fields.items() if v not in ("", None))
+        context = " ".join(
+            f"{k}={json.dumps(v, default=str) if not isinstance(v, str) else v}"
+            for k, v in fields.items()
+            if v not in ("", None)
+        )
         ts = datetime.fromtimestamp(record.created).strftime("%H:%M:%S.") + f"{int(record.msecs):03d}"
         line = f"{ts} {record.levelname:<5} {layer} {record.name}: {_redactor.text(record.getMessage())}"
         if context:
@@ -305,8 +332,9 @@ def make_handler(fmt: str, stream) -> logging.Handler:
     return handler
 
 
-def configure_logging(layer: str, level: str = "INFO", fmt: str = "text", *, sample_ratio: float = 0.0,
-                      stream=None) -> None:
+def configure_logging(
+    layer: str, level: str = "INFO", fmt: str = "text", *, sample_ratio: float = 0.0, stream=None
+) -> None:
     """Sends logs to ``stream`` (stderr) as ``fmt`` ("text" or "json"), tagged with ``layer``.
 
     Args:

@@ -43,8 +43,11 @@ def generate(out_root: Path) -> list[Path]:
     Raises:
         RuntimeError: if protoc reports an error.
     """
-    virtual = [str(package / p.relative_to(root))
-               for package, root in PROTO_TREES.items() for p in sorted(root.rglob("*.proto"))]
+    virtual = [
+        str(package / p.relative_to(root))
+        for package, root in PROTO_TREES.items()
+        for p in sorted(root.rglob("*.proto"))
+    ]
     include = protoc._get_resource_file_name("grpc_tools", "_proto")  # well-known types
     args = [
         "protoc",
@@ -78,7 +81,11 @@ def check() -> list[str]:
             if not committed.exists() or not filecmp.cmp(committed, Path(tmp) / API_PACKAGE / rel, shallow=False):
                 stale.append(str(API_PACKAGE / rel))
         for extra in committed_dir.rglob("*"):
-            if extra.is_file() and "__pycache__" not in extra.parts and extra.relative_to(committed_dir) not in fresh_rel:
+            if (
+                extra.is_file()
+                and "__pycache__" not in extra.parts
+                and extra.relative_to(committed_dir) not in fresh_rel
+            ):
                 stale.append(str(extra.relative_to(REPO_ROOT)))
         return stale
 

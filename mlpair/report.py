@@ -56,11 +56,17 @@ def _roc(ax, fam: FamilyReport) -> None:
     fpr, tpr = roc_curve(fam.labels, fam.calibrated)
     ax.plot(fpr, tpr, lw=2, label=f"served model: ROC AUC {roc_auc(fam.labels, fam.calibrated):.3f}")
     fpr, tpr = roc_curve(fam.labels, fam.baseline)
-    ax.plot(fpr, tpr, lw=1.2, c="tab:orange",
-            label=f"logistic regression: ROC AUC {roc_auc(fam.labels, fam.baseline):.3f}")
+    ax.plot(
+        fpr, tpr, lw=1.2, c="tab:orange", label=f"logistic regression: ROC AUC {roc_auc(fam.labels, fam.baseline):.3f}"
+    )
     ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
-    ax.set(title=f"{fam.name}: ROC curve (n = {len(fam.labels)})", xlabel="false positive rate",
-           ylabel="true positive rate", xlim=(0, 1), ylim=(0, 1))
+    ax.set(
+        title=f"{fam.name}: ROC curve (n = {len(fam.labels)})",
+        xlabel="false positive rate",
+        ylabel="true positive rate",
+        xlim=(0, 1),
+        ylim=(0, 1),
+    )
     ax.legend(loc="lower right")
 
 
@@ -70,10 +76,20 @@ def _reliability(ax, fam: FamilyReport) -> None:
         curve = reliability_curve(fam.labels, probs)
         filled = curve["count"] > 0
         ece = expected_calibration_error(fam.labels, probs)
-        ax.plot(curve["mean_probability"][filled], curve["frequency"][filled], marker=marker, lw=1.5,
-                label=f"{name} calibration (ECE {ece:.3f})")
-    ax.set(title=f"{fam.name}: reliability (15 bins)", xlabel="mean predicted probability",
-           ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
+        ax.plot(
+            curve["mean_probability"][filled],
+            curve["frequency"][filled],
+            marker=marker,
+            lw=1.5,
+            label=f"{name} calibration (ECE {ece:.3f})",
+        )
+    ax.set(
+        title=f"{fam.name}: reliability (15 bins)",
+        xlabel="mean predicted probability",
+        ylabel="observed frequency",
+        xlim=(0, 1),
+        ylim=(0, 1),
+    )
     ax.legend(loc="upper left")
 
 
@@ -92,6 +108,5 @@ def _latency(ax, fam: FamilyReport) -> None:
     for q, style in ((50, "-"), (99, "--")):
         value = float(np.percentile(lat, q))
         ax.axvline(value, c="black", ls=style, lw=1, label=f"p{q} {value:.1f} ms")
-    ax.set(title=f"{fam.name}: Predict latency, {fam.concurrency} in flight", xlabel="ms (client side)",
-           ylabel="calls")
+    ax.set(title=f"{fam.name}: Predict latency, {fam.concurrency} in flight", xlabel="ms (client side)", ylabel="calls")
     ax.legend(loc="upper right")

@@ -36,8 +36,9 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def server_credentials(cert_file: Path | None, key_file: Path | None,
-                       client_ca_file: Path | None = None) -> grpc.ServerCredentials | None:
+def server_credentials(
+    cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None = None
+) -> grpc.ServerCredentials | None:
     """TLS credentials for a server port, or None for plaintext (e.g. behind a mesh doing mTLS).
 
     Args:
@@ -57,11 +58,13 @@ def server_credentials(cert_file: Path | None, key_file: Path | None,
     return grpc.ssl_server_credentials(
         [(Path(key_file).read_bytes(), Path(cert_file).read_bytes())],
         root_certificates=Path(client_ca_file).read_bytes() if client_ca_file else None,
-        require_client_auth=client_ca_file is not None)
+        require_client_auth=client_ca_file is not None,
+    )
 
 
-def channel_credentials(ca_file: Path | None, cert_file: Path | None = None,
-                        key_file: Path | None = None) -> grpc.ChannelCredentials | None:
+def channel_credentials(
+    ca_file: Path | None, cert_file: Path | None = None, key_file: Path | None = None
+) -> grpc.ChannelCredentials | None:
     """TLS credentials for a client channel, or None for plaintext.
 
     Args:
@@ -81,7 +84,8 @@ def channel_credentials(ca_file: Path | None, cert_file: Path | None = None,
     return grpc.ssl_channel_credentials(
         root_certificates=Path(ca_file).read_bytes(),
         private_key=Path(key_file).read_bytes() if key_file else None,
-        certificate_chain=Path(cert_file).read_bytes() if cert_file else None)
+        certificate_chain=Path(cert_file).read_bytes() if cert_file else None,
+    )
 
 
 def port_sharing_options(shared: bool) -> list[tuple[str, int]]:
@@ -111,8 +115,12 @@ def bind_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCre
         raise StartupError(f"cannot bind port {port} on {host}; check the host and port settings") from exc
 
 
-def open_channel(target: str, options: list[tuple[str, int | str]],
-                 credentials: grpc.ChannelCredentials | None = None, interceptors=None) -> grpc.aio.Channel:
+def open_channel(
+    target: str,
+    options: list[tuple[str, int | str]],
+    credentials: grpc.ChannelCredentials | None = None,
+    interceptors=None,
+) -> grpc.aio.Channel:
     """An asyncio channel to ``target``: TLS when ``credentials`` are given, else plaintext."""
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
@@ -188,14 +196,19 @@ def add_servicer(add_to_server: Callable, servicer, server: grpc.aio.Server) -> 
     and the handler would silently ignore the second's fields."""
     captured = _Captured()
     add_to_server(servicer, captured)
-    handlers = {name: handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
-                if handler.request_deserializer else handler for name, handler in captured.handlers.items()}
+    handlers = {
+        name: handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
+        if handler.request_deserializer
+        else handler
+        for name, handler in captured.handlers.items()
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.service, handlers),))
     server.add_registered_method_handlers(captured.service, handlers)
 
 
-def _guarded(inner: Callable[..., Awaitable], method: str, domain: str,
-             gate: DrainGate | None = None) -> Callable[..., Awaitable]:
+def _guarded(
+    inner: Callable[..., Awaitable], method: str, domain: str, gate: DrainGate | None = None
+) -> Callable[..., Awaitable]:
     """``inner`` with exceptions mapped to rich statuses (the one place that does the mapping),
     counted by ``gate``; once the drain closes it, held and then refused UNAVAILABLE (DRAINING)."""
 
@@ -231,8 +244,11 @@ def rpc_methods(servicer) -> list[str]:
     """Names of a servicer's RPC methods: its CamelCase coroutine methods."""
     import inspect
 
-    return [name for name in dir(type(servicer))
-            if name[:1].isupper() and inspect.iscoroutinefunction(getattr(type(servicer), name))]
+    return [
+        name
+        for name in dir(type(servicer))
+        if name[:1].isupper() and inspect.iscoroutinefunction(getattr(type(servicer), name))
+    ]
 
 
 def guard_servicer(servicer, domain: str, gate: DrainGate | None = None):
@@ -276,8 +292,9 @@ class Health:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
 
-def wait_until_serving(target: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
-                       poll_s: float = 0.05) -> bool:
+def wait_until_serving(
+    target: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05
+) -> bool:
     """Polls ``grpc.health.v1`` (overall, plaintext) at ``target`` until it reports SERVING.
 
     For scripts and tests that start a service as a process: ``alive()`` is asked before each
@@ -293,7 +310,10 @@ def wait_until_serving(target: str, timeout_s: float, alive: Callable[[], bool] 
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline and alive():
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return True
             except grpc.RpcError:
                 pass

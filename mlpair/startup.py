@@ -36,8 +36,10 @@ def require_trained(root: Path, names: Iterable[str], setting: str) -> None:
     from mlpair.contracts.manifest import list_versions
 
     names = list(names)
-    fix = (f"run `mlpair train --model-repository {root}` first, or point {setting} "
-           "(--model-repository) at a trained repository")
+    fix = (
+        f"run `mlpair train --model-repository {root}` first, or point {setting} "
+        "(--model-repository) at a trained repository"
+    )
     if not root.is_dir() or not any(p.is_dir() and not p.name.startswith(".") for p in root.iterdir()):
         raise StartupError(f"model repository {root} is {'empty' if root.is_dir() else 'missing'}: {fix}")
     if untrained := [n for n in names if not list_versions(root, n)]:
@@ -51,7 +53,10 @@ def invalid_settings(settings_cls: type[BaseSettings], exc: ValidationError) -> 
     problems = []
     for error in exc.errors(include_url=False):
         field = str(error["loc"][0]) if error["loc"] else ""
-        where = (f"--{field.replace('_', '-')} / {prefix}{field.upper()}" if field in settings_cls.model_fields
-                 else "settings")
+        where = (
+            f"--{field.replace('_', '-')} / {prefix}{field.upper()}"
+            if field in settings_cls.model_fields
+            else "settings"
+        )
         problems.append(f"{where}: {error['msg']}")
     return StartupError("invalid setting " + "; ".join(problems))

@@ -71,9 +71,13 @@ def parse_strictly(deserialize: Callable[[bytes], Message]) -> Callable[[bytes],
         except Exception:  # noqa: BLE001  (naming them must not turn a refusal into an UNKNOWN)
             named = [f"{message.DESCRIPTOR.full_name} (fields not named)"]
         shown = ", ".join(named[:MAX_NAMED]) + (f" and {len(named) - MAX_NAMED} more" if len(named) > MAX_NAMED else "")
-        return Refused(UnknownField(
-            f"the request carries fields this server's contract does not define, so it cannot honour them: "
-            f"{shown}; upgrade the server first or leave them out", metadata={"fields": shown[:256]}))
+        return Refused(
+            UnknownField(
+                f"the request carries fields this server's contract does not define, so it cannot honour them: "
+                f"{shown}; upgrade the server first or leave them out",
+                metadata={"fields": shown[:256]},
+            )
+        )
 
     return parse
 
@@ -111,5 +115,6 @@ def check_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
         if key not in SINGLE_VALUED:
             continue
         if seen.setdefault(key, value) != value:
-            raise ConflictingMetadata(f"metadata {key!r} was sent with two different values; send one",
-                                      metadata={"key": key})
+            raise ConflictingMetadata(
+                f"metadata {key!r} was sent with two different values; send one", metadata={"key": key}
+            )

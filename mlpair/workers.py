@@ -168,10 +168,12 @@ def port_error(host: str, port: int, exc: OSError, what: str = "port") -> Startu
 
     setting = what.replace(" ", "_")
     if exc.errno == errno.EADDRINUSE:
-        return StartupError(f"{what} {port} is in use on {host} (another server is bound to it); "
-                            f"stop it or choose another {setting}")
-    return StartupError(f"cannot bind {what} {port} on {host}: {exc.strerror or exc}; "
-                        f"check the host and {setting} settings")
+        return StartupError(
+            f"{what} {port} is in use on {host} (another server is bound to it); stop it or choose another {setting}"
+        )
+    return StartupError(
+        f"cannot bind {what} {port} on {host}: {exc.strerror or exc}; check the host and {setting} settings"
+    )
 
 
 class PortLock:
@@ -191,8 +193,9 @@ class PortLock:
             self._socket.bind(f"\0mlpair-port-{port}")
         except OSError as exc:
             self._socket.close()
-            raise StartupError(f"port {port} is in use (another mlpair supervisor serves it); "
-                               "stop it or choose another port") from exc
+            raise StartupError(
+                f"port {port} is in use (another mlpair supervisor serves it); stop it or choose another port"
+            ) from exc
 
     def release(self) -> None:
         if self._socket is not None:
@@ -251,8 +254,10 @@ def supervise(layer: str, settings, workers: int, run_worker: Callable[[object],
         folder = Path(tempfile.mkdtemp(prefix=f"mlpair-{layer}-metrics-"))
     except OSError as exc:
         lock.release()
-        raise StartupError(f"{workers} workers need a writable folder for their metrics, and {tempfile.gettempdir()} "
-                           f"is not ({exc.strerror}); mount one there (or set TMPDIR), or set workers to 1") from exc
+        raise StartupError(
+            f"{workers} workers need a writable folder for their metrics, and {tempfile.gettempdir()} "
+            f"is not ({exc.strerror}); mount one there (or set TMPDIR), or set workers to 1"
+        ) from exc
     try:
         check_port_free(settings.host, port)  # again, now that no other supervisor can start on it
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)  # inherited by the workers
@@ -268,8 +273,10 @@ class _Supervisor:
     def __init__(self, layer: str, settings, workers: int, run_worker: Callable[[object], int], folder: Path) -> None:
         self.layer, self.settings, self.folder = layer, settings, folder
         context = multiprocessing.get_context("spawn")
-        self.processes = [context.Process(target=_worker_main, args=(run_worker, settings, os.getpid()),
-                                          name=f"{layer}-worker-{i}") for i in range(workers)]
+        self.processes = [
+            context.Process(target=_worker_main, args=(run_worker, settings, os.getpid()), name=f"{layer}-worker-{i}")
+            for i in range(workers)
+        ]
         self.stop = threading.Event()
         self.stopping_since: float | None = None
         self.exit_code = 0
@@ -279,8 +286,14 @@ class _Supervisor:
             signal.signal(sig, lambda *_: self.stop.set())
         for process in self.processes:
             process.start()
-        logger.info("%s supervisor %d: %d workers on port %d (pids %s)", self.layer, os.getpid(), len(self.processes),
-                    self.settings.port, ", ".join(str(p.pid) for p in self.processes))
+        logger.info(
+            "%s supervisor %d: %d workers on port %d (pids %s)",
+            self.layer,
+            os.getpid(),
+            len(self.processes),
+            self.settings.port,
+            ", ".join(str(p.pid) for p in self.processes),
+        )
         live = list(self.processes)
         while live:
             exited = multiprocessing.connection.wait([p.sentinel for p in live], timeout=0.1)
@@ -291,8 +304,10 @@ class _Supervisor:
             if self.stop.is_set() and self.stopping_since is None:
                 logger.info("termination signal received; draining %d workers", len(live))
                 self._stop_all(live)
-            if self.stopping_since is not None and \
-                    time.monotonic() - self.stopping_since > self.settings.shutdown_grace_s + KILL_MARGIN_S:
+            if (
+                self.stopping_since is not None
+                and time.monotonic() - self.stopping_since > self.settings.shutdown_grace_s + KILL_MARGIN_S
+            ):
                 for process in live:
                     logger.error("worker %d still running after the grace period; killing it", process.pid)
                     process.kill()
@@ -310,13 +325,21 @@ class _Supervisor:
             return
         if self.stopping_since is None:
             # exit 2: the worker refused to start and printed why (a configuration error) — not repeated
-            logger.log(logging.DEBUG if code == 2 else logging.ERROR,
-                       "worker %d exited with code %s; draining the others and exiting", process.pid, code)
+            logger.log(
+                logging.DEBUG if code == 2 else logging.ERROR,
+                "worker %d exited with code %s; draining the others and exiting",
+                process.pid,
+                code,
+            )
             self.exit_code = 2 if code == 2 else 1
             self._stop_all([p for p in self.processes if p.is_alive()])
         else:
-            logger.log(logging.DEBUG if code == 2 else logging.ERROR,
-                       "worker %d exited with code %s while draining", process.pid, code)
+            logger.log(
+                logging.DEBUG if code == 2 else logging.ERROR,
+                "worker %d exited with code %s while draining",
+                process.pid,
+                code,
+            )
             self.exit_code = self.exit_code or (2 if code == 2 else 1)
 
     def _stop_all(self, processes) -> None:

@@ -29,8 +29,14 @@ def fit_logistic_regression(x: np.ndarray, y: np.ndarray, l2: float = 1.0) -> np
         RuntimeError: L-BFGS-B did not converge.
     """
     x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    result = minimize(_objective, np.zeros(x64.shape[1] + 1), args=(x64, y64, l2), jac=True, method="L-BFGS-B",
-                      options={"maxiter": 1000})
+    result = minimize(
+        _objective,
+        np.zeros(x64.shape[1] + 1),
+        args=(x64, y64, l2),
+        jac=True,
+        method="L-BFGS-B",
+        options={"maxiter": 1000},
+    )
     if not result.success:
         raise RuntimeError(f"logistic regression did not converge: {result.message}")
     return result.x

@@ -23,8 +23,9 @@ class Dataset:
     sha256: str  # of the raw table, to tell when the data changed
 
     def subset(self, index: np.ndarray) -> Dataset:
-        return Dataset([self.records[i] for i in index], self.labels[index],
-                       [self.entity_ids[i] for i in index], self.sha256)
+        return Dataset(
+            [self.records[i] for i in index], self.labels[index], [self.entity_ids[i] for i in index], self.sha256
+        )
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -79,6 +80,6 @@ def stratified_split(labels: np.ndarray, seed: int) -> dict[str, np.ndarray]:
         n_train = int(round(len(idx) * SPLIT_FRACTIONS["train"]))
         n_cal = int(round(len(idx) * SPLIT_FRACTIONS["calibration"]))
         parts["train"].append(idx[:n_train])
-        parts["calibration"].append(idx[n_train:n_train + n_cal])
-        parts["holdout"].append(idx[n_train + n_cal:])
+        parts["calibration"].append(idx[n_train : n_train + n_cal])
+        parts["holdout"].append(idx[n_train + n_cal :])
     return {name: np.sort(np.concatenate(p)) for name, p in parts.items()}

@@ -27,8 +27,13 @@ def export_onnx(model: MLPClassifier, n_features: int, path: Path) -> None:
         # onnxscript; this small static graph exports identically either way.
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            model, (torch.zeros(1, n_features),), str(path), dynamo=False,
-            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=OPSET,
+            model,
+            (torch.zeros(1, n_features),),
+            str(path),
+            dynamo=False,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            opset_version=OPSET,
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
         )
 

@@ -93,8 +93,9 @@ class TrainingRun:
         """``"stopped early at epoch 18 of 40 (best epoch 13)"`` or ``"all 40 epochs"``."""
         if self.stopped_early:
             return f"stopped early at epoch {self.epochs_run} of {self.max_epochs} (best epoch {self.best_epoch})"
-        return f"all {self.max_epochs} epochs" + (f" (best epoch {self.best_epoch})"
-                                                   if self.best_epoch != self.epochs_run else "")
+        return f"all {self.max_epochs} epochs" + (
+            f" (best epoch {self.best_epoch})" if self.best_epoch != self.epochs_run else ""
+        )
 
 
 class MLPClassifier(nn.Module):
@@ -114,8 +115,13 @@ class MLPClassifier(nn.Module):
         return self.net(features)
 
 
-def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress=None,
-                     validation: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[MLPClassifier, TrainingRun]:
+def train_classifier(
+    x: np.ndarray,
+    y: np.ndarray,
+    config: TrainConfig,
+    progress=None,
+    validation: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[MLPClassifier, TrainingRun]:
     """Trains deterministically on CPU: fixed seeds, deterministic kernels, one thread.
 
     Args:
@@ -141,8 +147,7 @@ def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress
     torch.set_num_threads(1)  # reduction order, hence the weights, must not depend on cores
     try:
         model = MLPClassifier(x.shape[1], config.hidden)
-        optimiser = torch.optim.AdamW(model.parameters(), lr=config.learning_rate,
-                                      weight_decay=config.weight_decay)
+        optimiser = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         loss_fn = nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
         features, labels = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
         order = torch.Generator().manual_seed(config.seed)
@@ -152,7 +157,7 @@ def train_classifier(x: np.ndarray, y: np.ndarray, config: TrainConfig, progress
             perm = torch.randperm(len(features), generator=order)
             total = 0.0
             for start in range(0, len(features), config.batch_size):
-                batch = perm[start:start + config.batch_size]
+                batch = perm[start : start + config.batch_size]
                 optimiser.zero_grad()
                 loss = loss_fn(model(features[batch]), labels[batch])
                 loss.backward()

@@ -25,8 +25,20 @@ import numpy as np
 from mlpair.contracts import calibration, metrics
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import (
-    PREPROCESSING_FILE, SCORE_BASELINE, Calibration, IsotonicParams, Manifest, ManifestError, ModelEntry, PlattParams,
-    TensorSpec, VersionTriple, file_sha256, list_versions, load_entry, write_manifest,
+    PREPROCESSING_FILE,
+    SCORE_BASELINE,
+    Calibration,
+    IsotonicParams,
+    Manifest,
+    ManifestError,
+    ModelEntry,
+    PlattParams,
+    TensorSpec,
+    VersionTriple,
+    file_sha256,
+    list_versions,
+    load_entry,
+    write_manifest,
 )
 from mlpair.contracts.schema import FeatureSchema, Preprocessing
 from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
@@ -44,10 +56,15 @@ TORCH_PROGRAM_FILE = "model.pt2"
 
 def fingerprint(schema: FeatureSchema, data_sha256: str, config: TrainConfig) -> str:
     """Hash of everything that determines the trained model; equal → the entry can be reused."""
-    payload = json.dumps({
-        "schema": schema.model_dump(mode="json"), "data": data_sha256,
-        "config": dataclasses.asdict(config), "code": TRAINING_CODE_VERSION,
-    }, sort_keys=True)
+    payload = json.dumps(
+        {
+            "schema": schema.model_dump(mode="json"),
+            "data": data_sha256,
+            "config": dataclasses.asdict(config),
+            "code": TRAINING_CODE_VERSION,
+        },
+        sort_keys=True,
+    )
     return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -72,20 +89,31 @@ def baselines(preprocessing: Preprocessing, train: Dataset) -> dict[str, dict]:
     out: dict[str, dict] = {}
     qs = np.linspace(0, 1, BASELINE_QUANTILES)
     for i, feat in enumerate(preprocessing.feature_schema.numeric):
-        out[feat.name] = {"kind": "numeric", "space": "standardised", "quantiles": np.quantile(x[:, i], qs).round(6).tolist()}
+        out[feat.name] = {
+            "kind": "numeric",
+            "space": "standardised",
+            "quantiles": np.quantile(x[:, i], qs).round(6).tolist(),
+        }
     names = preprocessing.feature_names
     for feat in preprocessing.feature_schema.categorical:
         cols = [j for j, n in enumerate(names) if n.startswith(feat.name + "=")]
         freq = x[:, cols].mean(axis=0)
-        out[feat.name] = {"kind": "categorical", "frequencies": {names[j].split("=", 1)[1]: round(float(f), 6) for j, f in zip(cols, freq)}}
+        out[feat.name] = {
+            "kind": "categorical",
+            "frequencies": {names[j].split("=", 1)[1]: round(float(f), 6) for j, f in zip(cols, freq)},
+        }
     return out
 
 
 def score_baseline(probabilities: np.ndarray) -> dict:
     """Quantiles of calibrated probabilities (``[n]`` in [0, 1]) for score drift checks."""
     qs = np.linspace(0, 1, BASELINE_QUANTILES)
-    return {"kind": "score", "space": "calibrated probability", "n": int(len(probabilities)),
-            "quantiles": np.quantile(probabilities, qs).round(6).tolist()}
+    return {
+        "kind": "score",
+        "space": "calibrated probability",
+        "n": int(len(probabilities)),
+        "quantiles": np.quantile(probabilities, qs).round(6).tolist(),
+    }
 
 
 def load_train_config(schema_path: Path) -> TrainConfig:
@@ -114,22 +142,31 @@ def fit_calibration(logits: np.ndarray, labels: np.ndarray, positive: int, confi
     if len(labels) >= calibration.MIN_ISOTONIC_SAMPLES or config.calibration == "isotonic":
         knots, values = calibration.fit_isotonic(margins, labels)  # refuses too few samples
         isotonic = IsotonicParams(knots=knots, values=values)
-    return Calibration(method=config.calibration, temperature=temperature, label_smoothing=config.label_smoothing,
-                       platt=PlattParams(a=a, b=b), isotonic=isotonic, n_samples=len(labels))
+    return Calibration(
+        method=config.calibration,
+        temperature=temperature,
+        label_smoothing=config.label_smoothing,
+        platt=PlattParams(a=a, b=b),
+        isotonic=isotonic,
+        n_samples=len(labels),
+    )
 
 
 def holdout_metrics(cal: Calibration, logits: np.ndarray, labels: np.ndarray, positive: int) -> dict[str, dict]:
     """ROC AUC, Brier and ECE on the holdout: uncalibrated, as served, and per fitted method."""
-    out = {"holdout_uncalibrated": metrics.summary(labels, cal.probabilities(logits, positive, "none")),
-           "holdout_calibrated": metrics.summary(labels, cal.probabilities(logits, positive))}
+    out = {
+        "holdout_uncalibrated": metrics.summary(labels, cal.probabilities(logits, positive, "none")),
+        "holdout_calibrated": metrics.summary(labels, cal.probabilities(logits, positive)),
+    }
     for method in ("temperature", "platt", "isotonic"):
         if method == "temperature" or getattr(cal, method) is not None:
             out[f"holdout_{method}"] = metrics.summary(labels, cal.probabilities(logits, positive, method))
     return out
 
 
-def train_family(schema_path: Path, root: Path, config: TrainConfig | None = None, *,
-                 force: bool = False, show_progress: bool = True) -> tuple[ModelEntry, bool]:
+def train_family(
+    schema_path: Path, root: Path, config: TrainConfig | None = None, *, force: bool = False, show_progress: bool = True
+) -> tuple[ModelEntry, bool]:
     """Trains (or reuses) the model family described by ``schema_path`` into ``root``.
 
     Args:
@@ -155,8 +192,13 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
     assembler = FeatureAssembler(preprocessing)
     x = {name: assembler.assemble_many(s.records) for name, s in splits.items()}
 
-    model, run = _train_with_progress(x["train"], splits["train"].labels, config, show_progress,
-                                      validation=(x["calibration"], splits["calibration"].labels))
+    model, run = _train_with_progress(
+        x["train"],
+        splits["train"].labels,
+        config,
+        show_progress,
+        validation=(x["calibration"], splits["calibration"].labels),
+    )
     version = str((list_versions(root, schema.name) or [0])[-1] + 1)
     target = root / schema.name / version
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -172,23 +214,40 @@ def train_family(schema_path: Path, root: Path, config: TrainConfig | None = Non
         cal = fit_calibration(calibration_logits, splits["calibration"].labels, positive, config)
         manifest = Manifest(
             model_name=schema.name,
-            versions=VersionTriple(model_version=version, feature_schema_version=schema.version,
-                                   preprocessing_hash=preprocessing.hash),
+            versions=VersionTriple(
+                model_version=version, feature_schema_version=schema.version, preprocessing_hash=preprocessing.hash
+            ),
             model_sha256=file_sha256(staging / "model.onnx"),
-            torch_program=TORCH_PROGRAM_FILE, torch_program_sha256=file_sha256(staging / TORCH_PROGRAM_FILE),
+            torch_program=TORCH_PROGRAM_FILE,
+            torch_program_sha256=file_sha256(staging / TORCH_PROGRAM_FILE),
             inputs=[TensorSpec(name=INPUT_NAME, shape=[-1, preprocessing.n_features])],
             outputs=[TensorSpec(name=OUTPUT_NAME, shape=[-1, 2])],
             class_names=[f"not {schema.target.positive}", schema.target.positive],
             positive_index=positive,
             calibration=cal,
-            baselines={**baselines(preprocessing, splits["train"]),
-                       SCORE_BASELINE: score_baseline(cal.probabilities(calibration_logits, positive))},
+            baselines={
+                **baselines(preprocessing, splits["train"]),
+                SCORE_BASELINE: score_baseline(cal.probabilities(calibration_logits, positive)),
+            },
             metrics=holdout_metrics(cal, predict_logits(model, x["holdout"]), splits["holdout"].labels, positive),
-            data_source={"source": schema.source, "sha256": data.sha256, "rows": len(data.records),
-                         "target": f"{schema.target.column} == {schema.target.positive!r}",
-                         "split": {**{k: len(v.records) for k, v in splits.items()}, "fractions": SPLIT_FRACTIONS, "seed": config.split_seed}},
-            training={"fingerprint": print_, "config": dataclasses.asdict(config), "onnx_parity_max_abs_diff": parity,
-                      "epochs_run": run.epochs_run, "best_epoch": run.best_epoch},
+            data_source={
+                "source": schema.source,
+                "sha256": data.sha256,
+                "rows": len(data.records),
+                "target": f"{schema.target.column} == {schema.target.positive!r}",
+                "split": {
+                    **{k: len(v.records) for k, v in splits.items()},
+                    "fractions": SPLIT_FRACTIONS,
+                    "seed": config.split_seed,
+                },
+            },
+            training={
+                "fingerprint": print_,
+                "config": dataclasses.asdict(config),
+                "onnx_parity_max_abs_diff": parity,
+                "epochs_run": run.epochs_run,
+                "best_epoch": run.best_epoch,
+            },
         )
         write_manifest(staging, manifest)
         _readable_by_all(staging)
@@ -208,17 +267,25 @@ def _readable_by_all(folder: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _train_with_progress(x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool,
-                         validation) -> tuple[MLPClassifier, TrainingRun]:
+def _train_with_progress(
+    x: np.ndarray, y: np.ndarray, config: TrainConfig, show: bool, validation
+) -> tuple[MLPClassifier, TrainingRun]:
     """Trains with a progress bar that ends by saying how training ended (early stopping included)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("training"), BarColumn(bar_width=20), TextColumn("epoch {task.completed}/{task.total}"),
-                  TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[ended]}"), TimeElapsedColumn(),
-                  disable=not show) as bar:
+    with Progress(
+        TextColumn("training"),
+        BarColumn(bar_width=20),
+        TextColumn("epoch {task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[ended]}"),
+        TimeElapsedColumn(),
+        disable=not show,
+    ) as bar:
         task = bar.add_task("train", total=config.epochs, loss=float("nan"), ended="")
-        model, run = train_classifier(x, y, config, validation=validation,
-                                      progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss))
+        model, run = train_classifier(
+            x, y, config, validation=validation, progress=lambda epoch, loss: bar.update(task, advance=1, loss=loss)
+        )
         bar.update(task, total=run.epochs_run, ended=run.describe())  # a full bar, not one frozen at 18/40
     logger.info("training %s", run.describe())
     return model, run

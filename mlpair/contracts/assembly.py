@@ -20,8 +20,16 @@ from typing import Any
 import numpy as np
 
 from mlpair.contracts.conversion import (  # noqa: F401  (actions re-exported for callers)
-    CLAMPED_MAX, CLAMPED_MIN, MISSING_DEFAULTED, SENTINEL_DEFAULTED, UNKNOWN_CATEGORY,
-    ConversionProblem, guard_number, missing_values, to_category, to_number,
+    CLAMPED_MAX,
+    CLAMPED_MIN,
+    MISSING_DEFAULTED,
+    SENTINEL_DEFAULTED,
+    UNKNOWN_CATEGORY,
+    ConversionProblem,
+    guard_number,
+    missing_values,
+    to_category,
+    to_number,
 )
 from mlpair.contracts.schema import Preprocessing, reason_prefix
 
@@ -70,8 +78,9 @@ class FeatureAssembler:
         self.preprocessing = preprocessing
         self.n_features = preprocessing.n_features
         schema = preprocessing.feature_schema
-        self._numeric = [(f, preprocessing.numeric[f.name], 1.0 / preprocessing.numeric[f.name].std)
-                         for f in schema.numeric]
+        self._numeric = [
+            (f, preprocessing.numeric[f.name], 1.0 / preprocessing.numeric[f.name].std) for f in schema.numeric
+        ]
         self._categorical = []
         slices: dict[str, slice] = {f.name: slice(i, i + 1) for i, f in enumerate(schema.numeric)}
         offset = len(self._numeric)
@@ -132,8 +141,9 @@ class FeatureAssembler:
         if problems:
             raise ConversionError(problems)
         # most records carry only schema attributes: one set comparison instead of a scan
-        unknown_attrs = () if attributes.keys() <= self._known else tuple(
-            sorted(k for k in attributes if k not in self._known))
+        unknown_attrs = (
+            () if attributes.keys() <= self._known else tuple(sorted(k for k in attributes if k not in self._known))
+        )
         return AssembledRow(np.array(out, dtype=np.float32), tuple(guards), unknown_attrs)
 
     def assemble_many(self, rows: Sequence[Mapping[str, Any]]) -> np.ndarray:

@@ -56,8 +56,9 @@ def margin(logits: np.ndarray, positive_index: int) -> np.ndarray:
     return z[:, positive_index] - others.max(axis=1)
 
 
-def temperature_probability(logits: np.ndarray, temperature: float, positive_index: int,
-                            label_smoothing: float = 0.0) -> np.ndarray:
+def temperature_probability(
+    logits: np.ndarray, temperature: float, positive_index: int, label_smoothing: float = 0.0
+) -> np.ndarray:
     """Calibrated positive-class probability, ``[batch, n_classes]`` logits → ``[batch]`` in [0, 1].
 
     Exact softmax for any number of classes, shifted by the row maximum for stability, then
@@ -118,8 +119,7 @@ def _nll(p: np.ndarray, y: np.ndarray) -> float:
     return float(-(y * np.log(p) + (1 - y) * np.log1p(-p)).mean())
 
 
-def fit_temperature(logits: np.ndarray, labels: np.ndarray, positive_index: int,
-                    label_smoothing: float = 0.0) -> float:
+def fit_temperature(logits: np.ndarray, labels: np.ndarray, positive_index: int, label_smoothing: float = 0.0) -> float:
     """Temperature minimising the negative log-likelihood on held-out ``labels`` (0/1, ``[batch]``).
 
     The label-smoothing inverse is part of the fitted map. Searched over log T in

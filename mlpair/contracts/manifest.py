@@ -97,12 +97,15 @@ class Calibration(_Model):
             if self.isotonic is None:
                 raise ValueError("calibration method isotonic needs isotonic parameters")
             if self.n_samples < calibration.MIN_ISOTONIC_SAMPLES:
-                raise ValueError(f"isotonic calibration needs at least {calibration.MIN_ISOTONIC_SAMPLES} "
-                                 f"calibration samples, got {self.n_samples}")
+                raise ValueError(
+                    f"isotonic calibration needs at least {calibration.MIN_ISOTONIC_SAMPLES} "
+                    f"calibration samples, got {self.n_samples}"
+                )
         return self
 
-    def probabilities(self, logits: np.ndarray, positive_index: int,
-                      method: CalibrationMethod | Literal["none"] | None = None) -> np.ndarray:
+    def probabilities(
+        self, logits: np.ndarray, positive_index: int, method: CalibrationMethod | Literal["none"] | None = None
+    ) -> np.ndarray:
         """Positive-class probabilities ``[batch]`` float64 in [0, 1] for logits ``[batch, n_classes]``.
 
         Args:
@@ -208,8 +211,7 @@ def load_entry(path: Path) -> ModelEntry:
         )
     if preprocessing.hash != triple.preprocessing_hash:
         raise ManifestError(
-            f"{path}: preprocessing hash {preprocessing.hash} does not match the manifest's "
-            f"{triple.preprocessing_hash}"
+            f"{path}: preprocessing hash {preprocessing.hash} does not match the manifest's {triple.preprocessing_hash}"
         )
     model_file = path / manifest.model_file
     if not model_file.is_file() or file_sha256(model_file) != manifest.model_sha256:

@@ -108,8 +108,11 @@ class Unsampled:
         if description == _OFF:
             self._drops = (True, True, True)
         elif description.startswith("ParentBased{"):
-            self._drops = (f"root:{_OFF}," in description, f"remoteParentNotSampled:{_OFF}," in description,
-                           f"localParentNotSampled:{_OFF}}}" in description)
+            self._drops = (
+                f"root:{_OFF}," in description,
+                f"remoteParentNotSampled:{_OFF}," in description,
+                f"localParentNotSampled:{_OFF}}}" in description,
+            )
         else:
             self._drops = (False, False, False)
         return self._drops
@@ -135,13 +138,20 @@ def _unsampled_span(parent: trace.SpanContext | None) -> trace.NonRecordingSpan:
         trace_id, state = parent.trace_id, parent.trace_state
     else:
         trace_id, state = random.getrandbits(128) or 1, None
-    return trace.NonRecordingSpan(trace.SpanContext(trace_id, random.getrandbits(64) or 1, is_remote=False,
-                                                    trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
-                                                    trace_state=state))
+    return trace.NonRecordingSpan(
+        trace.SpanContext(
+            trace_id,
+            random.getrandbits(64) or 1,
+            is_remote=False,
+            trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
+            trace_state=state,
+        )
+    )
 
 
-def observe_servicer(servicer, service: str, layer: str, tracer_provider: trace.TracerProvider | None = None, *,
-                     log_calls: bool = False):
+def observe_servicer(
+    servicer, service: str, layer: str, tracer_provider: trace.TracerProvider | None = None, *, log_calls: bool = False
+):
     """Gives every RPC method of ``servicer`` its SERVER span and log context (module docstring).
 
     Args:
@@ -161,8 +171,9 @@ def observe_servicer(servicer, service: str, layer: str, tracer_provider: trace.
     return servicer
 
 
-def _server_span(tracer: trace.Tracer, unsampled: Unsampled, method: str, attributes: dict,
-                 carrier: dict[str, str]) -> tuple[trace.Span, otel_context.Context]:
+def _server_span(
+    tracer: trace.Tracer, unsampled: Unsampled, method: str, attributes: dict, carrier: dict[str, str]
+) -> tuple[trace.Span, otel_context.Context]:
     """The call's SERVER span and the context to run it in: made directly when the sampler would
     drop it (:class:`Unsampled`), else by the SDK from the extracted caller's context."""
     if not carrier:
@@ -180,8 +191,15 @@ def _server_span(tracer: trace.Tracer, unsampled: Unsampled, method: str, attrib
     return span, trace.set_span_in_context(span, parent)
 
 
-def _observed(inner: Callable[..., Awaitable], service: str, rpc: str, layer: str, tracer: trace.Tracer,
-              unsampled: Unsampled, log_calls: bool) -> Callable[..., Awaitable]:
+def _observed(
+    inner: Callable[..., Awaitable],
+    service: str,
+    rpc: str,
+    layer: str,
+    tracer: trace.Tracer,
+    unsampled: Unsampled,
+    log_calls: bool,
+) -> Callable[..., Awaitable]:
     method = f"/{service}/{rpc}"
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
 
@@ -190,8 +208,9 @@ def _observed(inner: Callable[..., Awaitable], service: str, rpc: str, layer: st
         header_request_id = header_request_ids[-1] if header_request_ids else ""
         span, span_context = _server_span(tracer, unsampled, method, attributes, carrier)
         request_id = header_request_id or getattr(request, "request_id", "")
-        ctx = logs.RequestContext(layer, request_id=request_id[:MAX_REQUEST_ID_LENGTH],
-                                  model_version=getattr(request, "model_version", ""))
+        ctx = logs.RequestContext(
+            layer, request_id=request_id[:MAX_REQUEST_ID_LENGTH], model_version=getattr(request, "model_version", "")
+        )
         attached = otel_context.attach(span_context)
         token = logs.begin_request(ctx)
         started = time.perf_counter()
@@ -243,13 +262,26 @@ def _write_call_line(method: str, request, ctx: logs.RequestContext, code: str) 
     if level is None:
         return
     inputs = getattr(request, "inputs", None)
-    payload = inputs.SerializeToString(deterministic=True) if hasattr(inputs, "SerializeToString") \
+    payload = (
+        inputs.SerializeToString(deterministic=True)
+        if hasattr(inputs, "SerializeToString")
         else request.SerializeToString(deterministic=True)
+    )
     rows = list(getattr(inputs, "shape", ()) or ())[:1]
-    logger.log(level, "%s %s", method.rsplit("/", 1)[-1], code, extra={
-        "method": method, "code": code, "model": getattr(request, "model_name", ""),
-        "rows": rows[0] if rows else None, "input_fingerprint": logs.fingerprint(payload),
-        "timings_ms": {stage: round(s * 1000, 3) for stage, s in ctx.stages.items()}})
+    logger.log(
+        level,
+        "%s %s",
+        method.rsplit("/", 1)[-1],
+        code,
+        extra={
+            "method": method,
+            "code": code,
+            "model": getattr(request, "model_name", ""),
+            "rows": rows[0] if rows else None,
+            "input_fingerprint": logs.fingerprint(payload),
+            "timings_ms": {stage: round(s * 1000, 3) for stage, s in ctx.stages.items()},
+        },
+    )
 
 
 class CallTracer:
@@ -264,8 +296,9 @@ class CallTracer:
         self._unsampled = Unsampled(tracer_provider)
 
     @contextlib.contextmanager
-    def call(self, service: str, rpc: str, metadata: tuple[tuple[str, str], ...],
-             callers: Sequence[Caller] | None = None) -> Iterator[tuple]:
+    def call(
+        self, service: str, rpc: str, metadata: tuple[tuple[str, str], ...], callers: Sequence[Caller] | None = None
+    ) -> Iterator[tuple]:
         """Opens the CLIENT span of ``/service/rpc`` for the ``with`` block and yields ``metadata``
         plus the trace headers and, when the request id is printable ASCII (all gRPC metadata can
         carry), ``x-request-id``. A ``grpc.RpcError`` leaving the block sets the span's status code
@@ -284,8 +317,13 @@ class CallTracer:
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
         if callers is not None and len(callers) > 1:
             attributes["mlpair.callers"] = len(callers)
-        span = self._tracer.start_span(f"/{service}/{rpc}", context=origin.parent, kind=trace.SpanKind.CLIENT,
-                                       attributes=attributes, links=origin.links)
+        span = self._tracer.start_span(
+            f"/{service}/{rpc}",
+            context=origin.parent,
+            kind=trace.SpanKind.CLIENT,
+            attributes=attributes,
+            links=origin.links,
+        )
         with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
             carrier: dict[str, str] = {}
             propagate.inject(carrier, context=trace.set_span_in_context(span, origin.parent))
@@ -308,8 +346,11 @@ class CallTracer:
         propagator: the parent's trace id, a new span id, flags 00. None = take the full path."""
         parent_context = origin.parent if origin.parent is not None else otel_context.get_current()
         parent = trace.get_current_span(parent_context).get_span_context()
-        if not self._unsampled.drops(parent) or (parent.is_valid and parent.trace_state) \
-                or baggage.get_all(parent_context):  # a dropped span's links are dropped with it
+        if (
+            not self._unsampled.drops(parent)
+            or (parent.is_valid and parent.trace_state)
+            or baggage.get_all(parent_context)
+        ):  # a dropped span's links are dropped with it
             return None
         trace_id = parent.trace_id if parent.is_valid else random.getrandbits(128) or 1
         extra = [(TRACEPARENT, f"00-{trace_id:032x}-{random.getrandbits(64) or 1:016x}-00")]

@@ -31,7 +31,11 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], int], ...] = (
     # Spanish DNI (8 digits + check letter) and NIE (X/Y/Z + 7 digits + letter).
     ("national_id", re.compile(r"(?<![\w-])(?:\d{8}|[XYZxyz]\d{7})-?[A-HJ-NP-TV-Za-hj-np-tv-z](?![\w-])"), 0),
     # UK National Insurance number, AB 12 34 56 C.
-    ("national_id", re.compile(r"(?<![\w-])[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{2} ?\d{2} ?\d{2} ?\d{2} ?[A-Da-d](?![\w-])"), 0),
+    (
+        "national_id",
+        re.compile(r"(?<![\w-])[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{2} ?\d{2} ?\d{2} ?\d{2} ?[A-Da-d](?![\w-])"),
+        0,
+    ),
     # Phone numbers with a country code: +34 612 345 678, +1 (555) 123-4567, +441234567890.
     ("phone", re.compile(r"(?<![\w+])\+\d{1,3}(?:[\s.-]?(?:\(\d{1,4}\)|\d{1,4})){2,5}(?!\w)"), 8),
     # Numbers in groups of 2–4 digits with one kind of separator (phones, card numbers):
@@ -70,8 +74,7 @@ class Redactor:
         if self._fields:
             names_re = "|".join(sorted(map(re.escape, self._fields), key=len, reverse=True))
             # name=value, name: value, 'name': value, "name": value (any case of the name).
-            self._field_text = re.compile(
-                rf"""(?i)(?P<key>(?<![\w])["']?(?:{names_re})["']?\s*[:=]\s*){_VALUE}""")
+            self._field_text = re.compile(rf"""(?i)(?P<key>(?<![\w])["']?(?:{names_re})["']?\s*[:=]\s*){_VALUE}""")
 
     def text(self, value: str) -> str:
         """``value`` with every personal field value and personal-data pattern replaced."""

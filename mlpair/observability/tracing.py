@@ -26,9 +26,15 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 INSTRUMENTATION_NAME = "mlpair"
 
 
-def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_ratio: float | None = 1.0,
-                          service_version: str = "", exporter: SpanExporter | None = None,
-                          environ: Mapping[str, str] | None = None) -> TracerProvider:
+def build_tracer_provider(
+    service_name: str,
+    *,
+    otlp_endpoint: str = "",
+    sample_ratio: float | None = 1.0,
+    service_version: str = "",
+    exporter: SpanExporter | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> TracerProvider:
     """A tracer provider for one service.
 
     Args:
@@ -54,23 +60,30 @@ def build_tracer_provider(service_name: str, *, otlp_endpoint: str = "", sample_
     if sample_ratio is not None and not 0.0 <= sample_ratio <= 1.0:
         raise ValueError(f"sample_ratio must be in [0, 1], got {sample_ratio}")
     service_name = environ.get("OTEL_SERVICE_NAME") or service_name
-    exporting_from_environment = not otlp_endpoint and environ.get("OTEL_SDK_DISABLED", "").lower() != "true" and any(
-        environ.get(name) for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"))
+    exporting_from_environment = (
+        not otlp_endpoint
+        and environ.get("OTEL_SDK_DISABLED", "").lower() != "true"
+        and any(environ.get(name) for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"))
+    )
     if exporter is None and (otlp_endpoint or exporting_from_environment):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         # No endpoint argument: the exporter reads the standard variables itself (endpoint,
         # headers, certificates, OTEL_EXPORTER_OTLP_INSECURE; http:// means plaintext).
-        exporter = (OTLPSpanExporter(endpoint=otlp_endpoint, insecure=otlp_endpoint.startswith("http://"))
-                    if otlp_endpoint else OTLPSpanExporter())
+        exporter = (
+            OTLPSpanExporter(endpoint=otlp_endpoint, insecure=otlp_endpoint.startswith("http://"))
+            if otlp_endpoint
+            else OTLPSpanExporter()
+        )
     if exporter is None:
         sampler = ParentBased(ALWAYS_OFF)
     elif sample_ratio is None and environ.get("OTEL_TRACES_SAMPLER"):
         sampler = standard_sampler(environ["OTEL_TRACES_SAMPLER"], environ.get("OTEL_TRACES_SAMPLER_ARG"))
     else:
         sampler = ParentBased(TraceIdRatioBased(1.0 if sample_ratio is None else sample_ratio))
-    resource = Resource.create({"service.name": service_name, "service.namespace": "mlpair",
-                                "service.version": service_version})
+    resource = Resource.create(
+        {"service.name": service_name, "service.namespace": "mlpair", "service.version": service_version}
+    )
     provider = TracerProvider(resource=resource, sampler=sampler)
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -88,11 +101,14 @@ def standard_sampler(name: str, arg: str | None = None) -> Sampler:
     ratio = float(arg) if arg else 1.0
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be in [0, 1], got {arg}")
-    samplers = {"always_on": lambda: ALWAYS_ON, "always_off": lambda: ALWAYS_OFF,
-                "traceidratio": lambda: TraceIdRatioBased(ratio),
-                "parentbased_always_on": lambda: ParentBased(ALWAYS_ON),
-                "parentbased_always_off": lambda: ParentBased(ALWAYS_OFF),
-                "parentbased_traceidratio": lambda: ParentBased(TraceIdRatioBased(ratio))}
+    samplers = {
+        "always_on": lambda: ALWAYS_ON,
+        "always_off": lambda: ALWAYS_OFF,
+        "traceidratio": lambda: TraceIdRatioBased(ratio),
+        "parentbased_always_on": lambda: ParentBased(ALWAYS_ON),
+        "parentbased_always_off": lambda: ParentBased(ALWAYS_OFF),
+        "parentbased_traceidratio": lambda: ParentBased(TraceIdRatioBased(ratio)),
+    }
     if name.lower() not in samplers:
         raise ValueError(f"OTEL_TRACES_SAMPLER={name!r} is not supported; use one of {', '.join(samplers)}")
     return samplers[name.lower()]()
@@ -114,8 +130,11 @@ def instrument_engine(engine: Any, tracer_provider: trace.TracerProvider | None 
     @event.listens_for(sync_engine, "before_cursor_execute")
     def _start(conn, cursor, statement, parameters, context, executemany):
         operation = statement.lstrip().split(None, 1)[0].upper() if statement.strip() else "SQL"
-        span = tracer.start_span(f"crm {operation}", kind=trace.SpanKind.CLIENT,
-                                 attributes={"db.system": system, "db.operation.name": operation})
+        span = tracer.start_span(
+            f"crm {operation}",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"db.system": system, "db.operation.name": operation},
+        )
         if context is not None:
             context._mlpair_span = span
 

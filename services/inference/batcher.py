@@ -77,9 +77,20 @@ class DynamicBatcher:
             largest batch takes less time than a thread hop (one instance only).
     """
 
-    def __init__(self, run: Callable[[np.ndarray], np.ndarray], *, model: str, version: str,
-                 max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: list[int],
-                 max_queue_rows: int, batching: bool = True, instances: int = 1, inline: bool = False) -> None:
+    def __init__(
+        self,
+        run: Callable[[np.ndarray], np.ndarray],
+        *,
+        model: str,
+        version: str,
+        max_batch_size: int,
+        max_queue_delay_ms: float,
+        preferred_batch_sizes: list[int],
+        max_queue_rows: int,
+        batching: bool = True,
+        instances: int = 1,
+        inline: bool = False,
+    ) -> None:
         self._run = run
         self.model, self.version = model, version
         self.max_batch_size = max_batch_size
@@ -174,8 +185,10 @@ class DynamicBatcher:
         n = rows.shape[0]
         if self._queued_rows + n > self._max_queue_rows:
             self._m_rejected.inc()
-            raise QueueFull(f"model {self.model!r} version {self.version} has {self._queued_rows} rows queued "
-                            f"(limit {self._max_queue_rows}); retry with backoff")
+            raise QueueFull(
+                f"model {self.model!r} version {self.version} has {self._queued_rows} rows queued "
+                f"(limit {self._max_queue_rows}); retry with backoff"
+            )
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         if n <= self.max_batch_size:
@@ -186,8 +199,10 @@ class DynamicBatcher:
             except asyncio.CancelledError:
                 self._discard(item)
                 raise
-        items = [_Item(rows[i:i + self.max_batch_size], loop.create_future(), deadline, now)
-                 for i in range(0, n, self.max_batch_size)]
+        items = [
+            _Item(rows[i : i + self.max_batch_size], loop.create_future(), deadline, now)
+            for i in range(0, n, self.max_batch_size)
+        ]
         for item in items:
             self._enqueue(item)
         try:
@@ -361,8 +376,13 @@ class DynamicBatcher:
                 self._m_compute.observe(ended - started)
                 stats.executed(len(batch), rows, started - began, ended - started)
             if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.shape[0] != rows:
-                logger.error("%s version %s returned %s for %d rows", self.model, self.version,
-                             getattr(logits, "shape", type(logits).__name__), rows)
+                logger.error(
+                    "%s version %s returned %s for %d rows",
+                    self.model,
+                    self.version,
+                    getattr(logits, "shape", type(logits).__name__),
+                    rows,
+                )
                 self._fail(batch, "the model returned the wrong number of rows")
                 return
             self._scatter(batch, logits)
@@ -375,7 +395,7 @@ class DynamicBatcher:
         offset = 0
         for item in batch:
             if not item.future.done():  # else the caller gave up while its rows ran
-                item.future.set_result(logits[offset:offset + item.n])
+                item.future.set_result(logits[offset : offset + item.n])
             offset += item.n
 
     @staticmethod

@@ -37,8 +37,11 @@ def feature_version(metadata) -> str | None:
         if key.lower() == FEATURE_VERSION_KEY:
             value = value if isinstance(value, str) else value.decode()
             if found is not None and value != found:
-                raise InvalidInput(f"{FEATURE_VERSION_KEY} was sent twice with different values ({found[:64]!r}, "
-                                   f"{value[:64]!r}); send one", metadata={"key": FEATURE_VERSION_KEY})
+                raise InvalidInput(
+                    f"{FEATURE_VERSION_KEY} was sent twice with different values ({found[:64]!r}, "
+                    f"{value[:64]!r}); send one",
+                    metadata={"key": FEATURE_VERSION_KEY},
+                )
             found = value
     return found
 
@@ -67,7 +70,8 @@ def tensor_in(tensor: pb.Tensor) -> TensorIn:
 def infer_response(result: InferResult) -> pb.InferResponse:
     logits = result.logits
     response = pb.InferResponse(
-        model_name=result.model_name, model_version=result.model_version,
+        model_name=result.model_name,
+        model_version=result.model_version,
         logits=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=logits.shape, content=_le_bytes(logits)),
     )
     for row in result.invalid_rows:
@@ -83,11 +87,16 @@ def metadata_response(model: ServedVersion, available: list[str]) -> pb.ModelMet
     manifest = model.entry.manifest
     triple = manifest.versions
     return pb.ModelMetadataResponse(
-        model_name=manifest.model_name, model_version=model.version, available_versions=available,
-        inputs=[_spec(s) for s in manifest.inputs], outputs=[_spec(s) for s in manifest.outputs],
-        versions=pb.VersionTriple(model_version=triple.model_version,
-                                  feature_schema_version=triple.feature_schema_version,
-                                  preprocessing_hash=triple.preprocessing_hash),
+        model_name=manifest.model_name,
+        model_version=model.version,
+        available_versions=available,
+        inputs=[_spec(s) for s in manifest.inputs],
+        outputs=[_spec(s) for s in manifest.outputs],
+        versions=pb.VersionTriple(
+            model_version=triple.model_version,
+            feature_schema_version=triple.feature_schema_version,
+            preprocessing_hash=triple.preprocessing_hash,
+        ),
         runtime=model.runtime.description,
     )
 
@@ -116,8 +125,9 @@ def oip_tensor_in(request: oip.ModelInferRequest) -> TensorIn:
         dupes = [name for name, n in Counter(t.name for t in inputs).items() if n > 1]
         if dupes:
             raise InvalidInput(f"input {dupes[0]!r} appears more than once")
-        raise InvalidInput(f"this model takes one input tensor; got {len(inputs)} "
-                           f"({', '.join(repr(t.name) for t in inputs)})")
+        raise InvalidInput(
+            f"this model takes one input tensor; got {len(inputs)} ({', '.join(repr(t.name) for t in inputs)})"
+        )
     tensor = inputs[0]
     raw = request.raw_input_contents
     if raw:
@@ -144,8 +154,9 @@ def oip_feature_version(request: oip.ModelInferRequest, metadata) -> str | None:
         raise InvalidInput(f"parameter {FEATURE_VERSION_KEY!r} must be a string")
     value = param.string_param
     if from_metadata is not None and from_metadata != value:
-        raise InvalidInput(f"{FEATURE_VERSION_KEY} is {value!r} as a request parameter but {from_metadata!r} "
-                           "as metadata; send one")
+        raise InvalidInput(
+            f"{FEATURE_VERSION_KEY} is {value!r} as a request parameter but {from_metadata!r} as metadata; send one"
+        )
     return value
 
 
@@ -159,13 +170,22 @@ def oip_infer_response(result: InferResult, request_id: str, raw: bool = True) -
     if not raw:
         contents = oip.InferTensorContents(fp32_contents=logits.ravel().tolist())
         return oip.ModelInferResponse(
-            model_name=result.model_name, model_version=result.model_version, id=request_id,
-            outputs=[oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32",
-                                                              shape=logits.shape, contents=contents)])
+            model_name=result.model_name,
+            model_version=result.model_version,
+            id=request_id,
+            outputs=[
+                oip.ModelInferResponse.InferOutputTensor(
+                    name=result.output_name, datatype="FP32", shape=logits.shape, contents=contents
+                )
+            ],
+        )
     return oip.ModelInferResponse(
-        model_name=result.model_name, model_version=result.model_version, id=request_id,
-        outputs=[oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32",
-                                                          shape=logits.shape)],
+        model_name=result.model_name,
+        model_version=result.model_version,
+        id=request_id,
+        outputs=[
+            oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32", shape=logits.shape)
+        ],
         raw_output_contents=[_le_bytes(logits)],
     )
 
@@ -176,14 +196,20 @@ def oip_metadata_response(model: ServedVersion, available: list[str]) -> oip.Mod
     def spec(s: TensorSpec) -> oip.ModelMetadataResponse.TensorMetadata:
         return oip.ModelMetadataResponse.TensorMetadata(name=s.name, datatype=s.data_type, shape=s.shape)
 
-    return oip.ModelMetadataResponse(name=manifest.model_name, versions=available,
-                                     platform=model.runtime.platform,
-                                     inputs=[spec(s) for s in manifest.inputs],
-                                     outputs=[spec(s) for s in manifest.outputs])
+    return oip.ModelMetadataResponse(
+        name=manifest.model_name,
+        versions=available,
+        platform=model.runtime.platform,
+        inputs=[spec(s) for s in manifest.inputs],
+        outputs=[spec(s) for s in manifest.outputs],
+    )
 
 
 def oip_index_response(statuses: list[VersionStatus], ready_only: bool) -> oip.RepositoryIndexResponse:
-    return oip.RepositoryIndexResponse(models=[
-        oip.RepositoryIndexResponse.ModelIndex(name=s.name, version=s.version, state=s.state, reason=s.reason)
-        for s in statuses if not ready_only or s.state == "READY"
-    ])
+    return oip.RepositoryIndexResponse(
+        models=[
+            oip.RepositoryIndexResponse.ModelIndex(name=s.name, version=s.version, state=s.state, reason=s.reason)
+            for s in statuses
+            if not ready_only or s.state == "READY"
+        ]
+    )

@@ -65,8 +65,12 @@ class InferenceEngine:
         on_change: awaited whenever readiness may have changed (the server refreshes health).
     """
 
-    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime,
-                 on_change: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        runtime_factory: RuntimeFactory = create_runtime,
+        on_change: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.settings = settings
         self.repository = ModelRepository(settings, runtime_factory, on_change=self._changed)
         self._on_change = on_change
@@ -92,7 +96,8 @@ class InferenceEngine:
         await self.repository.load_all()
         if self.settings.model_control == "poll":
             self._poller = asyncio.get_running_loop().create_task(
-                self.repository.poll_forever(self.settings.repository_poll_s), name="repository-poll")
+                self.repository.poll_forever(self.settings.repository_poll_s), name="repository-poll"
+            )
 
     def ready(self) -> bool:
         """Server readiness: not stopping and every expected model serving."""
@@ -159,9 +164,17 @@ class InferenceEngine:
         names = [name] if name else sorted(serving)
         return [self.repository.get(n, v) for n in names for v in serving[n]]
 
-    async def infer(self, name: str, version: str, feature_version: str | None, tensor: TensorIn,
-                    deadline: float | None = None, outputs: Sequence[str] = (), *,
-                    per_row_errors: bool = False) -> InferResult:
+    async def infer(
+        self,
+        name: str,
+        version: str,
+        feature_version: str | None,
+        tensor: TensorIn,
+        deadline: float | None = None,
+        outputs: Sequence[str] = (),
+        *,
+        per_row_errors: bool = False,
+    ) -> InferResult:
         """Validates one request and returns its logits, counting its outcome and latency.
 
         Args:
@@ -198,8 +211,9 @@ class InferenceEngine:
             validated = time.perf_counter()
             logs.record_stage("validate", validated - started)
             if rows == 0:
-                return InferResult(served.name, served.version, served.output_name,
-                                   np.zeros((0, served.n_classes), dtype=np.float32))
+                return InferResult(
+                    served.name, served.version, served.output_name, np.zeros((0, served.n_classes), dtype=np.float32)
+                )
             logits = await served.batcher.submit(x, deadline)
             logs.record_stage("queue_and_compute", time.perf_counter() - validated)
             if all_finite(logits):
@@ -235,8 +249,10 @@ class InferenceEngine:
         served.m_nonfinite.inc(len(bad))
         if not per_row_errors:
             named = ", ".join(str(r) for r in bad[:MAX_NAMED_ROWS]) + (" …" if len(bad) > MAX_NAMED_ROWS else "")
-            raise ModelFailure(f"the model produced a non-finite logit for row(s) {named} of this request",
-                               metadata={"reason": NON_FINITE_OUTPUT, "rows": str(len(bad))})
+            raise ModelFailure(
+                f"the model produced a non-finite logit for row(s) {named} of this request",
+                metadata={"reason": NON_FINITE_OUTPUT, "rows": str(len(bad))},
+            )
         logits = logits.copy()
         logits[bad] = 0.0
         return InferResult(served.name, served.version, served.output_name, logits, tuple(int(r) for r in bad))

@@ -84,14 +84,18 @@ def request_options(request: oip.ModelInferRequest) -> RequestOptions:
     if len(inputs) != 1 or inputs[0].parameters:
         for tensor in inputs:
             for key in tensor.parameters:
-                raise UnsupportedParameter(f"input {tensor.name!r} parameter {key!r}: " + _REFUSED.get(
-                    key, "unknown input parameter; this server reads none"))
+                raise UnsupportedParameter(
+                    f"input {tensor.name!r} parameter {key!r}: "
+                    + _REFUSED.get(key, "unknown input parameter; this server reads none")
+                )
     outputs = request.outputs
     for output in outputs if outputs else ():
         for key, value in output.parameters.items():
             if key != BINARY_DATA:
-                raise UnsupportedParameter(f"output {output.name!r} parameter {key!r}: " + _REFUSED.get(
-                    key, f"unknown output parameter; this server reads only {BINARY_DATA!r}"))
+                raise UnsupportedParameter(
+                    f"output {output.name!r} parameter {key!r}: "
+                    + _REFUSED.get(key, f"unknown output parameter; this server reads only {BINARY_DATA!r}")
+                )
             options = RequestOptions(options.timeout_s, not _bool(value, f"output {BINARY_DATA}"), options.final_flag)
     return options
 
@@ -114,8 +118,10 @@ def _request_level(params) -> RequestOptions:
         elif key == FINAL_RESPONSE_FLAG:
             final = _bool(value, key)
         else:
-            raise UnsupportedParameter(f"parameter {key!r}: " + _REFUSED.get(
-                key, f"unknown request parameter; this server reads {', '.join(REQUEST_PARAMETERS)}"))
+            raise UnsupportedParameter(
+                f"parameter {key!r}: "
+                + _REFUSED.get(key, f"unknown request parameter; this server reads {', '.join(REQUEST_PARAMETERS)}")
+            )
     return RequestOptions(timeout_s, typed, final)
 
 
@@ -161,30 +167,48 @@ def config_response(model: ServedVersion, settings: InferenceSettings, inline: b
     runtime = model.runtime
     torch = runtime.platform.startswith("pytorch")
     config = oip.ModelConfig(
-        name=model.name, platform=runtime.platform, backend="pytorch" if torch else "onnxruntime",
+        name=model.name,
+        platform=runtime.platform,
+        backend="pytorch" if torch else "onnxruntime",
         version_policy=_version_policy(VersionPolicy.parse(settings.version_policy)),
         max_batch_size=settings.max_batch_size,
-        input=[oip.ModelInput(name=s.name, data_type=_data_type(s.data_type), dims=s.shape[1:]) for s in manifest.inputs],
-        output=[oip.ModelOutput(name=s.name, data_type=_data_type(s.data_type), dims=s.shape[1:])
-                for s in manifest.outputs],
-        instance_group=[oip.ModelInstanceGroup(
-            name=f"{model.name}_{model.version}", count=settings.execution_instances,
-            kind=oip.ModelInstanceGroup.KIND_GPU if "cuda" in runtime.description.lower()
-            else oip.ModelInstanceGroup.KIND_CPU)],
+        input=[
+            oip.ModelInput(name=s.name, data_type=_data_type(s.data_type), dims=s.shape[1:]) for s in manifest.inputs
+        ],
+        output=[
+            oip.ModelOutput(name=s.name, data_type=_data_type(s.data_type), dims=s.shape[1:]) for s in manifest.outputs
+        ],
+        instance_group=[
+            oip.ModelInstanceGroup(
+                name=f"{model.name}_{model.version}",
+                count=settings.execution_instances,
+                kind=oip.ModelInstanceGroup.KIND_GPU
+                if "cuda" in runtime.description.lower()
+                else oip.ModelInstanceGroup.KIND_CPU,
+            )
+        ],
         default_model_filename=(manifest.torch_program or "") if torch else model.entry.model_path.name,
     )
     if settings.batching:
-        config.dynamic_batching.CopyFrom(oip.ModelDynamicBatching(
-            preferred_batch_size=sorted(settings.preferred_batch_sizes),
-            max_queue_delay_microseconds=round(settings.max_queue_delay_ms * 1000),
-            default_queue_policy=oip.ModelQueuePolicy(timeout_action=oip.ModelQueuePolicy.REJECT,
-                                                      allow_timeout_override=True)))
+        config.dynamic_batching.CopyFrom(
+            oip.ModelDynamicBatching(
+                preferred_batch_size=sorted(settings.preferred_batch_sizes),
+                max_queue_delay_microseconds=round(settings.max_queue_delay_ms * 1000),
+                default_queue_policy=oip.ModelQueuePolicy(
+                    timeout_action=oip.ModelQueuePolicy.REJECT, allow_timeout_override=True
+                ),
+            )
+        )
     triple = manifest.versions
     for key, value in {
-        "runtime": runtime.description, "max_request_rows": settings.max_request_rows,
-        "max_queue_rows": settings.max_queue_rows, "stream_max_in_flight": settings.stream_max_in_flight,
-        "execution": "event loop" if inline else "executor", "deterministic": settings.deterministic,
-        "feature_schema_version": triple.feature_schema_version, "preprocessing_hash": triple.preprocessing_hash,
+        "runtime": runtime.description,
+        "max_request_rows": settings.max_request_rows,
+        "max_queue_rows": settings.max_queue_rows,
+        "stream_max_in_flight": settings.stream_max_in_flight,
+        "execution": "event loop" if inline else "executor",
+        "deterministic": settings.deterministic,
+        "feature_schema_version": triple.feature_schema_version,
+        "preprocessing_hash": triple.preprocessing_hash,
     }.items():
         config.parameters[key].string_value = str(value).lower() if isinstance(value, bool) else str(value)
     return oip.ModelConfigResponse(config=config)
@@ -218,15 +242,27 @@ def _model_statistics(model: ServedVersion) -> oip.ModelStatistics:
     stats: VersionStatistics = model.batcher.statistics
     memory = model.runtime.device_memory_bytes()
     return oip.ModelStatistics(
-        name=model.name, version=model.version, last_inference=stats.last_inference_ms,
-        inference_count=stats.inference_count, execution_count=stats.execution_count,
+        name=model.name,
+        version=model.version,
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
         inference_stats=oip.InferStatistics(
-            success=_duration(stats.success), fail=_duration(stats.fail), queue=_duration(stats.queue),
-            compute_input=_duration(stats.compute_input), compute_infer=_duration(stats.compute_infer),
-            compute_output=_duration(stats.compute_output)),
-        batch_stats=[oip.InferBatchStatistics(batch_size=size, compute_input=_duration(b.compute_input),
-                                              compute_infer=_duration(b.compute_infer),
-                                              compute_output=_duration(b.compute_output))
-                     for size, b in sorted(stats.batches.items())],
+            success=_duration(stats.success),
+            fail=_duration(stats.fail),
+            queue=_duration(stats.queue),
+            compute_input=_duration(stats.compute_input),
+            compute_infer=_duration(stats.compute_infer),
+            compute_output=_duration(stats.compute_output),
+        ),
+        batch_stats=[
+            oip.InferBatchStatistics(
+                batch_size=size,
+                compute_input=_duration(b.compute_input),
+                compute_infer=_duration(b.compute_infer),
+                compute_output=_duration(b.compute_output),
+            )
+            for size, b in sorted(stats.batches.items())
+        ],
         memory_usage=[] if memory is None else [oip.MemoryUsage(type="GPU", id=0, byte_size=memory)],
     )

@@ -73,7 +73,7 @@ class VersionPolicy:
         if self.kind == "all":
             return sorted(available)
         if self.kind == "latest":
-            return sorted(available)[-self.count:]
+            return sorted(available)[-self.count :]
         return [v for v in sorted(available) if v in self.versions]
 
 
@@ -124,8 +124,12 @@ class ModelRepository:
         on_change: awaited after every publish or retire (the server refreshes health).
     """
 
-    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime,
-                 on_change: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        runtime_factory: RuntimeFactory = create_runtime,
+        on_change: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.settings = settings
         self.root = settings.model_repository
         self.policy = VersionPolicy.parse(settings.version_policy)
@@ -160,8 +164,10 @@ class ModelRepository:
         versions = self._serving.get(name)
         if versions:
             available = ", ".join(sorted(versions, key=int))
-            raise ModelNotFound(f"model {name!r} has no version {version!r} serving; available: {available}",
-                                metadata={"model": name, "available_versions": available})
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r} serving; available: {available}",
+                metadata={"model": name, "available_versions": available},
+            )
         if name in self.expected or any(key[0] == name for key in self._status):
             raise ModelNotReady(f"model {name!r} is not ready yet; retry after readiness")
         known = ", ".join(sorted(self._serving)) or "none"
@@ -238,8 +244,11 @@ class ModelRepository:
         async with self._lock:
             wanted = [str(v) for v in self.policy.select(list_versions(self.root, name))]
             if not wanted:
-                raise ModelNotFound(f"no version of model {name!r} under {self.root} matches the version "
-                                    f"policy {self.settings.version_policy!r}", metadata={"model": name})
+                raise ModelNotFound(
+                    f"no version of model {name!r} under {self.root} matches the version "
+                    f"policy {self.settings.version_policy!r}",
+                    metadata={"model": name},
+                )
             self.expected.add(name)
             current = self._serving.get(name, {})
             failed = []
@@ -252,16 +261,23 @@ class ModelRepository:
                             raise
                         reason = self._status[(name, version)].reason
                         failed.append(f"{version}: {reason}")
-                        logger.warning("model %s version %s failed to load: %s", name, version, reason,
-                                       exc_info=not isinstance(exc, InferenceError))
+                        logger.warning(
+                            "model %s version %s failed to load: %s",
+                            name,
+                            version,
+                            reason,
+                            exc_info=not isinstance(exc, InferenceError),
+                        )
             serving_wanted = [v for v in wanted if v in self._serving.get(name, {})]
             if serving_wanted:
                 for version in [v for v in self._serving.get(name, {}) if v not in wanted]:
                     await self._retire(name, version)
             if failed:
-                raise ModelLoadFailed(f"model {name!r}: {len(failed)} version(s) failed to load ({'; '.join(failed)}); "
-                                      f"serving: {', '.join(serving_wanted) or 'previous versions'}",
-                                      metadata={"model": name})
+                raise ModelLoadFailed(
+                    f"model {name!r}: {len(failed)} version(s) failed to load ({'; '.join(failed)}); "
+                    f"serving: {', '.join(serving_wanted) or 'previous versions'}",
+                    metadata={"model": name},
+                )
             return sorted(self._serving.get(name, {}), key=int)
 
     async def unload_model(self, name: str) -> None:
@@ -319,8 +335,11 @@ class ModelRepository:
             entry, runtime, max_batch_ms = await asyncio.to_thread(self._open, path)
         except Exception as exc:
             status.state = UNAVAILABLE
-            status.reason = exc.message if isinstance(exc, InferenceError) else (
-                str(exc) if isinstance(exc, ManifestError) else f"load failed ({type(exc).__name__})")
+            status.reason = (
+                exc.message
+                if isinstance(exc, InferenceError)
+                else (str(exc) if isinstance(exc, ManifestError) else f"load failed ({type(exc).__name__})")
+            )
             metrics.MODEL_LOAD_FAILURES.labels(name, version).inc()
             if self._on_change:
                 await self._on_change()
@@ -328,11 +347,18 @@ class ModelRepository:
         settings = self.settings
         # A model this fast costs less to run on the event loop than one executor hop per batch.
         inline = settings.execution_instances == 1 and max_batch_ms <= settings.inline_execution_max_ms
-        batcher = DynamicBatcher(runtime.run, model=name, version=version, max_batch_size=settings.max_batch_size,
-                                 max_queue_delay_ms=settings.max_queue_delay_ms,
-                                 preferred_batch_sizes=settings.preferred_batch_sizes,
-                                 max_queue_rows=settings.max_queue_rows, batching=settings.batching,
-                                 instances=settings.execution_instances, inline=inline)
+        batcher = DynamicBatcher(
+            runtime.run,
+            model=name,
+            version=version,
+            max_batch_size=settings.max_batch_size,
+            max_queue_delay_ms=settings.max_queue_delay_ms,
+            preferred_batch_sizes=settings.preferred_batch_sizes,
+            max_queue_rows=settings.max_queue_rows,
+            batching=settings.batching,
+            instances=settings.execution_instances,
+            inline=inline,
+        )
         batcher.start()
         seconds = time.perf_counter() - started
         served = ServedVersion(entry, runtime, batcher, seconds)
@@ -345,9 +371,17 @@ class ModelRepository:
         if memory is not None:
             metrics.DEVICE_MEMORY.labels(name, version).set(memory)
         where = "runs on the event loop" if inline else "runs in the executor"
-        logger.info("model %s version %s ready in %.2f s (%s, batch of %d rows %.3f ms, %s, triple %s)", name,
-                    version, seconds, runtime.description, settings.max_batch_size, max_batch_ms, where,
-                    entry.manifest.versions.model_dump())
+        logger.info(
+            "model %s version %s ready in %.2f s (%s, batch of %d rows %.3f ms, %s, triple %s)",
+            name,
+            version,
+            seconds,
+            runtime.description,
+            settings.max_batch_size,
+            max_batch_ms,
+            where,
+            entry.manifest.versions.model_dump(),
+        )
         if self._on_change:
             await self._on_change()
 
@@ -364,8 +398,9 @@ class ModelRepository:
         """
         entry = load_entry(path)
         if path.parent.name != entry.manifest.model_name:
-            raise ManifestError(f"{path}: folder is model {path.parent.name!r} but the manifest says "
-                                f"{entry.manifest.model_name!r}")
+            raise ManifestError(
+                f"{path}: folder is model {path.parent.name!r} but the manifest says {entry.manifest.model_name!r}"
+            )
         runtime = self._factory(entry, self.settings)
         n_features, n_classes = entry.manifest.n_features, len(entry.manifest.class_names)
         max_rows = self.settings.max_batch_size
@@ -376,8 +411,10 @@ class ModelRepository:
             if rows == max_rows:
                 max_batch_ms = min(max_batch_ms, (time.perf_counter() - started) * 1000)
             if not isinstance(logits, np.ndarray) or logits.shape != (rows, n_classes) or not np.isfinite(logits).all():
-                raise ModelLoadFailed(f"warm-up at batch {rows} returned unusable logits "
-                                      f"(shape {getattr(logits, 'shape', None)}, expected {(rows, n_classes)})")
+                raise ModelLoadFailed(
+                    f"warm-up at batch {rows} returned unusable logits "
+                    f"(shape {getattr(logits, 'shape', None)}, expected {(rows, n_classes)})"
+                )
         return entry, runtime, max_batch_ms
 
     async def _retire(self, name: str, version: str) -> None:

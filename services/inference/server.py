@@ -29,6 +29,7 @@ import grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from mlpair.collector import tune_collector
 from mlpair.inference import metrics
 from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN
@@ -37,12 +38,17 @@ from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
-from mlpair.logs import count_failures_with, set_process_model_version
-from mlpair.collector import tune_collector
 from mlpair.lifecycle import DrainGate, drain, enable_reflection, server_options
+from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.observability.calls import observe_servicer
-from mlpair.rpc import (add_servicer, bind_port, guard_servicer, message_size_options, port_sharing_options,
-                        server_credentials)
+from mlpair.rpc import (
+    add_servicer,
+    bind_port,
+    guard_servicer,
+    message_size_options,
+    port_sharing_options,
+    server_credentials,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +69,27 @@ class InferenceServer:
         StartupError: the port is in use.
     """
 
-    def __init__(self, settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *,
-                 tracer_provider=None, shared_port: bool = False) -> None:
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        runtime_factory: RuntimeFactory = create_runtime,
+        *,
+        tracer_provider=None,
+        shared_port: bool = False,
+    ) -> None:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
         self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
         # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
         # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
         # by wrappers of the servicers' methods; tracer_provider None = the global one.
-        self.server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes),
-                                               *server_options(settings), *port_sharing_options(shared_port)])
+        self.server = grpc.aio.server(
+            options=[
+                *message_size_options(settings.max_message_bytes),
+                *server_options(settings),
+                *port_sharing_options(shared_port),
+            ]
+        )
         self.gate = DrainGate()  # the drain holds new calls with it, then answers them UNAVAILABLE
         own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN, self.gate)
         open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN, self.gate)
@@ -102,8 +119,9 @@ class InferenceServer:
             ManifestError, InferenceError: a model cannot be served (nothing turns ready).
         """
         await self.engine.start()
-        set_process_model_version(",".join(f"{name}:{v}" for name, versions in self.engine.repository.serving().items()
-                                           for v in versions))
+        set_process_model_version(
+            ",".join(f"{name}:{v}" for name, versions in self.engine.repository.serving().items() for v in versions)
+        )
         logger.info("InferenceService ready on port %d: %s", self.port, self.engine.repository.serving())
 
     async def _refresh_health(self) -> None:
@@ -117,13 +135,20 @@ class InferenceServer:
         wire when the signal came); then hold new work (answered UNAVAILABLE once the server has
         begun to stop), let in-flight work finish within ``shutdown_grace_s``, stop the server,
         retire the models."""
+
         async def begin() -> None:
             await self.engine.withdraw_readiness()
             await self.health.shutdown()
 
-        await drain(self.server, self.gate, grace_s=self.settings.shutdown_grace_s,
-                    accept_s=self.settings.shutdown_accept_ms / 1000, begin=begin,
-                    refuse=self.engine.begin_drain, wait_idle=self.engine.wait_idle)
+        await drain(
+            self.server,
+            self.gate,
+            grace_s=self.settings.shutdown_grace_s,
+            accept_s=self.settings.shutdown_accept_ms / 1000,
+            begin=begin,
+            refuse=self.engine.begin_drain,
+            wait_idle=self.engine.wait_idle,
+        )
         await self.engine.close()
 
     async def stop(self) -> None:
@@ -132,8 +157,9 @@ class InferenceServer:
         await self.engine.close()
 
 
-async def start(settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *,
-                tracer_provider=None) -> tuple[grpc.aio.Server, int, ServingHealth, InferenceEngine]:
+async def start(
+    settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *, tracer_provider=None
+) -> tuple[grpc.aio.Server, int, ServingHealth, InferenceEngine]:
     """Starts the server and loads the models; returns once ready.
 
     ``tracer_provider``: where spans go (None = the global one, set in ``main()``).

@@ -45,15 +45,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> pb.InferResponse:
         result = await self.engine.infer(
-            request.model_name, request.model_version,
+            request.model_name,
+            request.model_version,
             converters.feature_version(context.invocation_metadata()),
-            converters.tensor_in(request.inputs), converters.deadline(context),
+            converters.tensor_in(request.inputs),
+            converters.deadline(context),
             per_row_errors=request.per_row_errors,
         )
         return converters.infer_response(result)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest,
-                            context: grpc.aio.ServicerContext) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
         model = self.engine.model(request.model_name, request.model_version)
         return converters.metadata_response(model, self.engine.repository.serving()[request.model_name])
 
@@ -85,20 +88,23 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         return oip.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context) -> oip.ServerMetadataResponse:
-        extensions = [*EXTENSIONS, "model_repository"] if self.engine.settings.model_control == "explicit" \
-            else EXTENSIONS
+        extensions = (
+            [*EXTENSIONS, "model_repository"] if self.engine.settings.model_control == "explicit" else EXTENSIONS
+        )
         return oip.ServerMetadataResponse(name=SERVER_NAME, version=self.server_version, extensions=extensions)
 
     async def ModelMetadata(self, request: oip.ModelMetadataRequest, context) -> oip.ModelMetadataResponse:
         model = self.engine.model(request.name, request.version)
         return converters.oip_metadata_response(model, self.engine.repository.serving()[request.name])
 
-    async def ModelInfer(self, request: oip.ModelInferRequest,
-                         context: grpc.aio.ServicerContext) -> oip.ModelInferResponse:
+    async def ModelInfer(
+        self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelInferResponse:
         return await self._infer(request, context.invocation_metadata(), converters.deadline(context))
 
-    async def ModelStreamInfer(self, request_iterator,
-                               context: grpc.aio.ServicerContext) -> AsyncIterator[oip.ModelStreamInferResponse]:
+    async def ModelStreamInfer(
+        self, request_iterator, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[oip.ModelStreamInferResponse]:
         """Bidirectional streaming: one response per request, in order (see :mod:`mlpair.inference.streaming`).
 
         ``x-feature-version`` comes from each request's parameters or the stream's metadata; the
@@ -114,17 +120,26 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                 raise MalformedRequest("a stream message is not a valid ModelInferRequest message")
             return oip.ModelStreamInferResponse(infer_response=await self._infer(request, metadata, deadline))
 
-        stream = AnswerStream(request_iterator, answer, oip_extensions.stream_error,
-                              max_in_flight=self.engine.settings.stream_max_in_flight,
-                              drain=self.engine.drain_started, abort=functools.partial(_abort, context))
+        stream = AnswerStream(
+            request_iterator,
+            answer,
+            oip_extensions.stream_error,
+            max_in_flight=self.engine.settings.stream_max_in_flight,
+            drain=self.engine.drain_started,
+            abort=functools.partial(_abort, context),
+        )
         async for response in stream.responses():
             yield response
 
     async def _infer(self, request: oip.ModelInferRequest, metadata, deadline: float | None) -> oip.ModelInferResponse:
         options = oip_extensions.request_options(request)
         result = await self.engine.infer(
-            request.model_name, request.model_version, converters.oip_feature_version(request, metadata),
-            converters.oip_tensor_in(request), options.deadline(deadline), converters.oip_requested_outputs(request),
+            request.model_name,
+            request.model_version,
+            converters.oip_feature_version(request, metadata),
+            converters.oip_tensor_in(request),
+            options.deadline(deadline),
+            converters.oip_requested_outputs(request),
         )
         return oip_extensions.infer_response(result, request.id, options)
 
@@ -138,14 +153,16 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: oip.RepositoryIndexRequest, context) -> oip.RepositoryIndexResponse:
         return converters.oip_index_response(self.engine.repository.index(), request.ready)
 
-    async def RepositoryModelLoad(self, request: oip.RepositoryModelLoadRequest,
-                                  context) -> oip.RepositoryModelLoadResponse:
+    async def RepositoryModelLoad(
+        self, request: oip.RepositoryModelLoadRequest, context
+    ) -> oip.RepositoryModelLoadResponse:
         self._require_explicit_control()
         await self.engine.repository.load_model(request.model_name)
         return oip.RepositoryModelLoadResponse()
 
-    async def RepositoryModelUnload(self, request: oip.RepositoryModelUnloadRequest,
-                                    context) -> oip.RepositoryModelUnloadResponse:
+    async def RepositoryModelUnload(
+        self, request: oip.RepositoryModelUnloadRequest, context
+    ) -> oip.RepositoryModelUnloadResponse:
         self._require_explicit_control()
         await self.engine.repository.unload_model(request.model_name)
         return oip.RepositoryModelUnloadResponse()

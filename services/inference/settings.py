@@ -14,8 +14,9 @@ from mlpair.lifecycle import ConnectionSettings
 class InferenceSettings(ConnectionSettings):
     """Everything the inference server reads; built once in ``main()`` and passed down."""
 
-    model_config = SettingsConfigDict(env_prefix="INFERENCE_", extra="ignore", protected_namespaces=(),
-                                      use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(
+        env_prefix="INFERENCE_", extra="ignore", protected_namespaces=(), use_attribute_docstrings=True
+    )
 
     # -- network and process ---------------------------------------------------------------
     host: str = "0.0.0.0"
@@ -124,8 +125,10 @@ class InferenceSettings(ConnectionSettings):
         if self.max_batch_size < 1 or self.max_request_rows < 1 or self.stream_max_in_flight < 1:
             raise ValueError("max_batch_size, max_request_rows and stream_max_in_flight must be at least 1")
         if self.max_request_rows > self.max_queue_rows:
-            raise ValueError(f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
-                             f"({self.max_queue_rows}): such a request could never be queued")
+            raise ValueError(
+                f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
+                f"({self.max_queue_rows}): such a request could never be queued"
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:

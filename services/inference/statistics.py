@@ -67,8 +67,18 @@ class VersionStatistics:
     records queue waits and executions. Single-threaded: every call happens on the event loop.
     """
 
-    __slots__ = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
-                 "batches", "inference_count", "execution_count", "last_inference_ms")
+    __slots__ = (
+        "success",
+        "fail",
+        "queue",
+        "compute_input",
+        "compute_infer",
+        "compute_output",
+        "batches",
+        "inference_count",
+        "execution_count",
+        "last_inference_ms",
+    )
 
     def __init__(self) -> None:
         self.success = Duration()

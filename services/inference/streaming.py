@@ -55,9 +55,16 @@ class AnswerStream(Generic[Request, Response]):
         abort: ends the call with a ServiceError's status (never returns normally).
     """
 
-    def __init__(self, requests: AsyncIterable[Request], answer: Callable[[Request], Awaitable[Response]],
-                 on_error: Callable[[object, str, str, str], Response], *, max_in_flight: int,
-                 drain: asyncio.Event, abort: Callable[[ServiceError], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        requests: AsyncIterable[Request],
+        answer: Callable[[Request], Awaitable[Response]],
+        on_error: Callable[[object, str, str, str], Response],
+        *,
+        max_in_flight: int,
+        drain: asyncio.Event,
+        abort: Callable[[ServiceError], Awaitable[None]],
+    ) -> None:
         self._requests = requests
         self._answer = answer
         self._on_error = on_error

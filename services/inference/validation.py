@@ -17,8 +17,22 @@ from mlpair.inference.errors import FeatureVersionMismatch, InvalidInput
 
 # Element sizes (bytes) of every data type the Open Inference Protocol names; only FP32 is
 # accepted as model input, the rest are recognised so the error can say what arrived.
-ITEM_SIZE = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2,
-             "INT32": 4, "INT64": 8, "FP16": 2, "BF16": 2, "FP32": 4, "FP64": 8, "BYTES": 0}
+ITEM_SIZE = {
+    "BOOL": 1,
+    "UINT8": 1,
+    "UINT16": 2,
+    "UINT32": 4,
+    "UINT64": 8,
+    "INT8": 1,
+    "INT16": 2,
+    "INT32": 4,
+    "INT64": 8,
+    "FP16": 2,
+    "BF16": 2,
+    "FP32": 4,
+    "FP64": 8,
+    "BYTES": 0,
+}
 MAX_REPORTED_CELLS = 5  # non-finite cells named in one error message
 SMALL_ARRAY = 256  # values up to which all_finite sums in Python rather than calling numpy
 
@@ -65,11 +79,13 @@ def check_feature_version(expected: str, received: str | None) -> None:
     if received is None or received == "":
         raise FeatureVersionMismatch(
             f"missing x-feature-version; this model expects feature version {expected!r}",
-            metadata={"expected": expected, "received": ""})
+            metadata={"expected": expected, "received": ""},
+        )
     if received != expected:
         raise FeatureVersionMismatch(
             f"feature version mismatch: the model expects {expected!r}, the request declares {received!r}",
-            metadata={"expected": expected, "received": received})
+            metadata={"expected": expected, "received": received},
+        )
 
 
 def decode_features(tensor: TensorIn, n_features: int, max_rows: int) -> np.ndarray:
@@ -89,8 +105,11 @@ def decode_features(tensor: TensorIn, n_features: int, max_rows: int) -> np.ndar
     if data_type != "FP32":
         if data_type in ITEM_SIZE:
             raise InvalidInput(f"expected FP32, got {data_type}")
-        raise InvalidInput(f"unknown datatype {data_type!r}; this model takes FP32" if data_type
-                           else "missing datatype; this model takes FP32")
+        raise InvalidInput(
+            f"unknown datatype {data_type!r}; this model takes FP32"
+            if data_type
+            else "missing datatype; this model takes FP32"
+        )
     shape = tensor.shape
     if len(shape) != 2:
         raise InvalidInput(f"expected shape [batch, {n_features}], got {list(shape)}")
@@ -116,8 +135,9 @@ def _from_bytes(content: bytes, rows: int, cols: int) -> np.ndarray:
     size = len(content)
     expected = rows * cols * 4
     if size % 4:
-        raise InvalidInput(f"FP32 payload of {size} bytes is not a multiple of 4 bytes; "
-                           f"shape {[rows, cols]} needs {expected} bytes")
+        raise InvalidInput(
+            f"FP32 payload of {size} bytes is not a multiple of 4 bytes; shape {[rows, cols]} needs {expected} bytes"
+        )
     if size != expected:
         raise InvalidInput(f"shape {[rows, cols]} FP32 needs {expected} bytes, got {size}")
     return np.frombuffer(content, dtype="<f4").reshape(rows, cols)

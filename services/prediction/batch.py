@@ -71,16 +71,20 @@ class Group:
         """Row ``k``'s rows for inference: ``[1, n_features]``, or with its occlusions when explained."""
         if k in self.explained:
             return explanation_rows(self.family.assembler, self.vectors[k])
-        return self.vectors[k:k + 1]
+        return self.vectors[k : k + 1]
 
     def n_rows(self, k: int) -> int:
         """How many rows row ``k`` sends to inference."""
         return 1 + self.family.n_schema_features if k in self.explained else 1
 
 
-def prepare_items(requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily],
-                  columns: Callable[[ModelFamily], ColumnAssembler], refuse_unknown: bool,
-                  outcomes: list) -> list[Group]:
+def prepare_items(
+    requests: Sequence[PredictInput],
+    resolve: Callable[[str], ModelFamily],
+    columns: Callable[[ModelFamily], ColumnAssembler],
+    refuse_unknown: bool,
+    outcomes: list,
+) -> list[Group]:
     """Checks ids, resolves families and assembles each family's rows; a failing item's error is
     put in ``outcomes`` at its position and the item leaves the batch.
 
@@ -97,18 +101,29 @@ def prepare_items(requests: Sequence[PredictInput], resolve: Callable[[str], Mod
             check_id("request_id", request.request_id)
             check_id("entity_id", request.entity_id)
             if request.request_id in seen:
-                raise InvalidRequest("request_id appears more than once in this batch", metadata={"field": "request_id"})
+                raise InvalidRequest(
+                    "request_id appears more than once in this batch", metadata={"field": "request_id"}
+                )
             seen.add(request.request_id)
         except PredictionError as exc:
             outcomes[index] = exc
             continue
         by_family.setdefault(family.name, (family, []))[1].append(index)
-    return [group for family, index in by_family.values()
-            if (group := _assemble(family, columns(family), [requests[i] for i in index], index, refuse_unknown, outcomes))]
+    return [
+        group
+        for family, index in by_family.values()
+        if (group := _assemble(family, columns(family), [requests[i] for i in index], index, refuse_unknown, outcomes))
+    ]
 
 
-def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[PredictInput], index: list[int],
-              refuse_unknown: bool, outcomes: list) -> Group | None:
+def _assemble(
+    family: ModelFamily,
+    assembler: ColumnAssembler,
+    requests: list[PredictInput],
+    index: list[int],
+    refuse_unknown: bool,
+    outcomes: list,
+) -> Group | None:
     attributes = [r.attributes for r in requests]
     row_guards = None
     if len(requests) >= ROW_WISE_BELOW:
@@ -116,9 +131,12 @@ def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[Pr
     else:
         assembled, row_guards = _row_wise(family, assembler, attributes)
     refused: dict[int, PredictionError] = {
-        k: InvalidRequest(f"attribute values cannot be converted: {ConversionError(problems)}",
-                          metadata={"attributes": ",".join(sorted(problems))})
-        for k, problems in assembled.problems.items()}
+        k: InvalidRequest(
+            f"attribute values cannot be converted: {ConversionError(problems)}",
+            metadata={"attributes": ",".join(sorted(problems))},
+        )
+        for k, problems in assembled.problems.items()
+    }
     warnings = {}
     for k, names in assembled.unknown.items():
         if k in refused:
@@ -146,12 +164,15 @@ def _assemble(family: ModelFamily, assembler: ColumnAssembler, requests: list[Pr
     kept = [requests[k] for k in keep]
     renumber = {k: j for j, k in enumerate(keep)} if refused else None
     return Group(
-        family, [index[k] for k in keep], kept,
+        family,
+        [index[k] for k in keep],
+        kept,
         assembled.matrix if not refused else assembled.matrix[keep],
         guards,
         request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept]),
         warnings if renumber is None else {renumber[k]: w for k, w in warnings.items()},
-        frozenset(j for j, r in enumerate(kept) if r.explain))
+        frozenset(j for j, r in enumerate(kept) if r.explain),
+    )
 
 
 def _count_guards(family: ModelFamily, actions: np.ndarray) -> None:
@@ -168,8 +189,9 @@ def _count_guards(family: ModelFamily, actions: np.ndarray) -> None:
                 metrics.labelled(metrics.FEATURE_GUARDS, family.name, feat.name, action).inc(n)
 
 
-def _row_wise(family: ModelFamily, assembler: ColumnAssembler,
-              attributes: list) -> tuple[AssembledColumns, list[RowGuards]]:
+def _row_wise(
+    family: ModelFamily, assembler: ColumnAssembler, attributes: list
+) -> tuple[AssembledColumns, list[RowGuards]]:
     """A few rows through the row-wise assembler: the same vectors as ``columns``, and each row's
     guards as :meth:`ColumnAssembler.guards` decodes them (events in row-wise order, their distinct
     reason codes, the features defaulted), without the guard bits (``actions`` is None)."""
@@ -183,8 +205,11 @@ def _row_wise(family: ModelFamily, assembler: ColumnAssembler,
             continue
         matrix[i] = row.vector
         if events := row.guards:
-            guards[i] = RowGuards(tuple(events), tuple(dict.fromkeys(e.reason_code for e in events)),
-                                  len({e.feature for e in events if e.action in DEFAULTED_ACTIONS}))
+            guards[i] = RowGuards(
+                tuple(events),
+                tuple(dict.fromkeys(e.reason_code for e in events)),
+                len({e.feature for e in events if e.action in DEFAULTED_ACTIONS}),
+            )
         if row.unknown_attributes:
             unknown[i] = row.unknown_attributes
     return AssembledColumns(matrix, None, problems, unknown), guards

@@ -47,14 +47,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlpair.prediction import metrics
-from mlpair.prediction.cache_backends import (CachedLogits, LogitsCache, MemoryCache, NullCache, RedisCache,
-                                              fit_to_serve)
+from mlpair.prediction.cache_backends import CachedLogits, LogitsCache, MemoryCache, NullCache, RedisCache, fit_to_serve
 from mlpair.prediction.coalesce import InferenceCoalescer
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.resilience import ResilientCaller
 
-__all__ = ["CachedInference", "CachedLogits", "LogitsCache", "MemoryCache", "NullCache", "RedisCache", "Scored",
-           "Source", "cache_key"]
+__all__ = [
+    "CachedInference",
+    "CachedLogits",
+    "LogitsCache",
+    "MemoryCache",
+    "NullCache",
+    "RedisCache",
+    "Scored",
+    "Source",
+    "cache_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +75,7 @@ def cache_key(model_name: str, model_version: str, feature_schema_version: str, 
     return f"{KEY_LAYOUT}|{model_name}|{model_version}|{feature_schema_version}|{digest}"
 
 
-class Source(str, enum.Enum):
+class Source(enum.StrEnum):
     """Where the logits behind a decision came from (stored with the decision as ``served_from``)."""
 
     INFERENCE = "inference"
@@ -127,8 +135,17 @@ class CachedInference:
         max_call_rows: most rows in one (merged) Infer call.
     """
 
-    def __init__(self, client, cache: LogitsCache, caller: ResilientCaller, *, fresh_ttl_s: float,
-                 linger_s: float = 1.0, coalesce_max_delay_s: float = 0.002, max_call_rows: int = 1024) -> None:
+    def __init__(
+        self,
+        client,
+        cache: LogitsCache,
+        caller: ResilientCaller,
+        *,
+        fresh_ttl_s: float,
+        linger_s: float = 1.0,
+        coalesce_max_delay_s: float = 0.002,
+        max_call_rows: int = 1024,
+    ) -> None:
         self.client = client
         self.cache = cache
         self.caller = caller
@@ -144,8 +161,16 @@ class CachedInference:
         await self.coalescer.close()
         await self.cache.close()
 
-    async def score(self, model_name: str, model_version: str, feature_schema_version: str,
-                    rows: np.ndarray, deadline: float | None, *, n_classes: int | None = None) -> list[Scored]:
+    async def score(
+        self,
+        model_name: str,
+        model_version: str,
+        feature_schema_version: str,
+        rows: np.ndarray,
+        deadline: float | None,
+        *,
+        n_classes: int | None = None,
+    ) -> list[Scored]:
         """Logits for each row of ``rows`` ``[batch, n_features] float32``, in order.
 
         Args:
@@ -164,8 +189,9 @@ class CachedInference:
         unique = list(dict.fromkeys(keys))
         cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
         for key, entry in cached.items():
-            if entry is not None and not fit_to_serve(self.cache.name, entry, model_version, n_classes,
-                                                      self.cache.stale_ttl_s):
+            if entry is not None and not fit_to_serve(
+                self.cache.name, entry, model_version, n_classes, self.cache.stale_ttl_s
+            ):
                 cached[key] = None  # a miss: never served, not even stale
         results: dict[str, Scored] = {}
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
@@ -187,9 +213,17 @@ class CachedInference:
         first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
 
         def lead(lead_keys: list[str]) -> _Flight:
-            return self._start_flight(lead_keys, functools.partial(
-                self.coalescer.infer, model_name, model_version, feature_schema_version,
-                rows[[first_row[key] for key in lead_keys]], deadline))
+            return self._start_flight(
+                lead_keys,
+                functools.partial(
+                    self.coalescer.infer,
+                    model_name,
+                    model_version,
+                    feature_schema_version,
+                    rows[[first_row[key] for key in lead_keys]],
+                    deadline,
+                ),
+            )
 
         if leading:
             flight = lead(leading)
@@ -202,8 +236,16 @@ class CachedInference:
             await self._settle(lead(again), again, True, deadline, model_name, cached, results)
         return [results[key] for key in keys]
 
-    async def _settle(self, flight: _Flight, flight_keys: list[str], led: bool, deadline: float | None,
-                      model_name: str, cached: dict, results: dict[str, Scored]) -> bool:
+    async def _settle(
+        self,
+        flight: _Flight,
+        flight_keys: list[str],
+        led: bool,
+        deadline: float | None,
+        model_name: str,
+        cached: dict,
+        results: dict[str, Scored],
+    ) -> bool:
         """Waits for a flight and fills ``results`` for its keys (fresh, or stale / fallback when
         inference could not be used); False, filling nothing, when this request joined another's
         call that timed out on that request's shorter budget while this one still has budget left."""
@@ -211,8 +253,11 @@ class CachedInference:
             values = await self._wait(flight, deadline, leader=led)
         except InferenceUnavailable as exc:
             budget = self.caller.budget
-            if isinstance(exc, InferenceTimeout) and not led and \
-                    budget.call_timeout_s(deadline, time.monotonic()) >= budget.min_attempt_s:
+            if (
+                isinstance(exc, InferenceTimeout)
+                and not led
+                and budget.call_timeout_s(deadline, time.monotonic()) >= budget.min_attempt_s
+            ):
                 return False
             for key in flight_keys:
                 results[key] = self._degraded(model_name, cached[key], exc.reason)
@@ -238,15 +283,16 @@ class CachedInference:
             flight.outcome.cancel()
             self._unregister(flight)
             raise
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  (re-raised to every waiter of the flight)
             flight.outcome.set_exception(exc)
             self._unregister(flight)
             return
         values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
         flight.outcome.set_result(values)
         try:  # a row without usable output (NaN, see InferenceClient) is never cached
-            await self.cache.put_many([(key, value[0], value[1]) for key, value in values.items()
-                                       if np.isfinite(value[0]).all()])
+            await self.cache.put_many(
+                [(key, value[0], value[1]) for key, value in values.items() if np.isfinite(value[0]).all()]
+            )
         finally:
             asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
 
@@ -269,7 +315,9 @@ class CachedInference:
                 async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancellation (gh-86296)
                     return await asyncio.shield(flight.outcome)
             except TimeoutError:
-                raise InferenceTimeout("the shared inference call did not finish within this request's budget") from None
+                raise InferenceTimeout(
+                    "the shared inference call did not finish within this request's budget"
+                ) from None
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if flight.outcome.cancelled() and not (current and current.cancelling()):

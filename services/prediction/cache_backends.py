@@ -143,12 +143,14 @@ class RedisCache:
 
     name = "redis"
 
-    def __init__(self, url: str, *, key_prefix: str, stale_ttl_s: float, timeout_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, url: str, *, key_prefix: str, stale_ttl_s: float, timeout_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
         from redis import asyncio as aioredis
 
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                              retry_on_timeout=False)
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        )
         self.prefix = key_prefix
         self.stale_ttl_s = stale_ttl_s
         self._clock = clock
@@ -174,8 +176,11 @@ class RedisCache:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for key, logits, version in items:
                     encoded = version.encode()
-                    value = _HEADER.pack(_TAG, _key_digest(key), now, len(encoded)) + encoded + \
-                        np.ascontiguousarray(logits, "<f4").tobytes()
+                    value = (
+                        _HEADER.pack(_TAG, _key_digest(key), now, len(encoded))
+                        + encoded
+                        + np.ascontiguousarray(logits, "<f4").tobytes()
+                    )
                     pipe.set(self.prefix + key, value, px=ttl_ms)
                 await pipe.execute()
         except Exception:
@@ -185,7 +190,7 @@ class RedisCache:
     async def ping(self) -> bool:
         try:
             return bool(await self._redis.ping())
-        except Exception:
+        except Exception:  # noqa: BLE001  (any failure: Redis is not healthy)
             return False
 
     async def close(self) -> None:
@@ -199,7 +204,7 @@ class RedisCache:
         try:
             tag, digest, stored_at, length = _HEADER.unpack_from(value)
             start = _HEADER.size + length
-            version = value[_HEADER.size:start].decode()
+            version = value[_HEADER.size : start].decode()
             if tag != _TAG or len(value) < start or (len(value) - start) % 4:
                 return _invalid(self.name, "format")
             logits = np.frombuffer(value, dtype="<f4", offset=start)
@@ -212,8 +217,9 @@ class RedisCache:
         return CachedLogits(logits, version, max(0.0, now - stored_at))
 
 
-def fit_to_serve(backend: str, entry: CachedLogits, model_version: str, n_classes: int | None,
-                 stale_ttl_s: float) -> bool:
+def fit_to_serve(
+    backend: str, entry: CachedLogits, model_version: str, n_classes: int | None, stale_ttl_s: float
+) -> bool:
     """Whether an entry read from ``backend`` is what this process would have stored for a row
     of ``model_version``: that version, ``[n_classes]`` finite float32 logits, an age within the
     stale window. An entry that is not is counted (``prediction_cache_invalid_total``) and must be
@@ -225,8 +231,12 @@ def fit_to_serve(backend: str, entry: CachedLogits, model_version: str, n_classe
     logits = entry.logits
     if entry.model_version != model_version:
         cause = "version"
-    elif not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 1 \
-            or (logits.shape[0] != n_classes if n_classes is not None else logits.shape[0] == 0):
+    elif (
+        not isinstance(logits, np.ndarray)
+        or logits.dtype != np.float32
+        or logits.ndim != 1
+        or (logits.shape[0] != n_classes if n_classes is not None else logits.shape[0] == 0)
+    ):
         cause = "shape"
     elif not np.isfinite(logits).all():
         cause = "nonfinite"

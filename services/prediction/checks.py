@@ -35,27 +35,38 @@ MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
 
 def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
     """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1."""
-    warnings = [RequestWarning("UNKNOWN_ATTRIBUTE", name[:MAX_ECHO],
-                               f"the {family.name!r} feature schema has no attribute of this name; it was ignored")
-                for name in names[:MAX_WARNINGS]]
+    warnings = [
+        RequestWarning(
+            "UNKNOWN_ATTRIBUTE",
+            name[:MAX_ECHO],
+            f"the {family.name!r} feature schema has no attribute of this name; it was ignored",
+        )
+        for name in names[:MAX_WARNINGS]
+    ]
     if len(names) > MAX_WARNINGS:
-        warnings.append(RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes"))
+        warnings.append(
+            RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes")
+        )
     return tuple(warnings)
 
 
 def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
     """The refusal of a request naming attributes the schema does not know (strict setting)."""
     shown = ", ".join(repr(n[:MAX_ECHO]) for n in names[:MAX_WARNINGS]) + (" …" if len(names) > MAX_WARNINGS else "")
-    return UnknownAttribute(f"the {family.name!r} feature schema has no attribute named {shown}; this service "
-                            "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
-                            metadata={"attributes": ",".join(n[:MAX_ECHO] for n in names[:MAX_WARNINGS])})
+    return UnknownAttribute(
+        f"the {family.name!r} feature schema has no attribute named {shown}; this service "
+        "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
+        metadata={"attributes": ",".join(n[:MAX_ECHO] for n in names[:MAX_WARNINGS])},
+    )
 
 
 def key_reused(request_id: str) -> IdempotencyKeyReused:
     """The refusal of a request id already on record for another payload."""
     return IdempotencyKeyReused(
         f"request_id {request_id!r} is already on record for another request (model family, entity or "
-        "attributes differ); a new decision needs a new request_id", metadata={"request_id": request_id})
+        "attributes differ); a new decision needs a new request_id",
+        metadata={"request_id": request_id},
+    )
 
 
 def check_id(field: str, value: str) -> None:

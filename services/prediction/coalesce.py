@@ -97,8 +97,9 @@ class InferenceCoalescer:
         self._lanes: dict[LaneKey, _Lane] = {}
         self._calls: set[asyncio.Task] = set()
 
-    async def infer(self, model_name: str, model_version: str, feature_version: str, rows: np.ndarray,
-                    deadline: float | None) -> tuple[np.ndarray, str]:
+    async def infer(
+        self, model_name: str, model_version: str, feature_version: str, rows: np.ndarray, deadline: float | None
+    ) -> tuple[np.ndarray, str]:
         """Logits for ``rows`` ``[n, n_features] float32``, sent together with concurrent callers' rows.
 
         Args:
@@ -125,8 +126,11 @@ class InferenceCoalescer:
             self._send(key, lane)
         elif lane.flush is None:
             loop = asyncio.get_running_loop()
-            lane.flush = (loop.call_soon(self._send, key, lane) if lane.in_flight == 0
-                          else loop.call_later(self.max_delay_s, self._send, key, lane))
+            lane.flush = (
+                loop.call_soon(self._send, key, lane)
+                if lane.in_flight == 0
+                else loop.call_later(self.max_delay_s, self._send, key, lane)
+            )
         if deadline is None:
             return await part.future
         # this caller's own budget (not capped at one attempt's: the call may retry); leaving
@@ -180,14 +184,17 @@ class InferenceCoalescer:
         started = time.perf_counter()
         try:
             logits, version = await self.caller.call(
-                lambda timeout: self.client.infer(model_name, model_version, feature_version, rows, timeout_s=timeout,
-                                                  callers=callers),
-                deadline, model=model_name)
+                lambda timeout: self.client.infer(
+                    model_name, model_version, feature_version, rows, timeout_s=timeout, callers=callers
+                ),
+                deadline,
+                model=model_name,
+            )
         except asyncio.CancelledError:
             for part in parts:
                 part.future.cancel()
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (handed to every caller of the call)
             for part in parts:
                 if not part.future.done():
                     part.future.set_exception(exc)
@@ -199,7 +206,7 @@ class InferenceCoalescer:
             for part in parts:
                 n = len(part.rows)
                 if not part.future.done():
-                    part.future.set_result((logits[offset:offset + n], version))
+                    part.future.set_result((logits[offset : offset + n], version))
                 offset += n
         finally:
             lane.in_flight -= 1

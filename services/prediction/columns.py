@@ -27,8 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from mlpair.contracts.assembly import (CLAMPED_MAX, CLAMPED_MIN, MISSING_DEFAULTED, SENTINEL_DEFAULTED,
-                                       UNKNOWN_CATEGORY, FeatureAssembler, GuardEvent)
+from mlpair.contracts.assembly import (
+    CLAMPED_MAX,
+    CLAMPED_MIN,
+    MISSING_DEFAULTED,
+    SENTINEL_DEFAULTED,
+    UNKNOWN_CATEGORY,
+    FeatureAssembler,
+    GuardEvent,
+)
 from mlpair.contracts.conversion import ConversionProblem, to_category, to_number
 
 # One bit per guard action; a feature's events are listed in this order (the row-wise order).
@@ -98,11 +105,19 @@ class ColumnAssembler:
             self._numeric(k, feat, params, inv_std, [r.get(feat.name) for r in records], matrix, actions, problems)
         offset = len(self.assembler._numeric)
         for j, spec in enumerate(self.assembler._categorical):
-            self._categorical(offset + j, spec, self._categorical_memo[j], [r.get(spec[0].name) for r in records],
-                              matrix, actions, problems)
+            self._categorical(
+                offset + j,
+                spec,
+                self._categorical_memo[j],
+                [r.get(spec[0].name) for r in records],
+                matrix,
+                actions,
+                problems,
+            )
         known = self._known
-        unknown = {i: tuple(sorted(a for a in r if a not in known))
-                   for i, r in enumerate(records) if not r.keys() <= known}
+        unknown = {
+            i: tuple(sorted(a for a in r if a not in known)) for i, r in enumerate(records) if not r.keys() <= known
+        }
         return AssembledColumns(matrix, actions, problems, unknown)
 
     def guards(self, actions: np.ndarray) -> list[RowGuards]:
@@ -122,14 +137,27 @@ class ColumnAssembler:
         return out
 
     def _decode(self, bits: np.ndarray) -> RowGuards:
-        events = tuple(GuardEvent(feat.name, action) for feat, b in zip(self.features, bits.tolist()) if b
-                       for bit, action in self._decoded_bits if b & bit)
+        events = tuple(
+            GuardEvent(feat.name, action)
+            for feat, b in zip(self.features, bits.tolist())
+            if b
+            for bit, action in self._decoded_bits
+            if b & bit
+        )
         defaulted = int(np.count_nonzero(bits & DEFAULTED_BITS))
         return RowGuards(events, tuple(dict.fromkeys(e.reason_code for e in events)), defaulted)
 
     @staticmethod
-    def _numeric(k: int, feat, params, inv_std: float, values: list, matrix: np.ndarray, actions: np.ndarray,
-                 problems: dict[int, dict[str, str]]) -> None:
+    def _numeric(
+        k: int,
+        feat,
+        params,
+        inv_std: float,
+        values: list,
+        matrix: np.ndarray,
+        actions: np.ndarray,
+        problems: dict[int, dict[str, str]],
+    ) -> None:
         if set(map(type, values)) <= _NUMBER_TYPES:  # wire numbers and missing: one array
             x = np.array(values, dtype=np.float64)  # None → NaN: missing, as to_number says
             bad = np.zeros(len(values), dtype=bool)
@@ -169,8 +197,15 @@ class ColumnAssembler:
         actions[:, k] = bits
 
     @staticmethod
-    def _categorical(k: int, spec, memo: dict[str, tuple[int, int]], values: list, matrix: np.ndarray,
-                     actions: np.ndarray, problems: dict[int, dict[str, str]]) -> None:
+    def _categorical(
+        k: int,
+        spec,
+        memo: dict[str, tuple[int, int]],
+        values: list,
+        matrix: np.ndarray,
+        actions: np.ndarray,
+        problems: dict[int, dict[str, str]],
+    ) -> None:
         feat, index, unknown, default, missing = spec
 
         def convert(value: Any) -> tuple[int, int]:

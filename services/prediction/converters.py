@@ -15,8 +15,9 @@ from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
 
 # Decision labels that the wire enum also names; any other label travels only as decision_label.
-_DECISION_ENUM = {name.removeprefix("DECISION_"): number for name, number in pb.Decision.items()
-                  if number != pb.DECISION_UNSPECIFIED}
+_DECISION_ENUM = {
+    name.removeprefix("DECISION_"): number for name, number in pb.Decision.items() if number != pb.DECISION_UNSPECIFIED
+}
 
 
 def attribute_values(wire: Mapping[str, pb.AttributeValue]) -> dict[str, Any]:
@@ -43,9 +44,12 @@ def deadline(context) -> float | None:
 
 def predict_input(request: pb.PredictRequest, deadline: float | None = None) -> PredictInput:
     return PredictInput(
-        request_id=request.request_id, entity_id=request.entity_id, model_name=request.model_name,
+        request_id=request.request_id,
+        entity_id=request.entity_id,
+        model_name=request.model_name,
         attributes=attribute_values(request.attributes),
-        explain=request.explain, deadline=deadline,
+        explain=request.explain,
+        deadline=deadline,
     )
 
 
@@ -56,13 +60,23 @@ def batch_inputs(request: pb.BatchPredictRequest, deadline: float | None = None)
 def predict_response(result: PredictionResult) -> pb.PredictResponse:
     s = result.stored
     response = pb.PredictResponse(
-        request_id=s.request_id, decision_id=s.decision_id, probability=s.probability or 0.0,
-        decision=_DECISION_ENUM.get(s.decision, pb.DECISION_UNSPECIFIED), decision_label=s.decision,
-        reason_codes=s.reason_codes, model_version=s.model_version,
-        feature_schema_version=s.feature_schema_version, from_cache=result.from_cache,
-        policy_version=s.policy_version, spread=result.spread, calibration_method=result.calibration_method,
-        stale=s.served_from == "stale_cache", cache_age_ms=s.cache_age_ms, degraded_reason=s.degraded_reason,
-        fallback=s.served_from == "fallback", replayed=result.replayed,
+        request_id=s.request_id,
+        decision_id=s.decision_id,
+        probability=s.probability or 0.0,
+        decision=_DECISION_ENUM.get(s.decision, pb.DECISION_UNSPECIFIED),
+        decision_label=s.decision,
+        reason_codes=s.reason_codes,
+        model_version=s.model_version,
+        feature_schema_version=s.feature_schema_version,
+        from_cache=result.from_cache,
+        policy_version=s.policy_version,
+        spread=result.spread,
+        calibration_method=result.calibration_method,
+        stale=s.served_from == "stale_cache",
+        cache_age_ms=s.cache_age_ms,
+        degraded_reason=s.degraded_reason,
+        fallback=s.served_from == "fallback",
+        replayed=result.replayed,
     )
     if s.decided_at is not None:
         response.decided_at.FromDatetime(s.decided_at)
@@ -84,7 +98,7 @@ def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.Ba
     response = pb.BatchPredictResponse()
     results = response.results
     timestamps: dict = {}
-    for o in (outcomes.slots if isinstance(outcomes, Outcomes) else outcomes):
+    for o in outcomes.slots if isinstance(outcomes, Outcomes) else outcomes:
         # added in place: a BatchPredictResult built first would be copied in again
         if type(o) is tuple:
             results.add(prediction=_fresh_response(*o, timestamps))
@@ -105,14 +119,24 @@ def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:
         stamp = timestamps[decided_at] = timestamp_pb2.Timestamp()
         stamp.FromDatetime(decided_at)
     response = pb.PredictResponse(
-        request_id=c.request_id[j], decision_id=c.decision_id[j], probability=c.probability[j] or 0.0,
-        decision=_DECISION_ENUM.get(label, pb.DECISION_UNSPECIFIED), decision_label=label,
-        reason_codes=c.reason_codes[j], model_version=c.model_version[j],
-        feature_schema_version=c.feature_schema_version[j], from_cache=decided.from_cache[j],
-        policy_version=c.policy_version[j], spread=decided.spread[j],
-        calibration_method=decided.calibration_method[j], stale=served_from == "stale_cache",
-        cache_age_ms=c.cache_age_ms[j], degraded_reason=c.degraded_reason[j], fallback=served_from == "fallback",
-        decided_at=stamp)
+        request_id=c.request_id[j],
+        decision_id=c.decision_id[j],
+        probability=c.probability[j] or 0.0,
+        decision=_DECISION_ENUM.get(label, pb.DECISION_UNSPECIFIED),
+        decision_label=label,
+        reason_codes=c.reason_codes[j],
+        model_version=c.model_version[j],
+        feature_schema_version=c.feature_schema_version[j],
+        from_cache=decided.from_cache[j],
+        policy_version=c.policy_version[j],
+        spread=decided.spread[j],
+        calibration_method=decided.calibration_method[j],
+        stale=served_from == "stale_cache",
+        cache_age_ms=c.cache_age_ms[j],
+        degraded_reason=c.degraded_reason[j],
+        fallback=served_from == "fallback",
+        decided_at=stamp,
+    )
     warnings = decided.group.warnings.get(decided.rows[j])
     explanation = decided.explanations.get(j)
     if warnings or explanation is not None:
@@ -125,8 +149,11 @@ def _add_extras(response: pb.PredictResponse, warnings, explanation) -> None:
         response.warnings.add(code=w.code, field=w.field, message=w.message)
     if explanation is not None:
         response.contributions.extend(
-            pb.FeatureContribution(feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text)
-            for c in explanation.contributions)
+            pb.FeatureContribution(
+                feature=c.feature, contribution=c.contribution, reason_code=c.reason_code, text=c.text
+            )
+            for c in explanation.contributions
+        )
         response.top_reasons.extend(explanation.top_reasons)
 
 

@@ -151,13 +151,30 @@ def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decid
     return _records(group, decided_at, explain_top_k, found, probability, spread, errors)
 
 
-def _records(group: Group, decided_at: datetime, explain_top_k: int, verdicts: list, probability_list: list[float],
-             spread_list: list[float], errors: dict[int, Exception]) -> Decided:
+def _records(
+    group: Group,
+    decided_at: datetime,
+    explain_top_k: int,
+    verdicts: list,
+    probability_list: list[float],
+    spread_list: list[float],
+    errors: dict[int, Exception],
+) -> Decided:
     """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
     family, policy = group.family, group.family.policy
     fallback_decision = policy.fallback_decision
-    out_rows, decision, reasons, served_from, age, degraded, prob, spreads, cached, methods = \
-        [], [], [], [], [], [], [], [], [], []
+    out_rows, decision, reasons, served_from, age, degraded, prob, spreads, cached, methods = (
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
     without_model: dict[int, str] = {}
     method = family.calibration_method
     for k, (found, served, guards) in enumerate(zip(verdicts, group.served, group.guards)):
@@ -192,10 +209,22 @@ def _records(group: Group, decided_at: datetime, explain_top_k: int, verdicts: l
     request_ids = [requests[k].request_id for k in out_rows]
     versions = group.model_versions
     columns = DecisionColumns(
-        request_ids, [decision_id_for(r) for r in request_ids], [requests[k].entity_id for k in out_rows],
-        [family.name] * m, [versions[k] for k in out_rows], [family.feature_version] * m, [policy.version] * m,
-        prob, decision, reasons, served_from, age, degraded, [decided_at] * m,
-        [group.fingerprints[k] for k in out_rows])
+        request_ids,
+        [decision_id_for(r) for r in request_ids],
+        [requests[k].entity_id for k in out_rows],
+        [family.name] * m,
+        [versions[k] for k in out_rows],
+        [family.feature_version] * m,
+        [policy.version] * m,
+        prob,
+        decision,
+        reasons,
+        served_from,
+        age,
+        degraded,
+        [decided_at] * m,
+        [group.fingerprints[k] for k in out_rows],
+    )
     explanations = {}
     for j, k in enumerate(out_rows):
         if k in group.occluded and j not in without_model:

@@ -30,12 +30,14 @@ event loop every ``interval_s`` and sets the ``prediction_drift_*`` gauges.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 # at import, not on first use: importing scipy.stats takes ~0.5 s holding the GIL, which would
 # stall the serving event loop at the first drift report under load
 from scipy.stats import chi2_contingency, kstwo
@@ -147,14 +149,19 @@ def ks_against_quantiles(sample: np.ndarray, quantiles: np.ndarray, reference_ro
     points = np.unique(np.concatenate([x, q]))
     sample_right = np.searchsorted(x, points, side="right") / n
     sample_left = np.searchsorted(x, points, side="left") / n
-    d = float(max(np.abs(sample_right - baseline_cdf(points, q, "right")).max(),
-                  np.abs(sample_left - baseline_cdf(points, q, "left")).max()))
+    d = float(
+        max(
+            np.abs(sample_right - baseline_cdf(points, q, "right")).max(),
+            np.abs(sample_left - baseline_cdf(points, q, "left")).max(),
+        )
+    )
     effective = max(1, round(n * reference_rows / (n + reference_rows)))
     return d, float(kstwo.sf(d, effective))
 
 
-def chi2_against_frequencies(counts: np.ndarray, frequencies: np.ndarray,
-                             reference_rows: int) -> tuple[float, float, float]:
+def chi2_against_frequencies(
+    counts: np.ndarray, frequencies: np.ndarray, reference_rows: int
+) -> tuple[float, float, float]:
     """Chi-square test of homogeneity of window ``counts`` ``[c]`` against training
     ``frequencies`` ``[c]`` (summing to 1) from ``reference_rows`` rows.
 
@@ -189,8 +196,9 @@ class DriftMonitor:
             one that decides); default ``entry``.
     """
 
-    def __init__(self, entry: ModelEntry, config: DriftConfig = DriftConfig(),
-                 score_entry: ModelEntry | None = None) -> None:
+    def __init__(
+        self, entry: ModelEntry, config: DriftConfig = DriftConfig(), score_entry: ModelEntry | None = None
+    ) -> None:
         manifest, preprocessing = entry.manifest, entry.preprocessing
         self.model_name = manifest.model_name
         self.model_version = manifest.model_version
@@ -214,11 +222,18 @@ class DriftMonitor:
             self._categorical.append((feat.name, cols, freq / freq.sum()))
         score = (score_entry or entry).manifest.baselines.get(SCORE_BASELINE)
         self._score = (np.asarray(score["quantiles"], dtype=np.float64), int(score["n"])) if score else None
-        missing = set(preprocessing.feature_schema.attribute_names) - {f for f, *_ in self._numeric} \
+        missing = (
+            set(preprocessing.feature_schema.attribute_names)
+            - {f for f, *_ in self._numeric}
             - {f for f, *_ in self._categorical}
+        )
         if missing or self._score is None:
-            logger.warning("drift baselines missing in %s version %s for: %s", self.model_name, self.model_version,
-                           ", ".join(sorted(missing) + ([] if self._score else ["score"])))
+            logger.warning(
+                "drift baselines missing in %s version %s for: %s",
+                self.model_name,
+                self.model_version,
+                ", ".join(sorted(missing) + ([] if self._score else ["score"])),
+            )
         self._x = np.zeros((config.window_rows, preprocessing.n_features), dtype=np.float32)
         self._scores = np.zeros(config.window_rows, dtype=np.float64)
         self._next = 0
@@ -254,7 +269,7 @@ class DriftMonitor:
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the window's rows ``[rows, n_features]`` and scores ``[rows]`` (cheap; call
         on the thread that observes, then evaluate the copies anywhere)."""
-        return self._x[:self._rows].copy(), self._scores[:self._rows].copy()
+        return self._x[: self._rows].copy(), self._scores[: self._rows].copy()
 
     def report(self, window: tuple[np.ndarray, np.ndarray] | None = None) -> DriftReport:
         """Evaluates every test on ``window`` (default: a snapshot of the current window)."""
@@ -272,14 +287,16 @@ class DriftMonitor:
             results.append(TestResult(name, "ks", d, p, cfg.ks_threshold, verdict(d, p, cfg.ks_threshold)))
         for name, cols, freq in self._categorical:
             _, p, tv = chi2_against_frequencies(x[:, cols].sum(axis=0), freq, self.train_rows)
-            results.append(TestResult(name, "chi2", tv, p, cfg.categorical_threshold,
-                                      verdict(tv, p, cfg.categorical_threshold)))
+            results.append(
+                TestResult(name, "chi2", tv, p, cfg.categorical_threshold, verdict(tv, p, cfg.categorical_threshold))
+            )
         score = None
         if self._score is not None:
             d, p = ks_against_quantiles(scores, self._score[0], self._score[1])
             score = TestResult("score", "ks", d, p, cfg.ks_threshold, verdict(d, p, cfg.ks_threshold))
-        return DriftReport(self.model_name, self.model_version, rows, cfg.min_rows, cfg.alpha, corrected,
-                           tuple(results), score)
+        return DriftReport(
+            self.model_name, self.model_version, rows, cfg.min_rows, cfg.alpha, corrected, tuple(results), score
+        )
 
 
 def export(report: DriftReport) -> None:
@@ -304,7 +321,9 @@ class DriftMonitors:
     """The monitors of every served model family, the periodic evaluation task, and the
     distribution signals every replica contributes to (:mod:`mlpair.prediction.signals`)."""
 
-    def __init__(self, monitors: Mapping[str, DriftMonitor], signals: Mapping[str, FamilySignals] | None = None) -> None:
+    def __init__(
+        self, monitors: Mapping[str, DriftMonitor], signals: Mapping[str, FamilySignals] | None = None
+    ) -> None:
         self.monitors = dict(monitors)
         self.signals = dict(signals or {})
         self._task: asyncio.Task | None = None
@@ -354,13 +373,18 @@ class DriftMonitors:
             export(report)
             reports.append(report)
             if report.drifted:
-                logger.warning("drift in %s version %s over %d rows: %s", report.model_name, report.model_version,
-                               report.window_rows, ", ".join(report.drifted_features
-                                                             + (["score"] if report.score and report.score.drifted else [])))
+                logger.warning(
+                    "drift in %s version %s over %d rows: %s",
+                    report.model_name,
+                    report.model_version,
+                    report.window_rows,
+                    ", ".join(report.drifted_features + (["score"] if report.score and report.score.drifted else [])),
+                )
         return reports
 
     def start(self, interval_s: float) -> None:
         """Evaluates every ``interval_s`` seconds until :meth:`stop`."""
+
         async def loop() -> None:
             while True:
                 await asyncio.sleep(interval_s)
@@ -375,18 +399,20 @@ class DriftMonitors:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
 
 def drift_config(settings) -> DriftConfig:
     """The drift window and thresholds from ``PredictionSettings`` (``drift_*`` fields)."""
-    return DriftConfig(window_rows=settings.drift_window_rows, min_rows=settings.drift_min_rows,
-                       ks_threshold=settings.drift_ks_threshold,
-                       categorical_threshold=settings.drift_categorical_threshold, alpha=settings.drift_alpha)
+    return DriftConfig(
+        window_rows=settings.drift_window_rows,
+        min_rows=settings.drift_min_rows,
+        ks_threshold=settings.drift_ks_threshold,
+        categorical_threshold=settings.drift_categorical_threshold,
+        alpha=settings.drift_alpha,
+    )
 
 
 def reports_from_metrics(text: str) -> list[DriftReport]:
@@ -402,6 +428,7 @@ def reports_from_metrics(text: str) -> list[DriftReport]:
     models = sorted({s.labels["model"] for s in values.get("prediction_drift_window_rows", [])})
     reports = []
     for model in models:
+
         def one(name: str, model: str = model, **labels: str) -> float:
             return _sample_value(values, name, model, **labels)
 
@@ -410,18 +437,39 @@ def reports_from_metrics(text: str) -> list[DriftReport]:
             if s.labels["model"] != model:
                 continue
             feature, test = s.labels["feature"], s.labels["test"]
-            tests.append(TestResult(feature, test, float(s.value), one("prediction_drift_p_value", feature=feature, test=test),
-                                    one("prediction_drift_threshold", test=test),
-                                    one("prediction_drift_detected", feature=feature) == 1.0))
+            tests.append(
+                TestResult(
+                    feature,
+                    test,
+                    float(s.value),
+                    one("prediction_drift_p_value", feature=feature, test=test),
+                    one("prediction_drift_threshold", test=test),
+                    one("prediction_drift_detected", feature=feature) == 1.0,
+                )
+            )
         score = None
         if any(s.labels["model"] == model for s in values.get("prediction_score_drift_statistic", [])):
-            score = TestResult("score", "ks", one("prediction_score_drift_statistic"),
-                               one("prediction_score_drift_p_value"), one("prediction_drift_threshold", test="ks"),
-                               one("prediction_score_drift_detected") == 1.0)
+            score = TestResult(
+                "score",
+                "ks",
+                one("prediction_score_drift_statistic"),
+                one("prediction_score_drift_p_value"),
+                one("prediction_drift_threshold", test="ks"),
+                one("prediction_score_drift_detected") == 1.0,
+            )
         min_rows = one("prediction_drift_min_rows")
-        reports.append(DriftReport(model, "", int(one("prediction_drift_window_rows")),
-                                   int(min_rows) if min_rows == min_rows else 0, float("nan"),
-                                   one("prediction_drift_corrected_alpha"), tuple(tests), score))
+        reports.append(
+            DriftReport(
+                model,
+                "",
+                int(one("prediction_drift_window_rows")),
+                int(min_rows) if min_rows == min_rows else 0,
+                float("nan"),
+                one("prediction_drift_corrected_alpha"),
+                tuple(tests),
+                score,
+            )
+        )
     return reports
 
 
@@ -439,16 +487,22 @@ def render(reports: list[DriftReport]) -> str:
     for r in reports:
         version = f" version {r.model_version}" if r.model_version else ""
         if not r.judged:
-            lines.append(f"{r.model_name}{version}: no verdict: {r.window_rows} decisions in the window, "
-                         f"fewer than the {r.min_rows} needed")
+            lines.append(
+                f"{r.model_name}{version}: no verdict: {r.window_rows} decisions in the window, "
+                f"fewer than the {r.min_rows} needed"
+            )
             continue
         verdict = "DRIFT" if r.drifted else "no drift"
-        lines.append(f"{r.model_name}{version}: {verdict} over {r.window_rows} decisions "
-                     f"(per-test alpha {r.corrected_alpha:.2g}, Bonferroni)")
+        lines.append(
+            f"{r.model_name}{version}: {verdict} over {r.window_rows} decisions "
+            f"(per-test alpha {r.corrected_alpha:.2g}, Bonferroni)"
+        )
         tests = (*r.features, *([r.score] if r.score else []))
         width = max([7, *(len(t.feature) for t in tests)])
         lines.append(f"  {'feature':<{width}} {'test':<5} {'effect':>7} {'threshold':>9} {'p-value':>10}  verdict")
         for t in tests:
-            lines.append(f"  {t.feature:<{width}} {t.test:<5} {t.statistic:>7.3f} {t.threshold:>9.3f} "
-                         f"{t.p_value:>10.2e}  {'DRIFT' if t.drifted else 'ok'}")
+            lines.append(
+                f"  {t.feature:<{width}} {t.test:<5} {t.statistic:>7.3f} {t.threshold:>9.3f} "
+                f"{t.p_value:>10.2e}  {'DRIFT' if t.drifted else 'ok'}"
+            )
     return "\n".join(lines) if lines else "no drift monitors reported (no prediction_drift_* metrics yet)"

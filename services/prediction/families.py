@@ -88,8 +88,15 @@ class ModelFamily:
         return "+".join(dict.fromkeys(m.calibrator.method for m in self.members))
 
     @classmethod
-    def load(cls, name: str, config_dir: Path, model_repository: Path, *,
-             ensemble: Sequence[str] = (), shadow: str | None = None) -> ModelFamily:
+    def load(
+        cls,
+        name: str,
+        config_dir: Path,
+        model_repository: Path,
+        *,
+        ensemble: Sequence[str] = (),
+        shadow: str | None = None,
+    ) -> ModelFamily:
         """Loads the schema and policy from ``config_dir/<name>/`` and the model versions.
 
         Args:
@@ -117,16 +124,22 @@ class ModelFamily:
             raise ConfigurationError(
                 f"model family {name!r}: configured feature schema {schema.version!r} differs from the one "
                 f"model version {entry.manifest.model_version} was trained on ({trained_on.version!r}); "
-                "retrain or deploy the matching schema")
+                "retrain or deploy the matching schema"
+            )
         for other in (*members, *([shadow_entry] if shadow_entry else [])):
             if other.manifest.versions.preprocessing_hash != entry.manifest.versions.preprocessing_hash:
                 raise ConfigurationError(
                     f"model family {name!r}: version {other.manifest.model_version} was trained with other "
                     f"preprocessing than version {entry.manifest.model_version}; ensemble members and the "
-                    "shadow must share the feature vector")
-        return cls(entry, FeatureAssembler(entry.preprocessing), policy,
-                   tuple(ModelVersion.of(m) for m in members),
-                   ModelVersion.of(shadow_entry) if shadow_entry else None)
+                    "shadow must share the feature vector"
+                )
+        return cls(
+            entry,
+            FeatureAssembler(entry.preprocessing),
+            policy,
+            tuple(ModelVersion.of(m) for m in members),
+            ModelVersion.of(shadow_entry) if shadow_entry else None,
+        )
 
 
 def _version(root: Path, name: str, version: str) -> ModelEntry:

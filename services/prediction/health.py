@@ -64,12 +64,15 @@ class PredictionHealth(Health):
             try:
                 async with asyncio.timeout(timeout_s):
                     return bool(await check)
-            except Exception:  # a hung or failing check is an unhealthy dependency
+            except Exception:  # noqa: BLE001  (a hung or failing check is an unhealthy dependency)
                 return False
 
         ledger, crm, cache, inference_ready = await asyncio.gather(
-            bounded(recorder.ledger.probe()), bounded(recorder.crm.ping()), bounded(scorer.cache.ping()),
-            bounded(scorer.client.ready(timeout_s)))
+            bounded(recorder.ledger.probe()),
+            bounded(recorder.crm.ping()),
+            bounded(scorer.cache.ping()),
+            bounded(scorer.client.ready(timeout_s)),
+        )
         inference = inference_ready and scorer.caller.breaker.state is not CircuitState.OPEN
         status = {"inference": inference, "crm": crm, "cache": cache, "ledger": ledger}
         if ledger:
@@ -86,7 +89,9 @@ class PredictionHealth(Health):
     async def _publish(self, status: dict[str, bool]) -> None:
         for dep, healthy in status.items():
             if self.status.get(dep, True) != healthy:
-                (logger.info if healthy else logger.warning)("dependency %s is %s", dep, "healthy" if healthy else "DOWN")
+                (logger.info if healthy else logger.warning)(
+                    "dependency %s is %s", dep, "healthy" if healthy else "DOWN"
+                )
             metrics.DEPENDENCY_UP.labels(dep).set(1 if healthy else 0)
             await self.servicer.set(self.dependency_names[dep], _SERVING if healthy else _NOT_SERVING)
         self.status = dict(status)
@@ -95,6 +100,7 @@ class PredictionHealth(Health):
 
     def start_monitoring(self, predictor, interval_s: float) -> None:
         """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
+
         async def loop() -> None:
             while True:
                 await asyncio.sleep(interval_s)

@@ -31,10 +31,14 @@ def request_fingerprint(model_name: str, entity_id: str, attributes: Mapping[str
     ``true`` apart, as the feature schema's conversion rules do.
     """
     # _missing() inlined: a call per attribute cost more than the rest of the fingerprint
-    present = sorted([(name, value) for name, value in attributes.items()
-                      if value is not None and value != "" and not (isinstance(value, float) and value != value)])
+    present = sorted(
+        [
+            (name, value)
+            for name, value in attributes.items()
+            if value is not None and value != "" and not (isinstance(value, float) and value != value)
+        ]
+    )
     return hashlib.sha256(_CANONICAL.encode([model_name, entity_id, present]).encode()).hexdigest()
-
 
 
 def request_fingerprints(model_name: str, entity_ids: Sequence[str], records: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -18,11 +18,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from mlpair.observability.calls import CallTracer, Caller
-from mlpair.prediction import metrics
-from mlpair.prediction.errors import (InferenceContractError, InferenceFailed, InferenceOverloaded, InferenceTimeout,
-                                      InferenceUnavailable, PredictionError)
 from mlpair.lifecycle import client_keepalive_options
+from mlpair.observability.calls import Caller, CallTracer
+from mlpair.prediction import metrics
+from mlpair.prediction.errors import (
+    InferenceContractError,
+    InferenceFailed,
+    InferenceOverloaded,
+    InferenceTimeout,
+    InferenceUnavailable,
+    PredictionError,
+)
 from mlpair.rpc import error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
@@ -32,8 +38,10 @@ SERVICE = "mlpair.inference.v1.InferenceService"
 RATE_LIMITED_HEADER = "x-mlpair-rate-limited"  # added by the mesh's local rate limit (deploy/istio)
 _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 # gRPC's own RESOURCE_EXHAUSTED texts for its size limits (grpc-core, chttp2 and message_size filters)
-_SIZE_TEXTS = (("message_size", ("message larger than max",)),
-               ("metadata_size", ("metadata size exceeds", "header size exceeds", "header list size")))
+_SIZE_TEXTS = (
+    ("message_size", ("message larger than max",)),
+    ("metadata_size", ("metadata size exceeds", "header size exceeds", "header list size")),
+)
 
 
 def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
@@ -58,22 +66,30 @@ def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "timeout", InferenceTimeout("the inference call ran out of its deadline")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        error = InferenceUnavailable("the inference service is unavailable; retry later",
-                                     metadata={"inference_code": code.name})
+        error = InferenceUnavailable(
+            "the inference service is unavailable; retry later", metadata={"inference_code": code.name}
+        )
         error.retryable = code == grpc.StatusCode.UNAVAILABLE
         return code.name.lower(), error
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         details = (exc.details() or "").lower()
         if size := next((c for c, texts in _SIZE_TEXTS if any(t in details for t in texts)), None):
             return size, InferenceFailed("inference failed")  # a retry would hit the same limit
-        cause = "queue_full" if reason == "QUEUE_FULL" else "rate_limited" if _rate_limited(exc) else "resource_exhausted"
-        return cause, InferenceOverloaded("the inference service is shedding load; nothing was decided or "
-                                          "recorded: retry later with backoff", metadata={"cause": cause})
+        cause = (
+            "queue_full" if reason == "QUEUE_FULL" else "rate_limited" if _rate_limited(exc) else "resource_exhausted"
+        )
+        return cause, InferenceOverloaded(
+            "the inference service is shedding load; nothing was decided or recorded: retry later with backoff",
+            metadata={"cause": cause},
+        )
     if code in _CONTRACT:
         return "contract", InferenceContractError(
             "the inference service refused the feature/model version contract; no decision was made",
-            metadata={"inference_code": code.name, "inference_reason": reason})
-    cause = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.INTERNAL: "model_failure"}.get(code, "other")
+            metadata={"inference_code": code.name, "inference_reason": reason},
+        )
+    cause = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.INTERNAL: "model_failure"}.get(
+        code, "other"
+    )
     return cause, InferenceFailed("inference failed")
 
 
@@ -103,14 +119,25 @@ class InferenceClient:
             metadata (:class:`mlpair.observability.calls.CallTracer`); None = no tracing.
     """
 
-    def __init__(self, target: str, *, timeout_ms: int, max_message_bytes: int,
-                 reconnect_backoff_max_ms: int = 1000, credentials: grpc.ChannelCredentials | None = None,
-                 tracer: CallTracer | None = None, keepalive_ms: int = 0, keepalive_timeout_ms: int = 5000) -> None:
-        options = [*message_size_options(max_message_bytes),
-                   ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
-                   ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
-                   ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms),
-                   *client_keepalive_options(keepalive_ms, keepalive_timeout_ms)]
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_ms: int,
+        max_message_bytes: int,
+        reconnect_backoff_max_ms: int = 1000,
+        credentials: grpc.ChannelCredentials | None = None,
+        tracer: CallTracer | None = None,
+        keepalive_ms: int = 0,
+        keepalive_timeout_ms: int = 5000,
+    ) -> None:
+        options = [
+            *message_size_options(max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
+            ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
+            ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms),
+            *client_keepalive_options(keepalive_ms, keepalive_timeout_ms),
+        ]
         self._channel = open_channel(target, options, credentials)
         self._tracer = tracer
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
@@ -120,9 +147,16 @@ class InferenceClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def infer(self, model_name: str, model_version: str, feature_version: str,
-                    features: np.ndarray, *, timeout_s: float | None = None,
-                    callers: Sequence[Caller] | None = None) -> tuple[np.ndarray, str]:
+    async def infer(
+        self,
+        model_name: str,
+        model_version: str,
+        feature_version: str,
+        features: np.ndarray,
+        *,
+        timeout_s: float | None = None,
+        callers: Sequence[Caller] | None = None,
+    ) -> tuple[np.ndarray, str]:
         """Logits for ``features`` ``[batch, n_features] float32``.
 
         Args:
@@ -144,16 +178,22 @@ class InferenceClient:
         """
         x = np.ascontiguousarray(features, dtype="<f4")
         request = pb.InferRequest(
-            model_name=model_name, model_version=model_version,
+            model_name=model_name,
+            model_version=model_version,
             inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()),
             per_row_errors=True,  # rows of many callers share a call: one row's output must fail no other
         )
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        response = await self._call(self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout,
-                                    callers)
+        response = await self._call(
+            self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout, callers
+        )
         out = response.logits
-        if out.data_type != pb.DATA_TYPE_FP32 or len(out.shape) != 2 or out.shape[0] != x.shape[0] \
-                or len(out.content) != out.shape[0] * out.shape[1] * 4:
+        if (
+            out.data_type != pb.DATA_TYPE_FP32
+            or len(out.shape) != 2
+            or out.shape[0] != x.shape[0]
+            or len(out.content) != out.shape[0] * out.shape[1] * 4
+        ):
             raise InferenceFailed("InferenceService returned a malformed logits tensor")
         logits = np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape))
         if response.row_errors:

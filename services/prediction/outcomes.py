@@ -82,8 +82,11 @@ class Outcomes(Sequence):
 
 def fresh_result(decided: Decided, j: int) -> PredictionResult:
     """Row ``j`` of a group's fresh decisions as a :class:`PredictionResult`."""
-    return PredictionResult(decided.columns[j], from_cache=decided.from_cache[j], spread=decided.spread[j],
-                            calibration_method=decided.calibration_method[j],
-                            explanation=decided.explanations.get(j),
-                            warnings=decided.group.warnings.get(decided.rows[j], ()))
-
+    return PredictionResult(
+        decided.columns[j],
+        from_cache=decided.from_cache[j],
+        spread=decided.spread[j],
+        calibration_method=decided.calibration_method[j],
+        explanation=decided.explanations.get(j),
+        warnings=decided.group.warnings.get(decided.rows[j], ()),
+    )

@@ -32,7 +32,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -46,8 +46,7 @@ from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
 from mlpair.prediction.crm.recorder import DecisionRecorder
-from mlpair.prediction.decisions import (FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided,
-                                         decide_columns)
+from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided, decide_columns
 from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
@@ -55,8 +54,18 @@ from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
 from mlpair.prediction.scoring import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
-__all__ = ["ConfigurationError", "FALLBACK_REASON", "INVALID_OUTPUT_REASON", "ModelFamily", "PredictInput",
-           "PredictionResult", "Predictor", "RequestWarning", "STALE_REASON", "UnexpectedFailure"]
+__all__ = [
+    "ConfigurationError",
+    "FALLBACK_REASON",
+    "INVALID_OUTPUT_REASON",
+    "ModelFamily",
+    "PredictInput",
+    "PredictionResult",
+    "Predictor",
+    "RequestWarning",
+    "STALE_REASON",
+    "UnexpectedFailure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +73,19 @@ logger = logging.getLogger(__name__)
 class Predictor:
     """Decides for many requests at once; shared by all concurrent calls."""
 
-    def __init__(self, families: Mapping[str, ModelFamily], default_model: str,
-                 scorer: CachedInference, recorder: DecisionRecorder, *, max_inference_rows: int = 1024,
-                 max_batch_items: int = 1000, explain_top_k: int = 3, drift: DriftMonitors | None = None,
-                 unknown_attributes: str = "warn") -> None:
+    def __init__(
+        self,
+        families: Mapping[str, ModelFamily],
+        default_model: str,
+        scorer: CachedInference,
+        recorder: DecisionRecorder,
+        *,
+        max_inference_rows: int = 1024,
+        max_batch_items: int = 1000,
+        explain_top_k: int = 3,
+        drift: DriftMonitors | None = None,
+        unknown_attributes: str = "warn",
+    ) -> None:
         """Wires the served families to inference (behind its cache) and the decision recorder.
 
         ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
@@ -94,7 +112,8 @@ class Predictor:
             if len(family.schema.features) + 1 > max_inference_rows:
                 raise ConfigurationError(
                     f"model family {family.name!r}: an explanation needs {len(family.schema.features) + 1} rows "
-                    f"in one inference call but max_inference_rows is {max_inference_rows}")
+                    f"in one inference call but max_inference_rows is {max_inference_rows}"
+                )
 
     async def predict(self, request: PredictInput) -> PredictionResult:
         """Decides and records one request; a ``request_id`` already on record returns the
@@ -110,13 +129,22 @@ class Predictor:
         started = time.perf_counter()
         [outcome] = await self._run([request])
         name = request.model_name or self.default_model
-        metrics.labelled(metrics.REQUEST_DURATION, name if name in self.families else "unknown").observe(time.perf_counter() - started)
+        metrics.labelled(metrics.REQUEST_DURATION, name if name in self.families else "unknown").observe(
+            time.perf_counter() - started
+        )
         if isinstance(outcome, ServiceError):
             raise outcome
         s = outcome.stored  # one DEBUG (or sampled) line per decision, never INFO per RPC; it never raises
-        logs.log_decision(logger, decision=s.decision, reason_codes=s.reason_codes, from_cache=outcome.from_cache,
-                          probability=s.probability, decision_id=s.decision_id, model_version=s.model_version,
-                          replayed=outcome.replayed)
+        logs.log_decision(
+            logger,
+            decision=s.decision,
+            reason_codes=s.reason_codes,
+            from_cache=outcome.from_cache,
+            probability=s.probability,
+            decision_id=s.decision_id,
+            model_version=s.model_version,
+            replayed=outcome.replayed,
+        )
         return outcome
 
     async def predict_batch(self, requests: Sequence[PredictInput]) -> Outcomes:
@@ -127,8 +155,10 @@ class Predictor:
             InvalidRequest: more than ``max_batch_items`` items (nothing is decided).
         """
         if len(requests) > self.max_batch_items:
-            raise InvalidRequest(f"a batch may carry at most {self.max_batch_items} items, got {len(requests)}",
-                                 metadata={"max_batch_items": str(self.max_batch_items)})
+            raise InvalidRequest(
+                f"a batch may carry at most {self.max_batch_items} items, got {len(requests)}",
+                metadata={"max_batch_items": str(self.max_batch_items)},
+            )
         metrics.BATCH_ITEMS.observe(len(requests))
         return await self._run(requests)
 
@@ -140,10 +170,11 @@ class Predictor:
 
     async def _run(self, requests: Sequence[PredictInput]) -> Outcomes:
         slots: list = [None] * len(requests)
-        groups = prepare_items(requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes,
-                               slots)
+        groups = prepare_items(
+            requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
+        )
         await score_groups(groups, self._infer, self.max_inference_rows)
-        decided_at = datetime.now(timezone.utc)
+        decided_at = datetime.now(UTC)
         decided: list[Decided] = []
         for group in groups:
             try:
@@ -203,8 +234,10 @@ class Predictor:
                 rows = [d.rows[j] for j in fresh]
                 self.drift.observe_many(name, group.vectors[rows], group_probabilities(d, fresh))
                 if group.family.shadow is not None:
-                    self.shadows.start(group.family, [ServedRow(group.vectors[k], float(group.margins[k]), labels[j])
-                                                      for j, k in zip(fresh, rows)])
+                    self.shadows.start(
+                        group.family,
+                        [ServedRow(group.vectors[k], float(group.margins[k]), labels[j]) for j, k in zip(fresh, rows)],
+                    )
         for labels_, n in decisions.items():
             metrics.labelled(metrics.DECISIONS, *labels_).inc(n)
         for (name, reason), n in fallbacks.items():
@@ -213,7 +246,9 @@ class Predictor:
             metrics.FALLBACKS.labels(name, reason).inc(n)
 
     @staticmethod
-    def _replayed(record, group: Group, k: int, fingerprint: str, decisions: Counter) -> PredictionResult | PredictionError:
+    def _replayed(
+        record, group: Group, k: int, fingerprint: str, decisions: Counter
+    ) -> PredictionResult | PredictionError:
         """The outcome of a request id that was on record already: that decision, or the refusal
         of an id recorded for another payload."""
         name = group.family.name
@@ -230,20 +265,31 @@ class Predictor:
         family = self.families.get(model_name or self.default_model)
         if family is None:  # the name is echoed cut short: an error never carries a client's huge input back
             shown = repr(model_name[:MAX_ECHO]) + ("…" if len(model_name) > MAX_ECHO else "")
-            raise UnknownModel(f"model family {shown} is not served here; served: "
-                               f"{', '.join(sorted(self.families))}", metadata={"model": model_name[:MAX_ECHO]})
+            raise UnknownModel(
+                f"model family {shown} is not served here; served: {', '.join(sorted(self.families))}",
+                metadata={"model": model_name[:MAX_ECHO]},
+            )
         return family
 
-    async def _infer(self, family: ModelFamily, model: ModelVersion, features: np.ndarray,
-                     deadline: float | None) -> list[Scored]:
+    async def _infer(
+        self, family: ModelFamily, model: ModelVersion, features: np.ndarray, deadline: float | None
+    ) -> list[Scored]:
         """The one call site of InferenceService for decisions: ``[rows, n_features] float32``
         (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
-        return await self.scorer.score(family.name, model.version, family.feature_version, features, deadline,
-                                       n_classes=len(model.entry.manifest.class_names))
+        return await self.scorer.score(
+            family.name,
+            model.version,
+            family.feature_version,
+            features,
+            deadline,
+            n_classes=len(model.entry.manifest.class_names),
+        )
 
-    async def _infer_shadow(self, family: ModelFamily, model: ModelVersion, features: np.ndarray) -> tuple[np.ndarray, str]:
+    async def _infer_shadow(
+        self, family: ModelFamily, model: ModelVersion, features: np.ndarray
+    ) -> tuple[np.ndarray, str]:
         """Shadow calls go straight to InferenceService: never cached, never served."""
         return await self.inference.infer(family.name, model.version, family.feature_version, features)
 

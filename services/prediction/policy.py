@@ -157,8 +157,9 @@ class DecisionPolicy(_Frozen):
 
     # -- many rows at once (the same verdicts as decide(), row by row) --------------------------
 
-    def decide_many(self, probability: np.ndarray, spread: np.ndarray,
-                    defaulted_fraction: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def decide_many(
+        self, probability: np.ndarray, spread: np.ndarray, defaulted_fraction: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`decide` for many rows: ``[n] float64`` probabilities, spreads and defaulted fractions.
 
         Returns:
@@ -169,8 +170,14 @@ class DecisionPolicy(_Frozen):
             ``bisect`` over the same float64 values).
         """
         p = np.asarray(probability, dtype=np.float64)
-        valid = (p >= 0.0) & (p <= 1.0) & (spread >= 0.0) & (spread <= 1.0) & \
-            (defaulted_fraction >= 0.0) & (defaulted_fraction <= 1.0)
+        valid = (
+            (p >= 0.0)
+            & (p <= 1.0)
+            & (spread >= 0.0)
+            & (spread <= 1.0)
+            & (defaulted_fraction >= 0.0)
+            & (defaulted_fraction <= 1.0)
+        )
         starts = self._starts
         if self.comparison == ">=":
             band = np.searchsorted(starts, p, side="right") - 1
@@ -195,7 +202,11 @@ class DecisionPolicy(_Frozen):
     @functools.cached_property
     def _verdicts(self) -> tuple[tuple[Decision | None, ...], ...]:
         scarce, uncertain = self.insufficient_data, self.uncertainty
-        return tuple((Decision(b.decision, (b.reason_code,), b),
-                      Decision(scarce.decision, (scarce.reason_code, b.reason_code), b) if scarce else None,
-                      Decision(uncertain.decision, (uncertain.reason_code, b.reason_code), b, True) if uncertain else None)
-                     for b in self.bands)
+        return tuple(
+            (
+                Decision(b.decision, (b.reason_code,), b),
+                Decision(scarce.decision, (scarce.reason_code, b.reason_code), b) if scarce else None,
+                Decision(uncertain.decision, (uncertain.reason_code, b.reason_code), b, True) if uncertain else None,
+            )
+            for b in self.bands
+        )

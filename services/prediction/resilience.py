@@ -58,8 +58,15 @@ class CircuitBreaker:
         clock: monotonic seconds; injectable for tests.
     """
 
-    def __init__(self, name: str, *, failure_threshold: int, open_s: float, half_open_probes: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        failure_threshold: int,
+        open_s: float,
+        half_open_probes: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self.failure_threshold = max(1, failure_threshold)
         self.open_s = open_s

@@ -78,8 +78,11 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
         probabilities = np.stack([p for p, _ in calibrated])
         usable = np.logical_and.reduce([ok for _, ok in calibrated])  # every member's output usable
         # margins only feed the shadow comparison (unusable rows: zeros, never compared)
-        margins = family.members[0].calibrator.margins(
-            np.where(usable[:, None], stacked[0], np.float32(0.0))) if family.shadow else None
+        margins = (
+            family.members[0].calibrator.margins(np.where(usable[:, None], stacked[0], np.float32(0.0)))
+            if family.shadow
+            else None
+        )
     except ServiceError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001  (one chunk's failure must not fail the batch)
@@ -91,15 +94,27 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
         group.errors[k] = error
 
 
-def _fill(group: Group, start: int, end: int, answers: list[list[Scored]], probabilities: np.ndarray,
-          usable: np.ndarray, margins: np.ndarray | None, offsets, sizes: list[int] | None) -> None:
+def _fill(
+    group: Group,
+    start: int,
+    end: int,
+    answers: list[list[Scored]],
+    probabilities: np.ndarray,
+    usable: np.ndarray,
+    margins: np.ndarray | None,
+    offsets,
+    sizes: list[int] | None,
+) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
     if len(group) < ROW_WISE_BELOW:
         _fill_rows(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
         return
     single = len(answers) == 1
-    own = answers[0] if single and sizes is None else [
-        answers[0][o] if single else _served([rows[o] for rows in answers]) for o in offsets]
+    own = (
+        answers[0]
+        if single and sizes is None
+        else [answers[0][o] if single else _served([rows[o] for rows in answers]) for o in offsets]
+    )
     group.served[start:end] = own
     rows = np.asarray(offsets, dtype=np.intp) if sizes is not None else slice(0, end - start)
     fallback = np.fromiter((s.source is Source.FALLBACK for s in own), dtype=bool, count=len(own))
@@ -114,12 +129,21 @@ def _fill(group: Group, start: int, end: int, answers: list[list[Scored]], proba
             continue
         versions[k] = served.model_version if single else "+".join(rows_[o].model_version for rows_ in answers)
         n = 1 if sizes is None else sizes[k - start]
-        if n > 1 and usable[o:o + n].all():  # an explanation needs every occluded row scored
-            group.occluded[k] = probabilities[:, o + 1:o + n]
+        if n > 1 and usable[o : o + n].all():  # an explanation needs every occluded row scored
+            group.occluded[k] = probabilities[:, o + 1 : o + n]
 
 
-def _fill_rows(group: Group, start: int, end: int, answers: list[list[Scored]], probabilities: np.ndarray,
-               usable: np.ndarray, margins: np.ndarray | None, offsets, sizes: list[int] | None) -> None:
+def _fill_rows(
+    group: Group,
+    start: int,
+    end: int,
+    answers: list[list[Scored]],
+    probabilities: np.ndarray,
+    usable: np.ndarray,
+    margins: np.ndarray | None,
+    offsets,
+    sizes: list[int] | None,
+) -> None:
     """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the
     same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
     single, ok = len(answers) == 1, usable.tolist()
@@ -134,8 +158,8 @@ def _fill_rows(group: Group, start: int, end: int, answers: list[list[Scored]], 
             group.margins[k] = margins[o]
         group.model_versions[k] = served.model_version if single else "+".join(r.model_version for r in own)
         n = 1 if sizes is None else sizes[k - start]
-        if n > 1 and all(ok[o:o + n]):  # an explanation needs every occluded row scored
-            group.occluded[k] = probabilities[:, o + 1:o + n]
+        if n > 1 and all(ok[o : o + n]):  # an explanation needs every occluded row scored
+            group.occluded[k] = probabilities[:, o + 1 : o + n]
 
 
 async def gather(calls: list) -> list:
@@ -165,7 +189,9 @@ def _served(own: list[Scored]) -> Scored:
     for source in (Source.FALLBACK, Source.STALE_CACHE):
         if found := next((r for r in own if r.source is source), None):
             return found
-    return own[0] if all(r.source is Source.CACHE for r in own) else next(r for r in own if r.source is Source.INFERENCE)
+    return (
+        own[0] if all(r.source is Source.CACHE for r in own) else next(r for r in own if r.source is Source.INFERENCE)
+    )
 
 
 class UnexpectedFailure(PredictionError):

@@ -15,9 +15,9 @@ import logging
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.collector import tune_collector
 from mlpair.lifecycle import enable_reflection, server_options
 from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
-from mlpair.collector import tune_collector
 from mlpair.observability.calls import CallTracer, observe_servicer
 from mlpair.prediction import metrics
 from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
@@ -30,8 +30,17 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import (add_servicer, bind_port, channel_credentials, drain, guard_servicer, message_size_options,
-                        port_sharing_options, server_credentials, wait_for_termination_signal)
+from mlpair.rpc import (
+    add_servicer,
+    bind_port,
+    channel_credentials,
+    drain,
+    guard_servicer,
+    message_size_options,
+    port_sharing_options,
+    server_credentials,
+    wait_for_termination_signal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +51,12 @@ SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering w
 def build_cache(settings: PredictionSettings) -> LogitsCache:
     """The cache backend ``settings.cache_backend`` names (no network I/O yet)."""
     if settings.cache_backend == "redis":
-        return RedisCache(settings.redis_url, key_prefix=settings.redis_key_prefix,
-                          stale_ttl_s=settings.cache_stale_ttl_s, timeout_s=settings.redis_timeout_ms / 1000)
+        return RedisCache(
+            settings.redis_url,
+            key_prefix=settings.redis_key_prefix,
+            stale_ttl_s=settings.cache_stale_ttl_s,
+            timeout_s=settings.redis_timeout_ms / 1000,
+        )
     if settings.cache_backend == "memory":
         return MemoryCache(max_entries=settings.cache_max_entries, stale_ttl_s=settings.cache_stale_ttl_s)
     return NullCache()
@@ -51,28 +64,47 @@ def build_cache(settings: PredictionSettings) -> LogitsCache:
 
 def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> CachedInference:
     """InferenceService behind the cache, single-flight, deadline budget, retries and breaker."""
-    tls = channel_credentials(settings.inference_tls_ca_file, settings.inference_tls_cert_file,
-                              settings.inference_tls_key_file)
-    client = InferenceClient(settings.inference_target, timeout_ms=settings.inference_timeout_ms,
-                             max_message_bytes=settings.max_message_bytes,
-                             reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms, credentials=tls,
-                             keepalive_ms=settings.inference_keepalive_ms,
-                             keepalive_timeout_ms=settings.inference_keepalive_timeout_ms,
-                             tracer=CallTracer(tracer_provider) if settings.tracing else None)
+    tls = channel_credentials(
+        settings.inference_tls_ca_file, settings.inference_tls_cert_file, settings.inference_tls_key_file
+    )
+    client = InferenceClient(
+        settings.inference_target,
+        timeout_ms=settings.inference_timeout_ms,
+        max_message_bytes=settings.max_message_bytes,
+        reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms,
+        credentials=tls,
+        keepalive_ms=settings.inference_keepalive_ms,
+        keepalive_timeout_ms=settings.inference_keepalive_timeout_ms,
+        tracer=CallTracer(tracer_provider) if settings.tracing else None,
+    )
     caller = ResilientCaller(
-        CircuitBreaker("inference", failure_threshold=settings.breaker_failure_threshold,
-                       open_s=settings.breaker_open_ms / 1000, half_open_probes=settings.breaker_half_open_probes),
-        DeadlineBudget(reserve_s=settings.crm_reserve_ms / 1000, max_call_s=settings.inference_timeout_ms / 1000,
-                       min_attempt_s=settings.inference_min_attempt_ms / 1000),
-        RetryPolicy(max_attempts=settings.inference_max_attempts,
-                    backoff_base_s=settings.inference_retry_backoff_ms / 1000,
-                    backoff_max_s=settings.inference_timeout_ms / 1000),
+        CircuitBreaker(
+            "inference",
+            failure_threshold=settings.breaker_failure_threshold,
+            open_s=settings.breaker_open_ms / 1000,
+            half_open_probes=settings.breaker_half_open_probes,
+        ),
+        DeadlineBudget(
+            reserve_s=settings.crm_reserve_ms / 1000,
+            max_call_s=settings.inference_timeout_ms / 1000,
+            min_attempt_s=settings.inference_min_attempt_ms / 1000,
+        ),
+        RetryPolicy(
+            max_attempts=settings.inference_max_attempts,
+            backoff_base_s=settings.inference_retry_backoff_ms / 1000,
+            backoff_max_s=settings.inference_timeout_ms / 1000,
+        ),
     )
     cache = build_cache(settings)
-    return CachedInference(client, cache, caller, fresh_ttl_s=settings.cache_fresh_ttl_s,
-                           linger_s=0.0 if isinstance(cache, NullCache) else 1.0,
-                           coalesce_max_delay_s=settings.coalesce_max_delay_ms / 1000,
-                           max_call_rows=settings.inference_max_batch_rows)
+    return CachedInference(
+        client,
+        cache,
+        caller,
+        fresh_ttl_s=settings.cache_fresh_ttl_s,
+        linger_s=0.0 if isinstance(cache, NullCache) else 1.0,
+        coalesce_max_delay_s=settings.coalesce_max_delay_ms / 1000,
+        max_call_rows=settings.inference_max_batch_rows,
+    )
 
 
 def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:
@@ -89,16 +121,29 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         raise ConfigurationError(f"default model family {settings.model_name!r} is not among the served {names}")
     if unserved := sorted((set(settings.ensembles) | set(settings.shadows)) - set(names)):
         raise ConfigurationError(f"ensemble or shadow configured for {unserved}, which are not served")
-    families = {name: ModelFamily.load(name, settings.config_dir, settings.model_repository,
-                                       ensemble=settings.ensembles.get(name, ()), shadow=settings.shadows.get(name))
-                for name in names}
+    families = {
+        name: ModelFamily.load(
+            name,
+            settings.config_dir,
+            settings.model_repository,
+            ensemble=settings.ensembles.get(name, ()),
+            shadow=settings.shadows.get(name),
+        )
+        for name in names
+    }
     recorder = DecisionRecorder.open(
-        settings.ledger_url, settings.crm_url, ledger_timeout_s=settings.ledger_timeout_ms / 1000,
-        synchronous=settings.ledger_synchronous, pool_size=settings.ledger_pool_size,
-        statement_cache_size=settings.ledger_statement_cache_size, crm_timeout_s=settings.crm_timeout_ms / 1000,
+        settings.ledger_url,
+        settings.crm_url,
+        ledger_timeout_s=settings.ledger_timeout_ms / 1000,
+        synchronous=settings.ledger_synchronous,
+        pool_size=settings.ledger_pool_size,
+        statement_cache_size=settings.ledger_statement_cache_size,
+        crm_timeout_s=settings.crm_timeout_ms / 1000,
         crm_statement_cache_size=settings.crm_statement_cache_size,
-        batch_size=settings.relay_batch_size, linger_s=settings.relay_linger_ms / 1000,
-        backoff_max_s=settings.relay_backoff_max_ms / 1000)
+        batch_size=settings.relay_batch_size,
+        linger_s=settings.relay_linger_ms / 1000,
+        backoff_max_s=settings.relay_backoff_max_ms / 1000,
+    )
     # Observability (issue 6): CRM spans, personal fields kept out of logs, drift monitoring.
     if settings.tracing:
         recorder.instrument(tracer_provider)
@@ -108,13 +153,22 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
     for name, family in families.items():
         metrics.declare(name, family.policy.decisions)
     drift = DriftMonitors.for_families(families, drift_config(settings))
-    return Predictor(families, settings.model_name, build_scorer(settings, tracer_provider=tracer_provider), recorder,
-                     max_inference_rows=settings.inference_max_batch_rows, max_batch_items=settings.max_batch_items,
-                     explain_top_k=settings.explain_top_reasons, drift=drift, unknown_attributes=settings.unknown_attributes)
+    return Predictor(
+        families,
+        settings.model_name,
+        build_scorer(settings, tracer_provider=tracer_provider),
+        recorder,
+        max_inference_rows=settings.inference_max_batch_rows,
+        max_batch_items=settings.max_batch_items,
+        explain_top_k=settings.explain_top_reasons,
+        drift=drift,
+        unknown_attributes=settings.unknown_attributes,
+    )
 
 
-def create_server(settings: PredictionSettings, predictor: Predictor, *, tracer_provider=None,
-                  shared_port: bool = False) -> tuple[grpc.aio.Server, int, PredictionHealth]:
+def create_server(
+    settings: PredictionSettings, predictor: Predictor, *, tracer_provider=None, shared_port: bool = False
+) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health and binds its port (0 = free port):
     with SO_REUSEPORT when ``shared_port`` (one of a supervisor's workers), else exclusively.
 
@@ -123,8 +177,13 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *, tracer_
     """
     # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
     # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
-    server = grpc.aio.server(options=[*message_size_options(settings.max_message_bytes), *server_options(settings),
-                                      *port_sharing_options(shared_port)])
+    server = grpc.aio.server(
+        options=[
+            *message_size_options(settings.max_message_bytes),
+            *server_options(settings),
+            *port_sharing_options(shared_port),
+        ]
+    )
     health = PredictionHealth(SERVICE_NAME)
     # health.gate: after the drain's accept window new calls are held, then answered UNAVAILABLE (DRAINING)
     servicer = guard_servicer(PredictionServicer(predictor), DOMAIN, health.gate)
@@ -140,8 +199,9 @@ def create_server(settings: PredictionSettings, predictor: Predictor, *, tracer_
     return server, port, health
 
 
-async def start(settings: PredictionSettings, *, tracer_provider=None,
-                shared_port: bool = False) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
+async def start(
+    settings: PredictionSettings, *, tracer_provider=None, shared_port: bool = False
+) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
     """Opens the decision ledger, starts the relay and the server, and reports readiness.
 
     Raises:
@@ -151,8 +211,9 @@ async def start(settings: PredictionSettings, *, tracer_provider=None,
     predictor = build_predictor(settings, tracer_provider=tracer_provider)
     await predictor.recorder.start()
     try:
-        server, port, health = create_server(settings, predictor, tracer_provider=tracer_provider,
-                                             shared_port=shared_port)
+        server, port, health = create_server(
+            settings, predictor, tracer_provider=tracer_provider, shared_port=shared_port
+        )
     except BaseException:
         await predictor.recorder.close(drain_timeout_s=0)
         raise
@@ -161,13 +222,18 @@ async def start(settings: PredictionSettings, *, tracer_provider=None,
     interval_s = settings.health_interval_ms / 1000
     status = await health.check(predictor, timeout_s=interval_s)
     health.start_monitoring(predictor, interval_s)
-    logger.info("PredictionService serving on port %d (inference at %s); dependencies: %s", port,
-                settings.inference_target, ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items()))
+    logger.info(
+        "PredictionService serving on port %d (inference at %s); dependencies: %s",
+        port,
+        settings.inference_target,
+        ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items()),
+    )
     return server, port, health, predictor
 
 
-async def stop(server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float,
-               accept_s: float = 0.0) -> None:
+async def stop(
+    server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float, accept_s: float = 0.0
+) -> None:
     """Drains in-flight calls (see :func:`mlpair.rpc.drain`), delivers what it can of the ledger's
     backlog, then closes every connection."""
     await health.stop_monitoring()

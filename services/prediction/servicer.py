@@ -20,7 +20,8 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
         return converters.predict_response(result)
 
-    async def BatchPredict(self, request: pb.BatchPredictRequest,
-                           context: grpc.aio.ServicerContext) -> pb.BatchPredictResponse:
+    async def BatchPredict(
+        self, request: pb.BatchPredictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchPredictResponse:
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)

@@ -14,8 +14,9 @@ from mlpair.lifecycle import ConnectionSettings
 class PredictionSettings(ConnectionSettings):
     """Everything the prediction server reads; built once in ``main()`` and passed down."""
 
-    model_config = SettingsConfigDict(env_prefix="PREDICTION_", extra="ignore", protected_namespaces=(),
-                                      use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(
+        env_prefix="PREDICTION_", extra="ignore", protected_namespaces=(), use_attribute_docstrings=True
+    )
 
     host: str = "0.0.0.0"
     """Interface the gRPC server binds to."""

@@ -49,8 +49,8 @@ class ShadowComparison:
 
     def __init__(self, infer: Infer, max_rows: int) -> None:
         """Args:
-            infer: the pipeline's inference call site (``[rows, n_features]`` → logits, version).
-            max_rows: most rows per inference call.
+        infer: the pipeline's inference call site (``[rows, n_features]`` → logits, version).
+        max_rows: most rows per inference call.
         """
         self._infer = infer
         self._max_rows = max_rows
@@ -83,7 +83,7 @@ class ShadowComparison:
     async def _work(self, family: ModelFamily) -> None:
         try:
             while queue := self._pending.get(family.name):
-                chunk, self._pending[family.name] = queue[:self._max_rows], queue[self._max_rows:]
+                chunk, self._pending[family.name] = queue[: self._max_rows], queue[self._max_rows :]
                 self._pending_rows -= len(chunk)
                 await self._compare(family, chunk)
         finally:
@@ -103,6 +103,7 @@ class ShadowComparison:
             return
         for row, margin, p in zip(chunk, margins, probabilities):
             metrics.SHADOW_LOGIT_DIFFERENCE.labels(family.name, primary_version, served).observe(
-                abs(float(margin) - row.primary_margin))
+                abs(float(margin) - row.primary_margin)
+            )
             agreement = "agree" if family.policy.band(float(p)).decision == row.decision else "disagree"
             metrics.SHADOW_DECISIONS.labels(family.name, primary_version, served, agreement).inc()

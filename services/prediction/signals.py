@@ -63,7 +63,7 @@ SCORE = "score"  # the feature label of the calibrated score in the rank histogr
 PROBE_BAND_WIDTH = 0.02  # probability units below each threshold: [t - 0.02, t)
 # Level tolerance when an edge falls exactly on the end of an atom (levels are k/100 floats).
 _LEVEL_EPS = 1e-9
-_HALF_UNIT = 0.5 * 10.0 ** -BASELINE_DECIMALS
+_HALF_UNIT = 0.5 * 10.0**-BASELINE_DECIMALS
 
 
 def rank_edges(quantiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -87,8 +87,11 @@ def rank_edges(quantiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # 101) takes that quantile exactly, so an atom starting or ending there is not missed by float fuzz
     position = levels * (len(q) - 1)
     knot = np.rint(position).astype(int)
-    at = np.where(np.abs(position - knot) < _LEVEL_EPS, q[np.clip(knot, 0, len(q) - 1)],
-                  np.interp(levels, np.linspace(0.0, 1.0, len(q)), q))
+    at = np.where(
+        np.abs(position - knot) < _LEVEL_EPS,
+        q[np.clip(knot, 0, len(q) - 1)],
+        np.interp(levels, np.linspace(0.0, 1.0, len(q)), q),
+    )
     reached = baseline_cdf(at, q, "right") <= levels + _LEVEL_EPS
     edges = np.where(reached, at + _HALF_UNIT, at - _HALF_UNIT)
     baseline = np.where(reached, baseline_cdf(at, q, "right"), baseline_cdf(at, q, "left"))
@@ -125,10 +128,15 @@ class FamilySignals:
             slots = [(j, n.split("=", 1)[1]) for j, n in enumerate(names) if n.startswith(feat.name + "=")]
             for _, category in slots:
                 metrics.DRIFT_CATEGORY_BASELINE.labels(name, feat.name, category).set(
-                    float(base["frequencies"].get(category, 0.0)))
+                    float(base["frequencies"].get(category, 0.0))
+                )
             metrics.DRIFT_BASELINE_ROWS.labels(name, feat.name).set(train_rows)
-            self._categorical.append((tuple(metrics.labelled(metrics.DRIFT_CATEGORY, name, feat.name, c)
-                                            for _, c in slots), tuple(j for j, _ in slots)))
+            self._categorical.append(
+                (
+                    tuple(metrics.labelled(metrics.DRIFT_CATEGORY, name, feat.name, c) for _, c in slots),
+                    tuple(j for j, _ in slots),
+                )
+            )
         score = score_entry.manifest.baselines.get(SCORE_BASELINE)
         self._score = None
         if score:

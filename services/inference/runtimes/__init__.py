@@ -47,17 +47,28 @@ def create_runtime(entry: ModelEntry, settings: InferenceSettings) -> Runtime:
 
         program = entry.manifest.torch_program
         if not program:
-            raise ModelLoadFailed(f"{entry.manifest.model_name} version {entry.manifest.model_version} has no "
-                                  "exported PyTorch program; retrain it or use runtime=onnx")
-        return TorchRuntime(entry.path / program, device=settings.execution_provider,
-                            threads=settings.intra_op_threads, half_precision=settings.half_precision,
-                            cuda_graphs=settings.cuda_graphs, deterministic=settings.deterministic,
-                            graph_batch_sizes=warmup_batch_sizes(settings))
+            raise ModelLoadFailed(
+                f"{entry.manifest.model_name} version {entry.manifest.model_version} has no "
+                "exported PyTorch program; retrain it or use runtime=onnx"
+            )
+        return TorchRuntime(
+            entry.path / program,
+            device=settings.execution_provider,
+            threads=settings.intra_op_threads,
+            half_precision=settings.half_precision,
+            cuda_graphs=settings.cuda_graphs,
+            deterministic=settings.deterministic,
+            graph_batch_sizes=warmup_batch_sizes(settings),
+        )
     from mlpair.inference.runtimes.onnx import OnnxRuntime
 
-    return OnnxRuntime(entry.model_path, provider=settings.execution_provider,
-                       intra_op_threads=settings.intra_op_threads,
-                       graph_optimization=settings.graph_optimization, deterministic=settings.deterministic)
+    return OnnxRuntime(
+        entry.model_path,
+        provider=settings.execution_provider,
+        intra_op_threads=settings.intra_op_threads,
+        graph_optimization=settings.graph_optimization,
+        deterministic=settings.deterministic,
+    )
 
 
 def warmup_batch_sizes(settings: InferenceSettings) -> list[int]:

@@ -11,12 +11,18 @@ from mlpair.startup import StartupError
 
 logger = logging.getLogger(__name__)
 
-_OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
-               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+_OPT_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
 
 
-CUDA_FIX = ("install an onnxruntime-gpu built for this node's CUDA major (pyproject's inference-gpu extra) "
-            "on a node with an NVIDIA driver, or set INFERENCE_EXECUTION_PROVIDER=auto to allow CPU")
+CUDA_FIX = (
+    "install an onnxruntime-gpu built for this node's CUDA major (pyproject's inference-gpu extra) "
+    "on a node with an NVIDIA driver, or set INFERENCE_EXECUTION_PROVIDER=auto to allow CPU"
+)
 
 
 def choose_providers(requested: str, available: list[str]) -> list[str]:
@@ -30,8 +36,10 @@ def choose_providers(requested: str, available: list[str]) -> list[str]:
     if requested in ("auto", "cuda") and "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     if requested == "cuda":
-        raise StartupError(f"execution_provider=cuda but this ONNX Runtime has no CUDA execution provider "
-                           f"(it has {', '.join(available)}): {CUDA_FIX}")
+        raise StartupError(
+            f"execution_provider=cuda but this ONNX Runtime has no CUDA execution provider "
+            f"(it has {', '.join(available)}): {CUDA_FIX}"
+        )
     if requested == "auto":
         logger.info("no CUDA execution provider in this ONNX Runtime build; using CPU")
     return ["CPUExecutionProvider"]
@@ -51,8 +59,15 @@ class OnnxRuntime:
 
     platform = "onnxruntime_onnx"
 
-    def __init__(self, model_path: Path, *, provider: str = "auto", intra_op_threads: int = 1,
-                 graph_optimization: str = "all", deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        provider: str = "auto",
+        intra_op_threads: int = 1,
+        graph_optimization: str = "all",
+        deterministic: bool = False,
+    ) -> None:
         import onnxruntime as ort  # imported here so importing the service never needs it
 
         options = ort.SessionOptions()
@@ -67,9 +82,11 @@ class OnnxRuntime:
         self.provider = self._session.get_providers()[0]
         if providers[0] != self.provider:  # e.g. the CUDA libraries are missing on this node
             if provider == "cuda":  # ORT only logs this and runs on CPU: refuse instead
-                raise StartupError(f"execution_provider=cuda but ONNX Runtime's CUDA execution provider did not "
-                                   f"start (the session runs on {self.provider}; its CUDA libraries or the GPU "
-                                   f"driver are missing or of another CUDA major): {CUDA_FIX}")
+                raise StartupError(
+                    f"execution_provider=cuda but ONNX Runtime's CUDA execution provider did not "
+                    f"start (the session runs on {self.provider}; its CUDA libraries or the GPU "
+                    f"driver are missing or of another CUDA major): {CUDA_FIX}"
+                )
             logger.warning("%s could not start; ONNX Runtime fell back to %s", providers[0], self.provider)
         self.description = f"onnxruntime:{self.provider}"
         logger.info("loaded %s with %s", model_path, self.provider)

@@ -34,9 +34,17 @@ class TorchRuntime:
 
     platform = "pytorch_torchexport"
 
-    def __init__(self, program_path: Path, *, device: str = "auto", threads: int = 1,
-                 half_precision: bool = False, cuda_graphs: bool = False, deterministic: bool = False,
-                 graph_batch_sizes: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        program_path: Path,
+        *,
+        device: str = "auto",
+        threads: int = 1,
+        half_precision: bool = False,
+        cuda_graphs: bool = False,
+        deterministic: bool = False,
+        graph_batch_sizes: list[int] | None = None,
+    ) -> None:
         import torch  # only this runtime needs torch
 
         self._torch = torch
@@ -67,9 +75,11 @@ class TorchRuntime:
         if requested in ("auto", "cuda") and torch.cuda.is_available():
             return torch.device("cuda")
         if requested == "cuda":
-            raise StartupError("execution_provider=cuda but torch sees no usable GPU (torch.cuda.is_available() is "
-                               "false: no driver, no device, or a torch build without CUDA): run on a GPU node with "
-                               "a CUDA build of torch, or set INFERENCE_EXECUTION_PROVIDER=auto to allow CPU")
+            raise StartupError(
+                "execution_provider=cuda but torch sees no usable GPU (torch.cuda.is_available() is "
+                "false: no driver, no device, or a torch build without CUDA): run on a GPU node with "
+                "a CUDA build of torch, or set INFERENCE_EXECUTION_PROVIDER=auto to allow CPU"
+            )
         return torch.device("cpu")
 
     def _capture(self, sizes: list[int]) -> None:

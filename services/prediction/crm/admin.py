@@ -34,8 +34,14 @@ class MigrationReport:
     backfilled_from_crm: int = 0
 
 
-async def migrate(ledger_url: str, crm_url: str, *, serving_role: str | None = None,
-                  import_outboxes: Sequence[Path] = (), backfill_from_crm: bool = False) -> MigrationReport:
+async def migrate(
+    ledger_url: str,
+    crm_url: str,
+    *,
+    serving_role: str | None = None,
+    import_outboxes: Sequence[Path] = (),
+    backfill_from_crm: bool = False,
+) -> MigrationReport:
     """Upgrades both databases (idempotent), grants ``serving_role``, and imports old decisions.
 
     Args:
@@ -86,7 +92,7 @@ async def _import_outbox(ledger: DecisionLedger, path: Path) -> int:
     for delivered in (True, False):
         decisions = [StoredDecision.from_json(payload) for payload, done in rows if bool(done) is delivered]
         for start in range(0, len(decisions), IMPORT_BATCH):
-            added += await ledger.import_decisions(decisions[start:start + IMPORT_BATCH], delivered=delivered)
+            added += await ledger.import_decisions(decisions[start : start + IMPORT_BATCH], delivered=delivered)
     return added
 
 
@@ -97,15 +103,21 @@ async def _backfill(ledger: DecisionLedger, crm_url: str) -> int:
     try:
         while True:
             async with engine.connect() as conn:
-                records = (await conn.execute(
-                    select(DecisionRecord).where(DecisionRecord.request_id > after)
-                    .order_by(DecisionRecord.request_id).limit(IMPORT_BATCH))).all()
+                records = (
+                    await conn.execute(
+                        select(DecisionRecord)
+                        .where(DecisionRecord.request_id > after)
+                        .order_by(DecisionRecord.request_id)
+                        .limit(IMPORT_BATCH)
+                    )
+                ).all()
             if not records:
                 return added
             decisions = [StoredDecision.from_record(r) for r in records]
             # rows from before decided_at existed (crm_0001) count from when they were written
-            decisions = [d if d.decided_at else replace(d, decided_at=as_utc(r.created_at))
-                         for d, r in zip(decisions, records)]
+            decisions = [
+                d if d.decided_at else replace(d, decided_at=as_utc(r.created_at)) for d, r in zip(decisions, records)
+            ]
             added += await ledger.import_decisions(decisions, delivered=True)
             after = records[-1].request_id
     finally:

@@ -54,9 +54,22 @@ class DecisionColumns(Sequence[StoredDecision]):
     decided_at: list[datetime]
     fingerprints: list[str] = field(default_factory=list)
 
-    FIELDS = ("request_id", "decision_id", "entity_id", "model_name", "model_version", "feature_schema_version",
-              "policy_version", "probability", "decision", "reason_codes", "served_from", "cache_age_ms",
-              "degraded_reason", "decided_at")
+    FIELDS = (
+        "request_id",
+        "decision_id",
+        "entity_id",
+        "model_name",
+        "model_version",
+        "feature_schema_version",
+        "policy_version",
+        "probability",
+        "decision",
+        "reason_codes",
+        "served_from",
+        "cache_age_ms",
+        "degraded_reason",
+        "decided_at",
+    )
 
     def __len__(self) -> int:
         return len(self.request_id)
@@ -64,10 +77,22 @@ class DecisionColumns(Sequence[StoredDecision]):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        return StoredDecision(self.decision_id[i], self.request_id[i], self.entity_id[i], self.model_name[i],
-                              self.model_version[i], self.feature_schema_version[i], self.policy_version[i],
-                              self.probability[i], self.decision[i], self.reason_codes[i], self.served_from[i],
-                              self.cache_age_ms[i], self.degraded_reason[i], self.decided_at[i])
+        return StoredDecision(
+            self.decision_id[i],
+            self.request_id[i],
+            self.entity_id[i],
+            self.model_name[i],
+            self.model_version[i],
+            self.feature_schema_version[i],
+            self.policy_version[i],
+            self.probability[i],
+            self.decision[i],
+            self.reason_codes[i],
+            self.served_from[i],
+            self.cache_age_ms[i],
+            self.degraded_reason[i],
+            self.decided_at[i],
+        )
 
     def __iter__(self) -> Iterator[StoredDecision]:
         return (self[i] for i in range(len(self)))
@@ -82,14 +107,27 @@ class DecisionColumns(Sequence[StoredDecision]):
     def ledger_arrays(self, order: Sequence[int]) -> list[list]:
         """The rows ``order`` as the ledger's columns (``DECISION_COLUMNS``: request id, fingerprint,
         the decision's fields, reason codes as JSON), one list per column."""
+
         def take(column: list) -> list:
             return [column[i] for i in order]
 
-        return [take(self.request_id), take(self.fingerprints), take(self.decision_id), take(self.entity_id),
-                take(self.model_name), take(self.model_version), take(self.feature_schema_version),
-                take(self.policy_version), take(self.probability), take(self.decision),
-                [reason_codes_json(self.reason_codes[i]) for i in order], take(self.served_from),
-                take(self.cache_age_ms), take(self.degraded_reason), take(self.decided_at)]
+        return [
+            take(self.request_id),
+            take(self.fingerprints),
+            take(self.decision_id),
+            take(self.entity_id),
+            take(self.model_name),
+            take(self.model_version),
+            take(self.feature_schema_version),
+            take(self.policy_version),
+            take(self.probability),
+            take(self.decision),
+            [reason_codes_json(self.reason_codes[i]) for i in order],
+            take(self.served_from),
+            take(self.cache_age_ms),
+            take(self.degraded_reason),
+            take(self.decided_at),
+        ]
 
 
 @dataclass(eq=False)

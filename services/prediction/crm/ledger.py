@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from mlpair.prediction import metrics
@@ -47,9 +47,23 @@ from mlpair.prediction.errors import LedgerUnavailable
 logger = logging.getLogger(__name__)
 
 # The decision's columns in the ledger, in the order every statement of both engines uses.
-DECISION_COLUMNS = ("request_id", "fingerprint", "decision_id", "entity_id", "model_name", "model_version",
-                    "feature_schema_version", "policy_version", "probability", "decision", "reason_codes",
-                    "served_from", "cache_age_ms", "degraded_reason", "decided_at")
+DECISION_COLUMNS = (
+    "request_id",
+    "fingerprint",
+    "decision_id",
+    "entity_id",
+    "model_name",
+    "model_version",
+    "feature_schema_version",
+    "policy_version",
+    "probability",
+    "decision",
+    "reason_codes",
+    "served_from",
+    "cache_age_ms",
+    "degraded_reason",
+    "decided_at",
+)
 NOT_RECORDED = "the decision could not be recorded; retry with the same request_id"
 
 
@@ -73,18 +87,60 @@ Entry = tuple[StoredDecision, str]  # a decision and the fingerprint of its requ
 def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[[datetime], Any]) -> tuple:
     """The :data:`DECISION_COLUMNS` values of a decision; ``decided_at`` encodes the timestamp."""
     d = decision
-    return (d.request_id, fingerprint, d.decision_id, d.entity_id, d.model_name, d.model_version,
-            d.feature_schema_version, d.policy_version, d.probability, d.decision, d.reason_codes_json(),
-            d.served_from, d.cache_age_ms, d.degraded_reason, decided_at(d.decided_at))
+    return (
+        d.request_id,
+        fingerprint,
+        d.decision_id,
+        d.entity_id,
+        d.model_name,
+        d.model_version,
+        d.feature_schema_version,
+        d.policy_version,
+        d.probability,
+        d.decision,
+        d.reason_codes_json(),
+        d.served_from,
+        d.cache_age_ms,
+        d.degraded_reason,
+        decided_at(d.decided_at),
+    )
 
 
 def decision_from_row(row: Sequence, decided_at: Callable[[Any], datetime]) -> tuple[StoredDecision, str]:
     """A decision and its fingerprint from the :data:`DECISION_COLUMNS` values of a row."""
-    (request_id, fingerprint, decision_id, entity_id, model_name, model_version, schema_version, policy_version,
-     probability, decision, reason_codes, served_from, cache_age_ms, degraded_reason, decided) = row
-    return StoredDecision(decision_id, request_id, entity_id, model_name, model_version, schema_version,
-                          policy_version, probability, decision, StoredDecision.reason_codes_from_json(reason_codes),
-                          served_from, cache_age_ms, degraded_reason, decided_at(decided)), fingerprint
+    (
+        request_id,
+        fingerprint,
+        decision_id,
+        entity_id,
+        model_name,
+        model_version,
+        schema_version,
+        policy_version,
+        probability,
+        decision,
+        reason_codes,
+        served_from,
+        cache_age_ms,
+        degraded_reason,
+        decided,
+    ) = row
+    return StoredDecision(
+        decision_id,
+        request_id,
+        entity_id,
+        model_name,
+        model_version,
+        schema_version,
+        policy_version,
+        probability,
+        decision,
+        StoredDecision.reason_codes_from_json(reason_codes),
+        served_from,
+        cache_age_ms,
+        degraded_reason,
+        decided_at(decided),
+    ), fingerprint
 
 
 def on_record(row: Sequence, decided_at: Callable[[Any], datetime]) -> Recorded:
@@ -148,8 +204,9 @@ class DecisionLedger(abc.ABC):
         if self._writers:
             await asyncio.gather(*self._writers, return_exceptions=True)
 
-    async def record_many(self, decisions: Sequence[StoredDecision],
-                          fingerprints: Sequence[str]) -> list[Recorded | LedgerUnavailable]:
+    async def record_many(
+        self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
+    ) -> list[Recorded | LedgerUnavailable]:
         """Commits the decisions not yet on record, all in one group commit when they fit.
 
         Args:
@@ -217,17 +274,20 @@ class DecisionLedger(abc.ABC):
         # sorted by request id: concurrent transactions take the unique index's locks in one order
         order = sorted(first.values(), key=batch.request_id.__getitem__)
         for start in range(0, len(order), self.max_commit_rows):
-            rows = order[start:start + self.max_commit_rows]
+            rows = order[start : start + self.max_commit_rows]
             if self._bulk_slots is None:
                 self._bulk_slots = asyncio.Semaphore(self.commit_concurrency)
             started = time.perf_counter()
             try:
-                async with self._bulk_slots:  # as many transactions as the group commit runs: the relay keeps a connection
+                async with (
+                    self._bulk_slots
+                ):  # as many transactions as the group commit runs: the relay keeps a connection
                     replays = await self._commit_bulk(batch, rows)
             except Exception as exc:  # noqa: BLE001  (every row of the transaction gets a retryable error)
                 self.reachable = False
-                logger.warning("decision ledger commit failed (%s); %d decision(s) not recorded",
-                               type(exc).__name__, len(rows))
+                logger.warning(
+                    "decision ledger commit failed (%s); %d decision(s) not recorded", type(exc).__name__, len(rows)
+                )
                 error = LedgerUnavailable(NOT_RECORDED)
                 outcome.errors.update((i, error) for i in rows)
                 continue
@@ -255,14 +315,15 @@ class DecisionLedger(abc.ABC):
 
     async def _write_pending(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending[:self.max_commit_rows], self._pending[self.max_commit_rows:]
+            batch, self._pending = self._pending[: self.max_commit_rows], self._pending[self.max_commit_rows :]
             started = time.perf_counter()
             try:
                 outcomes = await self._commit([entry for entry, _, _ in batch])
             except Exception as exc:  # noqa: BLE001  (every waiting caller gets a retryable error)
                 self.reachable = False
-                logger.warning("decision ledger commit failed (%s); %d decision(s) not recorded",
-                               type(exc).__name__, len(batch))
+                logger.warning(
+                    "decision ledger commit failed (%s); %d decision(s) not recorded", type(exc).__name__, len(batch)
+                )
                 for _, caller, k in batch:
                     caller.settle(k, LedgerUnavailable(NOT_RECORDED))
                 continue
@@ -278,8 +339,11 @@ def complete(decision: StoredDecision) -> StoredDecision:
     """The decision with its id and time set (derived from the request id, and now, when unset)."""
     if decision.decision_id and decision.decided_at:  # the pipeline sets both; other callers may not
         return decision
-    return replace(decision, decision_id=decision.decision_id or decision_id_for(decision.request_id),
-                   decided_at=decision.decided_at or datetime.now(timezone.utc))
+    return replace(
+        decision,
+        decision_id=decision.decision_id or decision_id_for(decision.request_id),
+        decided_at=decision.decided_at or datetime.now(UTC),
+    )
 
 
 @dataclass(eq=False)
@@ -299,8 +363,9 @@ class _Caller:
             self.future.set_result(self.outcomes)
 
 
-def open_ledger(url: str, *, timeout_s: float = 2.0, synchronous: str = "FULL", pool_size: int = 4,
-                statement_cache_size: int = 100) -> DecisionLedger:
+def open_ledger(
+    url: str, *, timeout_s: float = 2.0, synchronous: str = "FULL", pool_size: int = 4, statement_cache_size: int = 100
+) -> DecisionLedger:
     """The ledger at ``url`` (no I/O yet): ``postgresql+asyncpg://…`` for replicas, or
     ``sqlite+aiosqlite:///path`` for one machine.
 
@@ -318,8 +383,7 @@ def open_ledger(url: str, *, timeout_s: float = 2.0, synchronous: str = "FULL", 
     if url.startswith("postgresql"):
         from mlpair.prediction.crm.ledger_postgres import PostgresLedger
 
-        return PostgresLedger(url, timeout_s=timeout_s, pool_size=pool_size,
-                              statement_cache_size=statement_cache_size)
+        return PostgresLedger(url, timeout_s=timeout_s, pool_size=pool_size, statement_cache_size=statement_cache_size)
     if url.startswith("sqlite"):
         from mlpair.prediction.crm.ledger_sqlite import SqliteLedger
 

@@ -28,8 +28,18 @@ from sqlalchemy import make_url
 
 from mlpair.prediction.crm import packed
 from mlpair.prediction.crm.columns import DecisionColumns
-from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
-                                          on_record, row_values, settle, unique_new)
+from mlpair.prediction.crm.ledger import (
+    CLAIMED_COLUMNS,
+    DECISION_COLUMNS,
+    DecisionLedger,
+    Entry,
+    Recorded,
+    complete,
+    on_record,
+    row_values,
+    settle,
+    unique_new,
+)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
 from mlpair.prediction.crm.store import CrmRow, StoredDecision
@@ -38,34 +48,59 @@ TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
 _COLUMNS = ", ".join(DECISION_COLUMNS)
 # each column's base type: an array cast to varchar(n) would truncate, while the assignment into
 # the column refuses a value that is too long, as a row-by-row insert does
-_ARRAY_TYPES = ("text", "text", "text", "text", "text", "text", "text", "text", "float8", "text", "text", "text",
-                "int4", "text", "timestamptz")
+_ARRAY_TYPES = (
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "float8",
+    "text",
+    "text",
+    "text",
+    "int4",
+    "text",
+    "timestamptz",
+)
 _UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(_ARRAY_TYPES, start=1))
-INSERT = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT * FROM unnest({_UNNEST}) "
-          "ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+INSERT = (
+    f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT * FROM unnest({_UNNEST}) "
+    "ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+)
 SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
-CLAIM = (f"SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
-         "FOR UPDATE SKIP LOCKED")
+CLAIM = (
+    f"SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
+    "FOR UPDATE SKIP LOCKED"
+)
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
 # The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by PostgreSQL.
 _NAMES = ", ".join(f"c{k}" for k in range(len(DECISION_COLUMNS)))
-INSERT_PACKED = (f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
-                 + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
-                 + " FROM unnest(" + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
-                 + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+INSERT_PACKED = (
+    f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
+    + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
+    + " FROM unnest("
+    + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
+    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+)
 # A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
 # The rows are marked delivered by the same statement, inside the claim's transaction: it commits
 # only once the CRM has them, and a failed delivery rolls the mark back with it.
 _CLAIMED_TYPES = dict(zip(DECISION_COLUMNS, _ARRAY_TYPES))
-CLAIM_PACKED = (f"WITH claimed AS (SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
-                "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
-                f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
-                "SELECT count(*), "
-                + ", ".join(packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq")
-                            for c in CLAIMED_COLUMNS.split(", "))
-                + " FROM claimed")
-IMPORT = (f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
-          f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING")
+CLAIM_PACKED = (
+    f"WITH claimed AS (SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
+    "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
+    f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
+    "SELECT count(*), "
+    + ", ".join(packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in CLAIMED_COLUMNS.split(", "))
+    + " FROM claimed"
+)
+IMPORT = (
+    f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
+    f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING"
+)
 
 
 def _same(value: datetime) -> datetime:
@@ -112,7 +147,9 @@ class PostgresLedger(DecisionLedger):
     db_system = "postgresql"
     bulk_rows = 8  # a BatchPredict's decisions go in one statement of their own
 
-    def __init__(self, url: str, *, timeout_s: float = 2.0, pool_size: int = 8, statement_cache_size: int = 100) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 2.0, pool_size: int = 8, statement_cache_size: int = 100
+    ) -> None:
         super().__init__()
         self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
         self.timeout_s = timeout_s
@@ -123,15 +160,23 @@ class PostgresLedger(DecisionLedger):
     async def open(self) -> None:
         """Creates the pool (connections are made on first use, so a ledger that is down now only
         delays readiness) and, when reachable, checks the table's columns."""
-        self._pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.pool_size,
-                                               timeout=self.timeout_s, command_timeout=self.timeout_s,
-                                               statement_cache_size=self.statement_cache_size)
+        self._pool = await asyncpg.create_pool(
+            self.dsn,
+            min_size=0,
+            max_size=self.pool_size,
+            timeout=self.timeout_s,
+            command_timeout=self.timeout_s,
+            statement_cache_size=self.statement_cache_size,
+        )
         try:
             async with self._connection() as conn:
-                await conn.execute(f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false")
+                await conn.execute(
+                    f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false"
+                )
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
-            raise SchemaNotReady(f"the decision ledger lacks the {TABLE} table or columns this release uses: "
-                                 "run `mlpair migrate`") from exc
+            raise SchemaNotReady(
+                f"the decision ledger lacks the {TABLE} table or columns this release uses: run `mlpair migrate`"
+            ) from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
             self.reachable = False  # not ready until a probe reaches it
 
@@ -167,7 +212,8 @@ class PostgresLedger(DecisionLedger):
         async with self._connection() as conn:
             count, age_s = await conn.fetchrow(
                 f"SELECT count(*), COALESCE(extract(epoch FROM now() - min(recorded_at)), 0) FROM {TABLE} "
-                "WHERE delivered_at IS NULL")
+                "WHERE delivered_at IS NULL"
+            )
         return int(count), float(age_s)
 
     async def probe(self) -> bool:
@@ -192,7 +238,9 @@ class PostgresLedger(DecisionLedger):
             inserted = {r[0] for r in await conn.fetch(INSERT, *_columns([row_values(d, f, _same) for d, f in new]))}
             held = {d.request_id: Recorded(d, False, f) for d, f in new if d.request_id in inserted}
             if len(inserted) < len(new):
-                for row in await conn.fetch(SELECT_RECORDED, [d.request_id for d, _ in new if d.request_id not in inserted]):
+                for row in await conn.fetch(
+                    SELECT_RECORDED, [d.request_id for d, _ in new if d.request_id not in inserted]
+                ):
                     recorded = on_record(row, _same)
                     held[recorded.decision.request_id] = recorded
         return settle(entries, held)

@@ -27,8 +27,18 @@ from pathlib import Path
 
 from sqlalchemy import make_url
 
-from mlpair.prediction.crm.ledger import (CLAIMED_COLUMNS, DECISION_COLUMNS, DecisionLedger, Entry, Recorded, complete,
-                                          on_record, row_values, settle, unique_new)
+from mlpair.prediction.crm.ledger import (
+    CLAIMED_COLUMNS,
+    DECISION_COLUMNS,
+    DecisionLedger,
+    Entry,
+    Recorded,
+    complete,
+    on_record,
+    row_values,
+    settle,
+    unique_new,
+)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
 from mlpair.prediction.crm.store import CrmRow, StoredDecision
@@ -82,26 +92,38 @@ class SqliteLedger(DecisionLedger):
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
         now = time.time()
-        rows = await self._run(self._write_returning,
-                               f"UPDATE {LEDGER_TABLE} SET lease_until = ? WHERE seq IN (SELECT seq FROM {LEDGER_TABLE} "
-                               "WHERE delivered_at IS NULL AND (lease_until IS NULL OR lease_until < ?) ORDER BY seq "
-                               f"LIMIT ?) RETURNING seq, {CLAIMED_COLUMNS}", (now + LEASE_S, now, limit))
+        rows = await self._run(
+            self._write_returning,
+            f"UPDATE {LEDGER_TABLE} SET lease_until = ? WHERE seq IN (SELECT seq FROM {LEDGER_TABLE} "
+            "WHERE delivered_at IS NULL AND (lease_until IS NULL OR lease_until < ?) ORDER BY seq "
+            f"LIMIT ?) RETURNING seq, {CLAIMED_COLUMNS}",
+            (now + LEASE_S, now, limit),
+        )
         rows.sort(key=lambda row: row[0])  # RETURNING does not keep the subquery's order
         seqs = [row[0] for row in rows]
         try:
             yield [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows]  # decided_at is ISO text here
         except BaseException:
             if seqs:
-                await asyncio.shield(self._run(self._write, f"UPDATE {LEDGER_TABLE} SET lease_until = NULL "
-                                                            f"WHERE seq IN ({_marks(seqs)})", tuple(seqs)))
+                await asyncio.shield(
+                    self._run(
+                        self._write,
+                        f"UPDATE {LEDGER_TABLE} SET lease_until = NULL WHERE seq IN ({_marks(seqs)})",
+                        tuple(seqs),
+                    )
+                )
             raise
         if seqs:
-            await self._run(self._write, f"UPDATE {LEDGER_TABLE} SET delivered_at = ?, lease_until = NULL "
-                                         f"WHERE seq IN ({_marks(seqs)})", (time.time(), *seqs))
+            await self._run(
+                self._write,
+                f"UPDATE {LEDGER_TABLE} SET delivered_at = ?, lease_until = NULL WHERE seq IN ({_marks(seqs)})",
+                (time.time(), *seqs),
+            )
 
     async def backlog(self) -> tuple[int, float]:
-        count, oldest = await self._run(self._one, f"SELECT count(*), min(recorded_at) FROM {LEDGER_TABLE} "
-                                                   "WHERE delivered_at IS NULL", ())
+        count, oldest = await self._run(
+            self._one, f"SELECT count(*), min(recorded_at) FROM {LEDGER_TABLE} WHERE delivered_at IS NULL", ()
+        )
         return int(count), (time.time() - oldest) if oldest is not None else 0.0
 
     async def probe(self) -> bool:
@@ -117,9 +139,12 @@ class SqliteLedger(DecisionLedger):
     async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
         now = time.time()
         rows = [(*row_values(d, "", _iso), now, now if delivered else None) for d in map(complete, decisions)]
-        return await self._run(self._executemany,
-                               f"INSERT OR IGNORE INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at, delivered_at) "
-                               f"VALUES ({_marks(DECISION_COLUMNS)}, ?, ?)", rows)
+        return await self._run(
+            self._executemany,
+            f"INSERT OR IGNORE INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at, delivered_at) "
+            f"VALUES ({_marks(DECISION_COLUMNS)}, ?, ?)",
+            rows,
+        )
 
     async def _commit(self, entries: list[Entry]) -> list[Recorded]:
         return await self._run(self._commit_sync, entries)
@@ -139,8 +164,10 @@ class SqliteLedger(DecisionLedger):
             conn.execute(f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {LEDGER_TABLE} WHERE 0")
         except sqlite3.OperationalError as exc:
             conn.close()
-            raise SchemaNotReady(f"the decision ledger at {self.path} lacks the {LEDGER_TABLE} table or columns "
-                                 "this release uses: run `mlpair migrate`") from exc
+            raise SchemaNotReady(
+                f"the decision ledger at {self.path} lacks the {LEDGER_TABLE} table or columns "
+                "this release uses: run `mlpair migrate`"
+            ) from exc
         self._conn = conn
 
     def _one(self, sql: str, params: tuple):
@@ -177,9 +204,10 @@ class SqliteLedger(DecisionLedger):
             new = unique_new(entries, held)
             if new:
                 now = time.time()
-                self._conn.executemany(f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) "
-                                       f"VALUES ({_marks(DECISION_COLUMNS)}, ?)",
-                                       [(*row_values(d, f, _iso), now) for d, f in new])
+                self._conn.executemany(
+                    f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(DECISION_COLUMNS)}, ?)",
+                    [(*row_values(d, f, _iso), now) for d, f in new],
+                )
         for decision, fingerprint in new:
             held[decision.request_id] = Recorded(decision, False, fingerprint)
         return settle(entries, held)

@@ -49,8 +49,10 @@ def alembic_config(version_table_schema: str | None = None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     config.set_main_option("path_separator", "os")
-    config.set_main_option("version_locations", os.pathsep.join(
-        str(MIGRATIONS / "versions" / branch) for branch in (CRM_BRANCH, LEDGER_BRANCH)))
+    config.set_main_option(
+        "version_locations",
+        os.pathsep.join(str(MIGRATIONS / "versions" / branch) for branch in (CRM_BRANCH, LEDGER_BRANCH)),
+    )
     config.attributes["version_table_schema"] = version_table_schema
     return config
 
@@ -93,7 +95,7 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
         SchemaNotReady: a table or column is missing (``mlpair migrate`` has not run).
         sqlalchemy.exc.SQLAlchemyError, OSError: the database is unreachable.
     """
-    from sqlalchemy.exc import ProgrammingError, OperationalError
+    from sqlalchemy.exc import OperationalError, ProgrammingError
 
     if branch == LEDGER_BRANCH:
         schema = ledger_schema(engine)
@@ -108,10 +110,14 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
         # a missing relation or column is a ProgrammingError on PostgreSQL, an OperationalError on SQLite;
         # an unreachable server is an OperationalError without a SQL statement's "no such" wording
         message = str(exc.orig).lower()
-        if any(hint in message for hint in ("does not exist", "no such table", "no such column",
-                                            "undefined", "permission denied")):
-            raise SchemaNotReady(f"the {branch} database at {engine.url.render_as_string()} lacks the "
-                                 f"{table} table or columns this release uses: run `mlpair migrate`") from exc
+        if any(
+            hint in message
+            for hint in ("does not exist", "no such table", "no such column", "undefined", "permission denied")
+        ):
+            raise SchemaNotReady(
+                f"the {branch} database at {engine.url.render_as_string()} lacks the "
+                f"{table} table or columns this release uses: run `mlpair migrate`"
+            ) from exc
         raise
 
 
@@ -129,13 +135,17 @@ async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> Non
     if not role.replace("_", "").isalnum():
         raise ValueError(f"serving role {role!r} is not a plain SQL identifier")
     if branch == LEDGER_BRANCH:
-        statements = [f'GRANT USAGE ON SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
-                      f'GRANT SELECT, INSERT, UPDATE ON "{LEDGER_SCHEMA}".{LEDGER_TABLE} TO "{role}"',
-                      f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
-                      f'GRANT SELECT ON "{LEDGER_SCHEMA}".alembic_version TO "{role}"']
+        statements = [
+            f'GRANT USAGE ON SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
+            f'GRANT SELECT, INSERT, UPDATE ON "{LEDGER_SCHEMA}".{LEDGER_TABLE} TO "{role}"',
+            f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
+            f'GRANT SELECT ON "{LEDGER_SCHEMA}".alembic_version TO "{role}"',
+        ]
     else:
-        statements = [f'GRANT SELECT, INSERT ON {DecisionRecord.__tablename__} TO "{role}"',
-                      f'GRANT SELECT ON alembic_version TO "{role}"']
+        statements = [
+            f'GRANT SELECT, INSERT ON {DecisionRecord.__tablename__} TO "{role}"',
+            f'GRANT SELECT ON alembic_version TO "{role}"',
+        ]
     async with engine.begin() as conn:
         for statement in statements:
             await conn.execute(text(statement))

@@ -64,13 +64,18 @@ class LedgerEntry(LedgerBase):
     __tablename__ = LEDGER_TABLE
     __table_args__ = (
         # the relay's work list: undelivered rows in commit order, cheap however long the ledger grows
-        Index("ix_decision_ledger_undelivered", "seq", postgresql_where=text("delivered_at IS NULL"),
-              sqlite_where=text("delivered_at IS NULL")),
+        Index(
+            "ix_decision_ledger_undelivered",
+            "seq",
+            postgresql_where=text("delivered_at IS NULL"),
+            sqlite_where=text("delivered_at IS NULL"),
+        ),
         {"schema": LEDGER_SCHEMA},
     )
 
-    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True,
-                                     autoincrement=True)
+    seq: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
     request_id: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)
     fingerprint: Mapped[str] = mapped_column(String(64), nullable=False, server_default="")
     decision_id: Mapped[str] = mapped_column(String(36), nullable=False)
@@ -86,9 +91,12 @@ class LedgerEntry(LedgerBase):
     cache_age_ms: Mapped[int] = mapped_column(Integer, nullable=False)
     degraded_reason: Mapped[str] = mapped_column(String(64), nullable=False)
     decided_at: Mapped[datetime] = mapped_column(DateTime(timezone=True).with_variant(Text(), "sqlite"), nullable=False)
-    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True).with_variant(Float(), "sqlite"),
-                                                  nullable=False)
-    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True).with_variant(Float(), "sqlite"),
-                                                          nullable=True)
-    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True).with_variant(Float(), "sqlite"),
-                                                         nullable=True)
+    recorded_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False
+    )
+    delivered_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=True
+    )
+    lease_until: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=True
+    )

@@ -42,14 +42,30 @@ class DecisionRecorder:
         instrument_engine(self.crm.engine, tracer_provider)
 
     @classmethod
-    def open(cls, ledger_url: str, crm_url: str, *, ledger_timeout_s: float = 2.0, synchronous: str = "FULL",
-             pool_size: int = 4, statement_cache_size: int = 100, crm_timeout_s: float = 5.0,
-             batch_size: int = 2048, linger_s: float = 0.05, backoff_max_s: float = 5.0,
-             crm_statement_cache_size: int = 100) -> DecisionRecorder:
+    def open(
+        cls,
+        ledger_url: str,
+        crm_url: str,
+        *,
+        ledger_timeout_s: float = 2.0,
+        synchronous: str = "FULL",
+        pool_size: int = 4,
+        statement_cache_size: int = 100,
+        crm_timeout_s: float = 5.0,
+        batch_size: int = 2048,
+        linger_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        crm_statement_cache_size: int = 100,
+    ) -> DecisionRecorder:
         """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments and
         :func:`~mlpair.prediction.crm.store.make_engine` for ``crm_statement_cache_size``."""
-        ledger = open_ledger(ledger_url, timeout_s=ledger_timeout_s, synchronous=synchronous, pool_size=pool_size,
-                             statement_cache_size=statement_cache_size)
+        ledger = open_ledger(
+            ledger_url,
+            timeout_s=ledger_timeout_s,
+            synchronous=synchronous,
+            pool_size=pool_size,
+            statement_cache_size=statement_cache_size,
+        )
         crm = CrmStore(crm_url, timeout_s=crm_timeout_s, statement_cache_size=crm_statement_cache_size)
         relay = LedgerRelay(ledger, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s)
         return cls(ledger, crm, relay)
@@ -68,12 +84,14 @@ class DecisionRecorder:
         except SchemaNotReady:
             raise
         except Exception as exc:  # noqa: BLE001  (down now: the relay keeps trying)
-            logger.warning("CRM database not reachable at start-up (%s); decisions wait in the ledger",
-                           type(exc).__name__)
+            logger.warning(
+                "CRM database not reachable at start-up (%s); decisions wait in the ledger", type(exc).__name__
+            )
         self.relay.start()
 
-    async def record_many(self, decisions: Sequence[StoredDecision],
-                          fingerprints: Sequence[str]) -> list[Recorded | LedgerUnavailable]:
+    async def record_many(
+        self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
+    ) -> list[Recorded | LedgerUnavailable]:
         """Commits the decisions to the ledger together; each outcome is what is on record for
         its request id (:class:`Recorded`), or the :class:`LedgerUnavailable` that kept it from
         being recorded (so it must not be returned)."""
@@ -83,8 +101,10 @@ class DecisionRecorder:
             from opentelemetry.trace import SpanKind
 
             span = self._tracer.start_as_current_span(
-                "ledger INSERT", kind=SpanKind.CLIENT,
-                attributes={"db.system": self.ledger.db_system, "db.operation.name": "INSERT"})
+                "ledger INSERT",
+                kind=SpanKind.CLIENT,
+                attributes={"db.system": self.ledger.db_system, "db.operation.name": "INSERT"},
+            )
         with span:
             return await self.ledger.record_many(decisions, fingerprints)
 

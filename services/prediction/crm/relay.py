@@ -38,8 +38,17 @@ class LedgerRelay:
             one CRM transaction carries many decisions even under light load.
     """
 
-    def __init__(self, ledger: DecisionLedger, crm: CrmStore, *, batch_size: int = 2048, backoff_base_s: float = 0.05,
-                 backoff_max_s: float = 5.0, poll_s: float = 1.0, linger_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        ledger: DecisionLedger,
+        crm: CrmStore,
+        *,
+        batch_size: int = 2048,
+        backoff_base_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        poll_s: float = 1.0,
+        linger_s: float = 0.05,
+    ) -> None:
         self.ledger = ledger
         self.crm = crm
         self.batch_size = batch_size
@@ -136,8 +145,9 @@ class LedgerRelay:
 
     async def _deliver(self, rows: list[CrmRow]) -> None:
         if rows:
-            await self._write(len(rows), Counter(row[_MODEL] for row in rows),
-                              lambda: _count(self.crm.deliver_rows(rows)))
+            await self._write(
+                len(rows), Counter(row[_MODEL] for row in rows), lambda: _count(self.crm.deliver_rows(rows))
+            )
 
     async def _write(self, n: int, models: Counter, insert) -> None:
         """One CRM transaction of ``n`` decisions (``models``: how many per model); ``insert()``
@@ -160,8 +170,11 @@ class LedgerRelay:
     def _record_failure(self, exc: Exception, failures: int) -> None:
         metrics.RELAY_FAILURES.inc()
         if failures == 1 or failures % 20 == 0:  # one line per outage, then a reminder, not one per retry
-            logger.warning("CRM delivery failed (%d attempt(s) so far): %s; decisions wait in the ledger",
-                           failures, type(exc).__name__)
+            logger.warning(
+                "CRM delivery failed (%d attempt(s) so far): %s; decisions wait in the ledger",
+                failures,
+                type(exc).__name__,
+            )
 
 
 _MODEL = CRM_COLUMNS.index("model_name")

@@ -12,7 +12,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +74,22 @@ class StoredDecision:
     def _fields(self) -> dict[str, Any]:
         # Field by field, not dataclasses.asdict: asdict deep-copies every value, which cost more
         # than the rest of the decision's write on the request path (profiled).
-        return {"decision_id": self.decision_id, "request_id": self.request_id, "entity_id": self.entity_id,
-                "model_name": self.model_name, "model_version": self.model_version,
-                "feature_schema_version": self.feature_schema_version, "policy_version": self.policy_version,
-                "probability": self.probability, "decision": self.decision, "reason_codes": self.reason_codes,
-                "served_from": self.served_from, "cache_age_ms": self.cache_age_ms,
-                "degraded_reason": self.degraded_reason, "decided_at": self.decided_at}
+        return {
+            "decision_id": self.decision_id,
+            "request_id": self.request_id,
+            "entity_id": self.entity_id,
+            "model_name": self.model_name,
+            "model_version": self.model_version,
+            "feature_schema_version": self.feature_schema_version,
+            "policy_version": self.policy_version,
+            "probability": self.probability,
+            "decision": self.decision,
+            "reason_codes": self.reason_codes,
+            "served_from": self.served_from,
+            "cache_age_ms": self.cache_age_ms,
+            "degraded_reason": self.degraded_reason,
+            "decided_at": self.decided_at,
+        }
 
     def to_json(self) -> str:
         data = self._fields()
@@ -95,10 +105,22 @@ class StoredDecision:
 
     @classmethod
     def from_record(cls, r: DecisionRecord) -> StoredDecision:
-        return cls(r.decision_id, r.request_id, r.entity_id, r.model_name, r.model_version,
-                   r.feature_schema_version, r.policy_version, r.probability, r.decision,
-                   tuple(json.loads(r.reason_codes)), r.served_from, r.cache_age_ms, r.degraded_reason,
-                   as_utc(r.decided_at))
+        return cls(
+            r.decision_id,
+            r.request_id,
+            r.entity_id,
+            r.model_name,
+            r.model_version,
+            r.feature_schema_version,
+            r.policy_version,
+            r.probability,
+            r.decision,
+            tuple(json.loads(r.reason_codes)),
+            r.served_from,
+            r.cache_age_ms,
+            r.degraded_reason,
+            as_utc(r.decided_at),
+        )
 
     def to_row(self) -> dict[str, Any]:
         row = self._fields()
@@ -107,9 +129,22 @@ class StoredDecision:
 
     def crm_row(self) -> tuple:
         """The decision's :data:`CRM_COLUMNS` values."""
-        return (self.decision_id, self.request_id, self.entity_id, self.model_name, self.model_version,
-                self.feature_schema_version, self.policy_version, self.probability, self.decision,
-                self.reason_codes_json(), self.served_from, self.cache_age_ms, self.degraded_reason, self.decided_at)
+        return (
+            self.decision_id,
+            self.request_id,
+            self.entity_id,
+            self.model_name,
+            self.model_version,
+            self.feature_schema_version,
+            self.policy_version,
+            self.probability,
+            self.decision,
+            self.reason_codes_json(),
+            self.served_from,
+            self.cache_age_ms,
+            self.degraded_reason,
+            self.decided_at,
+        )
 
     def reason_codes_json(self) -> str:
         """The reason codes as stored: a JSON list."""
@@ -123,12 +158,13 @@ class StoredDecision:
 def as_utc(value: datetime | None) -> datetime | None:
     """SQLite returns naive datetimes; every timestamp here is UTC."""
     if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
+        return value.replace(tzinfo=UTC)
     return value
 
 
-def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL",
-                statement_cache_size: int = 100) -> AsyncEngine:
+def make_engine(
+    url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL", statement_cache_size: int = 100
+) -> AsyncEngine:
     """Async engine for ``url``.
 
     SQLite gets WAL (readers never block the writer), ``synchronous`` (FULL: fsync at every
@@ -160,8 +196,11 @@ def make_engine(url: str, *, timeout_s: float = 30.0, synchronous: str = "NORMAL
         return engine
     connect_args = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
     if connect_args and statement_cache_size == 0:
-        connect_args.update(statement_cache_size=0, prepared_statement_cache_size=0,
-                            prepared_statement_name_func=lambda: f"__asyncpg_{uuid.uuid4().hex}__")
+        connect_args.update(
+            statement_cache_size=0,
+            prepared_statement_cache_size=0,
+            prepared_statement_name_func=lambda: f"__asyncpg_{uuid.uuid4().hex}__",
+        )
     elif connect_args:
         connect_args.update(statement_cache_size=statement_cache_size)
     return create_async_engine(url, pool_pre_ping=True, connect_args=connect_args)
@@ -180,10 +219,13 @@ def _unnest_insert() -> str:
     varchar(n) would truncate, while the assignment into the column refuses a value that is too
     long, as a row-by-row insert does)."""
     columns = DecisionRecord.__table__.columns
-    arrays = ", ".join(f"CAST(${k} AS {_ARRAY_TYPES[type(columns[name].type)]}[])"
-                       for k, name in enumerate(CRM_COLUMNS, start=1))
-    return (f"INSERT INTO {DecisionRecord.__tablename__} ({', '.join(CRM_COLUMNS)}) "
-            f"SELECT * FROM unnest({arrays}) ON CONFLICT DO NOTHING RETURNING request_id")
+    arrays = ", ".join(
+        f"CAST(${k} AS {_ARRAY_TYPES[type(columns[name].type)]}[])" for k, name in enumerate(CRM_COLUMNS, start=1)
+    )
+    return (
+        f"INSERT INTO {DecisionRecord.__tablename__} ({', '.join(CRM_COLUMNS)}) "
+        f"SELECT * FROM unnest({arrays}) ON CONFLICT DO NOTHING RETURNING request_id"
+    )
 
 
 _UNNEST_INSERT = _unnest_insert()
@@ -196,10 +238,13 @@ def _packed_insert() -> str:
     columns = DecisionRecord.__table__.columns
     types = [_ARRAY_TYPES[type(columns[name].type)] for name in CRM_COLUMNS]
     names = ", ".join(f"c{k}" for k in range(len(CRM_COLUMNS)))
-    return (f"WITH inserted AS (INSERT INTO {DecisionRecord.__tablename__} ({', '.join(CRM_COLUMNS)}) SELECT "
-            + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(types))
-            + " FROM unnest(" + ", ".join(packed.unpacked(k) for k in range(1, len(types) + 1))
-            + f") AS t({names}) ON CONFLICT DO NOTHING RETURNING 1) SELECT count(*) FROM inserted")
+    return (
+        f"WITH inserted AS (INSERT INTO {DecisionRecord.__tablename__} ({', '.join(CRM_COLUMNS)}) SELECT "
+        + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(types))
+        + " FROM unnest("
+        + ", ".join(packed.unpacked(k) for k in range(1, len(types) + 1))
+        + f") AS t({names}) ON CONFLICT DO NOTHING RETURNING 1) SELECT count(*) FROM inserted"
+    )
 
 
 _PACKED_INSERT = _packed_insert()
@@ -277,7 +322,7 @@ class CrmStore:
         try:
             async with self.engine.connect() as conn:
                 await conn.execute(text("SELECT 1"))
-        except Exception:
+        except Exception:  # noqa: BLE001  (any failure: the CRM database is not healthy)
             return False
         return True
 

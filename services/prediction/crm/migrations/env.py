@@ -13,8 +13,11 @@ connection = context.config.attributes.get("connection")
 if connection is None:
     raise RuntimeError("run migrations through mlpair.prediction.crm.migrate, which supplies the connection")
 
-context.configure(connection=connection, target_metadata=context.config.attributes.get("target_metadata"),
-                  version_table_schema=context.config.attributes.get("version_table_schema"),
-                  render_as_batch=True)
+context.configure(
+    connection=connection,
+    target_metadata=context.config.attributes.get("target_metadata"),
+    version_table_schema=context.config.attributes.get("version_table_schema"),
+    render_as_batch=True,
+)
 with context.begin_transaction():
     context.run_migrations()

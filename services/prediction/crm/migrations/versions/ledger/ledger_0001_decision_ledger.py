@@ -41,14 +41,24 @@ def upgrade() -> None:
         sa.Column("cache_age_ms", sa.Integer, nullable=False),
         sa.Column("degraded_reason", sa.String(64), nullable=False),
         sa.Column("decided_at", sa.Text if sqlite else sa.DateTime(timezone=True), nullable=False),
-        sa.Column("recorded_at", timestamp, nullable=False,
-                  server_default=sa.text("((julianday('now') - 2440587.5) * 86400.0)" if sqlite else "now()")),
+        sa.Column(
+            "recorded_at",
+            timestamp,
+            nullable=False,
+            server_default=sa.text("((julianday('now') - 2440587.5) * 86400.0)" if sqlite else "now()"),
+        ),
         sa.Column("delivered_at", timestamp, nullable=True),
         sa.Column("lease_until", timestamp, nullable=True),
         schema=schema,
     )
-    op.create_index("ix_decision_ledger_undelivered", "decision_ledger", ["seq"], schema=schema,
-                    postgresql_where=sa.text("delivered_at IS NULL"), sqlite_where=sa.text("delivered_at IS NULL"))
+    op.create_index(
+        "ix_decision_ledger_undelivered",
+        "decision_ledger",
+        ["seq"],
+        schema=schema,
+        postgresql_where=sa.text("delivered_at IS NULL"),
+        sqlite_where=sa.text("delivered_at IS NULL"),
+    )
 
 
 def downgrade() -> None:
