@@ -9,7 +9,7 @@ MODEL_REPOSITORY ?= var/models
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: venv tools protos protos-baseline train demo test bench bench-inference bench-predict soak clean
+.PHONY: venv tools protos protos-baseline train demo lint test bench bench-inference bench-predict soak clean
 
 venv: $(STAMP)
 
@@ -64,7 +64,20 @@ demo: $(DEMO_STAMP)
 $(VENV)/bin/promtool $(VENV)/bin/prometheus: | $(STAMP)
 	bash deploy/observability/fetch-promtool.sh $@
 
-test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus
+# ruff (lint and format check) and mypy on the product packages. mypy reads the package as it
+# imports (mlpair.inference is services/inference, …), so it runs in a tree of links to the folders.
+TYPECHECK_TREE := var/typecheck
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mlpair services training
+	$(VENV)/bin/ruff format --check mlpair services training
+	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/mlpair
+	for f in mlpair/*; do ln -s "$$PWD/$$f" $(TYPECHECK_TREE)/mlpair/; done
+	ln -s "$$PWD/services/inference" $(TYPECHECK_TREE)/mlpair/inference
+	ln -s "$$PWD/services/prediction" $(TYPECHECK_TREE)/mlpair/prediction
+	ln -s "$$PWD/training" $(TYPECHECK_TREE)/mlpair/training
+	cd $(TYPECHECK_TREE) && "$$OLDPWD/$(VENV)/bin/mypy" --config-file "$$OLDPWD/pyproject.toml"
+
+test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus lint
 	$(PY) -m pytest -q
 
 # Benchmark (not a test): InferenceService side by side with PyTriton, tritonserver + Python backend,
