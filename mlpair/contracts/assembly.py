@@ -31,7 +31,8 @@ from mlpair.contracts.conversion import (  # noqa: F401  (actions re-exported fo
     to_category,
     to_number,
 )
-from mlpair.contracts.schema import Preprocessing, reason_prefix
+from mlpair.contracts.preprocessing import Preprocessing
+from mlpair.contracts.schema import reason_prefix
 
 
 @dataclass(frozen=True, slots=True)
