@@ -28,10 +28,11 @@ from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.inference import metrics
 from mlpair.inference.errors import Draining, InvalidInput, ModelFailure
-from mlpair.inference.repository import ModelRepository, RuntimeFactory, ServedVersion
+from mlpair.inference.repository import ModelRepository, RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.settings import InferenceSettings
 from mlpair.inference.validation import TensorIn, all_finite, check_feature_version, decode_features
+from mlpair.inference.versions import ServedVersion
 
 logger = logging.getLogger(__name__)
 

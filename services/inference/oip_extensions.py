@@ -16,9 +16,9 @@ from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.inference.converters import FEATURE_VERSION_KEY, oip_infer_response
 from mlpair.inference.engine import InferResult
 from mlpair.inference.errors import UnsupportedParameter
-from mlpair.inference.repository import ServedVersion, VersionPolicy
 from mlpair.inference.settings import InferenceSettings
 from mlpair.inference.statistics import Duration, VersionStatistics
+from mlpair.inference.versions import ServedVersion, VersionPolicy
 
 TIMEOUT = "timeout"
 BINARY_DATA_OUTPUT = "binary_data_output"
