@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from mlpair.contracts.conversion import guard_number, to_category, to_number
-from mlpair.contracts.schema import FeatureSchema, Strict, normalize_category
+from mlpair.contracts.schema import CategoricalFeature, FeatureSchema, NumericFeature, Strict, normalize_category
 
 
 class NumericParams(Strict):
@@ -63,33 +63,8 @@ class Preprocessing(Strict):
         Raises:
             ValueError: a feature has no usable value in ``rows``, or a value no rule converts.
         """
-        numeric: dict[str, NumericParams] = {}
-        for feat in schema.numeric:
-            converted = [to_number(r.get(feat.name), feat) for r in rows]
-            present = [v for v in converted if v is not None and v not in feat.sentinels]
-            if not present:
-                raise ValueError(f"{feat.name}: no values to fit on")
-            if feat.default == "median":
-                default = float(np.median(present))
-            elif feat.default == "mode":
-                values, counts = np.unique(present, return_counts=True)
-                default = float(values[np.argmax(counts)])  # ties: the smallest value
-            else:
-                default = float(feat.default)
-            guarded = np.array([guard_number(v, feat, default)[0] for v in converted])
-            z = np.log1p(guarded) if feat.transform == "log1p" else guarded
-            numeric[feat.name] = NumericParams(default=default, mean=float(z.mean()), std=float(z.std()) or 1.0)
-        categorical: dict[str, CategoricalParams] = {}
-        for feat in schema.categorical:
-            seen = [v for v in (to_category(r.get(feat.name), feat) for r in rows) if v is not None]
-            if not seen:
-                raise ValueError(f"{feat.name}: no values to fit on")
-            vocabulary = tuple(sorted(set(seen)))
-            if feat.default == "mode":
-                default = max(vocabulary, key=lambda v: (seen.count(v), v))
-            else:
-                default = normalize_category(feat.default, feat.normalize)
-            categorical[feat.name] = CategoricalParams(default=default, vocabulary=vocabulary)
+        numeric = {feat.name: _fit_numeric(feat, rows) for feat in schema.numeric}
+        categorical = {feat.name: _fit_categorical(feat, rows) for feat in schema.categorical}
         return cls(feature_schema=schema, numeric=numeric, categorical=categorical)
 
     @property
@@ -127,3 +102,43 @@ class Preprocessing(Strict):
             OSError: unreadable file. pydantic.ValidationError: invalid content.
         """
         return cls.model_validate_json(path.read_text())
+
+
+def _fit_numeric(feat: NumericFeature, rows: Sequence[Mapping[str, Any]]) -> NumericParams:
+    """Default (median, mode or the schema's), then mean and standard deviation of the guarded,
+    transformed values.
+
+    Raises:
+        ValueError: no usable value, or a value no rule converts.
+    """
+    converted = [to_number(r.get(feat.name), feat) for r in rows]
+    present = [v for v in converted if v is not None and v not in feat.sentinels]
+    if not present:
+        raise ValueError(f"{feat.name}: no values to fit on")
+    if feat.default == "median":
+        default = float(np.median(present))
+    elif feat.default == "mode":
+        values, counts = np.unique(present, return_counts=True)
+        default = float(values[np.argmax(counts)])  # ties: the smallest value
+    else:
+        default = float(feat.default)
+    guarded = np.array([guard_number(v, feat, default)[0] for v in converted])
+    z = np.log1p(guarded) if feat.transform == "log1p" else guarded
+    return NumericParams(default=default, mean=float(z.mean()), std=float(z.std()) or 1.0)
+
+
+def _fit_categorical(feat: CategoricalFeature, rows: Sequence[Mapping[str, Any]]) -> CategoricalParams:
+    """Vocabulary (sorted) and default (the most frequent value, or the schema's, normalised).
+
+    Raises:
+        ValueError: no usable value, or a value no rule converts.
+    """
+    seen = [v for v in (to_category(r.get(feat.name), feat) for r in rows) if v is not None]
+    if not seen:
+        raise ValueError(f"{feat.name}: no values to fit on")
+    vocabulary = tuple(sorted(set(seen)))
+    if feat.default == "mode":
+        default = max(vocabulary, key=lambda v: (seen.count(v), v))
+    else:
+        default = normalize_category(feat.default, feat.normalize)
+    return CategoricalParams(default=default, vocabulary=vocabulary)

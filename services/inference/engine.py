@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from prometheus_client import Counter
 
 from mlpair import logs
 from mlpair.errors import ServiceError
@@ -84,7 +85,7 @@ class InferenceEngine:
         self.drain_started = asyncio.Event()
         """Set by :meth:`begin_drain`: open ModelStreamInfer streams answer what they hold and end."""
         self._poller: asyncio.Task | None = None
-        self._counters: dict[tuple[str, str, str], object] = {}
+        self._counters: dict[tuple[str, str, str], Counter] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 

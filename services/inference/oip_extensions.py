@@ -214,8 +214,9 @@ def config_response(model: ServedVersion, settings: InferenceSettings, inline: b
     return oip.ModelConfigResponse(config=config)
 
 
-def _data_type(name: str) -> int:
-    return oip.DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
+def _data_type(name: str) -> str:
+    """The OIP ``DataType`` name of a manifest data type (``FP32`` → ``TYPE_FP32``; BYTES is TYPE_STRING)."""
+    return "TYPE_STRING" if name == "BYTES" else f"TYPE_{name}"
 
 
 def _version_policy(policy: VersionPolicy) -> oip.ModelVersionPolicy:
