@@ -16,9 +16,11 @@
   and what it reads: :class:`ConnectionSettings`, :func:`server_options`,
   :func:`port_sharing_options`, :func:`bind_port`, :func:`enable_reflection`.
 
-Layers: ``status``, ``tls`` and ``channels`` import nothing of this package; ``health`` and
-``servicers`` import ``drain`` and ``status``; ``server`` imports the rest. The names above are
-importable from here as well as from their module.
+Layers, lowest first: ``status``, ``tls``, ``channels`` and ``drain`` import nothing of this
+package; ``health`` imports ``drain``; ``servicers`` imports ``drain`` and ``status``; ``server``
+imports ``channels``, ``health``, ``servicers`` and ``tls``. Nothing here imports the services or
+:mod:`mlpair.observability` (which imports this package: tracing reaches :func:`build_server` as
+its ``observe`` hook). The names above are importable from here as well as from their module.
 """
 
 from mlpair.rpc.channels import client_keepalive_options, message_size_options, open_channel
