@@ -14,7 +14,7 @@ were running, innermost known frame first:
 * ``batcher`` — queue, timer, concatenate and scatter (``services/inference/batcher.py``);
 * ``checks`` — the engine's checks and the tensor's validation (``engine.py``, ``validation.py``);
 * ``conversion`` — request and response messages ⇄ domain (``converters.py``, ``oip_extensions.py``,
-  the servicer, ``mlpair/rpc.py``'s error guard); the null server's own ``ModelInfer`` is here;
+  the servicer, ``mlpair/rpc/servicers.py``'s error guard); the null server's own ``ModelInfer`` is here;
   a Cython call (gRPC's ``invocation_metadata()``, a protobuf constructor) counts for the Python
   frame that made it;
 * ``gRPC and asyncio`` — everything else: grpc.aio's Cython and Python per-call machinery and the
@@ -56,7 +56,7 @@ CATEGORIES = (  # (name, substrings of a frame: "function (/full/path.py:line)")
     ("batcher", ("/inference/batcher.py",)),
     ("checks", ("/inference/engine.py", "/inference/validation.py")),
     ("conversion", ("/inference/converters.py", "/inference/oip_extensions.py",
-                    "/inference/servicer.py", "/mlpair/rpc.py", "/mlpair/wire.py", "NullServicer.")),
+                    "/inference/servicer.py", "/mlpair/rpc/", "/mlpair/wire.py", "NullServicer.")),
 )
 MACHINERY = "gRPC and asyncio"
 

@@ -40,7 +40,8 @@ from mlpair.contracts.manifest import (
     load_entry,
     write_manifest,
 )
-from mlpair.contracts.schema import FeatureSchema, Preprocessing
+from mlpair.contracts.preprocessing import Preprocessing
+from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
 from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx, export_torch_program
 from mlpair.training.model import MLPClassifier, TrainConfig, TrainingRun, predict_logits, train_classifier

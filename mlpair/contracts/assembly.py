@@ -31,7 +31,8 @@ from mlpair.contracts.conversion import (  # noqa: F401  (actions re-exported fo
     to_category,
     to_number,
 )
-from mlpair.contracts.schema import Preprocessing, reason_prefix
+from mlpair.contracts.preprocessing import Preprocessing
+from mlpair.contracts.schema import reason_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,19 +125,19 @@ class FeatureAssembler:
             if feat.transform == "log1p":
                 x = math.log1p(x)
             out[i] = (x - params.mean) * inv_std
-        for feat, index, unknown, default, missing in self._categorical:
+        for cat, index, unknown, default, missing in self._categorical:
             try:
-                value = to_category(attributes.get(feat.name), feat, missing)
+                value = to_category(attributes.get(cat.name), cat, missing)
             except ConversionProblem as exc:
-                problems[feat.name] = str(exc)
+                problems[cat.name] = str(exc)
                 continue
             if value is None:
                 value = default
-                guards.append(GuardEvent(feat.name, MISSING_DEFAULTED))
+                guards.append(GuardEvent(cat.name, MISSING_DEFAULTED))
             slot = index.get(value)
             if slot is None:
                 slot = unknown
-                guards.append(GuardEvent(feat.name, UNKNOWN_CATEGORY))
+                guards.append(GuardEvent(cat.name, UNKNOWN_CATEGORY))
             out[slot] = 1.0
         if problems:
             raise ConversionError(problems)

@@ -1,7 +1,7 @@
 """Model repository entries and their manifests.
 
 Layout (Triton-style): ``<root>/<model_name>/<version>/`` with ``model.onnx``,
-``preprocessing.json`` (:class:`~mlpair.contracts.schema.Preprocessing`) and
+``preprocessing.json`` (:class:`~mlpair.contracts.preprocessing.Preprocessing`) and
 ``manifest.json`` (:class:`Manifest`). Versions are positive integers; the highest is the
 latest. :func:`load_entry` checks the version triple before anything serves from an entry.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlpair.contracts import calibration
-from mlpair.contracts.schema import Preprocessing
+from mlpair.contracts.preprocessing import Preprocessing
 
 MANIFEST_FILE = "manifest.json"
 PREPROCESSING_FILE = "preprocessing.json"

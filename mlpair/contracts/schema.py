@@ -1,32 +1,29 @@
-"""The declarative, versioned feature schema and its fitted parameters.
+"""The declarative, versioned feature schema, as written by hand.
 
 A schema file (TOML, e.g. ``config/credit-risk/feature-schema.toml``) says, per feature, its
 type and conversion rules, unit, business label, allowed range, sentinels meaning missing,
-default, transform, and whether it is personal data. Fitting it on the training split adds
-the learned parameters (defaults, means, standard deviations, category vocabularies); the pair
-is a :class:`Preprocessing`, stored with every model version as ``preprocessing.json``. Its
-SHA-256 over canonical JSON is the ``preprocessing_hash`` of the version triple, so training
-and serving compute it identically.
+default, transform, and whether it is personal data. The rules are applied by
+:mod:`mlpair.contracts.conversion`; fitting the schema on the training split gives a
+:class:`~mlpair.contracts.preprocessing.Preprocessing`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 # Largest finite float32; ranges beyond it could not survive the float32 cast.
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A frozen model that refuses fields it does not declare (every schema and parameter class)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -35,7 +32,7 @@ def reason_prefix(name: str) -> str:
     return re.sub(r"[^A-Z0-9]+", "_", name.upper()).strip("_")
 
 
-class Target(_Strict):
+class Target(Strict):
     """Which column is the label, which of its values is the positive class, and its business name."""
 
     column: str
@@ -48,7 +45,7 @@ class Target(_Strict):
         return self.outcome or f"{self.column} = {self.positive}"
 
 
-class NumericFeature(_Strict):
+class NumericFeature(Strict):
     """A numeric attribute: conversion, guards, then ``transform``, then standardisation.
 
     Conversion rules by ``type`` (anything else refuses the request, never a silent null):
@@ -101,7 +98,7 @@ class NumericFeature(_Strict):
         return self.label or self.name
 
 
-class CategoricalFeature(_Strict):
+class CategoricalFeature(Strict):
     """A categorical attribute: normalised, one-hot over the vocabulary plus an unknown slot.
 
     Conversion rules: strings as they are; numbers by ``numbers`` ("integer_string": a whole
@@ -128,7 +125,7 @@ class CategoricalFeature(_Strict):
         return self.label or self.name
 
 
-class FeatureSchema(_Strict):
+class FeatureSchema(Strict):
     """A model family's feature schema, as written by hand."""
 
     name: str
@@ -176,21 +173,6 @@ class FeatureSchema(_Strict):
         return frozenset(f.name for f in self.features if f.personal_data)
 
 
-class NumericParams(_Strict):
-    """Parameters fitted for one numeric feature on the training split."""
-
-    default: float
-    mean: float
-    std: float = Field(gt=0)
-
-
-class CategoricalParams(_Strict):
-    """Parameters fitted for one categorical feature on the training split."""
-
-    default: str
-    vocabulary: tuple[str, ...]
-
-
 def normalize_category(value: str, rule: str) -> str:
     """Applies a categorical feature's normalisation rule to a raw string."""
     if rule == "trim_lower":
@@ -201,98 +183,3 @@ def normalize_category(value: str, rule: str) -> str:
 def is_missing(value: Any) -> bool:
     """True for the values that mean "missing" before any rule: None and float NaN (pandas' missing)."""
     return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-class Preprocessing(_Strict):
-    """A schema plus the parameters fitted on the training split: the whole transformation."""
-
-    feature_schema: FeatureSchema
-    numeric: dict[str, NumericParams]
-    categorical: dict[str, CategoricalParams]
-
-    @model_validator(mode="after")
-    def _params_cover_schema(self) -> Preprocessing:
-        if set(self.numeric) != {f.name for f in self.feature_schema.numeric}:
-            raise ValueError("numeric parameters do not match the schema's numeric features")
-        if set(self.categorical) != {f.name for f in self.feature_schema.categorical}:
-            raise ValueError("categorical parameters do not match the schema's categorical features")
-        return self
-
-    @classmethod
-    def fit(cls, schema: FeatureSchema, rows: Sequence[Mapping[str, Any]]) -> Preprocessing:
-        """Fits defaults, scaling statistics and vocabularies on raw training rows.
-
-        Values pass the same conversion rules and guards as at serving time before the
-        statistics are taken, so training sees exactly the vectors that serving will build.
-
-        Raises:
-            ValueError: a feature has no usable value in ``rows``, or a value no rule converts.
-        """
-        import numpy as np  # local: keeps import of this module light
-
-        from mlpair.contracts.conversion import guard_number, to_category, to_number
-
-        numeric: dict[str, NumericParams] = {}
-        for feat in schema.numeric:
-            converted = [to_number(r.get(feat.name), feat) for r in rows]
-            present = [v for v in converted if v is not None and v not in feat.sentinels]
-            if not present:
-                raise ValueError(f"{feat.name}: no values to fit on")
-            if feat.default == "median":
-                default = float(np.median(present))
-            elif feat.default == "mode":
-                values, counts = np.unique(present, return_counts=True)
-                default = float(values[np.argmax(counts)])  # ties: the smallest value
-            else:
-                default = float(feat.default)
-            guarded = np.array([guard_number(v, feat, default)[0] for v in converted])
-            z = np.log1p(guarded) if feat.transform == "log1p" else guarded
-            numeric[feat.name] = NumericParams(default=default, mean=float(z.mean()), std=float(z.std()) or 1.0)
-        categorical: dict[str, CategoricalParams] = {}
-        for feat in schema.categorical:
-            seen = [v for v in (to_category(r.get(feat.name), feat) for r in rows) if v is not None]
-            if not seen:
-                raise ValueError(f"{feat.name}: no values to fit on")
-            vocabulary = tuple(sorted(set(seen)))
-            if feat.default == "mode":
-                default = max(vocabulary, key=lambda v: (seen.count(v), v))
-            else:
-                default = normalize_category(feat.default, feat.normalize)
-            categorical[feat.name] = CategoricalParams(default=default, vocabulary=vocabulary)
-        return cls(feature_schema=schema, numeric=numeric, categorical=categorical)
-
-    @property
-    def n_features(self) -> int:
-        """Width of the feature vector: one per numeric, vocabulary + 1 unknown per categorical."""
-        return len(self.numeric) + sum(len(p.vocabulary) + 1 for p in self.categorical.values())
-
-    @property
-    def feature_names(self) -> tuple[str, ...]:
-        """Name of every column of the feature vector, e.g. ``Home=rent``, ``Home=<unknown>``."""
-        names = [f.name for f in self.feature_schema.numeric]
-        for feat in self.feature_schema.categorical:
-            names += [f"{feat.name}={v}" for v in self.categorical[feat.name].vocabulary]
-            names.append(f"{feat.name}=<unknown>")
-        return tuple(names)
-
-    def canonical_json(self) -> str:
-        """Sorted-key, compact JSON: the bytes the preprocessing hash is taken over."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-
-    @property
-    def hash(self) -> str:
-        """``sha256:<hex>`` of :meth:`canonical_json`; the triple's preprocessing_hash."""
-        return "sha256:" + hashlib.sha256(self.canonical_json().encode()).hexdigest()
-
-    def save(self, path: Path) -> None:
-        """Writes the preprocessing as indented JSON (hash is over canonical JSON, not these bytes)."""
-        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> Preprocessing:
-        """Reads ``preprocessing.json``.
-
-        Raises:
-            OSError: unreadable file. pydantic.ValidationError: invalid content.
-        """
-        return cls.model_validate_json(path.read_text())

@@ -32,6 +32,7 @@ fraction of that (see the ``--components`` figures in docs/observability.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import re
@@ -176,6 +177,7 @@ def _server_span(
 ) -> tuple[trace.Span, otel_context.Context]:
     """The call's SERVER span and the context to run it in: made directly when the sampler would
     drop it (:class:`Unsampled`), else by the SDK from the extracted caller's context."""
+    span: trace.Span
     if not carrier:
         if unsampled.drops(None):
             span = _unsampled_span(None)
@@ -203,6 +205,7 @@ def _observed(
     method = f"/{service}/{rpc}"
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
 
+    @functools.wraps(inner)  # inspect.unwrap reaches the guarded method
     async def observed(request, context: grpc.aio.ServicerContext):
         carrier, header_request_ids = incoming(context.invocation_metadata())
         header_request_id = header_request_ids[-1] if header_request_ids else ""
@@ -236,7 +239,6 @@ def _observed(
             otel_context.detach(attached)
             span.end()
 
-    observed.__wrapped__ = inner
     return observed
 
 
@@ -264,7 +266,7 @@ def _write_call_line(method: str, request, ctx: logs.RequestContext, code: str) 
     inputs = getattr(request, "inputs", None)
     payload = (
         inputs.SerializeToString(deterministic=True)
-        if hasattr(inputs, "SerializeToString")
+        if inputs is not None and hasattr(inputs, "SerializeToString")
         else request.SerializeToString(deterministic=True)
     )
     rows = list(getattr(inputs, "shape", ()) or ())[:1]
@@ -314,7 +316,7 @@ class CallTracer:
         if (fast := self._unsampled_metadata(origin)) is not None:  # nothing records this span
             yield (*metadata, *fast)
             return
-        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+        attributes: dict[str, str | int] = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
         if callers is not None and len(callers) > 1:
             attributes["mlpair.callers"] = len(callers)
         span = self._tracer.start_span(

@@ -75,6 +75,7 @@ def build_tracer_provider(
             if otlp_endpoint
             else OTLPSpanExporter()
         )
+    sampler: Sampler
     if exporter is None:
         sampler = ParentBased(ALWAYS_OFF)
     elif sample_ratio is None and environ.get("OTEL_TRACES_SAMPLER"):

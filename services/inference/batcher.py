@@ -1,8 +1,10 @@
 """Server-side dynamic batching: requests' rows queue per model version and run together.
 
 One :class:`DynamicBatcher` per loaded model version. Callers ``await submit(rows, deadline)``;
-a scheduler task forms batches and hands each to the runtime through the executor (one
-thread hop per batch, never per request), then scatters the logits back in row order.
+a scheduler task waits until a batch is due, takes it from the version's queue
+(:class:`~mlpair.inference.batch_queue.RowQueue`, which cuts batches by the rules below) and
+hands it to the runtime through the executor (one thread hop per batch, never per request),
+then scatters the logits back in row order.
 
 Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requests):
 
@@ -30,35 +32,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from mlpair.inference import metrics
-from mlpair.inference.errors import DeadlineExpired, ModelFailure, ModelNotReady, QueueFull
+from mlpair.inference.batch_queue import Item, RowQueue
+from mlpair.inference.errors import ModelFailure, ModelNotReady, QueueFull
 from mlpair.inference.statistics import VersionStatistics
 
 logger = logging.getLogger(__name__)
 
 QUEUE_DEPTH_SAMPLE_S = 0.5  # how often a supervisor's worker writes its queue depth (scrapes are 15-30 s apart)
-
-_QUEUED, _TAKEN, _DROPPED = 0, 1, 2
-
-
-class _Item:
-    """One queued request (or chunk): its rows, the caller's future and its deadline."""
-
-    __slots__ = ("rows", "n", "future", "deadline", "enqueued", "state")
-
-    def __init__(self, rows: np.ndarray, future: asyncio.Future, deadline: float | None, now: float) -> None:
-        self.rows = rows
-        self.n = rows.shape[0]
-        self.future = future
-        self.deadline = deadline
-        self.enqueued = now
-        self.state = _QUEUED
 
 
 class DynamicBatcher:
@@ -95,13 +81,9 @@ class DynamicBatcher:
         self.model, self.version = model, version
         self.max_batch_size = max_batch_size
         self._delay_s = max_queue_delay_ms / 1000.0 if batching else 0.0
-        self._preferred = frozenset(preferred_batch_sizes) if batching else frozenset()
         self._flush_rows = max(preferred_batch_sizes) if batching and preferred_batch_sizes else max_batch_size
         self._max_queue_rows = max_queue_rows
-        self._batching = batching
         self._inline = inline and instances == 1
-        self._queue: deque[_Item] = deque()
-        self._queued_rows = 0
         self._wakeup: asyncio.Future | None = None
         self._wake_rows = 1
         self._closing = False
@@ -116,12 +98,17 @@ class DynamicBatcher:
         self._depth = metrics.QUEUE_DEPTH.labels(model, version)
         self._sampler: asyncio.Task | None = None
         if not metrics.shared_across_processes():
-            self._depth.set_function(lambda: self._queued_rows)
+            self._depth.set_function(lambda: self._queue.rows)
         self._m_queue = metrics.QUEUE_DURATION.labels(model, version)
         self._m_compute = metrics.COMPUTE_DURATION.labels(model, version)
         self._m_batch = metrics.BATCH_SIZE.labels(model, version)
-        self._m_expired = metrics.QUEUE_DROPPED.labels(model, version, "expired")
-        self._m_cancelled = metrics.QUEUE_DROPPED.labels(model, version, "cancelled")
+        self._queue = RowQueue(
+            max_batch_size=max_batch_size,
+            preferred_batch_sizes=frozenset(preferred_batch_sizes) if batching else frozenset(),
+            batching=batching,
+            expired=metrics.QUEUE_DROPPED.labels(model, version, "expired"),
+            cancelled=metrics.QUEUE_DROPPED.labels(model, version, "cancelled"),
+        )
         self._m_rejected = metrics.QUEUE_REJECTED.labels(model, version)
         self.statistics = VersionStatistics()
         """This version's OIP statistics, recorded beside the metrics above (same values)."""
@@ -137,7 +124,7 @@ class DynamicBatcher:
 
     async def _sample_depth(self) -> None:
         while True:
-            self._depth.set(self._queued_rows)
+            self._depth.set(self._queue.rows)
             await asyncio.sleep(QUEUE_DEPTH_SAMPLE_S)
 
     async def close(self) -> None:
@@ -163,7 +150,7 @@ class DynamicBatcher:
     @property
     def queued_rows(self) -> int:
         """Rows waiting for a batch (not counting those executing)."""
-        return self._queued_rows
+        return self._queue.rows
 
     # -- callers ---------------------------------------------------------------------------
 
@@ -183,24 +170,24 @@ class DynamicBatcher:
         if self._closing:
             raise ModelNotReady(f"model {self.model!r} version {self.version} is being unloaded; retry")
         n = rows.shape[0]
-        if self._queued_rows + n > self._max_queue_rows:
+        if self._queue.rows + n > self._max_queue_rows:
             self._m_rejected.inc()
             raise QueueFull(
-                f"model {self.model!r} version {self.version} has {self._queued_rows} rows queued "
+                f"model {self.model!r} version {self.version} has {self._queue.rows} rows queued "
                 f"(limit {self._max_queue_rows}); retry with backoff"
             )
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         if n <= self.max_batch_size:
-            item = _Item(rows, loop.create_future(), deadline, now)
+            item = Item(rows, loop.create_future(), deadline, now)
             self._enqueue(item)
             try:
                 return await item.future
             except asyncio.CancelledError:
-                self._discard(item)
+                self._queue.discard(item)
                 raise
         items = [
-            _Item(rows[i : i + self.max_batch_size], loop.create_future(), deadline, now)
+            Item(rows[i : i + self.max_batch_size], loop.create_future(), deadline, now)
             for i in range(0, n, self.max_batch_size)
         ]
         for item in items:
@@ -209,7 +196,7 @@ class DynamicBatcher:
             parts = [await item.future for item in items]
         except BaseException:
             for item in items:  # one chunk failed or the caller left: the others are not wanted
-                self._discard(item)
+                self._queue.discard(item)
                 if not item.future.done():
                     item.future.cancel()
                 elif not item.future.cancelled():
@@ -217,20 +204,10 @@ class DynamicBatcher:
             raise
         return np.concatenate(parts)
 
-    def _enqueue(self, item: _Item) -> None:
-        self._queue.append(item)
-        self._queued_rows += item.n
-        if self._queued_rows >= self._wake_rows:
+    def _enqueue(self, item: Item) -> None:
+        self._queue.push(item)
+        if self._queue.rows >= self._wake_rows:
             self._wake()
-
-    def _discard(self, item: _Item) -> None:
-        """Removes a caller that gave up (cancelled or past its deadline) from the queue."""
-        if item.state != _QUEUED:
-            return
-        item.state = _DROPPED
-        self._queued_rows -= item.n
-        expired = item.deadline is not None and time.monotonic() >= item.deadline
-        (self._m_expired if expired else self._m_cancelled).inc()
 
     def _wake(self) -> None:
         if self._wakeup is not None and not self._wakeup.done():
@@ -263,20 +240,20 @@ class DynamicBatcher:
                 if held:
                     self._slots.release()
 
-    async def _next_batch(self) -> list[_Item] | None:
+    async def _next_batch(self) -> list[Item] | None:
         """Waits until a batch is due and takes it; None once closing with nothing queued."""
-        while self._queued_rows == 0:
-            self._drop_dead_head()
+        while self._queue.rows == 0:
+            self._queue.prune()
             if self._closing:
                 return None
             await self._wait(1, None)
-        if self._delay_s > 0 and self._queued_rows < self._flush_rows and not self._closing:
-            self._drop_dead_head()
-            if self._queue:
-                until = self._queue[0].enqueued + self._delay_s
+        if self._delay_s > 0 and self._queue.rows < self._flush_rows and not self._closing:
+            oldest = self._queue.oldest_arrival()
+            if oldest is not None:
+                until = oldest + self._delay_s
                 if time.monotonic() < until:
                     await self._wait(self._flush_rows, until)
-        return self._take()
+        return self._queue.take()
 
     async def _wait(self, rows: int, until: float | None) -> None:
         """Sleeps until ``rows`` rows are queued, ``until`` (monotonic) passes, or close()."""
@@ -292,63 +269,7 @@ class DynamicBatcher:
             if timer is not None:
                 timer.cancel()
 
-    def _drop_dead_head(self) -> None:
-        while self._queue and self._queue[0].state == _DROPPED:
-            self._queue.popleft()
-
-    def _take(self) -> list[_Item]:
-        """Pops the next batch: live items up to max_batch_size rows (one item if not batching).
-
-        Items whose deadline has passed are failed with DeadlineExpired and counted; cancelled
-        ones are skipped.
-        """
-        now = time.monotonic()
-        batch: list[_Item] = []
-        rows = 0
-        queue = self._queue
-        while queue:
-            item = queue[0]
-            if item.state == _DROPPED:
-                queue.popleft()
-                continue
-            if item.future.done():  # cancelled; its caller has not run _discard yet
-                queue.popleft()
-                self._discard(item)
-                continue
-            if item.deadline is not None and item.deadline <= now:
-                queue.popleft()
-                self._discard(item)
-                item.future.set_exception(DeadlineExpired("the deadline passed while the request was queued"))
-                continue
-            if batch and rows + item.n > self.max_batch_size:
-                break
-            queue.popleft()
-            item.state = _TAKEN
-            batch.append(item)
-            rows += item.n
-            if not self._batching:
-                break
-        if self._preferred and len(batch) > 1 and rows not in self._preferred:
-            batch = self._cut_at_preferred(batch)
-            rows = sum(item.n for item in batch)
-        self._queued_rows -= rows
-        return batch
-
-    def _cut_at_preferred(self, batch: list[_Item]) -> list[_Item]:
-        """The longest prefix whose row count is a preferred size; the rest goes back in front."""
-        total, cut = 0, 0
-        for i, item in enumerate(batch):
-            total += item.n
-            if total in self._preferred:
-                cut = i + 1
-        if cut == 0:
-            return batch
-        for item in reversed(batch[cut:]):
-            item.state = _QUEUED
-            self._queue.appendleft(item)
-        return batch[:cut]
-
-    async def _execute(self, batch: list[_Item]) -> None:
+    async def _execute(self, batch: list[Item]) -> None:
         """Runs one batch on the executor and scatters its logits, releasing the slot."""
         stats = self.statistics
         try:
@@ -391,7 +312,7 @@ class DynamicBatcher:
             self._slots.release()
 
     @staticmethod
-    def _scatter(batch: list[_Item], logits: np.ndarray) -> None:
+    def _scatter(batch: list[Item], logits: np.ndarray) -> None:
         offset = 0
         for item in batch:
             if not item.future.done():  # else the caller gave up while its rows ran
@@ -399,7 +320,7 @@ class DynamicBatcher:
             offset += item.n
 
     @staticmethod
-    def _fail(batch: list[_Item], message: str) -> None:
+    def _fail(batch: list[Item], message: str) -> None:
         """Fails every waiting caller of a batch with its own ModelFailure (INTERNAL)."""
         for item in batch:
             if not item.future.done():

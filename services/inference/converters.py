@@ -18,8 +18,8 @@ from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.contracts.manifest import TensorSpec
 from mlpair.inference.engine import NON_FINITE_OUTPUT, InferResult
 from mlpair.inference.errors import InvalidInput
-from mlpair.inference.repository import ServedVersion, VersionStatus
 from mlpair.inference.validation import TensorIn
+from mlpair.inference.versions import ServedVersion, VersionStatus
 
 FEATURE_VERSION_KEY = "x-feature-version"
 """gRPC metadata key (lower-case, as HTTP/2 requires) and OIP request parameter name."""

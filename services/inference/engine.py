@@ -23,15 +23,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from prometheus_client import Counter
 
 from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.inference import metrics
 from mlpair.inference.errors import Draining, InvalidInput, ModelFailure
-from mlpair.inference.repository import ModelRepository, RuntimeFactory, ServedVersion
+from mlpair.inference.repository import ModelRepository, RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.settings import InferenceSettings
 from mlpair.inference.validation import TensorIn, all_finite, check_feature_version, decode_features
+from mlpair.inference.versions import ServedVersion
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class InferenceEngine:
         self.drain_started = asyncio.Event()
         """Set by :meth:`begin_drain`: open ModelStreamInfer streams answer what they hold and end."""
         self._poller: asyncio.Task | None = None
-        self._counters: dict[tuple[str, str, str], object] = {}
+        self._counters: dict[tuple[str, str, str], Counter] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 

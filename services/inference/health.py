@@ -8,47 +8,25 @@ Names and their meaning (readiness, for Kubernetes readiness probes and load bal
 * ``<model name>`` (e.g. ``credit-risk``): SERVING when that model has a serving version.
 
 Everything starts NOT_SERVING and turns NOT_SERVING again at once on SIGTERM, when open Watch
-streams end too. Liveness is the name ``liveness`` (:mod:`mlpair.lifecycle`): SERVING while the
+streams end too. Liveness is the name ``liveness`` (:mod:`mlpair.rpc.health`): SERVING while the
 port answers, whatever the models and the drain (the OIP ``ServerLive`` RPC says the same).
+Both services publish through the one helper, :class:`mlpair.rpc.health.Health`.
 """
 
 from __future__ import annotations
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from mlpair.lifecycle import LifecycleHealthServicer
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+from mlpair.inference.engine import InferenceEngine
+from mlpair.rpc.health import Health
 
 
-class ServingHealth:
-    """Publishes the engine's readiness on the standard health service."""
+async def publish_readiness(health: Health, engine: InferenceEngine) -> None:
+    """Publishes the engine's readiness: the server's on the service names, each model's on its
+    name (every expected or serving model; one that was unloaded turns NOT_SERVING)."""
+    repo = engine.repository
+    models = {name: engine.model_ready(name) for name in repo.expected | set(repo.serving())}
+    await health.set_serving(engine.ready(), models)
 
-    def __init__(self, service_names: list[str]) -> None:
-        self.servicer = LifecycleHealthServicer()
-        self._server_names = ["", *service_names]
-        self._models: set[str] = set()
 
-    def add_to(self, server: grpc.aio.Server) -> None:
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-
-    async def update(self, server_ready: bool, models: dict[str, bool]) -> None:
-        """Sets the server names to ``server_ready`` and each model name to its own readiness.
-
-        Models that disappeared (unloaded) turn NOT_SERVING rather than unknown, so a watcher
-        sees the change.
-        """
-        for name in self._server_names:
-            await self.servicer.set(name, SERVING if server_ready else NOT_SERVING)
-        for name in self._models - models.keys():
-            await self.servicer.set(name, NOT_SERVING)
-        for name, ready in models.items():
-            await self.servicer.set(name, SERVING if ready else NOT_SERVING)
-        self._models |= models.keys()
-
-    async def shutdown(self) -> None:
-        """NOT_SERVING for every readiness name, for good (later updates are ignored); open Watch
-        streams end; ``liveness`` stays SERVING."""
-        await self.servicer.begin_drain([*self._server_names, *sorted(self._models)])
+async def publish_loading(health: Health, engine: InferenceEngine) -> None:
+    """Publishes "not ready" on every name, models to load included (before the load starts)."""
+    await health.set_serving(False, {name: False for name in engine.repository.model_names()})

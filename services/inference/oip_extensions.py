@@ -16,9 +16,9 @@ from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.inference.converters import FEATURE_VERSION_KEY, oip_infer_response
 from mlpair.inference.engine import InferResult
 from mlpair.inference.errors import UnsupportedParameter
-from mlpair.inference.repository import ServedVersion, VersionPolicy
 from mlpair.inference.settings import InferenceSettings
 from mlpair.inference.statistics import Duration, VersionStatistics
+from mlpair.inference.versions import ServedVersion, VersionPolicy
 
 TIMEOUT = "timeout"
 BINARY_DATA_OUTPUT = "binary_data_output"
@@ -214,8 +214,9 @@ def config_response(model: ServedVersion, settings: InferenceSettings, inline: b
     return oip.ModelConfigResponse(config=config)
 
 
-def _data_type(name: str) -> int:
-    return oip.DataType.Value("TYPE_STRING" if name == "BYTES" else f"TYPE_{name}")
+def _data_type(name: str) -> str:
+    """The OIP ``DataType`` name of a manifest data type (``FP32`` → ``TYPE_FP32``; BYTES is TYPE_STRING)."""
+    return "TYPE_STRING" if name == "BYTES" else f"TYPE_{name}"
 
 
 def _version_policy(policy: VersionPolicy) -> oip.ModelVersionPolicy:

@@ -11,7 +11,7 @@ Lifecycle (see :mod:`mlpair.inference.health` for what each health name means):
 2. load: every model is verified (version triple, file hashes), loaded and warmed up; an
    inconsistent entry or failed load refuses the start with a clear message (exit 1);
 3. ready: health SERVING, OIP ServerReady/ModelReady true;
-4. SIGTERM (:func:`mlpair.lifecycle.drain`): not ready at once on every name and protocol
+4. SIGTERM (:func:`mlpair.rpc.drain.drain`): not ready at once on every name and protocol
    (``liveness`` stays SERVING), health Watch streams end; after ``shutdown_accept_ms`` new
    requests are held and, once the server has begun to stop, answered UNAVAILABLE (DRAINING)
    so clients and load balancers move on; in-flight requests finish (their batches run); the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
 
@@ -33,22 +32,14 @@ from mlpair.collector import tune_collector
 from mlpair.inference import metrics
 from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN
-from mlpair.inference.health import ServingHealth
+from mlpair.inference.health import publish_loading, publish_readiness
 from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
 from mlpair.inference.settings import InferenceSettings
-from mlpair.lifecycle import DrainGate, drain, enable_reflection, server_options
 from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.observability.calls import observe_servicer
-from mlpair.rpc import (
-    add_servicer,
-    bind_port,
-    guard_servicer,
-    message_size_options,
-    port_sharing_options,
-    server_credentials,
-)
+from mlpair.rpc import Health, Service, build_server, drain, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
 
@@ -79,37 +70,32 @@ class InferenceServer:
     ) -> None:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
-        self.health = ServingHealth([SERVICE_NAME, OIP_SERVICE_NAME])
-        # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
-        # mlpair.rpc's guard, and spans, log context and the per-call line (settings.tracing) are made
-        # by wrappers of the servicers' methods; tracer_provider None = the global one.
-        self.server = grpc.aio.server(
-            options=[
-                *message_size_options(settings.max_message_bytes),
-                *server_options(settings),
-                *port_sharing_options(shared_port),
-            ]
-        )
-        self.gate = DrainGate()  # the drain holds new calls with it, then answers them UNAVAILABLE
-        own_api = guard_servicer(InferenceServicer(self.engine), DOMAIN, self.gate)
-        open_inference = guard_servicer(OpenInferenceServicer(self.engine), DOMAIN, self.gate)
+        self.health = Health([SERVICE_NAME, OIP_SERVICE_NAME])
         count_failures_with("inference", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
-        if settings.tracing:
-            observe_servicer(own_api, SERVICE_NAME, "inference", tracer_provider, log_calls=True)
-            observe_servicer(open_inference, OIP_SERVICE_NAME, "inference", tracer_provider, log_calls=True)
-        # add_servicer: bytes that are not a valid request message are refused INVALID_ARGUMENT
-        # (MALFORMED_REQUEST), not UNKNOWN with the parser's exception text
-        add_servicer(pb_grpc.add_InferenceServiceServicer_to_server, own_api, self.server)
-        add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, open_inference, self.server)
-        self.health.add_to(self.server)
-        if settings.reflection:
-            enable_reflection(self.server, [SERVICE_NAME, OIP_SERVICE_NAME])
-        tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
-        self.port = bind_port(self.server, f"{settings.host}:{settings.port}", tls)
+
+        def observe(servicer: object, name: str) -> None:
+            # spans, log context and the per-call line; tracer_provider None = the global one
+            observe_servicer(servicer, name, "inference", tracer_provider, log_calls=True)
+
+        self.server, self.port = build_server(
+            settings,
+            [
+                Service(SERVICE_NAME, InferenceServicer(self.engine), pb_grpc.add_InferenceServiceServicer_to_server),
+                Service(
+                    OIP_SERVICE_NAME,
+                    OpenInferenceServicer(self.engine),
+                    oip_grpc.add_GRPCInferenceServiceServicer_to_server,
+                ),
+            ],
+            self.health,
+            domain=DOMAIN,
+            shared_port=shared_port,
+            observe=observe if settings.tracing else None,
+        )
 
     async def start(self) -> None:
         """Starts answering (liveness) while reporting not ready, per model too."""
-        await self.health.update(False, {name: False for name in self.engine.repository.model_names()})
+        await publish_loading(self.health, self.engine)
         await self.server.start()
 
     async def load(self) -> None:
@@ -125,27 +111,21 @@ class InferenceServer:
         logger.info("InferenceService ready on port %d: %s", self.port, self.engine.repository.serving())
 
     async def _refresh_health(self) -> None:
-        repo = self.engine.repository
-        models = {name: self.engine.model_ready(name) for name in repo.expected | set(repo.serving())}
-        await self.health.update(self.engine.ready(), models)
+        await publish_readiness(self.health, self.engine)
 
     async def drain(self) -> None:
-        """Graceful stop (:func:`mlpair.lifecycle.drain`): not ready on every signal at once and
-        health Watch streams ended; still serve for ``shutdown_accept_ms`` (calls already on the
-        wire when the signal came); then hold new work (answered UNAVAILABLE once the server has
-        begun to stop), let in-flight work finish within ``shutdown_grace_s``, stop the server,
+        """Graceful stop (:func:`mlpair.rpc.drain.drain`): not ready on every signal at once (OIP
+        ServerReady and ModelReady too) and health Watch streams ended; still serve for
+        ``shutdown_accept_ms`` (calls already on the wire when the signal came); then hold new work
+        (answered UNAVAILABLE once the server has begun to stop), let in-flight work (queued
+        batches and open streams included) finish within ``shutdown_grace_s``, stop the server,
         retire the models."""
-
-        async def begin() -> None:
-            await self.engine.withdraw_readiness()
-            await self.health.shutdown()
-
         await drain(
             self.server,
-            self.gate,
+            self.health,
             grace_s=self.settings.shutdown_grace_s,
             accept_s=self.settings.shutdown_accept_ms / 1000,
-            begin=begin,
+            withdraw=self.engine.withdraw_readiness,
             refuse=self.engine.begin_drain,
             wait_idle=self.engine.wait_idle,
         )
@@ -159,7 +139,7 @@ class InferenceServer:
 
 async def start(
     settings: InferenceSettings, runtime_factory: RuntimeFactory = create_runtime, *, tracer_provider=None
-) -> tuple[grpc.aio.Server, int, ServingHealth, InferenceEngine]:
+) -> tuple[grpc.aio.Server, int, Health, InferenceEngine]:
     """Starts the server and loads the models; returns once ready.
 
     ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
@@ -180,23 +160,21 @@ async def start(
 async def serve(settings: InferenceSettings, *, shared_port: bool = False) -> None:
     """Runs until SIGTERM/SIGINT, then drains (see the module docstring); ``shared_port``: as one of a
     supervisor's workers (each loads its own copy of every model: on a GPU, N times the device memory)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.create_task(wait_for_termination_signal())
+    await asyncio.sleep(0)  # its handlers are installed: a signal from here on starts the drain
     server = InferenceServer(settings, shared_port=shared_port)
     await server.start()
     load = asyncio.create_task(server.load())
-    stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if load.done() and load.exception() is not None:
+    failure = load.exception() if load.done() else None
+    if failure is not None:
         stopped.cancel()
         await server.stop()
-        raise load.exception()
+        raise failure
     if load.done():
         tune_collector()  # serving from here on (mlpair.collector)
     await stopped
-    logger.info("termination signal received; draining (grace %.1f s)", settings.shutdown_grace_s)
+    logger.info("InferenceService draining (grace %.1f s)", settings.shutdown_grace_s)
     if not load.done():
         load.cancel()
     await server.drain()

@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from mlpair.lifecycle import ConnectionSettings
+from mlpair.inference.versions import VersionPolicy
+from mlpair.rpc.server import ConnectionSettings
 
 
 class InferenceSettings(ConnectionSettings):
@@ -115,8 +116,6 @@ class InferenceSettings(ConnectionSettings):
     @field_validator("version_policy")
     @classmethod
     def _policy_is_valid(cls, value: str) -> str:
-        from mlpair.inference.repository import VersionPolicy
-
         VersionPolicy.parse(value)
         return value
 

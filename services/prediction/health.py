@@ -3,7 +3,7 @@
 ``grpc.health.v1`` names served:
 
 * ``liveness`` — SERVING while the process answers at all, whatever the ledger, the outbox
-  relay or the drain say (:mod:`mlpair.lifecycle`): the name for the liveness probe, so a
+  relay or the drain say (:mod:`mlpair.rpc.health`): the name for the liveness probe, so a
   ledger outage makes replicas unready, never restarts them.
 * ``""`` and ``mlpair.prediction.v1.PredictionService`` — **readiness**: SERVING while the
   configuration is loaded (the process started) and the decision ledger answers: without it no
@@ -26,21 +26,18 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from grpc_health.v1 import health_pb2
-
 from mlpair.prediction import metrics
 from mlpair.prediction.resilience import CircuitState
-from mlpair.rpc import Health
+from mlpair.rpc.health import Health
 
 logger = logging.getLogger(__name__)
 
 DEPENDENCIES = ("inference", "crm", "cache", "ledger")
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class PredictionHealth(Health):
-    """``grpc.health.v1`` for PredictionService, with readiness and per-dependency statuses.
+    """``grpc.health.v1`` for PredictionService: the one health helper (:class:`~mlpair.rpc.health.Health`)
+    with readiness from the ledger and a status name per dependency, checked in the background.
 
     Args:
         service_name: the full service name (readiness is reported under it and under "").
@@ -93,7 +90,7 @@ class PredictionHealth(Health):
                     "dependency %s is %s", dep, "healthy" if healthy else "DOWN"
                 )
             metrics.DEPENDENCY_UP.labels(dep).set(1 if healthy else 0)
-            await self.servicer.set(self.dependency_names[dep], _SERVING if healthy else _NOT_SERVING)
+            await self.set_status(self.dependency_names[dep], healthy)
         self.status = dict(status)
         await self.set_serving(status["ledger"])
         metrics.DEGRADED.set(0 if status["inference"] and status["crm"] and status["cache"] else 1)

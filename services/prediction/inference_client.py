@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from mlpair.lifecycle import client_keepalive_options
 from mlpair.observability.calls import Caller, CallTracer
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import (
@@ -29,7 +28,7 @@ from mlpair.prediction.errors import (
     InferenceUnavailable,
     PredictionError,
 )
-from mlpair.rpc import error_info, message_size_options, open_channel
+from mlpair.rpc import client_keepalive_options, error_info, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ class InferenceClient:
             went away (gRPC's default of 120 s would delay recovery by minutes).
         keepalive_ms, keepalive_timeout_ms: ping the server every ``keepalive_ms`` (with or without
             calls; 0 = never) and drop the connection when a ping goes unanswered for
-            ``keepalive_timeout_ms`` (:func:`mlpair.lifecycle.client_keepalive_options`).
+            ``keepalive_timeout_ms`` (:func:`mlpair.rpc.channels.client_keepalive_options`).
             InferenceService accepts pings every ``keepalive_min_ping_interval_ms`` (1 s by default).
         credentials: TLS to InferenceService when given, else plaintext.
         tracer: opens each call's CLIENT span and adds its trace context and the request id to the

@@ -16,7 +16,6 @@ import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.collector import tune_collector
-from mlpair.lifecycle import enable_reflection, server_options
 from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
 from mlpair.observability.calls import CallTracer, observe_servicer
 from mlpair.prediction import metrics
@@ -30,17 +29,7 @@ from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predicto
 from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import (
-    add_servicer,
-    bind_port,
-    channel_credentials,
-    drain,
-    guard_servicer,
-    message_size_options,
-    port_sharing_options,
-    server_credentials,
-    wait_for_termination_signal,
-)
+from mlpair.rpc import Service, build_server, channel_credentials, drain, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
 
@@ -169,33 +158,28 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
 def create_server(
     settings: PredictionSettings, predictor: Predictor, *, tracer_provider=None, shared_port: bool = False
 ) -> tuple[grpc.aio.Server, int, PredictionHealth]:
-    """Builds the server with PredictionService and health and binds its port (0 = free port):
-    with SO_REUSEPORT when ``shared_port`` (one of a supervisor's workers), else exclusively.
+    """Builds the server with PredictionService and health (:func:`mlpair.rpc.server.build_server`)
+    and binds its port (0 = free port): with SO_REUSEPORT when ``shared_port`` (one of a
+    supervisor's workers), else exclusively.
 
     Raises:
         StartupError: the port is in use.
     """
-    # No interceptors (grpc.aio runs each in Python on every call): errors map to statuses through
-    # mlpair.rpc's guard, spans and log context (settings.tracing) come from wrappers of the methods
-    server = grpc.aio.server(
-        options=[
-            *message_size_options(settings.max_message_bytes),
-            *server_options(settings),
-            *port_sharing_options(shared_port),
-        ]
-    )
     health = PredictionHealth(SERVICE_NAME)
-    # health.gate: after the drain's accept window new calls are held, then answered UNAVAILABLE (DRAINING)
-    servicer = guard_servicer(PredictionServicer(predictor), DOMAIN, health.gate)
     count_failures_with("prediction", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
-    if settings.tracing:
-        observe_servicer(servicer, SERVICE_NAME, "prediction", tracer_provider)
-    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, servicer, server)
-    health.add_to(server)
-    if settings.reflection:
-        enable_reflection(server, [SERVICE_NAME])
-    tls = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
-    port = bind_port(server, f"{settings.host}:{settings.port}", tls)
+
+    def observe(servicer: object, name: str) -> None:
+        # spans and log context; tracer_provider None = the global one
+        observe_servicer(servicer, name, "prediction", tracer_provider)
+
+    server, port = build_server(
+        settings,
+        [Service(SERVICE_NAME, PredictionServicer(predictor), pb_grpc.add_PredictionServiceServicer_to_server)],
+        health,
+        domain=DOMAIN,
+        shared_port=shared_port,
+        observe=observe if settings.tracing else None,
+    )
     return server, port, health
 
 
@@ -234,10 +218,10 @@ async def start(
 async def stop(
     server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float, accept_s: float = 0.0
 ) -> None:
-    """Drains in-flight calls (see :func:`mlpair.rpc.drain`), delivers what it can of the ledger's
+    """Drains in-flight calls (:func:`mlpair.rpc.drain.drain`), delivers what it can of the ledger's
     backlog, then closes every connection."""
-    await health.stop_monitoring()
-    await drain(server, health, grace_s, accept_s)
+    await health.stop_monitoring()  # first, so no check turns readiness back on
+    await drain(server, health, grace_s=grace_s, accept_s=accept_s)
     await predictor.drift.stop()
     await predictor.drain_background()
     await predictor.scorer.close()

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
-from mlpair.lifecycle import ConnectionSettings
+from mlpair.rpc.server import ConnectionSettings
 
 
 class PredictionSettings(ConnectionSettings):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mlpair.contracts.assembly import ConversionError, FeatureAssembler
-from mlpair.contracts.schema import FeatureSchema, Preprocessing
+from mlpair.contracts.preprocessing import Preprocessing
+from mlpair.contracts.schema import FeatureSchema
 
 GOLDEN = Path(__file__).parent / "golden"
 FAMILIES = ["credit-risk", "churn"]

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.inference.settings import InferenceSettings
-from mlpair.lifecycle import LIVENESS
+from mlpair.rpc import LIVENESS
 from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import inference_service

@@ -174,7 +174,7 @@ async def test_unknown_model_family_is_not_found(prediction):
 def _repo_on_schema_version(entry: ModelEntry, root, config_dir, version: str):
     """A copy of the model entry and config whose feature schema claims another version."""
     from mlpair.contracts.manifest import MANIFEST_FILE, PREPROCESSING_FILE
-    from mlpair.contracts.schema import Preprocessing
+    from mlpair.contracts.preprocessing import Preprocessing
 
     name, old = entry.manifest.model_name, entry.manifest.versions.feature_schema_version
     target = root / name / entry.manifest.model_version

@@ -131,7 +131,7 @@ def test_ensemble_members_and_shadow_must_share_the_preprocessing(ensemble_repos
     import json
 
     from mlpair.contracts.manifest import MANIFEST_FILE, PREPROCESSING_FILE
-    from mlpair.contracts.schema import Preprocessing
+    from mlpair.contracts.preprocessing import Preprocessing
 
     repo = tmp_path / "models"
     shutil.copytree(ensemble_repository / "credit-risk", repo / "credit-risk")

@@ -1,0 +1,145 @@
+"""``grpc.health.v1`` for both servers: liveness beside readiness, and the one health helper.
+
+Health names on both services:
+
+* ``liveness`` (:data:`LIVENESS`): SERVING from the moment the port answers until the server
+  stops, whatever the models, the ledger or the drain say; for the Kubernetes liveness probe,
+  which must restart only a process that can no longer answer at all.
+* ``""`` and each service name: readiness (each service's health module says what it checks),
+  plus any further readiness names a service publishes (InferenceService: one per model);
+  NOT_SERVING at once, and for good, when the drain starts.
+* status names (PredictionService: one per dependency): what the service reports on besides
+  readiness; the drain leaves them as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from mlpair.rpc.drain import DrainGate
+
+LIVENESS = "liveness"
+"""Health name of liveness: SERVING while the process serves at all (see the module docstring)."""
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class LifecycleHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 with a ``liveness`` name that stays SERVING, and ``Watch`` streams that end
+    when the drain starts (grpc's own servicer keeps them open until the server's grace runs out,
+    so one watcher delayed every shutdown by the whole grace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._server_status[LIVENESS] = SERVING
+        self._changed = asyncio.Condition()
+        self._draining = False
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        """Sets ``service``'s status and wakes its watchers; ignored for every name once draining
+        (nothing turns ready again during a drain)."""
+        if self._draining:
+            return
+        await super().set(service, status)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        """Streams the name's status on every change; ends after the last one once draining."""
+        last = None
+        while True:
+            status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._draining:
+                return
+            async with self._changed:
+                if not self._draining and self._server_status.get(request.service) == status:
+                    await self._changed.wait()
+
+    async def begin_drain(self, readiness_names: Sequence[str]) -> None:
+        """Readiness names NOT_SERVING for good; open Watch streams send it and end."""
+        for name in readiness_names:
+            await super().set(name, NOT_SERVING)
+        self._draining = True
+        async with self._changed:
+            self._changed.notify_all()
+
+
+class Health:
+    """One server's health: the standard ``grpc.health.v1`` service (see the module docstring)
+    and the gate its guarded servicers pass every call through (:class:`~mlpair.rpc.drain.DrainGate`).
+
+    Readiness starts NOT_SERVING; :meth:`set_serving` sets it, :meth:`set_status` sets a status
+    name, and :func:`mlpair.rpc.drain.drain` ends readiness for good (:meth:`begin_drain`).
+
+    Args:
+        service_names: full names of the services the server serves (readiness is reported under
+            each of them and under "").
+    """
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.servicer = LifecycleHealthServicer()
+        self.names = ["", *service_names]
+        """Readiness names: overall and each service's."""
+        self.gate = DrainGate()
+        """Passed to :func:`mlpair.rpc.servicers.guard_servicer` by :func:`mlpair.rpc.server.build_server`;
+        the drain closes it after its accept window."""
+        self._parts: set[str] = set()
+
+    async def set_serving(self, serving: bool, parts: Mapping[str, bool] | None = None) -> None:
+        """Sets every readiness name to ``serving``, and each further readiness name of ``parts``
+        (e.g. a model's) to its own value; a part published before and absent from ``parts`` turns
+        NOT_SERVING rather than unknown, so a watcher sees the change. ``parts`` None = unchanged."""
+        for name in self.names:
+            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+        if parts is None:
+            return
+        for name in self._parts - parts.keys():
+            await self.servicer.set(name, NOT_SERVING)
+        for name, ready in parts.items():
+            await self.servicer.set(name, SERVING if ready else NOT_SERVING)
+        self._parts |= parts.keys()
+
+    async def set_status(self, name: str, serving: bool) -> None:
+        """Sets a status name (not readiness: the drain leaves it as it is)."""
+        await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+
+    async def begin_drain(self) -> None:
+        """Every readiness name NOT_SERVING for good (later updates are ignored); open Watch
+        streams end; ``liveness`` stays SERVING."""
+        await self.servicer.begin_drain([*self.names, *sorted(self._parts)])
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Registers the health service on ``server``."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+
+def wait_until_serving(
+    target: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05
+) -> bool:
+    """Polls ``grpc.health.v1`` (overall, plaintext) at ``target`` until it reports SERVING.
+
+    For scripts and tests that start a service as a process: ``alive()`` is asked before each
+    poll (e.g. ``lambda: process.poll() is None``), so a process that exits is noticed at once.
+
+    Returns:
+        True when SERVING; False when ``timeout_s`` seconds passed or ``alive()`` turned false.
+    """
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and alive():
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(poll_s)
+    return False
