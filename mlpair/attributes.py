@@ -44,7 +44,7 @@ def attribute_rows(config_dir: Path, model_repository: Path) -> list[AttributeRo
     """
     from mlpair.contracts.manifest import ManifestError, load_latest
 
-    rows = []
+    rows: list[AttributeRow] = []
     for path in sorted(config_dir.glob(f"*/{SCHEMA_FILE}")):
         schema = FeatureSchema.from_toml(path)
         try:

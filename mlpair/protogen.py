@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in stale:
             print(f"out of date: {path}", file=sys.stderr)
         return 1 if stale else 0
-    for path in generate(REPO_ROOT):
-        print(path.relative_to(REPO_ROOT))
+    for written in generate(REPO_ROOT):
+        print(written.relative_to(REPO_ROOT))
     return 0
 
 

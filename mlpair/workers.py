@@ -94,8 +94,8 @@ def _cgroup_folders(root: Path, proc_cgroup: Path) -> list[Path]:
 
 def _read_limit(folder: Path) -> float | None:
     try:
-        quota, period = (folder / "cpu.max").read_text().split()
-        return None if quota == "max" else int(quota) / int(period)
+        max_quota, max_period = (folder / "cpu.max").read_text().split()
+        return None if max_quota == "max" else int(max_quota) / int(max_period)
     except (OSError, ValueError):
         pass
     try:

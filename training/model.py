@@ -165,7 +165,7 @@ def train_classifier(
                 total += float(loss.detach()) * len(batch)
             if progress is not None:
                 progress(epoch, total / len(features))
-            if config.early_stopping_patience:
+            if config.early_stopping_patience and validation is not None:
                 val_loss = _validation_loss(model, *validation)
                 if val_loss < best_loss:
                     best_loss, best_state, best_epoch = val_loss, copy.deepcopy(model.state_dict()), epoch

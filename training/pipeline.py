@@ -96,10 +96,10 @@ def baselines(preprocessing: Preprocessing, train: Dataset) -> dict[str, dict]:
             "quantiles": np.quantile(x[:, i], qs).round(6).tolist(),
         }
     names = preprocessing.feature_names
-    for feat in preprocessing.feature_schema.categorical:
-        cols = [j for j, n in enumerate(names) if n.startswith(feat.name + "=")]
+    for category in preprocessing.feature_schema.categorical:
+        cols = [j for j, n in enumerate(names) if n.startswith(category.name + "=")]
         freq = x[:, cols].mean(axis=0)
-        out[feat.name] = {
+        out[category.name] = {
             "kind": "categorical",
             "frequencies": {names[j].split("=", 1)[1]: round(float(f), 6) for j, f in zip(cols, freq)},
         }
