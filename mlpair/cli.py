@@ -268,7 +268,7 @@ def _drift_report(args: argparse.Namespace) -> int:
     import urllib.request
     from dataclasses import asdict
 
-    from mlpair.prediction.drift import render, reports_from_metrics
+    from mlpair.prediction.drift_report import render, reports_from_metrics
 
     try:
         with urllib.request.urlopen(args.metrics_url, timeout=args.timeout_s) as reply:
