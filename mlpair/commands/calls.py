@@ -4,12 +4,18 @@ feature schemas) one thing and print the answer."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlpair.api.prediction.v1.prediction_service_pb2 import PredictResponse
 
 
 def predict(args: argparse.Namespace) -> int:
-    """``mlpair predict``: one decision from a running PredictionService, printed as a few lines.
+    """``mlpair predict``: one decision from a running PredictionService (:class:`mlpair.client.PredictionClient`),
+    printed as a few lines (:func:`render`).
 
     Returns:
         0, or 1 when the service refused the request or could not be reached (one line on stderr:
@@ -20,8 +26,7 @@ def predict(args: argparse.Namespace) -> int:
     """
     import grpc
 
-    from mlpair.client import parse_attributes, render
-    from mlpair.client import predict as ask
+    from mlpair.client import PredictionClient
     from mlpair.rpc import channel_credentials
     from mlpair.startup import StartupError
 
@@ -31,16 +36,10 @@ def predict(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from exc
     try:
-        reply = ask(
-            args.target,
-            args.family,
-            attributes,
-            request_id=args.request_id,
-            entity_id=args.entity_id,
-            explain=args.explain,
-            timeout_s=args.timeout_s,
-            credentials=credentials,
-        )
+        with PredictionClient(args.target, credentials=credentials, timeout_s=args.timeout_s) as client:
+            reply = client.predict(
+                args.family, args.entity_id, attributes, request_id=args.request_id or None, explain=args.explain
+            )
     except grpc.RpcError as exc:
         print(f"mlpair predict: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -48,22 +47,68 @@ def predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def health(args: argparse.Namespace) -> int:
-    """``mlpair health``: one ``grpc.health.v1`` check; 0 only when the answer is SERVING, else 1."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def parse_attributes(pairs: list[str]) -> dict[str, float | str | None]:
+    """``["Income=1290", "Home=rent", "Debt="]`` → ``{"Income": 1290.0, "Home": "rent", "Debt": None}``.
 
-    with grpc.insecure_channel(args.target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
-            )
-        except grpc.RpcError as exc:
-            print(f"{args.target}: {exc.code().name}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    A value that reads as a finite number travels as a number, an empty one as null (missing),
+    anything else as a string (the feature schema converts it: ``yes`` for a boolean, a category
+    name, ``"42"`` for a number). ``mlpair attributes`` lists what each family accepts.
+
+    Raises:
+        ValueError: a pair has no ``=`` or an empty name.
+    """
+    out: dict[str, float | str | None] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--attr {pair!r}: expected NAME=VALUE (e.g. Income=1290)")
+        out[name.strip()] = _value(text.strip())
+    return out
+
+
+def _value(text: str) -> float | str | None:
+    if not text:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text
+
+
+def render(reply: PredictResponse) -> str:
+    """The decision as a few human-readable lines: decision, reasons, probability, versions, warnings."""
+    lines = [
+        f"decision      {reply.decision_label}" + (" (fallback: no model answer)" if reply.fallback else ""),
+        f"reasons       {', '.join(reply.reason_codes) or '-'}",
+        f"probability   {reply.probability:.4f}" + (" (none: fallback)" if reply.fallback else ""),
+        f"model         version {reply.model_version}, feature schema {reply.feature_schema_version}, "
+        f"policy {reply.policy_version}, calibration {reply.calibration_method}",
+        f"request id    {reply.request_id} (decision {reply.decision_id}"
+        + (", replayed" if reply.replayed else "")
+        + ")",
+    ]
+    lines += [f"explanation   {text}" for text in reply.top_reasons]
+    lines += [f"warning       {w.code} {w.field}: {w.message}" for w in reply.warnings]
+    if reply.stale or reply.degraded_reason:
+        lines.append(f"degraded      {reply.degraded_reason} (cached {reply.cache_age_ms} ms ago)")
+    return "\n".join(lines)
+
+
+def health(args: argparse.Namespace) -> int:
+    """``mlpair health``: one ``grpc.health.v1`` check (:func:`mlpair.client.check_health`); 0 only when
+    the answer is SERVING, else 1 (the status, or the call's error code, printed)."""
+    import grpc
+
+    from mlpair.client import check_health
+
+    try:
+        status = check_health(args.target, args.service, timeout_s=args.timeout_s)
+    except grpc.RpcError as exc:
+        print(f"{args.target}: {exc.code().name}", file=sys.stderr)
+        return 1
     print(f"{args.target}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if status == "SERVING" else 1
 
 
 def attributes(args: argparse.Namespace) -> int:
