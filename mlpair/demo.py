@@ -9,6 +9,10 @@ InferenceService to show calibration before and after, prints a summary per fami
 Brier score, ECE before and after calibration against the family's targets), writes a report
 picture and stops both services with SIGTERM. Exits non-zero if anything failed or a target
 was missed.
+
+The demo is a client of the pair like any other: it calls both services through
+:mod:`mlpair.client` alone, never their code (``tests/test_demo_boundary.py``). The services as
+processes are :mod:`mlpair.local_pair`; the summary and verdict :mod:`mlpair.demo_summary`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlpair.client import AsyncPredictionClient, BatchItem, ItemError, infer_logits
 from mlpair.demo_summary import summarise, training_end
 from mlpair.local_pair import free_port, migrate, start_service, stop_service, wait_ready
 
@@ -35,7 +40,10 @@ if TYPE_CHECKING:
 
 RETRY_SAMPLE = 50
 EXPLAIN_SAMPLE = 3
-INFER_CHUNK_ROWS = 512  # raw-logit reads stay well below InferenceService's max batch size
+# The CRM's decisions table (one row per request id), which the summary counts: the CRM is the
+# business's database, read here by name as a report would read it (tests/test_demo_boundary.py
+# checks the name against PredictionService's model of the table).
+CRM_TABLE = "decisions"
 
 
 # (request id, entity id, raw attributes) of one holdout entity's Predict call
@@ -84,14 +92,9 @@ async def replay(target: str, model_name: str, requests: list[Request], concurre
     import grpc
     from rich.progress import Progress
 
-    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-    from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-    from mlpair.prediction.converters import to_attributes
-
     out = Replay(concurrency=concurrency)
     gate = asyncio.Semaphore(concurrency)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.PredictionServiceStub(channel)
+    async with AsyncPredictionClient(target, timeout_s=10) as client:
         with Progress(disable=not progress) as bar:
             task = bar.add_task(f"Predict {model_name}", total=len(requests))
 
@@ -99,15 +102,7 @@ async def replay(target: str, model_name: str, requests: list[Request], concurre
                 async with gate:
                     t0 = time.perf_counter()
                     try:
-                        reply = await stub.Predict(
-                            pb.PredictRequest(
-                                request_id=request_id,
-                                entity_id=entity_id,
-                                model_name=model_name,
-                                attributes=to_attributes(attributes),
-                            ),
-                            timeout=10,
-                        )
+                        reply = await client.predict(model_name, entity_id, attributes, request_id)
                     except grpc.RpcError as exc:
                         out.failures[exc.code().name] += 1
                     else:
@@ -126,70 +121,51 @@ async def replay(target: str, model_name: str, requests: list[Request], concurre
 
 async def explain_sample(target: str, run: FamilyRun, run_id: str) -> None:
     """Asks BatchPredict to explain the first few holdout entities (new request ids)."""
-    import grpc
-
-    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-    from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-    from mlpair.prediction.converters import to_attributes
-
     items = [
-        pb.PredictRequest(
-            request_id=f"demo-{run_id}-{run.name}-explain-{eid}",
-            entity_id=eid,
-            model_name=run.name,
-            attributes=to_attributes(rec),
-            explain=True,
-        )
+        BatchItem(run.name, eid, rec, request_id=f"demo-{run_id}-{run.name}-explain-{eid}", explain=True)
         for eid, rec in zip(run.holdout.entity_ids[:EXPLAIN_SAMPLE], run.holdout.records)
     ]
-    async with grpc.aio.insecure_channel(target) as channel:
-        reply = await pb_grpc.PredictionServiceStub(channel).BatchPredict(
-            pb.BatchPredictRequest(requests=items), timeout=10
-        )
-    run.explained = [r.prediction for r in reply.results if r.WhichOneof("outcome") == "prediction"]
+    async with AsyncPredictionClient(target, timeout_s=10) as client:
+        outcomes = await client.batch_predict(items)
+    run.explained = [o for o in outcomes if not isinstance(o, ItemError)]
     run.explain_failures = len(items) - len(run.explained)
 
 
-async def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
-    """Softmax of the raw holdout logits, read straight from InferenceService (as an internal caller)."""
+def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
+    """Softmax of the raw holdout logits ``[n holdout]``, read straight from InferenceService (as an
+    internal caller would).
+
+    Raises:
+        grpc.RpcError: InferenceService refused a call (see :func:`mlpair.client.infer_logits`).
+    """
     from mlpair.contracts.assembly import FeatureAssembler
-    from mlpair.prediction.inference_client import InferenceClient
 
     manifest = run.entry.manifest
     x = FeatureAssembler(run.entry.preprocessing).assemble_many(run.holdout.records)
-    client = InferenceClient(target, timeout_ms=10_000, max_message_bytes=16 * 1024 * 1024)
-    try:
-        logits = [
-            (
-                await client.infer(
-                    run.name,
-                    manifest.model_version,
-                    manifest.versions.feature_schema_version,
-                    x[i : i + INFER_CHUNK_ROWS],
-                )
-            )[0]
-            for i in range(0, len(x), INFER_CHUNK_ROWS)
-        ]
-    finally:
-        await client.close()
-    return manifest.calibration.probabilities(np.concatenate(logits), manifest.positive_index, "none")
+    logits, _ = infer_logits(
+        target, run.name, manifest.model_version, manifest.versions.feature_schema_version, x, timeout_s=10
+    )
+    return manifest.calibration.probabilities(logits, manifest.positive_index, "none")
 
 
 async def crm_rows(crm_url: str, request_ids: list[str], wait_s: float = 10.0) -> int:
     """Rows in the CRM for these request ids. Decisions reach the CRM through the ledger's relay
-    moments after they are returned, so this waits up to ``wait_s`` for all of them."""
-    from sqlalchemy import func, select
+    moments after they are returned, so this waits up to ``wait_s`` seconds for all of them.
 
-    from mlpair.prediction.crm.models import DecisionRecord
-    from mlpair.prediction.crm.store import make_engine
+    The CRM is the business's database: this counts rows in it by table and column name, as any
+    report on it would (:data:`CRM_TABLE`), not through PredictionService's code.
+    """
+    from sqlalchemy import column, func, select, table
+    from sqlalchemy.ext.asyncio import create_async_engine
 
-    engine = make_engine(crm_url)
+    decisions = table(CRM_TABLE, column("request_id"))
+    counted = select(func.count()).select_from(decisions).where(decisions.c.request_id.in_(request_ids))
+    engine = create_async_engine(crm_url)
     deadline = time.monotonic() + wait_s
     try:
         while True:
             async with engine.connect() as conn:
-                counted = select(func.count()).select_from(DecisionRecord)
-                rows = await conn.scalar(counted.where(DecisionRecord.request_id.in_(request_ids))) or 0
+                rows = await conn.scalar(counted) or 0
             if rows >= len(request_ids) or time.monotonic() > deadline:
                 return rows
             await asyncio.sleep(0.1)
@@ -308,7 +284,7 @@ def run_demo(
             run.result = asyncio.run(replay(target, run.name, run.requests, concurrency, progress))
             run.retry = asyncio.run(replay(target, run.name, run.requests[:RETRY_SAMPLE], concurrency, False))
             asyncio.run(explain_sample(target, run, run_id))
-            run.uncalibrated = asyncio.run(uncalibrated_probabilities(inference_target, run))
+            run.uncalibrated = uncalibrated_probabilities(inference_target, run)
         expected_ids = [r[0] for run in runs for r in run.requests] + [
             p.request_id for run in runs for p in run.explained
         ]

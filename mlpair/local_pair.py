@@ -50,7 +50,7 @@ def wait_ready(target: str, process: subprocess.Popen[bytes], log_path: Path) ->
         RuntimeError: the process exited or did not become ready in :data:`READY_TIMEOUT_S` seconds
             (the last lines of its log included).
     """
-    from mlpair.rpc import wait_until_serving
+    from mlpair.client import wait_until_serving
 
     if wait_until_serving(target, READY_TIMEOUT_S, lambda: process.poll() is None, poll_s=0.1):
         return
