@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Self
 
 import grpc
+from google.rpc import error_details_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
@@ -86,8 +87,6 @@ def _batch_request(items: Sequence[BatchItem]) -> pb.BatchPredictRequest:
 
 
 def _outcomes(reply: pb.BatchPredictResponse) -> list[pb.PredictResponse | ItemError]:
-    from google.rpc import error_details_pb2
-
     out: list[pb.PredictResponse | ItemError] = []
     for result in reply.results:
         if result.WhichOneof("outcome") == "prediction":
