@@ -11,7 +11,8 @@ import zipfile
 from tests.support import REPO_ROOT, requirement_closure, slim_environment
 
 # What the demo runs in its own process (the services are the same modules in child processes).
-DEMO_IMPORTS = ("mlpair.cli", "mlpair.demo", "mlpair.report", "mlpair.training.pipeline", "mlpair.training.baseline",
+DEMO_IMPORTS = ("mlpair.cli", "mlpair.commands.serve", "mlpair.commands.models", "mlpair.demo", "mlpair.report",
+                "mlpair.training.pipeline", "mlpair.training.baseline",
                 "mlpair.inference.server", "mlpair.prediction.server", "mlpair.prediction.crm.admin",
                 "mlpair.inference.runtimes.onnx", "matplotlib.pyplot")
 BUILD = "import setuptools.build_meta as backend, sys; print(backend.build_wheel(sys.argv[1]))"

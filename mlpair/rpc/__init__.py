@@ -8,8 +8,8 @@
 * :mod:`~mlpair.rpc.channels` — :func:`open_channel`, :func:`message_size_options`,
   :func:`client_keepalive_options`.
 * :mod:`~mlpair.rpc.health` — ``grpc.health.v1`` with liveness beside readiness:
-  :class:`Health` (the one health helper), :class:`LifecycleHealthServicer`, :data:`LIVENESS`,
-  :func:`wait_until_serving`.
+  :class:`Health` (the one health helper), :class:`LifecycleHealthServicer`, :data:`LIVENESS`;
+  :func:`wait_until_serving` is :func:`mlpair.client.wait_until_serving`, re-exported here.
 * :mod:`~mlpair.rpc.drain` — the one way a server stops: :func:`drain`, :class:`DrainGate`,
   :class:`Draining`, :func:`wait_for_termination_signal`.
 * :mod:`~mlpair.rpc.server` — the one server factory, :func:`build_server` with :class:`Service`,
@@ -20,12 +20,15 @@ Layers, lowest first: ``status``, ``tls``, ``channels`` and ``drain`` import not
 package; ``health`` imports ``drain``; ``servicers`` imports ``drain`` and ``status``; ``server``
 imports ``channels``, ``health``, ``servicers`` and ``tls``. Nothing here imports the services or
 :mod:`mlpair.observability` (which imports this package: tracing reaches :func:`build_server` as
-its ``observe`` hook). The names above are importable from here as well as from their module.
+its ``observe`` hook); the package imports :mod:`mlpair.client` for :func:`wait_until_serving`
+alone, and the client imports nothing of the project but the generated :mod:`mlpair.api`. The
+names above are importable from here as well as from their module.
 """
 
+from mlpair.client.health import wait_until_serving  # defined with the public client; importable here as before
 from mlpair.rpc.channels import client_keepalive_options, message_size_options, open_channel
 from mlpair.rpc.drain import QUIET_S, DrainGate, Draining, drain, wait_for_termination_signal
-from mlpair.rpc.health import LIVENESS, NOT_SERVING, SERVING, Health, LifecycleHealthServicer, wait_until_serving
+from mlpair.rpc.health import LIVENESS, NOT_SERVING, SERVING, Health, LifecycleHealthServicer
 from mlpair.rpc.server import (
     ConnectionSettings,
     ServerSettings,

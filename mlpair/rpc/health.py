@@ -15,8 +15,7 @@ Health names on both services:
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -119,27 +118,3 @@ class Health:
     def add_to(self, server: grpc.aio.Server) -> None:
         """Registers the health service on ``server``."""
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-
-
-def wait_until_serving(
-    target: str, timeout_s: float, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.05
-) -> bool:
-    """Polls ``grpc.health.v1`` (overall, plaintext) at ``target`` until it reports SERVING.
-
-    For scripts and tests that start a service as a process: ``alive()`` is asked before each
-    poll (e.g. ``lambda: process.poll() is None``), so a process that exits is noticed at once.
-
-    Returns:
-        True when SERVING; False when ``timeout_s`` seconds passed or ``alive()`` turned false.
-    """
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline and alive():
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(poll_s)
-    return False

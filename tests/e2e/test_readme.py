@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.attributes import attribute_rows, markdown, readme_section
 from mlpair.cli import main as cli_main
+from mlpair.client import AsyncPredictionClient
 from tests.e2e.conftest import prediction_server
 from tests.support import CONFIG_DIR, REPO_ROOT
 
@@ -36,7 +37,7 @@ async def prediction_target(inference_server, model_repository, tmp_path):
 
 
 async def test_the_readme_python_client_runs_verbatim_and_gets_a_decision(prediction_target, monkeypatch, capsys):
-    snippet = code_block("python", "PredictionServiceStub")
+    snippet = code_block("python", "PredictionClient")
     real = grpc.insecure_channel
     asked = []
 
@@ -52,13 +53,8 @@ async def test_the_readme_python_client_runs_verbatim_and_gets_a_decision(predic
     # The snippet's request id again: the service returns the decision it recorded, as printed.
     request_id, entity_id = (re.search(rf'{key}="([^"]+)"', snippet).group(1) for key in ("request_id", "entity_id"))
     attributes = eval(re.search(r"applicant = (\{.*?\})\n", snippet, re.S).group(1))
-    async with grpc.aio.insecure_channel(prediction_target) as channel:
-        from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-        from mlpair.prediction.converters import to_attributes
-
-        again = await pb_grpc.PredictionServiceStub(channel).Predict(pb.PredictRequest(
-            request_id=request_id, entity_id=entity_id, model_name="credit-risk", attributes=to_attributes(attributes)),
-            timeout=10)
+    async with AsyncPredictionClient(prediction_target) as client:
+        again = await client.predict("credit-risk", entity_id, attributes, request_id)
     assert again.replayed and (again.decision_label, list(again.reason_codes)) == (label, eval(reasons))
     assert f"{again.probability:.3f}" == probability
 

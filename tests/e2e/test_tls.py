@@ -7,6 +7,7 @@ second CA that signed nothing the servers trust.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 from pathlib import Path
@@ -20,6 +21,7 @@ from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.client import PredictionClient, check_health, infer_logits
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.inference.settings import InferenceSettings
 from mlpair.prediction.converters import to_attributes
@@ -143,7 +145,8 @@ async def test_inference_service_mutual_tls_requires_a_client_certificate(model_
         assert reply.logits.shape == [2, 2]
 
 
-async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository, credit_holdout, certs, tmp_path):
+async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository, credit_holdout, certs, tmp_path,
+                                                                holdout_x, feature_version):
     """Business caller --TLS--> PredictionService --mTLS--> InferenceService, on 127.0.0.1."""
     from mlpair.prediction.server import stop
     from tests.support import start_prediction
@@ -173,6 +176,19 @@ async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository
                 with pytest.raises(grpc.aio.AioRpcError) as excinfo:
                     await health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert excinfo.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            def public_clients():  # mlpair.client with the same credentials: TLS, and mTLS to InferenceService
+                tls = channel_credentials(certs["ca"])
+                with PredictionClient(target, credentials=tls) as client:
+                    again = client.predict("credit-risk", "applicant-tls-1", record, request_id="tls-1")
+                mtls = channel_credentials(certs["ca"], certs["client_cert"], certs["client_key"])
+                logits, _ = infer_logits(inference_target, "credit-risk", "", feature_version, holdout_x[:3],
+                                         credentials=mtls)
+                return again, check_health(target, credentials=tls), logits
+
+            again, status, logits = await asyncio.to_thread(public_clients)
+            assert again.replayed and again.decision_id == reply.decision_id and status == "SERVING"
+            assert logits.shape == (3, 2)
         finally:
             await stop(server, health, predictor, 0)
 

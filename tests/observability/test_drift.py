@@ -9,9 +9,9 @@ import pytest
 from scipy.stats import ks_2samp
 
 from mlpair.cli import main as cli_main
-from mlpair.prediction.drift import (
-    DriftConfig, DriftMonitor, chi2_against_frequencies, ks_against_quantiles, reports_from_metrics,
-)
+from mlpair.prediction.drift import DriftConfig, DriftMonitor
+from mlpair.prediction.drift_report import reports_from_metrics
+from mlpair.prediction.drift_statistics import chi2_against_frequencies, ks_against_quantiles
 from tests.observability.pair import predict_request
 
 CONCURRENCY = 8

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.prediction import metrics
-from mlpair.prediction.drift import chi2_against_frequencies, ks_against_quantiles
+from mlpair.prediction.drift_statistics import chi2_against_frequencies, ks_against_quantiles
 from mlpair.prediction.families import ModelFamily
 from mlpair.prediction.policy import DecisionPolicy
 from mlpair.prediction.signals import PROBE_BAND_WIDTH, SCORE, FamilySignals, rank_edges

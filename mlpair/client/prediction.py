@@ -1,0 +1,279 @@
+"""PredictionService from Python: :class:`PredictionClient` (blocking), :class:`AsyncPredictionClient`
+(``grpc.aio``) and :func:`to_attributes`; see :mod:`mlpair.client`."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import grpc
+from google.rpc import error_details_pb2
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
+
+# What an attribute may be given as: None (or NaN) is missing, a bool a flag, a real number (NumPy's
+# too) a number, anything else its str() (a category, or text the schema converts); an AttributeValue as is.
+Attribute = float | int | bool | str | None | pb.AttributeValue
+
+
+def to_attributes(mapping: Mapping[str, Attribute]) -> dict[str, pb.AttributeValue]:
+    """Python values → the ``PredictRequest.attributes`` map: None and NaN → null (missing), a bool →
+    ``bool_value``, any other real number (int, float, NumPy scalars) → ``number_value``, an
+    ``AttributeValue`` as given, anything else → ``string_value`` of its ``str()``."""
+    out = {}
+    for name, value in mapping.items():
+        if isinstance(value, pb.AttributeValue):
+            out[name] = value
+        elif value is None:
+            out[name] = pb.AttributeValue()
+        elif isinstance(value, bool):
+            out[name] = pb.AttributeValue(bool_value=value)
+        elif isinstance(value, numbers.Real):
+            number = float(value)
+            out[name] = pb.AttributeValue() if math.isnan(number) else pb.AttributeValue(number_value=number)
+        else:
+            out[name] = pb.AttributeValue(string_value=str(value))
+    return out
+
+
+def predict_request(
+    family: str,
+    entity_id: str,
+    attributes: Mapping[str, Attribute],
+    request_id: str | None = None,
+    explain: bool = False,
+) -> pb.PredictRequest:
+    """One ``PredictRequest``; a new request id (UUID4) when ``request_id`` is None or empty."""
+    return pb.PredictRequest(
+        request_id=request_id or str(uuid.uuid4()),
+        entity_id=entity_id,
+        model_name=family,
+        attributes=to_attributes(attributes),
+        explain=explain,
+    )
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One item of :meth:`PredictionClient.batch_predict`: the arguments of one ``predict``."""
+
+    family: str
+    entity_id: str
+    attributes: Mapping[str, Attribute]
+    request_id: str | None = None
+    explain: bool = False
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """A refused ``BatchPredict`` item: the status ``Predict`` would have raised for it."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str  # the ErrorInfo reason, e.g. "UNKNOWN_ATTRIBUTE"; empty if the server sent none
+
+
+def _batch_request(items: Sequence[BatchItem]) -> pb.BatchPredictRequest:
+    return pb.BatchPredictRequest(
+        requests=[predict_request(i.family, i.entity_id, i.attributes, i.request_id, i.explain) for i in items]
+    )
+
+
+def _outcomes(reply: pb.BatchPredictResponse) -> list[pb.PredictResponse | ItemError]:
+    out: list[pb.PredictResponse | ItemError] = []
+    for result in reply.results:
+        if result.WhichOneof("outcome") == "prediction":
+            out.append(result.prediction)
+            continue
+        info = error_details_pb2.ErrorInfo()
+        reason = next((info.reason for d in result.error.details if d.Unpack(info)), "")
+        code = next((c for c in grpc.StatusCode if c.value[0] == result.error.code), grpc.StatusCode.UNKNOWN)
+        out.append(ItemError(code, result.error.message, reason))
+    return out
+
+
+class _Client:
+    """What both clients share: the target, the default deadline, the stub over one channel."""
+
+    def __init__(self, target: str, channel: grpc.Channel | grpc.aio.Channel, timeout_s: float) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._stub = pb_grpc.PredictionServiceStub(channel)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+
+class PredictionClient(_Client):
+    """Blocking PredictionService client over one channel; close it, or use it as a context manager.
+
+    Args:
+        target: ``host:port`` of PredictionService (its default port is 9001).
+        credentials: TLS (or mTLS) channel credentials, e.g. :func:`mlpair.rpc.channel_credentials`;
+            None = plaintext.
+        timeout_s: deadline of each call in seconds, unless the call names its own.
+        options: extra gRPC channel options (``(name, value)`` pairs).
+
+    Every call raises ``grpc.RpcError`` when refused: INVALID_ARGUMENT (an attribute the family's
+    feature schema rejects, or an unknown one), NOT_FOUND (unknown family), ALREADY_EXISTS (the
+    request id is on record for another payload), FAILED_PRECONDITION (the model and feature
+    versions disagree), RESOURCE_EXHAUSTED (shedding load: retry later), UNAVAILABLE (the service,
+    its model or its decision ledger cannot be reached; nothing was recorded: retry with the same
+    request id), DEADLINE_EXCEEDED, INTERNAL (a model failure).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, int]] = (),
+    ) -> None:
+        self._channel = open_channel(target, credentials, options)
+        super().__init__(target, self._channel, timeout_s)
+
+    def predict(
+        self,
+        family: str,
+        entity_id: str,
+        attributes: Mapping[str, Attribute],
+        request_id: str | None = None,
+        explain: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> pb.PredictResponse:
+        """One decision about ``entity_id`` by the model ``family`` (e.g. ``"credit-risk"``).
+
+        Args:
+            attributes: raw attributes by name (:func:`to_attributes`); a left-out attribute takes
+                its schema default and adds a ``<FEATURE>_MISSING_DEFAULTED`` reason code.
+            request_id: the idempotency key; None = a new UUID4. The same id sent again returns the
+                decision recorded first (``replayed`` set).
+            explain: also per-feature ``contributions`` and ``top_reasons`` (costs one inference
+                call of 1 + number of features rows).
+            timeout_s: this call's deadline in seconds; None = the client's.
+
+        Returns:
+            The recorded decision: ``decision_label``, calibrated ``probability`` in [0, 1],
+            ``reason_codes``, the model, schema and policy versions, ``request_id`` and
+            ``decision_id``.
+
+        Raises:
+            grpc.RpcError: refused; the codes are listed on the class.
+        """
+        request = predict_request(family, entity_id, attributes, request_id, explain)
+        return self._stub.Predict(request, timeout=self._deadline(timeout_s))
+
+    def explain(
+        self,
+        family: str,
+        entity_id: str,
+        attributes: Mapping[str, Attribute],
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> pb.PredictResponse:
+        """:meth:`predict` with ``explain=True``: the decision with its contributions and top reasons."""
+        return self.predict(family, entity_id, attributes, request_id, explain=True, timeout_s=timeout_s)
+
+    def batch_predict(
+        self, items: Sequence[BatchItem], *, timeout_s: float | None = None
+    ) -> list[pb.PredictResponse | ItemError]:
+        """Many decisions in one ``BatchPredict`` call; items may name different families.
+
+        Returns:
+            One outcome per item, in order: the decision, or the :class:`ItemError` that item alone
+            met (a bad item never fails the others).
+
+        Raises:
+            grpc.RpcError: the whole call was refused: INVALID_ARGUMENT (more items than the service
+                takes at once, ``PREDICTION_MAX_BATCH_ITEMS``), UNAVAILABLE, RESOURCE_EXHAUSTED,
+                DEADLINE_EXCEEDED.
+        """
+        reply = self._stub.BatchPredict(_batch_request(items), timeout=self._deadline(timeout_s))
+        return _outcomes(reply)
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncPredictionClient(_Client):
+    """:class:`PredictionClient` for asyncio (``grpc.aio``): the same arguments, calls and errors,
+    each call awaited; many may be in flight on the one channel. Use ``async with`` or ``await
+    close()``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, int]] = (),
+    ) -> None:
+        if credentials is not None:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=list(options))
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=list(options))
+        super().__init__(target, self._channel, timeout_s)
+
+    async def predict(
+        self,
+        family: str,
+        entity_id: str,
+        attributes: Mapping[str, Attribute],
+        request_id: str | None = None,
+        explain: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> pb.PredictResponse:
+        """See :meth:`PredictionClient.predict`."""
+        request = predict_request(family, entity_id, attributes, request_id, explain)
+        return await self._stub.Predict(request, timeout=self._deadline(timeout_s))
+
+    async def explain(
+        self,
+        family: str,
+        entity_id: str,
+        attributes: Mapping[str, Attribute],
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> pb.PredictResponse:
+        """See :meth:`PredictionClient.explain`."""
+        return await self.predict(family, entity_id, attributes, request_id, explain=True, timeout_s=timeout_s)
+
+    async def batch_predict(
+        self, items: Sequence[BatchItem], *, timeout_s: float | None = None
+    ) -> list[pb.PredictResponse | ItemError]:
+        """See :meth:`PredictionClient.batch_predict`."""
+        reply = await self._stub.BatchPredict(_batch_request(items), timeout=self._deadline(timeout_s))
+        return _outcomes(reply)
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        await self.close()

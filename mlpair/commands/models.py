@@ -1,0 +1,101 @@
+"""``mlpair train`` and ``mlpair migrate``: what runs before a deploy (models into the repository,
+the decision ledger and CRM schemas up to date); the services do neither at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+DEFAULT_SCHEMAS = [Path("config/credit-risk/feature-schema.toml"), Path("config/churn/feature-schema.toml")]
+
+
+def train(args: argparse.Namespace) -> int:
+    """``mlpair train``: trains (or reuses, when up to date) each schema's family into
+    ``--model-repository`` and logs its holdout metrics.
+
+    Returns:
+        0, or 2 when a feature schema file is missing (the line says where it was looked for).
+    """
+    import dataclasses
+    import logging
+
+    from mlpair.logs import configure_logging
+    from mlpair.training.pipeline import load_train_config, train_family
+
+    configure_logging("training", "INFO")
+    schemas = [Path(s) for s in args.schema or DEFAULT_SCHEMAS]
+    if missing := [str(s) for s in schemas if not s.is_file()]:
+        print(
+            f"mlpair: no feature schema at {', '.join(missing)} (paths are relative to {Path.cwd()}); "
+            "run from the repository root or pass --schema",
+            file=sys.stderr,
+        )
+        return 2
+    for schema in schemas:
+        config = load_train_config(Path(schema))
+        if args.seed is not None:
+            config = dataclasses.replace(config, seed=args.seed)
+        entry, fresh = train_family(Path(schema), Path(args.model_repository), config, force=args.force)
+        m = entry.manifest
+        cal = m.metrics["holdout_calibrated"]
+        logging.getLogger("mlpair").info(
+            "%s version %s %s: holdout ROC AUC %.4f, Brier %.4f, ECE %.4f (calibration %s)",
+            m.model_name,
+            m.model_version,
+            "trained" if fresh else "reused (up to date)",
+            cal["roc_auc"],
+            cal["brier"],
+            cal["ece_15"],
+            m.calibration.method,
+        )
+    return 0
+
+
+def migrate(args: argparse.Namespace) -> int:
+    """``mlpair migrate``: creates or upgrades the ledger and CRM schemas as their owner, prints one
+    summary line.
+
+    Returns:
+        0; 2 for a bad argument or a missing outbox file; 1 when a database refused or is unreachable
+        (one line on stderr, the traceback too with ``--debug``).
+    """
+    import logging
+
+    from mlpair.cli import debug_enabled
+    from mlpair.logs import configure_logging
+    from mlpair.prediction.crm.admin import migrate
+    from mlpair.prediction.settings import PredictionSettings
+
+    configure_logging("prediction", "WARNING")
+    defaults = PredictionSettings()  # PREDICTION_LEDGER_URL and PREDICTION_CRM_URL, as the services read them
+    ledger_url, crm_url = args.ledger_url or defaults.ledger_url, args.crm_url or defaults.crm_url
+    try:
+        report = asyncio.run(
+            migrate(
+                ledger_url,
+                crm_url,
+                serving_role=args.serving_role,
+                import_outboxes=[Path(p) for p in args.import_outbox or []],
+                backfill_from_crm=args.backfill_from_crm,
+            )
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"mlpair migrate: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001  (a database refused or is unreachable: one line, detail with --debug)
+        if debug_enabled():
+            logging.getLogger("mlpair").error("migration failed", exc_info=True)
+        print(
+            f"mlpair migrate: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'failed'}",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"ledger at {report.revisions['ledger']}, CRM at {report.revisions['crm']}"
+        + (f"; serving role {report.granted_to} granted" if report.granted_to else "")
+        + (f"; {report.imported_from_outboxes} decision(s) imported from outboxes" if args.import_outbox else "")
+        + (f"; {report.backfilled_from_crm} decision(s) backfilled from the CRM" if args.backfill_from_crm else "")
+    )
+    return 0

@@ -1,0 +1,153 @@
+"""Drift reports: the verdicts of one model family's window (:class:`DriftReport`), rebuilt from a
+PredictionService's Prometheus exposition (what ``mlpair drift-report`` reads) and rendered as text.
+
+The monitor that computes them is :mod:`mlpair.prediction.drift`; the statistics are in
+:mod:`mlpair.prediction.drift_statistics`. This module imports neither (nor SciPy), so the command
+line reads a report without loading the serving side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client.samples import Sample
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One feature's (or the score's) drift test over the window."""
+
+    feature: str
+    test: str  # "ks" or "chi2"
+    statistic: float  # effect size: KS D, or total variation distance for chi2
+    p_value: float
+    threshold: float
+    drifted: bool
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """All tests of one model family's window, evaluated together."""
+
+    model_name: str
+    model_version: str
+    window_rows: int
+    min_rows: int
+    alpha: float
+    corrected_alpha: float  # alpha / number of tests (Bonferroni)
+    features: tuple[TestResult, ...]
+    score: TestResult | None
+
+    @property
+    def drifted_features(self) -> list[str]:
+        """The features whose test reported drift, in test order."""
+        return [t.feature for t in self.features if t.drifted]
+
+    @property
+    def judged(self) -> bool:
+        """Whether the window held enough decisions (``min_rows``) for a verdict."""
+        return self.window_rows >= self.min_rows
+
+    @property
+    def drifted(self) -> bool:
+        """True when any feature or the score drifted."""
+        return bool(self.drifted_features) or bool(self.score and self.score.drifted)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, plus the ``drifted`` verdict and ``drifted_features`` (JSON-ready)."""
+        return {**asdict(self), "drifted": self.drifted, "drifted_features": self.drifted_features}
+
+
+def reports_from_metrics(text: str) -> list[DriftReport]:
+    """Rebuilds drift reports from a PredictionService's Prometheus exposition text (what
+    ``mlpair drift-report`` reads from its metrics port). ``alpha`` is not exported and reads
+    as NaN."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, list[Sample]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith(("prediction_drift_", "prediction_score_drift_")):
+            values[family.name] = family.samples
+    models = sorted({s.labels["model"] for s in values.get("prediction_drift_window_rows", [])})
+    reports = []
+    for model in models:
+
+        def one(name: str, model: str = model, **labels: str) -> float:
+            return _sample_value(values, name, model, **labels)
+
+        tests = []
+        for s in values.get("prediction_drift_statistic", []):
+            if s.labels["model"] != model:
+                continue
+            feature, test = s.labels["feature"], s.labels["test"]
+            tests.append(
+                TestResult(
+                    feature,
+                    test,
+                    float(s.value),
+                    one("prediction_drift_p_value", feature=feature, test=test),
+                    one("prediction_drift_threshold", test=test),
+                    one("prediction_drift_detected", feature=feature) == 1.0,
+                )
+            )
+        score = None
+        if any(s.labels["model"] == model for s in values.get("prediction_score_drift_statistic", [])):
+            score = TestResult(
+                "score",
+                "ks",
+                one("prediction_score_drift_statistic"),
+                one("prediction_score_drift_p_value"),
+                one("prediction_drift_threshold", test="ks"),
+                one("prediction_score_drift_detected") == 1.0,
+            )
+        min_rows = one("prediction_drift_min_rows")
+        reports.append(
+            DriftReport(
+                model,
+                "",
+                int(one("prediction_drift_window_rows")),
+                int(min_rows) if min_rows == min_rows else 0,
+                float("nan"),
+                one("prediction_drift_corrected_alpha"),
+                tuple(tests),
+                score,
+            )
+        )
+    return reports
+
+
+def _sample_value(values: dict[str, list[Sample]], name: str, model: str, **labels: str) -> float:
+    """The value of the first sample of ``name`` for ``model`` with ``labels``; NaN if none."""
+    for s in values.get(name, []):
+        if s.labels.get("model") == model and all(s.labels.get(k) == v for k, v in labels.items()):
+            return float(s.value)
+    return float("nan")
+
+
+def render(reports: list[DriftReport]) -> str:
+    """A plain-text table per model: every test, its effect size, p-value and verdict."""
+    lines = []
+    for r in reports:
+        version = f" version {r.model_version}" if r.model_version else ""
+        if not r.judged:
+            lines.append(
+                f"{r.model_name}{version}: no verdict: {r.window_rows} decisions in the window, "
+                f"fewer than the {r.min_rows} needed"
+            )
+            continue
+        verdict = "DRIFT" if r.drifted else "no drift"
+        lines.append(
+            f"{r.model_name}{version}: {verdict} over {r.window_rows} decisions "
+            f"(per-test alpha {r.corrected_alpha:.2g}, Bonferroni)"
+        )
+        tests = (*r.features, *([r.score] if r.score else []))
+        width = max([7, *(len(t.feature) for t in tests)])
+        lines.append(f"  {'feature':<{width}} {'test':<5} {'effect':>7} {'threshold':>9} {'p-value':>10}  verdict")
+        for t in tests:
+            lines.append(
+                f"  {t.feature:<{width}} {t.test:<5} {t.statistic:>7.3f} {t.threshold:>9.3f} "
+                f"{t.p_value:>10.2e}  {'DRIFT' if t.drifted else 'ok'}"
+            )
+    return "\n".join(lines) if lines else "no drift monitors reported (no prediction_drift_* metrics yet)"

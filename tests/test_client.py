@@ -1,0 +1,206 @@
+"""``mlpair.client`` against real services: InferenceService and PredictionService in this process on
+free ports, serving the session's freshly trained models of both families (tests/conftest.py,
+tests/e2e/conftest.py). The blocking client runs in a thread: the servers share the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import mlpair.rpc
+from mlpair import client as public
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import (
+    AsyncPredictionClient, BatchItem, ItemError, PredictionClient, check_health, infer_logits, to_attributes,
+    wait_until_serving,
+)
+from mlpair.contracts.assembly import FeatureAssembler
+from mlpair.prediction.policy import DecisionPolicy
+from mlpair.rpc import error_info
+from tests.e2e.conftest import prediction_server
+from tests.support import CONFIG_DIR
+
+
+@pytest.fixture(scope="module")
+async def prediction_target(inference_server, model_repository, tmp_path_factory):
+    async with prediction_server(inference_server, model_repository, tmp_path_factory.mktemp("crm")) as (target, _):
+        yield target
+
+
+@pytest.fixture(scope="module")
+def families(credit_entry, credit_holdout, churn_entry, churn_holdout):
+    return {"credit-risk": (credit_entry, credit_holdout), "churn": (churn_entry, churn_holdout)}
+
+
+def offline_logits(entry, records) -> np.ndarray:
+    """The model's logits computed here: the manifest's feature assembly and ONNX Runtime."""
+    x = FeatureAssembler(entry.preprocessing).assemble_many(records)
+    return ort.InferenceSession(str(entry.model_path), providers=["CPUExecutionProvider"]).run(None, {"features": x})[0]
+
+
+def expect_decision(reply: pb.PredictResponse, family: str, entry, record: dict) -> None:
+    """The reply is the decision the model, its calibration and the family's policy make for ``record``."""
+    policy = DecisionPolicy.from_toml(CONFIG_DIR / family / "policy.toml")
+    manifest = entry.manifest
+    probability = manifest.calibration.probabilities(offline_logits(entry, [record]), manifest.positive_index)[0]
+    assert reply.probability == pytest.approx(probability, abs=1e-6)
+    assert reply.decision_label == policy.decide(reply.probability).decision
+    assert reply.reason_codes[0] == policy.decide(reply.probability).reason_codes[0]
+    assert (reply.model_version, reply.feature_schema_version) == (manifest.model_version, f"{family}/v1")
+    assert (reply.policy_version, reply.calibration_method) == (policy.version, manifest.calibration.method)
+    assert reply.decision_id and not reply.fallback and not reply.stale
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_to_attributes_maps_python_values_to_wire_values():
+    given = pb.AttributeValue(string_value="as given")
+    out = to_attributes({"n": 3, "x": 2.5, "np": np.int64(7), "flag": True, "home": "rent", "none": None,
+                         "nan": float("nan"), "np_nan": np.float32("nan"), "given": given})
+    assert {k: (v.WhichOneof("kind"), getattr(v, v.WhichOneof("kind")) if v.WhichOneof("kind") else None)
+            for k, v in out.items()} == {
+        "n": ("number_value", 3.0), "x": ("number_value", 2.5), "np": ("number_value", 7.0),
+        "flag": ("bool_value", True), "home": ("string_value", "rent"), "none": (None, None),
+        "nan": (None, None), "np_nan": (None, None), "given": ("string_value", "as given")}
+
+
+@pytest.mark.parametrize("family", ["credit-risk", "churn"])
+async def test_predict_returns_the_recorded_decision_and_the_same_one_again(prediction_target, families, family):
+    entry, holdout = families[family]
+    entity, record = holdout.entity_ids[0], holdout.records[0]
+
+    def twice():
+        with PredictionClient(prediction_target) as client:
+            first = client.predict(family, entity, record, request_id=f"client-{family}-1")
+            return first, client.predict(family, entity, record, request_id=f"client-{family}-1")
+
+    first, again = await asyncio.to_thread(twice)
+    expect_decision(first, family, entry, record)
+    assert first.request_id == f"client-{family}-1" and not first.replayed
+    assert again.replayed and (again.decision_id, again.probability, again.decision_label) == (
+        first.decision_id, first.probability, first.decision_label)
+
+
+async def test_a_request_without_an_id_gets_a_new_uuid(prediction_target, credit_holdout):
+    def one():
+        with PredictionClient(prediction_target) as client:
+            return client.predict("credit-risk", "no-id", credit_holdout.records[1])
+
+    reply = await asyncio.to_thread(one)
+    assert uuid.UUID(reply.request_id).version == 4 and not reply.replayed
+
+
+async def test_a_bad_attribute_is_invalid_argument_and_names_it(prediction_target):
+    def refused():
+        with PredictionClient(prediction_target) as client:
+            client.predict("credit-risk", "bad-1", {"Age": "thirty"}, request_id="client-bad-1")
+
+    with pytest.raises(grpc.RpcError) as excinfo:
+        await asyncio.to_thread(refused)
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Age" in excinfo.value.details() and "Traceback" not in excinfo.value.details()
+    assert error_info(excinfo.value).reason == "INVALID_REQUEST"
+
+
+async def test_an_unknown_family_is_not_found(prediction_target):
+    def refused():
+        with PredictionClient(prediction_target) as client:
+            client.predict("fraud", "e", {}, request_id="client-fraud-1")
+
+    with pytest.raises(grpc.RpcError) as excinfo:
+        await asyncio.to_thread(refused)
+    assert excinfo.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_info(excinfo.value).reason == "UNKNOWN_MODEL"
+
+
+async def test_explain_returns_the_decision_with_every_features_contribution(prediction_target, families):
+    entry, holdout = families["credit-risk"]
+    record = holdout.records[2]
+
+    def explained():
+        with PredictionClient(prediction_target) as client:
+            return client.explain("credit-risk", holdout.entity_ids[2], record, request_id="client-explain-1")
+
+    reply = await asyncio.to_thread(explained)
+    expect_decision(reply, "credit-risk", entry, record)
+    features = set(entry.preprocessing.feature_schema.attribute_names)
+    assert {c.feature for c in reply.contributions} == features
+    assert all(-1.0 <= c.contribution <= 1.0 for c in reply.contributions)
+    assert 1 <= len(reply.top_reasons) <= 3
+
+
+async def test_batch_predict_answers_in_order_and_a_bad_item_fails_alone(prediction_target, families):
+    (credit, credit_holdout), (churn, churn_holdout) = families["credit-risk"], families["churn"]
+    items = [
+        BatchItem("credit-risk", credit_holdout.entity_ids[3], credit_holdout.records[3], "client-batch-1"),
+        BatchItem("churn", "bad", {"tenure": 1.5, "partner": "maybe"}, "client-batch-2"),
+        BatchItem("churn", churn_holdout.entity_ids[3], churn_holdout.records[3], "client-batch-3"),
+    ]
+
+    def batch():
+        with PredictionClient(prediction_target) as client:
+            return client.batch_predict(items)
+
+    good, bad, other = await asyncio.to_thread(batch)
+    expect_decision(good, "credit-risk", credit, credit_holdout.records[3])
+    expect_decision(other, "churn", churn, churn_holdout.records[3])
+    assert (good.request_id, other.request_id) == ("client-batch-1", "client-batch-3")
+    assert isinstance(bad, ItemError)
+    assert (bad.code, bad.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+
+
+async def test_the_async_client_gets_the_same_recorded_decision(prediction_target, families):
+    entry, holdout = families["churn"]
+    entity, record = holdout.entity_ids[4], holdout.records[4]
+    async with AsyncPredictionClient(prediction_target) as client:
+        first, again = [await client.predict("churn", entity, record, "client-async-1") for _ in range(2)]
+        [batched] = await client.batch_predict([BatchItem("churn", entity, record, "client-async-1")])
+        with pytest.raises(grpc.RpcError) as excinfo:
+            await client.predict("churn", "bad", {"tenure": 1.5, "partner": "maybe"}, "client-async-2")
+    expect_decision(first, "churn", entry, record)
+    assert again.replayed and batched.replayed and again.decision_id == batched.decision_id == first.decision_id
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_infer_logits_are_the_models_in_calls_of_at_most_the_given_rows(inference_server, credit_entry,
+                                                                             credit_holdout):
+    records = credit_holdout.records[:20]
+    x = FeatureAssembler(credit_entry.preprocessing).assemble_many(records)
+    manifest = credit_entry.manifest
+    logits, version = await asyncio.to_thread(
+        infer_logits, inference_server, "credit-risk", manifest.model_version,
+        manifest.versions.feature_schema_version, x, rows_per_call=7)
+    assert logits.shape == (20, 2) and logits.dtype == np.float32 and version == manifest.model_version
+    np.testing.assert_allclose(logits, offline_logits(credit_entry, records), rtol=1e-5, atol=1e-5)
+
+
+async def test_infer_logits_refuses_another_feature_version(inference_server, credit_entry, holdout_x):
+    with pytest.raises(grpc.RpcError) as excinfo:
+        await asyncio.to_thread(infer_logits, inference_server, "credit-risk", credit_entry.manifest.model_version,
+                                "credit-risk/v999", holdout_x[:2])
+    assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_health_of_both_services_and_of_nothing(inference_server, prediction_target):
+    assert await asyncio.to_thread(check_health, inference_server) == "SERVING"
+    assert await asyncio.to_thread(check_health, prediction_target) == "SERVING"
+    assert await asyncio.to_thread(wait_until_serving, prediction_target, 5.0)
+    nothing = f"127.0.0.1:{free_port()}"
+    with pytest.raises(grpc.RpcError) as excinfo:
+        await asyncio.to_thread(check_health, nothing, timeout_s=1.0)
+    assert excinfo.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert not await asyncio.to_thread(wait_until_serving, nothing, 0.3)
+
+
+def test_wait_until_serving_has_one_definition():
+    assert mlpair.rpc.wait_until_serving is public.wait_until_serving
