@@ -179,7 +179,8 @@ class InferenceCoalescer:
         model_name, model_version, feature_version = key
         rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
         # the latest: the call is of use while any caller waits (each waits only its own budget)
-        deadline = None if any(p.deadline is None for p in parts) else max(p.deadline for p in parts)
+        deadlines = [p.deadline for p in parts if p.deadline is not None]
+        deadline = max(deadlines) if len(deadlines) == len(parts) else None  # None: a caller without one
         callers = [p.caller for p in parts]
         started = time.perf_counter()
         try:

@@ -94,6 +94,7 @@ def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
 
 def _rate_limited(exc: grpc.RpcError) -> bool:
     """Whether the mesh's rate limit, not InferenceService, refused the call (its reply header)."""
+    metadata: Sequence[tuple[str, str | bytes]] | None  # what a grpc.aio error carries, if anything
     for metadata in (getattr(exc, "initial_metadata", tuple)(), getattr(exc, "trailing_metadata", tuple)()):
         if any(key.lower() == RATE_LIMITED_HEADER for key, _ in metadata or ()):
             return True

@@ -33,7 +33,6 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
 
 import numpy as np
 
@@ -45,12 +44,13 @@ from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
+from mlpair.prediction.crm.ledger import Recorded
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided, decide_columns
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.errors import InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
-from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
+from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
 from mlpair.prediction.scoring import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
@@ -169,7 +169,7 @@ class Predictor:
     # -- the stages ------------------------------------------------------------------------
 
     async def _run(self, requests: Sequence[PredictInput]) -> Outcomes:
-        slots: list = [None] * len(requests)
+        slots: list[Slot] = [None] * len(requests)
         groups = prepare_items(
             requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
         )
@@ -184,8 +184,10 @@ class Predictor:
                 for index in group.index:
                     slots[index] = error
                 continue
-            for k, error in d.errors.items():
-                slots[group.index[k]] = error if isinstance(error, PredictionError) else as_item_error(error)
+            for k, row_error in d.errors.items():
+                slots[group.index[k]] = (
+                    row_error if isinstance(row_error, PredictionError) else as_item_error(row_error)
+                )
             if d.rows:
                 decided.append(d)
         if decided:
@@ -199,7 +201,7 @@ class Predictor:
             metrics.labelled(metrics.REQUESTS, *labels).inc(n)
         return Outcomes(slots)
 
-    async def _record(self, decided: list[Decided], slots: list) -> None:
+    async def _record(self, decided: list[Decided], slots: list[Slot]) -> None:
         """The one write site: commits every decision of the call to the shared decision ledger (one
         bulk statement when they fit) before any is returned. A request id already on record gets
         the decision recorded first (``replayed``), or ``IDEMPOTENCY_KEY_REUSED`` when it was
@@ -247,7 +249,7 @@ class Predictor:
 
     @staticmethod
     def _replayed(
-        record, group: Group, k: int, fingerprint: str, decisions: Counter
+        record: Recorded, group: Group, k: int, fingerprint: str, decisions: Counter
     ) -> PredictionResult | PredictionError:
         """The outcome of a request id that was on record already: that decision, or the refusal
         of an id recorded for another payload."""
@@ -300,11 +302,14 @@ def group_probabilities(d: Decided, rows: list[int]) -> np.ndarray:
     return np.array([column[j] for j in rows], dtype=np.float64)
 
 
-def _recorded_maps(recorded: Sequence) -> tuple[dict[int, Any], dict[int, Exception]]:
+def _recorded_maps(
+    recorded: Sequence[Recorded | LedgerUnavailable],
+) -> tuple[Mapping[int, Recorded], Mapping[int, BaseException]]:
     """(row → what was on record before, row → why it is not on record) from the ledger's answer."""
     if isinstance(recorded, RecordedBatch):
         return recorded.replays, recorded.errors
-    replays, failed = {}, {}
+    replays: dict[int, Recorded] = {}
+    failed: dict[int, BaseException] = {}
     for i, outcome in enumerate(recorded):
         if isinstance(outcome, BaseException):
             failed[i] = outcome

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ async def score_groups(groups: list[Group], infer: Infer, max_rows: int) -> None
     calls = []
     for group in groups:
         n, members = len(group), len(group.family.members)
-        group.served = [None] * n
+        group.served = [None] * n  # stays None where the row's call fails
         group.probabilities = np.zeros((members, n), dtype=np.float64)
         group.usable = np.zeros(n, dtype=bool)
         group.margins = np.zeros(n, dtype=np.float64)
@@ -84,7 +84,7 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
             else None
         )
     except ServiceError as exc:
-        error = exc
+        error: ServiceError = exc
     except Exception as exc:  # noqa: BLE001  (one chunk's failure must not fail the batch)
         error = as_item_error(exc)
     else:
@@ -102,7 +102,7 @@ def _fill(
     probabilities: np.ndarray,
     usable: np.ndarray,
     margins: np.ndarray | None,
-    offsets,
+    offsets: Sequence[int],
     sizes: list[int] | None,
 ) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
@@ -141,7 +141,7 @@ def _fill_rows(
     probabilities: np.ndarray,
     usable: np.ndarray,
     margins: np.ndarray | None,
-    offsets,
+    offsets: Sequence[int],
     sizes: list[int] | None,
 ) -> None:
     """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the

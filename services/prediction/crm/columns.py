@@ -14,9 +14,13 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING, overload
 
 from mlpair.prediction.crm.store import StoredDecision
 from mlpair.prediction.errors import LedgerUnavailable
+
+if TYPE_CHECKING:
+    from mlpair.prediction.crm.ledger import Recorded
 
 _JSON = json.JSONEncoder()
 _REASONS_JSON: dict[tuple[str, ...], str] = {}  # reason-code tuples repeat: each is encoded once
@@ -74,7 +78,13 @@ class DecisionColumns(Sequence[StoredDecision]):
     def __len__(self) -> int:
         return len(self.request_id)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> StoredDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[StoredDecision]: ...
+
+    def __getitem__(self, i: int | slice) -> StoredDecision | list[StoredDecision]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         return StoredDecision(
@@ -131,7 +141,7 @@ class DecisionColumns(Sequence[StoredDecision]):
 
 
 @dataclass(eq=False)
-class RecordedBatch(Sequence):
+class RecordedBatch(Sequence["Recorded | LedgerUnavailable"]):
     """The ledger's outcome for each row of a :class:`DecisionColumns`: a
     :class:`~mlpair.prediction.crm.ledger.Recorded` (built when read) or a :class:`LedgerUnavailable`.
 
@@ -142,13 +152,19 @@ class RecordedBatch(Sequence):
     """
 
     decisions: DecisionColumns
-    replays: dict = field(default_factory=dict)
+    replays: dict[int, Recorded] = field(default_factory=dict)
     errors: dict[int, LedgerUnavailable] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.decisions)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> Recorded | LedgerUnavailable: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Recorded | LedgerUnavailable]: ...
+
+    def __getitem__(self, i: int | slice) -> Recorded | LedgerUnavailable | list[Recorded | LedgerUnavailable]:
         from mlpair.prediction.crm.ledger import Recorded
 
         if isinstance(i, slice):

@@ -87,6 +87,8 @@ Entry = tuple[StoredDecision, str]  # a decision and the fingerprint of its requ
 def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[[datetime], Any]) -> tuple:
     """The :data:`DECISION_COLUMNS` values of a decision; ``decided_at`` encodes the timestamp."""
     d = decision
+    if d.decided_at is None:  # complete() sets it before anything is recorded
+        raise ValueError(f"decision {d.request_id!r} has no decided_at")
     return (
         d.request_id,
         fingerprint,
@@ -206,7 +208,7 @@ class DecisionLedger(abc.ABC):
 
     async def record_many(
         self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
-    ) -> list[Recorded | LedgerUnavailable]:
+    ) -> Sequence[Recorded | LedgerUnavailable]:
         """Commits the decisions not yet on record, all in one group commit when they fit.
 
         Args:
@@ -360,7 +362,7 @@ class _Caller:
         self.outcomes[index] = outcome
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():  # a caller that went away still has its decisions on record
-            self.future.set_result(self.outcomes)
+            self.future.set_result([o for o in self.outcomes if o is not None])  # none is None by now
 
 
 def open_ledger(

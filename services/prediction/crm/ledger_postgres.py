@@ -247,6 +247,7 @@ class PostgresLedger(DecisionLedger):
 
     async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
         arrays = batch.ledger_arrays(rows)
+        parameters: Sequence[object]  # packed text columns, or the columns as they are
         try:
             statement, parameters = INSERT_PACKED, _packed(arrays)
         except packed.Unpackable:

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import DateTime, Float, Integer, String, Text, event, func, make_url, select, text
+from sqlalchemy import DateTime, Float, Integer, Row, String, Text, event, func, make_url, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -104,7 +104,8 @@ class StoredDecision:
         return cls(**data)
 
     @classmethod
-    def from_record(cls, r: DecisionRecord) -> StoredDecision:
+    def from_record(cls, r: Row[Any]) -> StoredDecision:
+        """A decision from a selected ``decisions`` row (:class:`DecisionRecord`'s columns)."""
         return cls(
             r.decision_id,
             r.request_id,
@@ -194,7 +195,7 @@ def make_engine(
             cursor.close()
 
         return engine
-    connect_args = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
+    connect_args: dict[str, Any] = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
     if connect_args and statement_cache_size == 0:
         connect_args.update(
             statement_cache_size=0,
@@ -335,4 +336,4 @@ class CrmStore:
     async def count(self) -> int:
         """Number of recorded decisions."""
         async with self.engine.connect() as conn:
-            return int(await conn.scalar(select(func.count()).select_from(DecisionRecord)))
+            return int((await conn.execute(select(func.count()).select_from(DecisionRecord))).scalar_one())
