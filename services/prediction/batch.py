@@ -3,7 +3,7 @@
 :func:`prepare_items` checks every item (ids, duplicates, model family), assembles each family's
 rows into one guarded matrix (:mod:`~mlpair.prediction.columns`) and fingerprints each request;
 an item that fails gets its own error and leaves the batch. What remains of each family is one
-:class:`Group`, which scoring (:mod:`~mlpair.prediction.scoring`) and the decisions
+:class:`Group`, which scoring (:mod:`~mlpair.prediction.scoring.scorer`) and the decisions
 (:mod:`~mlpair.prediction.decisions`) fill and read column by column.
 """
 
@@ -18,13 +18,13 @@ import numpy as np
 from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.cache import Scored
 from mlpair.prediction.checks import check_id, unknown_attribute_warnings, unknown_attributes_error
 from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
 from mlpair.prediction.families import ModelFamily
 from mlpair.prediction.idempotency import request_fingerprints
+from mlpair.prediction.scoring.cache import Scored
 
 if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput

@@ -24,12 +24,12 @@ import numpy as np
 
 from mlpair.prediction import metrics
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.cache import Source
 from mlpair.prediction.crm.columns import DecisionColumns
 from mlpair.prediction.crm.store import decision_id_for
 from mlpair.prediction.explain import Explanation, explain
 from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.scoring import as_item_error
+from mlpair.prediction.scoring.cache import Source
+from mlpair.prediction.scoring.scorer import as_item_error
 
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output

@@ -5,7 +5,7 @@ by item: validation, and feature assembly with guards for all of a family's item
 (``batch``, ``columns``: the same conversions and arithmetic training used) → the rows of all items packed
 into InferenceService calls of at most ``max_inference_rows`` rows, per model family and
 model version, through the cache, single-flight, the caller's deadline budget, retries and
-the circuit breaker (``cache``, ``resilience``) → calibration (``scoring``) → decision policy
+the circuit breaker (``scoring``: cache → coalescer → resilience → client) → calibration (``scoring.scorer``) → decision policy
 (with the ensemble spread) and explanation (``decisions``) → durable record in the decision ledger,
 in one bulk statement per call, delivered to the CRM by the relay (``crm``). A bad item gets its own error and never fails the others; results come
 back in request order. A decision is recorded in the decision ledger every replica shares
@@ -40,7 +40,6 @@ from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.batch import Group, prepare_items
-from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
@@ -51,7 +50,8 @@ from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
-from mlpair.prediction.scoring import UnexpectedFailure, as_item_error, score_groups
+from mlpair.prediction.scoring.cache import CachedInference, Scored, Source
+from mlpair.prediction.scoring.scorer import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
 __all__ = [
@@ -281,19 +281,14 @@ class Predictor:
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
         return await self.scorer.score(
-            family.name,
-            model.version,
-            family.feature_version,
-            features,
-            deadline,
-            n_classes=len(model.entry.manifest.class_names),
+            family.target(model), features, deadline, n_classes=len(model.entry.manifest.class_names)
         )
 
     async def _infer_shadow(
         self, family: ModelFamily, model: ModelVersion, features: np.ndarray
     ) -> tuple[np.ndarray, str]:
         """Shadow calls go straight to InferenceService: never cached, never served."""
-        return await self.inference.infer(family.name, model.version, family.feature_version, features)
+        return await self.inference.infer(family.target(model), features)
 
 
 def group_probabilities(d: Decided, rows: list[int]) -> np.ndarray:

@@ -161,9 +161,9 @@ def _scored_group(entry, records: list[dict], members: int, seed: int):
     from types import SimpleNamespace
 
     from mlpair.prediction.batch import Group
-    from mlpair.prediction.cache import Scored, Source
+    from mlpair.prediction.scoring.cache import Scored, Source
     from mlpair.prediction.outcomes import PredictInput
-    from mlpair.prediction.scoring import UnexpectedFailure
+    from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
     policy = DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml")
     schema = entry.preprocessing.feature_schema
@@ -222,8 +222,8 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
 @pytest.mark.parametrize("members", [1, 2])
 def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
     """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
-    from mlpair.prediction.cache import Scored, Source
-    from mlpair.prediction.scoring import _fill, _fill_rows
+    from mlpair.prediction.scoring.cache import Scored, Source
+    from mlpair.prediction.scoring.scorer import _fill, _fill_rows
 
     records = credit_holdout.records[:40]
     rng = np.random.default_rng(members)

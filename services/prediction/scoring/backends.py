@@ -2,7 +2,7 @@
 
 :class:`MemoryCache` (in-process LRU), :class:`RedisCache` (shared by replicas; any Redis error
 or timeout is a miss, never a failed request) and :class:`NullCache`, behind the
-:class:`LogitsCache` protocol that :class:`~mlpair.prediction.cache.CachedInference` uses.
+:class:`LogitsCache` protocol that :class:`~mlpair.prediction.scoring.cache.CachedInference` uses.
 
 **A shared cache is untrusted input.** Other processes write Redis too (other replicas, other
 releases, anything with access to it), so nothing read from it is used as it comes: the value is

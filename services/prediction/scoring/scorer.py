@@ -18,9 +18,9 @@ import numpy as np
 
 from mlpair.errors import ServiceError
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.cache import Scored, Source
 from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
+from mlpair.prediction.scoring.cache import Scored, Source
 
 logger = logging.getLogger(__name__)
 

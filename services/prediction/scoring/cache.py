@@ -19,15 +19,15 @@ policy run again on every request, so a policy change applies at once.
   turn no other caller's identical request into a fallback. A finished call
   stays joinable for a short linger (``linger_s``, at most 1 s): a request whose cache read was
   sent before the result was cached (a Redis reply in flight) still gets it without a second call.
-* **Coalescing** (:mod:`~mlpair.prediction.coalesce`): the Infer calls of concurrent requests'
+* **Coalescing** (:mod:`~mlpair.prediction.scoring.coalescer`): the Infer calls of concurrent requests'
   flights go out together as one call per model version, so many Predict calls cost about
   one round trip to InferenceService.
-* **Backends** (:mod:`~mlpair.prediction.cache_backends`). :class:`MemoryCache` (in-process LRU,
+* **Backends** (:mod:`~mlpair.prediction.scoring.backends`). :class:`MemoryCache` (in-process LRU,
   the default), :class:`RedisCache` (shared by replicas through ``redis.asyncio``; any Redis
   error or timeout counts as a miss, never as a failed request) and :class:`NullCache`.
   Single-flight is per process in every case.
 * **Validated reads.** Every entry read, from any backend, is checked like untrusted input
-  (:func:`~mlpair.prediction.cache_backends.fit_to_serve`): the key it was written for, the model
+  (:func:`~mlpair.prediction.scoring.backends.fit_to_serve`): the key it was written for, the model
   version, ``[n_classes]`` finite logits, its size and age. One that does not fit is a miss,
   counted, never served (not even stale), never an error. Rows without usable model output are
   never written.
@@ -46,11 +46,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlpair.contracts.target import ModelTarget
 from mlpair.prediction import metrics
-from mlpair.prediction.cache_backends import CachedLogits, LogitsCache, MemoryCache, NullCache, RedisCache, fit_to_serve
-from mlpair.prediction.coalesce import InferenceCoalescer
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
-from mlpair.prediction.resilience import ResilientCaller
+from mlpair.prediction.scoring.backends import (
+    CachedLogits,
+    LogitsCache,
+    MemoryCache,
+    NullCache,
+    RedisCache,
+    fit_to_serve,
+)
+from mlpair.prediction.scoring.coalescer import InferenceCoalescer
 
 __all__ = [
     "CachedInference",
@@ -69,10 +76,10 @@ logger = logging.getLogger(__name__)
 KEY_LAYOUT = "v2"  # bumped with the stored value's layout: releases never read each other's entries
 
 
-def cache_key(model_name: str, model_version: str, feature_schema_version: str, row: np.ndarray) -> str:
-    """The cache key of one guarded feature row ``[n_features] float32``."""
+def cache_key(target: ModelTarget, row: np.ndarray) -> str:
+    """The cache key of one guarded feature row ``[n_features] float32`` scored by ``target``."""
     digest = hashlib.blake2b(np.ascontiguousarray(row, dtype="<f4").tobytes(), digest_size=16).hexdigest()
-    return f"{KEY_LAYOUT}|{model_name}|{model_version}|{feature_schema_version}|{digest}"
+    return f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|{digest}"
 
 
 class Source(enum.StrEnum):
@@ -121,35 +128,30 @@ def _consume_exception(future: asyncio.Future) -> None:
 
 
 class CachedInference:
-    """Inference behind the cache, single-flight, coalescing and the resilient caller.
+    """Inference behind the cache and single-flight; misses go to the injected coalescer, which
+    sends them through the resilient caller to the client (wired by :mod:`.factory`).
 
     Args:
-        client: an :class:`~mlpair.prediction.inference_client.InferenceClient`.
+        coalescer: merges concurrent Infer calls (:class:`~.coalescer.InferenceCoalescer`); its
+            resilient caller's deadline budget also bounds how long a request waits on a shared call.
         cache: a :class:`LogitsCache` backend.
-        caller: deadline budget, retries and circuit breaker for each Infer call.
         fresh_ttl_s: entries younger than this are served without calling inference.
         linger_s: how long a successful call stays joinable after its result is cached
             (capped at ``fresh_ttl_s``); covers cache reads that were already in flight.
-        coalesce_max_delay_s: longest a flight's rows wait to share an Infer call with other
-            flights while a call of the same model version is in flight (see ``coalesce``).
-        max_call_rows: most rows in one (merged) Infer call.
     """
 
     def __init__(
         self,
-        client,
+        coalescer: InferenceCoalescer,
         cache: LogitsCache,
-        caller: ResilientCaller,
         *,
         fresh_ttl_s: float,
         linger_s: float = 1.0,
-        coalesce_max_delay_s: float = 0.002,
-        max_call_rows: int = 1024,
     ) -> None:
-        self.client = client
+        self.coalescer = coalescer
+        self.client = coalescer.client
+        self.caller = coalescer.caller
         self.cache = cache
-        self.caller = caller
-        self.coalescer = InferenceCoalescer(client, caller, max_delay_s=coalesce_max_delay_s, max_rows=max_call_rows)
         self.fresh_ttl_s = fresh_ttl_s
         self.linger_s = min(linger_s, fresh_ttl_s)
         self._flights: dict[str, _Flight] = {}
@@ -163,9 +165,7 @@ class CachedInference:
 
     async def score(
         self,
-        model_name: str,
-        model_version: str,
-        feature_schema_version: str,
+        target: ModelTarget,
         rows: np.ndarray,
         deadline: float | None,
         *,
@@ -185,7 +185,8 @@ class CachedInference:
             InferenceContractError, InferenceFailed: InferenceService refused or failed the call
                 (no decision may be made on these rows).
         """
-        keys = [cache_key(model_name, model_version, feature_schema_version, row) for row in rows]
+        model_name, model_version = target.name, target.version
+        keys = [cache_key(target, row) for row in rows]
         unique = list(dict.fromkeys(keys))
         cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
         for key, entry in cached.items():
@@ -215,14 +216,7 @@ class CachedInference:
         def lead(lead_keys: list[str]) -> _Flight:
             return self._start_flight(
                 lead_keys,
-                functools.partial(
-                    self.coalescer.infer,
-                    model_name,
-                    model_version,
-                    feature_schema_version,
-                    rows[[first_row[key] for key in lead_keys]],
-                    deadline,
-                ),
+                functools.partial(self.coalescer.infer, target, rows[[first_row[key] for key in lead_keys]], deadline),
             )
 
         if leading:
