@@ -11,7 +11,7 @@ For each row of a :class:`~mlpair.prediction.batch.Group` the same decision as d
   ``INFERENCE_UNAVAILABLE`` and no probability;
 * output unusable for this row alone: the fallback decision with ``MODEL_OUTPUT_INVALID``.
 
-The decisions come out as :class:`~mlpair.prediction.crm.columns.DecisionColumns` (no object per
+The decisions come out as :class:`~mlpair.prediction.records.DecisionColumns` (no object per
 row) plus, per row, what a response carries beside the record (:class:`Extras`).
 """
 
@@ -24,10 +24,9 @@ import numpy as np
 
 from mlpair.prediction import metrics
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.crm.columns import DecisionColumns
-from mlpair.prediction.crm.store import decision_id_for
 from mlpair.prediction.explain import Explanation, explain
 from mlpair.prediction.policy import DecisionPolicy
+from mlpair.prediction.records import DecisionColumns, decision_id_for
 from mlpair.prediction.scoring.cache import Source
 from mlpair.prediction.scoring.scorer import as_item_error
 

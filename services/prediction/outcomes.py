@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 from mlpair.prediction.checks import RequestWarning
-from mlpair.prediction.crm.store import StoredDecision
 from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.explain import Explanation
+from mlpair.prediction.records import StoredDecision
 
 if TYPE_CHECKING:
     from mlpair.prediction.decisions import Decided

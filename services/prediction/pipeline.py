@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,14 +43,12 @@ from mlpair.prediction import metrics
 from mlpair.prediction.batch import Group, prepare_items
 from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
-from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
-from mlpair.prediction.crm.ledger import Recorded
-from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided, decide_columns
 from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
+from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch
 from mlpair.prediction.scoring.cache import CachedInference, Scored, Source
 from mlpair.prediction.scoring.scorer import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
@@ -66,6 +65,9 @@ __all__ = [
     "STALE_REASON",
     "UnexpectedFailure",
 ]
+
+if TYPE_CHECKING:  # the recorder brings SQLAlchemy: the pipeline only calls the one it is given
+    from mlpair.prediction.crm.recorder import DecisionRecorder
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sqlalchemy import make_url
 
+from mlpair.prediction.crm.codecs import CrmRow
 from mlpair.prediction.crm.ledger import (
     CLAIMED_COLUMNS,
     DECISION_COLUMNS,
@@ -41,7 +42,7 @@ from mlpair.prediction.crm.ledger import (
 )
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
-from mlpair.prediction.crm.store import CrmRow, StoredDecision
+from mlpair.prediction.records import StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
 _COLUMNS = ", ".join(DECISION_COLUMNS)

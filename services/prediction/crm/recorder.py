@@ -13,11 +13,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mlpair.prediction.crm.ledger import DecisionLedger, Recorded, open_ledger
+from mlpair.prediction.crm.ledger import DecisionLedger, open_ledger
 from mlpair.prediction.crm.migrate import CRM_BRANCH, SchemaNotReady, check_columns
 from mlpair.prediction.crm.relay import LedgerRelay
-from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.records import Recorded, StoredDecision
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer

@@ -1,46 +1,87 @@
-"""Decisions as columns: what a batch records in the ledger without one object per decision.
+"""The decision domain: what a decision is, as recorded, independent of any database.
 
-A :class:`DecisionColumns` is a sequence of :class:`~mlpair.prediction.crm.store.StoredDecision`
-whose items are built only when one is read (a replay, a test, a single Predict); the ledger's
-bulk path (:meth:`DecisionColumns.ledger_arrays`) sends its columns as they are, one array per
-column. A :class:`RecordedBatch` is the ledger's answer for such a batch: which rows were on
-record already (replays, with what was recorded) and which could not be recorded; every other
-row was recorded as given.
+:class:`StoredDecision` is one decision as recorded (in the decision ledger, then in the CRM);
+:class:`DecisionColumns` is a batch of them column by column (no object per decision until one is
+read); :class:`Recorded` is what the ledger holds for a request id after a commit, and
+:class:`RecordedBatch` its answer for a whole :class:`DecisionColumns`. Decision ids are derived
+from request ids (:func:`decision_id_for`). How these become database rows and back is
+:mod:`mlpair.prediction.crm.codecs`; nothing here imports SQLAlchemy, so the pipeline that makes
+decisions does not either.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, overload
+from typing import overload
 
-from mlpair.prediction.crm.store import StoredDecision
 from mlpair.prediction.errors import LedgerUnavailable
 
-if TYPE_CHECKING:
-    from mlpair.prediction.crm.ledger import Recorded
-
-_JSON = json.JSONEncoder()
-_REASONS_JSON: dict[tuple[str, ...], str] = {}  # reason-code tuples repeat: each is encoded once
-_REASONS_MEMO_LIMIT = 4096
+# Decision ids are derived from the request id (the idempotency key), so every replica, every
+# retry and every delivery attempt name a decision the same way (RFC 4122 name-based UUID).
+_DECISION_NAMESPACE = uuid.UUID("6b1f4a3e-3c1d-5e0a-9b7e-6d6c70616972")
+_NAMESPACE_BYTES = _DECISION_NAMESPACE.bytes
 
 
-def reason_codes_json(codes: tuple[str, ...]) -> str:
-    """The reason codes as stored (a JSON list, as :meth:`StoredDecision.reason_codes_json`)."""
-    found = _REASONS_JSON.get(codes)
-    if found is None:
-        found = _JSON.encode(list(codes))
-        if len(_REASONS_JSON) < _REASONS_MEMO_LIMIT:
-            _REASONS_JSON[codes] = found
-    return found
+def decision_id_for(request_id: str) -> str:
+    """The decision id of ``request_id``: UUIDv5 in mlpair's namespace (RFC 4122 §4.3).
+
+    The same value as ``str(uuid.uuid5(namespace, request_id))``, built from the SHA-1 digest
+    directly: the ``uuid.UUID`` object costs more than the hash on the request path.
+    """
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + request_id.encode()).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@dataclass(frozen=True)
+class StoredDecision:
+    """A decision as recorded (in the decision ledger, then in the CRM).
+
+    ``probability`` is None when no model output was used (``served_from = "fallback"``);
+    ``served_from`` is one of ``inference``, ``cache``, ``stale_cache``, ``fallback``.
+    """
+
+    decision_id: str
+    request_id: str
+    entity_id: str
+    model_name: str
+    model_version: str
+    feature_schema_version: str
+    policy_version: str
+    probability: float | None
+    decision: str
+    reason_codes: tuple[str, ...]
+    served_from: str = "inference"
+    cache_age_ms: int = 0
+    degraded_reason: str = ""
+    decided_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the ledger holds for a request id after a commit.
+
+    ``replayed`` is True when the decision was on record before this call (a retry, or a
+    concurrent call that won); ``fingerprint`` is the recorded request's ("" when unknown: a
+    decision imported from an outbox or backfilled from the CRM).
+    """
+
+    decision: StoredDecision
+    replayed: bool
+    fingerprint: str = ""
 
 
 @dataclass(eq=False)
 class DecisionColumns(Sequence[StoredDecision]):
     """Decisions ``[n]`` column by column (the fields of :class:`StoredDecision`), with the
-    fingerprint of each decision's request."""
+    fingerprint of each decision's request; the ledger's bulk path sends the columns as they are
+    (:func:`mlpair.prediction.crm.codecs.ledger_arrays`)."""
 
     request_id: list[str]
     decision_id: list[str]
@@ -114,36 +155,11 @@ class DecisionColumns(Sequence[StoredDecision]):
             return parts[0]
         return cls(*([v for p in parts for v in getattr(p, name)] for name in (*cls.FIELDS, "fingerprints")))
 
-    def ledger_arrays(self, order: Sequence[int]) -> list[list]:
-        """The rows ``order`` as the ledger's columns (``DECISION_COLUMNS``: request id, fingerprint,
-        the decision's fields, reason codes as JSON), one list per column."""
-
-        def take(column: list) -> list:
-            return [column[i] for i in order]
-
-        return [
-            take(self.request_id),
-            take(self.fingerprints),
-            take(self.decision_id),
-            take(self.entity_id),
-            take(self.model_name),
-            take(self.model_version),
-            take(self.feature_schema_version),
-            take(self.policy_version),
-            take(self.probability),
-            take(self.decision),
-            [reason_codes_json(self.reason_codes[i]) for i in order],
-            take(self.served_from),
-            take(self.cache_age_ms),
-            take(self.degraded_reason),
-            take(self.decided_at),
-        ]
-
 
 @dataclass(eq=False)
-class RecordedBatch(Sequence["Recorded | LedgerUnavailable"]):
+class RecordedBatch(Sequence[Recorded | LedgerUnavailable]):
     """The ledger's outcome for each row of a :class:`DecisionColumns`: a
-    :class:`~mlpair.prediction.crm.ledger.Recorded` (built when read) or a :class:`LedgerUnavailable`.
+    :class:`Recorded` (built when read) or a :class:`LedgerUnavailable`.
 
     Attributes:
         decisions: the batch as committed.
@@ -165,8 +181,6 @@ class RecordedBatch(Sequence["Recorded | LedgerUnavailable"]):
     def __getitem__(self, i: slice) -> list[Recorded | LedgerUnavailable]: ...
 
     def __getitem__(self, i: int | slice) -> Recorded | LedgerUnavailable | list[Recorded | LedgerUnavailable]:
-        from mlpair.prediction.crm.ledger import Recorded
-
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         if i in self.errors:
