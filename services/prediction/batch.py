@@ -24,7 +24,7 @@ from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
 from mlpair.prediction.families import ModelFamily
 from mlpair.prediction.idempotency import request_fingerprints
-from mlpair.prediction.scoring.cache import Scored
+from mlpair.prediction.scoring.rows import Scored
 
 if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput

@@ -27,7 +27,7 @@ from mlpair.prediction.batch import ROW_WISE_BELOW, Group
 from mlpair.prediction.explain import Explanation, explain
 from mlpair.prediction.policy import DecisionPolicy
 from mlpair.prediction.records import DecisionColumns, decision_id_for
-from mlpair.prediction.scoring.cache import Source
+from mlpair.prediction.scoring.rows import Source
 from mlpair.prediction.scoring.scorer import as_item_error
 
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"

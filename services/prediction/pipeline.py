@@ -49,7 +49,8 @@ from mlpair.prediction.errors import InvalidRequest, LedgerUnavailable, Predicti
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
 from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch
-from mlpair.prediction.scoring.cache import CachedInference, Scored, Source
+from mlpair.prediction.scoring.cache import CachedInference
+from mlpair.prediction.scoring.rows import ScoredRows, Source
 from mlpair.prediction.scoring.scorer import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
@@ -277,9 +278,10 @@ class Predictor:
 
     async def _infer(
         self, family: ModelFamily, model: ModelVersion, features: np.ndarray, deadline: float | None
-    ) -> list[Scored]:
+    ) -> ScoredRows:
         """The one call site of InferenceService for decisions: ``[rows, n_features] float32``
-        (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
+        (rows ≤ ``max_inference_rows``) → their logits ``[rows, n_classes] float32`` as one matrix and how
+        each row was served (:class:`ScoredRows`), through the cache,
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
         return await self.scorer.score(

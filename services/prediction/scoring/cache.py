@@ -36,7 +36,6 @@ policy run again on every request, so a policy change applies at once.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import hashlib
 import logging
@@ -58,6 +57,7 @@ from mlpair.prediction.scoring.backends import (
     fit_to_serve,
 )
 from mlpair.prediction.scoring.coalescer import InferenceCoalescer
+from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
 __all__ = [
     "CachedInference",
@@ -67,6 +67,7 @@ __all__ = [
     "NullCache",
     "RedisCache",
     "Scored",
+    "ScoredRows",
     "Source",
     "cache_key",
 ]
@@ -82,33 +83,13 @@ def cache_key(target: ModelTarget, row: np.ndarray) -> str:
     return f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|{digest}"
 
 
-class Source(enum.StrEnum):
-    """Where the logits behind a decision came from (stored with the decision as ``served_from``)."""
+@dataclass(frozen=True, eq=False)
+class _Answer:
+    """A flight's Infer result: logits ``[len(keys), n_classes] float32`` in its keys' order."""
 
-    INFERENCE = "inference"
-    CACHE = "cache"
-    STALE_CACHE = "stale_cache"
-    FALLBACK = "fallback"
-
-
-@dataclass(frozen=True)
-class Scored:
-    """Logits for one row and how they were obtained.
-
-    Attributes:
-        logits: ``[n_classes] float32``, or None when no model output is available (FALLBACK).
-        model_version: version that produced the logits ("" for FALLBACK).
-        source: where they came from.
-        age_ms: age of a cached entry in milliseconds (0 for INFERENCE and FALLBACK).
-        degraded_reason: why inference was not used (``INFERENCE_UNAVAILABLE``,
-            ``INFERENCE_TIMEOUT``, ``CIRCUIT_OPEN``) for STALE_CACHE and FALLBACK, else "".
-    """
-
-    logits: np.ndarray | None
-    model_version: str
-    source: Source
-    age_ms: int = 0
-    degraded_reason: str = ""
+    logits: np.ndarray
+    version: str
+    row_of: dict[str, int]  # key → its row of ``logits``
 
 
 class _Flight:
@@ -116,7 +97,7 @@ class _Flight:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
-        self.outcome: asyncio.Future[dict[str, tuple[np.ndarray, str]]] = asyncio.get_running_loop().create_future()
+        self.outcome: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         self.outcome.add_done_callback(_consume_exception)
         self.task: asyncio.Task | None = None
         self.waiters = 0
@@ -170,7 +151,7 @@ class CachedInference:
         deadline: float | None,
         *,
         n_classes: int | None = None,
-    ) -> list[Scored]:
+    ) -> ScoredRows:
         """Logits for each row of ``rows`` ``[batch, n_features] float32``, in order.
 
         Args:
@@ -178,8 +159,9 @@ class CachedInference:
             n_classes: the model's number of classes; a cached entry of another width is a miss.
 
         Returns:
-            One :class:`Scored` per row; rows inference could not score are STALE_CACHE when a
-            stale entry exists, else FALLBACK (``logits`` None).
+            The rows' logits ``[batch, n_classes] float32`` as one matrix and how each was served;
+            rows inference could not score are STALE_CACHE when a stale entry exists, else FALLBACK
+            (a NaN row). Without ``n_classes`` the width is that of the logits received.
 
         Raises:
             InferenceContractError, InferenceFailed: InferenceService refused or failed the call
@@ -194,7 +176,8 @@ class CachedInference:
                 self.cache.name, entry, model_version, n_classes, self.cache.stale_ttl_s
             ):
                 cached[key] = None  # a miss: never served, not even stale
-        results: dict[str, Scored] = {}
+        results: dict[str, Scored] = {}  # rows served from the cache, stale, or by the fallback
+        inferred: dict[str, _Answer] = {}  # rows inference answered: their call's matrix
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
         leading: list[str] = []
         hits = coalesced = 0
@@ -224,11 +207,11 @@ class CachedInference:
             flights[id(flight)] = (flight, leading, True)
         again: list[str] = []
         for flight, flight_keys, led in flights.values():
-            if not await self._settle(flight, flight_keys, led, deadline, model_name, cached, results):
+            if not await self._settle(flight, flight_keys, led, deadline, model_name, cached, results, inferred):
                 again += flight_keys
         if again:  # a joined call ran out of its leader's budget, not ours: one call of our own
-            await self._settle(lead(again), again, True, deadline, model_name, cached, results)
-        return [results[key] for key in keys]
+            await self._settle(lead(again), again, True, deadline, model_name, cached, results, inferred)
+        return _scored_rows(keys, results, inferred, n_classes)
 
     async def _settle(
         self,
@@ -237,14 +220,15 @@ class CachedInference:
         led: bool,
         deadline: float | None,
         model_name: str,
-        cached: dict,
+        cached: dict[str, CachedLogits | None],
         results: dict[str, Scored],
+        inferred: dict[str, _Answer],
     ) -> bool:
-        """Waits for a flight and fills ``results`` for its keys (fresh, or stale / fallback when
-        inference could not be used); False, filling nothing, when this request joined another's
+        """Waits for a flight and fills ``inferred`` for its keys, or ``results`` (stale or
+        fallback) when inference could not be used; False, filling nothing, when this request joined another's
         call that timed out on that request's shorter budget while this one still has budget left."""
         try:
-            values = await self._wait(flight, deadline, leader=led)
+            answer = await self._wait(flight, deadline, leader=led)
         except InferenceUnavailable as exc:
             budget = self.caller.budget
             if (
@@ -257,8 +241,7 @@ class CachedInference:
                 results[key] = self._degraded(model_name, cached[key], exc.reason)
         else:
             for key in flight_keys:
-                logits, version = values[key]
-                results[key] = Scored(logits, version, Source.INFERENCE)
+                inferred[key] = answer
         return True
 
     def _start_flight(self, keys: list[str], infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> _Flight:
@@ -281,11 +264,11 @@ class CachedInference:
             flight.outcome.set_exception(exc)
             self._unregister(flight)
             return
-        values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
-        flight.outcome.set_result(values)
+        flight.outcome.set_result(_Answer(logits, version, {key: i for i, key in enumerate(flight.keys)}))
+        finite = np.isfinite(logits).all(axis=1).tolist()
         try:  # a row without usable output (NaN, see InferenceClient) is never cached
             await self.cache.put_many(
-                [(key, value[0], value[1]) for key, value in values.items() if np.isfinite(value[0]).all()]
+                [(key, logits[i].copy(), version) for i, key in enumerate(flight.keys) if finite[i]]
             )
         finally:
             asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
@@ -295,7 +278,7 @@ class CachedInference:
             if self._flights.get(key) is flight:
                 del self._flights[key]
 
-    async def _wait(self, flight: _Flight, deadline: float | None, *, leader: bool):
+    async def _wait(self, flight: _Flight, deadline: float | None, *, leader: bool) -> _Answer:
         """The flight's outcome. The leader's call is bounded by its own budget; a request that
         joined another's call waits at most its own remaining budget."""
         flight.waiters += 1
@@ -329,3 +312,43 @@ class CachedInference:
             return Scored(None, "", Source.FALLBACK, 0, reason)
         metrics.STALE_SERVED.labels(model_name, reason).inc()
         return Scored(entry.logits, entry.model_version, Source.STALE_CACHE, int(entry.age_s * 1000), reason)
+
+
+def _scored_rows(
+    keys: list[str], results: dict[str, Scored], inferred: dict[str, _Answer], n_classes: int | None
+) -> ScoredRows:
+    """The rows of ``keys`` in order: each Infer call's logits copied into the matrix as one block,
+    cached and stale entries row by row (a cache entry is one row), NaN where nothing fits."""
+    width = n_classes
+    if width is None:  # the width of what was received: a call's logits, else a cached entry's
+        answer = next(iter(inferred.values()), None)
+        found = next((s.logits for s in results.values() if s.logits is not None), None)
+        width = answer.logits.shape[1] if answer is not None else len(found) if found is not None else 0
+    logits = np.full((len(keys), width), np.nan, dtype=np.float32)
+    blocks: dict[int, tuple[_Answer, list[int], list[int]]] = {}  # call → (its answer, rows here, its rows)
+    sources: list[Source] = []
+    versions: list[str] = []
+    ages: list[int] = []
+    reasons: list[str] = []
+    for i, key in enumerate(keys):
+        answer = inferred.get(key)
+        if answer is not None:
+            block = blocks.setdefault(id(answer), (answer, [], []))
+            block[1].append(i)
+            block[2].append(answer.row_of[key])
+            sources.append(Source.INFERENCE)
+            versions.append(answer.version)
+            ages.append(0)
+            reasons.append("")
+            continue
+        scored = results[key]
+        if scored.logits is not None and scored.logits.shape == (width,):
+            logits[i] = scored.logits
+        sources.append(scored.source)
+        versions.append(scored.model_version)
+        ages.append(scored.age_ms)
+        reasons.append(scored.degraded_reason)
+    for answer, here, there in blocks.values():
+        if answer.logits.shape[1] == width:  # logits of another width stay NaN: unusable rows
+            logits[here] = answer.logits[there]
+    return ScoredRows(logits, sources, versions, ages, reasons)
