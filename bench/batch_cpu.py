@@ -40,7 +40,7 @@ from bench import pair as harness  # noqa: E402
 
 
 class FakeInference:
-    """Stands in for :class:`~mlpair.prediction.inference_client.InferenceClient`: logits
+    """Stands in for :class:`~mlpair.prediction.scoring.client.InferenceClient`: logits
     ``[batch, 2] float32`` of a fixed random linear model; ``calls`` and ``rows`` count the work."""
 
     def __init__(self, n_features: int) -> None:
@@ -50,10 +50,10 @@ class FakeInference:
         self.weights = rng.normal(0.0, 0.6, size=(n_features, 2)).astype(np.float32)
         self.calls = self.rows = 0
 
-    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None, callers=()):
+    async def infer(self, target, features, *, timeout_s=None, callers=()):
         self.calls += 1
         self.rows += len(features)
-        return features @ self.weights, model_version
+        return features @ self.weights, target.version
 
     async def ready(self, timeout_s: float) -> bool:
         return True

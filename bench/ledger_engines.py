@@ -34,7 +34,7 @@ from bench.load import percentile  # noqa: E402
 
 
 def decision(request_id: str):
-    from mlpair.prediction.crm.store import StoredDecision
+    from mlpair.prediction.records import StoredDecision
 
     return StoredDecision("", request_id, "e-1", "credit-risk", "1", "credit-risk/v1", "policy/v1", 0.2, "APPROVE",
                           ("LOW_DEFAULT_RISK", "INCOME_MISSING_DEFAULTED"))
@@ -83,8 +83,10 @@ async def jetstream_engine(servers: str) -> tuple:
     await js.add_stream(name=name, subjects=[f"{name}.decisions"], storage="file", duplicate_window=120.0)
     kv = await js.create_key_value(bucket=f"{name}_IDS", storage="file", history=1)
 
+    from mlpair.prediction.crm.codecs import to_json
+
     async def record(rid: str) -> None:
-        payload = decision(rid).to_json().encode()
+        payload = to_json(decision(rid)).encode()
         key = rid.replace(":", "_")  # KV keys allow [-/_=.a-zA-Z0-9]
         try:
             await kv.create(key, payload)  # the request-id index: the first writer wins

@@ -26,9 +26,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from mlpair.contracts import FEATURE_VERSION_KEY
 from mlpair.errors import ServiceError
 
-SINGLE_VALUED = ("x-feature-version", "x-request-id")
+SINGLE_VALUED = (FEATURE_VERSION_KEY, "x-request-id")
 """Metadata keys that carry one value: the feature schema version and the business request id."""
 MAX_NAMED = 5  # unknown fields named in one error
 

@@ -15,13 +15,13 @@ import numpy as np
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
+from mlpair.contracts import FEATURE_VERSION_KEY
 from mlpair.contracts.manifest import TensorSpec
 from mlpair.inference.engine import NON_FINITE_OUTPUT, InferResult
 from mlpair.inference.errors import InvalidInput
 from mlpair.inference.validation import TensorIn
 from mlpair.inference.versions import ServedVersion, VersionStatus
 
-FEATURE_VERSION_KEY = "x-feature-version"
 """gRPC metadata key (lower-case, as HTTP/2 requires) and OIP request parameter name."""
 
 

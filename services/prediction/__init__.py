@@ -2,5 +2,6 @@
 
 Request path: ``server.py`` (wiring) → ``servicer.py`` (proto ⇄ domain, thin) →
 ``pipeline.py`` (assemble features → guards → InferenceService → calibration → policy →
-CRM write) with ``inference_client.py``, ``policy.py`` and ``crm/`` beside it.
+CRM write) with ``scoring/`` (cache → coalescer → resilience → InferenceService client),
+``policy.py``, ``records.py`` (decision domain types) and ``crm/`` (SQLAlchemy) beside it.
 """

@@ -3,7 +3,7 @@
 :func:`prepare_items` checks every item (ids, duplicates, model family), assembles each family's
 rows into one guarded matrix (:mod:`~mlpair.prediction.columns`) and fingerprints each request;
 an item that fails gets its own error and leaves the batch. What remains of each family is one
-:class:`Group`, which scoring (:mod:`~mlpair.prediction.scoring`) and the decisions
+:class:`Group`, which scoring (:mod:`~mlpair.prediction.scoring.scorer`) and the decisions
 (:mod:`~mlpair.prediction.decisions`) fill and read column by column.
 """
 
@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
+from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.cache import Scored
 from mlpair.prediction.checks import check_id, unknown_attribute_warnings, unknown_attributes_error
 from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
 from mlpair.prediction.families import ModelFamily
 from mlpair.prediction.idempotency import request_fingerprints
+from mlpair.prediction.scoring.rows import Scored
 
 if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput
@@ -55,14 +56,17 @@ class Group:
     fingerprints: list[str]
     warnings: dict[int, tuple] = field(default_factory=dict)
     explained: frozenset[int] = frozenset()
-    # filled by scoring: per row, how the own row was scored and the calibrated result
-    served: list[Scored | None] = field(default_factory=list)
-    probabilities: np.ndarray | None = None  # [n_members, n] calibrated, own rows (0 where unusable)
-    usable: np.ndarray | None = None  # [n] bool: every member's output for the own row is usable
+    # filled by scoring (empty until then): per row, how the own row was scored and the calibrated result
+    served: list[Scored | None] = field(default_factory=list)  # None: the row's call failed (see errors)
+    # [n_members, n] calibrated, own rows (0 where unusable)
+    probabilities: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # [n] bool: every member's output for the own row is usable
+    usable: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     occluded: dict[int, np.ndarray] = field(default_factory=dict)  # row → [n_members, n_schema] (complete only)
-    margins: np.ndarray | None = None  # [n] first member's margin (shadow comparison), 0 where unusable
+    # [n] first member's margin (shadow comparison), 0 where unusable
+    margins: np.ndarray = field(default_factory=lambda: np.zeros(0))
     model_versions: list[str] = field(default_factory=list)
-    errors: dict[int, PredictionError] = field(default_factory=dict)  # row → its call's error
+    errors: dict[int, ServiceError] = field(default_factory=dict)  # row → its call's error
 
     def __len__(self) -> int:
         return len(self.index)
@@ -125,7 +129,7 @@ def _assemble(
     outcomes: list,
 ) -> Group | None:
     attributes = [r.attributes for r in requests]
-    row_guards = None
+    row_guards: list[RowGuards] = []  # filled by the row-wise path only
     if len(requests) >= ROW_WISE_BELOW:
         assembled = assembler.assemble(attributes)
     else:
@@ -151,8 +155,9 @@ def _assemble(
         outcomes[index[k]] = error
     if not keep:
         return None
-    if row_guards is None:
-        actions = assembled.actions if not refused else assembled.actions[keep]
+    if (actions := assembled.actions) is not None:  # the columnar path: guard bits, decoded here
+        if refused:
+            actions = actions[keep]
         _count_guards(family, actions)
         guards = assembler.guards(actions)
     else:

@@ -100,12 +100,14 @@ def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.Ba
     timestamps: dict = {}
     for o in outcomes.slots if isinstance(outcomes, Outcomes) else outcomes:
         # added in place: a BatchPredictResult built first would be copied in again
-        if type(o) is tuple:
+        if isinstance(o, tuple):
             results.add(prediction=_fresh_response(*o, timestamps))
         elif isinstance(o, ServiceError):
             results.add(error=error_status(o))
-        else:
+        elif o is not None:
             results.add(prediction=predict_response(o))
+        else:  # the pipeline gives every item an outcome
+            raise ValueError("a batch item was left without an outcome")
     return response
 
 

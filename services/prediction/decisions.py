@@ -11,7 +11,7 @@ For each row of a :class:`~mlpair.prediction.batch.Group` the same decision as d
   ``INFERENCE_UNAVAILABLE`` and no probability;
 * output unusable for this row alone: the fallback decision with ``MODEL_OUTPUT_INVALID``.
 
-The decisions come out as :class:`~mlpair.prediction.crm.columns.DecisionColumns` (no object per
+The decisions come out as :class:`~mlpair.prediction.records.DecisionColumns` (no object per
 row) plus, per row, what a response carries beside the record (:class:`Extras`).
 """
 
@@ -24,17 +24,18 @@ import numpy as np
 
 from mlpair.prediction import metrics
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.cache import Source
-from mlpair.prediction.crm.columns import DecisionColumns
-from mlpair.prediction.crm.store import decision_id_for
 from mlpair.prediction.explain import Explanation, explain
-from mlpair.prediction.scoring import as_item_error
+from mlpair.prediction.policy import DecisionPolicy
+from mlpair.prediction.records import DecisionColumns, decision_id_for
+from mlpair.prediction.scoring.rows import Source
+from mlpair.prediction.scoring.scorer import as_item_error
 
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
 STALE_REASON = "STALE_CACHE_RESULT"
 _FROM_CACHE = (Source.CACHE, Source.STALE_CACHE)
 _MEMO_LIMIT = 4096
+Verdict = tuple[str, tuple[str, ...]]  # (decision, reason codes) of a row with model output
 
 
 @dataclass(eq=False)
@@ -61,7 +62,9 @@ class Decided:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
-def decide_columns(group: Group, decided_at: datetime, explain_top_k: int, memo: dict) -> Decided:
+def decide_columns(
+    group: Group, decided_at: datetime, explain_top_k: int, memo: dict[tuple[int, bool, tuple[str, ...]], Verdict]
+) -> Decided:
     """Decides every scored row of ``group`` (see the module docstring); ``memo`` keeps the
     (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls.
     A group of fewer than ``ROW_WISE_BELOW`` rows goes through :func:`decide_rows` (the same
@@ -98,17 +101,19 @@ def decide_columns(group: Group, decided_at: datetime, explain_top_k: int, memo:
             hist.observe(value)
         if n_uncertain := int(np.count_nonzero(route[valid] == 2)):
             metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
-    found: list[tuple[str, tuple[str, ...]] | None] = [None] * n
+    found: list[Verdict | None] = [None] * n
     for k, verdict in enumerate(verdicts.tolist()):
         if verdict >= 0:
             served, codes = group.served[k], group.guards[k].reason_codes
+            assert served is not None  # a row with a verdict was scored (its call did not fail)
             stale = served.source is Source.STALE_CACHE
             key = (verdict, stale, codes)
-            found[k] = memo.get(key)
-            if found[k] is None:
-                found[k] = _verdict(policy, verdict, stale, codes)
+            hit = memo.get(key)
+            if hit is None:
+                hit = _verdict(policy, verdict, stale, codes)
                 if len(memo) < _MEMO_LIMIT:
-                    memo[key] = found[k]
+                    memo[key] = hit
+            found[k] = hit
     return _records(group, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
 
 
@@ -121,12 +126,13 @@ def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decid
     family, policy = group.family, group.family.policy
     n, n_schema = len(group), family.n_schema_features
     errors: dict[int, Exception] = dict(group.errors)
-    found: list[tuple[str, tuple[str, ...]] | None] = [None] * n
+    found: list[Verdict | None] = [None] * n
     probability, spread = [0.0] * n, [0.0] * n
     columns, usable = group.probabilities.T.tolist(), group.usable.tolist()
     for k, (members, ok, served, guards) in enumerate(zip(columns, usable, group.served, group.guards)):
         if not ok or k in errors:
             continue
+        assert served is not None  # a usable row was scored (its call did not fail)
         if len(members) == 1:
             p, s = members[0], 0.0
         elif len(members) < 8:
@@ -155,7 +161,7 @@ def _records(
     group: Group,
     decided_at: datetime,
     explain_top_k: int,
-    verdicts: list,
+    verdicts: list[Verdict | None],
     probability_list: list[float],
     spread_list: list[float],
     errors: dict[int, Exception],
@@ -163,23 +169,22 @@ def _records(
     """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
     family, policy = group.family, group.family.policy
     fallback_decision = policy.fallback_decision
-    out_rows, decision, reasons, served_from, age, degraded, prob, spreads, cached, methods = (
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-    )
+    out_rows: list[int] = []
+    decision: list[str] = []
+    reasons: list[tuple[str, ...]] = []
+    served_from: list[str] = []
+    age: list[int] = []
+    degraded: list[str] = []
+    prob: list[float | None] = []
+    spreads: list[float] = []
+    cached: list[bool] = []
+    methods: list[str] = []
     without_model: dict[int, str] = {}
     method = family.calibration_method
     for k, (found, served, guards) in enumerate(zip(verdicts, group.served, group.guards)):
         if k in errors:
             continue
+        assert served is not None  # only a row whose call failed (in errors) was not scored
         if found is not None:
             decision.append(found[0])
             reasons.append(found[1])
@@ -227,15 +232,16 @@ def _records(
     )
     explanations = {}
     for j, k in enumerate(out_rows):
-        if k in group.occluded and j not in without_model:
+        p = prob[j]  # None: no model output (in without_model), nothing to explain
+        if k in group.occluded and p is not None:
             occluded = group.occluded[k]
-            explanations[j] = explain(family.schema, prob[j], occluded.mean(axis=0), explain_top_k)
+            explanations[j] = explain(family.schema, p, occluded.mean(axis=0), explain_top_k)
     if explanations:
         metrics.EXPLANATIONS.labels(family.name).inc(len(explanations))
     return Decided(group, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
 
 
-def _verdict(policy, verdict: int, stale: bool, guard_codes: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+def _verdict(policy: DecisionPolicy, verdict: int, stale: bool, guard_codes: tuple[str, ...]) -> Verdict:
     """(decision, reason codes) of a verdict code ``band * 3 + route`` (see ``DecisionPolicy.decide_many``)."""
     found = policy.verdict(verdict // 3, verdict % 3)
     return found.decision, (*found.reason_codes, *((STALE_REASON,) if stale else ()), *guard_codes)

@@ -16,6 +16,7 @@ from pathlib import Path
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions, load_entry, load_latest
 from mlpair.contracts.schema import FeatureSchema
+from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.calibration import Calibrator
 from mlpair.prediction.policy import DecisionPolicy
 from mlpair.startup import StartupError, require_trained
@@ -77,6 +78,10 @@ class ModelFamily:
     @functools.cached_property
     def feature_version(self) -> str:
         return self.entry.manifest.versions.feature_schema_version
+
+    def target(self, model: ModelVersion) -> ModelTarget:
+        """What InferenceService is asked to run for ``model`` (a member or the shadow of this family)."""
+        return ModelTarget(self.name, model.version, self.feature_version)
 
     @functools.cached_property
     def is_ensemble(self) -> bool:

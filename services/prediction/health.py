@@ -27,7 +27,7 @@ import asyncio
 import logging
 
 from mlpair.prediction import metrics
-from mlpair.prediction.resilience import CircuitState
+from mlpair.prediction.scoring.resilience import CircuitState
 from mlpair.rpc.health import Health
 
 logger = logging.getLogger(__name__)

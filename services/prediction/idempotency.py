@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -61,12 +61,17 @@ def request_fingerprints(model_name: str, entity_ids: Sequence[str], records: Se
     for entity_id, record in zip(entity_ids, records):
         if record.keys() == keys:
             parts = [f.of(record[f.name]) for f in fragments]
-            if None not in parts:
+            if _complete(parts):
                 text = f"[{head},{encode(entity_id)},[{','.join(parts)}]]"
                 out.append(sha256(text.encode()).hexdigest())
                 continue
         out.append(request_fingerprint(model_name, entity_id, record))
     return out
+
+
+def _complete(parts: list[str | None]) -> TypeGuard[list[str]]:
+    """Whether every attribute had a fragment (None: that value is fingerprinted row by row)."""
+    return None not in parts
 
 
 class _Fragments:

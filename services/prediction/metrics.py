@@ -73,13 +73,13 @@ INFERENCE_ROWS = Histogram(
 )
 COALESCED_CALL_ROWS = Histogram(
     "prediction_coalesced_call_rows",
-    "Rows per Infer call sent to InferenceService, after the cache and coalescing (coalesce.py).",
+    "Rows per Infer call sent to InferenceService, after the cache and coalescing (scoring/coalescer.py).",
     ["model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
 )
 COALESCED_CALL_FLIGHTS = Histogram(
     "prediction_coalesced_call_flights",
-    "Concurrent requests' calls merged into one Infer call (coalesce.py).",
+    "Concurrent requests' calls merged into one Infer call (scoring/coalescer.py).",
     ["model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 from mlpair.prediction.checks import RequestWarning
-from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.explain import Explanation
+from mlpair.prediction.records import StoredDecision
 
 if TYPE_CHECKING:
     from mlpair.prediction.decisions import Decided
@@ -50,7 +51,12 @@ class PredictionResult:
     warnings: tuple[RequestWarning, ...] = ()  # about this request (not recorded: a replay computes its own)
 
 
-class Outcomes(Sequence):
+Outcome: TypeAlias = "PredictionResult | PredictionError"
+# a slot of a call in progress: not decided yet (None), an outcome, or row j of a group's fresh decisions
+Slot: TypeAlias = "PredictionResult | PredictionError | tuple[Decided, int] | None"
+
+
+class Outcomes(Sequence[Outcome]):
     """Each item's :class:`PredictionResult` or error, in request order.
 
     A slot holds a result, an error, or ``(decided, j)``: row ``j`` of a group's fresh decisions,
@@ -59,18 +65,27 @@ class Outcomes(Sequence):
 
     __slots__ = ("slots",)
 
-    def __init__(self, slots: list) -> None:
+    def __init__(self, slots: list[Slot]) -> None:
         self.slots = slots
 
     def __len__(self) -> int:
         return len(self.slots)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> Outcome: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Outcome]: ...
+
+    def __getitem__(self, i: int | slice) -> Outcome | list[Outcome]:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         slot = self.slots[i]
-        if type(slot) is tuple:
-            slot = self.slots[i] = fresh_result(*slot)
+        if isinstance(slot, tuple):
+            result = self.slots[i] = fresh_result(*slot)
+            return result
+        if slot is None:
+            raise LookupError(f"item {i} of the call was never decided")
         return slot
 
     def __eq__(self, other: object) -> bool:

@@ -5,7 +5,7 @@ by item: validation, and feature assembly with guards for all of a family's item
 (``batch``, ``columns``: the same conversions and arithmetic training used) → the rows of all items packed
 into InferenceService calls of at most ``max_inference_rows`` rows, per model family and
 model version, through the cache, single-flight, the caller's deadline budget, retries and
-the circuit breaker (``cache``, ``resilience``) → calibration (``scoring``) → decision policy
+the circuit breaker (``scoring``: cache → coalescer → resilience → client) → calibration (``scoring.scorer``) → decision policy
 (with the ensemble spread) and explanation (``decisions``) → durable record in the decision ledger,
 in one bulk statement per call, delivered to the CRM by the relay (``crm``). A bad item gets its own error and never fails the others; results come
 back in request order. A decision is recorded in the decision ledger every replica shares
@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,17 +41,17 @@ from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.batch import Group, prepare_items
-from mlpair.prediction.cache import CachedInference, Scored, Source
 from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
-from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
-from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided, decide_columns
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.errors import InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
-from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
-from mlpair.prediction.scoring import UnexpectedFailure, as_item_error, score_groups
+from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
+from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch
+from mlpair.prediction.scoring.cache import CachedInference
+from mlpair.prediction.scoring.rows import ScoredRows, Source
+from mlpair.prediction.scoring.scorer import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 
 __all__ = [
@@ -66,6 +66,9 @@ __all__ = [
     "STALE_REASON",
     "UnexpectedFailure",
 ]
+
+if TYPE_CHECKING:  # the recorder brings SQLAlchemy: the pipeline only calls the one it is given
+    from mlpair.prediction.crm.recorder import DecisionRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +172,7 @@ class Predictor:
     # -- the stages ------------------------------------------------------------------------
 
     async def _run(self, requests: Sequence[PredictInput]) -> Outcomes:
-        slots: list = [None] * len(requests)
+        slots: list[Slot] = [None] * len(requests)
         groups = prepare_items(
             requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
         )
@@ -184,8 +187,10 @@ class Predictor:
                 for index in group.index:
                     slots[index] = error
                 continue
-            for k, error in d.errors.items():
-                slots[group.index[k]] = error if isinstance(error, PredictionError) else as_item_error(error)
+            for k, row_error in d.errors.items():
+                slots[group.index[k]] = (
+                    row_error if isinstance(row_error, PredictionError) else as_item_error(row_error)
+                )
             if d.rows:
                 decided.append(d)
         if decided:
@@ -199,7 +204,7 @@ class Predictor:
             metrics.labelled(metrics.REQUESTS, *labels).inc(n)
         return Outcomes(slots)
 
-    async def _record(self, decided: list[Decided], slots: list) -> None:
+    async def _record(self, decided: list[Decided], slots: list[Slot]) -> None:
         """The one write site: commits every decision of the call to the shared decision ledger (one
         bulk statement when they fit) before any is returned. A request id already on record gets
         the decision recorded first (``replayed``), or ``IDEMPOTENCY_KEY_REUSED`` when it was
@@ -247,7 +252,7 @@ class Predictor:
 
     @staticmethod
     def _replayed(
-        record, group: Group, k: int, fingerprint: str, decisions: Counter
+        record: Recorded, group: Group, k: int, fingerprint: str, decisions: Counter
     ) -> PredictionResult | PredictionError:
         """The outcome of a request id that was on record already: that decision, or the refusal
         of an id recorded for another payload."""
@@ -273,25 +278,21 @@ class Predictor:
 
     async def _infer(
         self, family: ModelFamily, model: ModelVersion, features: np.ndarray, deadline: float | None
-    ) -> list[Scored]:
+    ) -> ScoredRows:
         """The one call site of InferenceService for decisions: ``[rows, n_features] float32``
-        (rows ≤ ``max_inference_rows``) → one :class:`Scored` per row, through the cache,
+        (rows ≤ ``max_inference_rows``) → their logits ``[rows, n_classes] float32`` as one matrix and how
+        each row was served (:class:`ScoredRows`), through the cache,
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
         return await self.scorer.score(
-            family.name,
-            model.version,
-            family.feature_version,
-            features,
-            deadline,
-            n_classes=len(model.entry.manifest.class_names),
+            family.target(model), features, deadline, n_classes=len(model.entry.manifest.class_names)
         )
 
     async def _infer_shadow(
         self, family: ModelFamily, model: ModelVersion, features: np.ndarray
     ) -> tuple[np.ndarray, str]:
         """Shadow calls go straight to InferenceService: never cached, never served."""
-        return await self.inference.infer(family.name, model.version, family.feature_version, features)
+        return await self.inference.infer(family.target(model), features)
 
 
 def group_probabilities(d: Decided, rows: list[int]) -> np.ndarray:
@@ -300,11 +301,14 @@ def group_probabilities(d: Decided, rows: list[int]) -> np.ndarray:
     return np.array([column[j] for j in rows], dtype=np.float64)
 
 
-def _recorded_maps(recorded: Sequence) -> tuple[dict[int, Any], dict[int, Exception]]:
+def _recorded_maps(
+    recorded: Sequence[Recorded | LedgerUnavailable],
+) -> tuple[Mapping[int, Recorded], Mapping[int, BaseException]]:
     """(row → what was on record before, row → why it is not on record) from the ledger's answer."""
     if isinstance(recorded, RecordedBatch):
         return recorded.replays, recorded.errors
-    replays, failed = {}, {}
+    replays: dict[int, Recorded] = {}
+    failed: dict[int, BaseException] = {}
     for i, outcome in enumerate(recorded):
         if isinstance(outcome, BaseException):
             failed[i] = outcome

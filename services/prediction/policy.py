@@ -193,7 +193,10 @@ class DecisionPolicy(_Frozen):
 
     def verdict(self, band: int, route: int) -> Decision:
         """The :class:`Decision` of a band index and route from :meth:`decide_many`."""
-        return self._verdicts[band][route]
+        found = self._verdicts[band][route]
+        if found is None:  # decide_many routes a row only to a rule the policy has
+            raise ValueError(f"policy {self.version!r} has no rule for route {route}")
+        return found
 
     @functools.cached_property
     def _starts(self) -> np.ndarray:

@@ -17,83 +17,22 @@ import grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.collector import tune_collector
 from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
-from mlpair.observability.calls import CallTracer, observe_servicer
+from mlpair.observability.calls import observe_servicer
 from mlpair.prediction import metrics
-from mlpair.prediction.cache import CachedInference, LogitsCache, MemoryCache, NullCache, RedisCache
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.drift import DriftMonitors, drift_config
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.health import PredictionHealth
-from mlpair.prediction.inference_client import InferenceClient
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predictor
-from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
+from mlpair.prediction.scoring.factory import build_scorer
 from mlpair.prediction.servicer import PredictionServicer
 from mlpair.prediction.settings import PredictionSettings
-from mlpair.rpc import Service, build_server, channel_credentials, drain, wait_for_termination_signal
+from mlpair.rpc import Service, build_server, drain, wait_for_termination_signal
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mlpair.prediction.v1.PredictionService"
 SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering what this replica recorded
-
-
-def build_cache(settings: PredictionSettings) -> LogitsCache:
-    """The cache backend ``settings.cache_backend`` names (no network I/O yet)."""
-    if settings.cache_backend == "redis":
-        return RedisCache(
-            settings.redis_url,
-            key_prefix=settings.redis_key_prefix,
-            stale_ttl_s=settings.cache_stale_ttl_s,
-            timeout_s=settings.redis_timeout_ms / 1000,
-        )
-    if settings.cache_backend == "memory":
-        return MemoryCache(max_entries=settings.cache_max_entries, stale_ttl_s=settings.cache_stale_ttl_s)
-    return NullCache()
-
-
-def build_scorer(settings: PredictionSettings, *, tracer_provider=None) -> CachedInference:
-    """InferenceService behind the cache, single-flight, deadline budget, retries and breaker."""
-    tls = channel_credentials(
-        settings.inference_tls_ca_file, settings.inference_tls_cert_file, settings.inference_tls_key_file
-    )
-    client = InferenceClient(
-        settings.inference_target,
-        timeout_ms=settings.inference_timeout_ms,
-        max_message_bytes=settings.max_message_bytes,
-        reconnect_backoff_max_ms=settings.inference_reconnect_backoff_max_ms,
-        credentials=tls,
-        keepalive_ms=settings.inference_keepalive_ms,
-        keepalive_timeout_ms=settings.inference_keepalive_timeout_ms,
-        tracer=CallTracer(tracer_provider) if settings.tracing else None,
-    )
-    caller = ResilientCaller(
-        CircuitBreaker(
-            "inference",
-            failure_threshold=settings.breaker_failure_threshold,
-            open_s=settings.breaker_open_ms / 1000,
-            half_open_probes=settings.breaker_half_open_probes,
-        ),
-        DeadlineBudget(
-            reserve_s=settings.crm_reserve_ms / 1000,
-            max_call_s=settings.inference_timeout_ms / 1000,
-            min_attempt_s=settings.inference_min_attempt_ms / 1000,
-        ),
-        RetryPolicy(
-            max_attempts=settings.inference_max_attempts,
-            backoff_base_s=settings.inference_retry_backoff_ms / 1000,
-            backoff_max_s=settings.inference_timeout_ms / 1000,
-        ),
-    )
-    cache = build_cache(settings)
-    return CachedInference(
-        client,
-        cache,
-        caller,
-        fresh_ttl_s=settings.cache_fresh_ttl_s,
-        linger_s=0.0 if isinstance(cache, NullCache) else 1.0,
-        coalesce_max_delay_s=settings.coalesce_max_delay_ms / 1000,
-        max_call_rows=settings.inference_max_batch_rows,
-    )
 
 
 def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:

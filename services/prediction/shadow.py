@@ -60,11 +60,12 @@ class ShadowComparison:
 
     def start(self, family: ModelFamily, rows: list[ServedRow]) -> None:
         """Queues ``rows`` for comparison against ``family.shadow`` (no-op without a shadow)."""
-        if family.shadow is None or not rows:
+        shadow = family.shadow
+        if shadow is None or not rows:
             return
         room = max(0, MAX_PENDING_ROWS - self._pending_rows)
         if len(rows) > room:
-            metrics.SHADOW_FAILURES.labels(family.name, family.shadow.version, "skipped_busy").inc(len(rows) - room)
+            metrics.SHADOW_FAILURES.labels(family.name, shadow.version, "skipped_busy").inc(len(rows) - room)
             rows = rows[:room]
             if not rows:
                 return
@@ -72,7 +73,7 @@ class ShadowComparison:
         self._pending_rows += len(rows)
         if family.name not in self._workers:
             # a context of its own: its calls carry many callers' rows, and must run as none of them
-            task = asyncio.create_task(self._work(family), context=contextvars.Context())
+            task = asyncio.create_task(self._work(family, shadow), context=contextvars.Context())
             self._workers[family.name] = task
 
     async def drain(self) -> None:
@@ -80,17 +81,16 @@ class ShadowComparison:
         while self._workers:
             await asyncio.gather(*self._workers.values(), return_exceptions=True)
 
-    async def _work(self, family: ModelFamily) -> None:
+    async def _work(self, family: ModelFamily, shadow: ModelVersion) -> None:
         try:
             while queue := self._pending.get(family.name):
                 chunk, self._pending[family.name] = queue[: self._max_rows], queue[self._max_rows :]
                 self._pending_rows -= len(chunk)
-                await self._compare(family, chunk)
+                await self._compare(family, shadow, chunk)
         finally:
             del self._workers[family.name]
 
-    async def _compare(self, family: ModelFamily, chunk: list[ServedRow]) -> None:
-        shadow = family.shadow
+    async def _compare(self, family: ModelFamily, shadow: ModelVersion, chunk: list[ServedRow]) -> None:
         primary_version = family.members[0].version
         try:
             logits, served = await self._infer(family, shadow, np.stack([r.vector for r in chunk]))

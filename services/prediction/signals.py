@@ -112,7 +112,8 @@ class FamilySignals:
         manifest, preprocessing = entry.manifest, entry.preprocessing
         self.model_name = name = manifest.model_name
         baselines = manifest.baselines
-        train_rows = int(manifest.data_source.get("split", {}).get("train", 0)) or 1000
+        split = manifest.data_source.get("split")  # {"train": rows, …} as training wrote it
+        train_rows = (int(split.get("train", 0)) if isinstance(split, dict) else 0) or 1000
         self._ranks = []  # (histogram child, value edges as a list, vector column)
         for column, feat in enumerate(preprocessing.feature_schema.numeric):
             base = baselines.get(feat.name)
@@ -121,19 +122,19 @@ class FamilySignals:
                 self._ranks.append((metrics.labelled(metrics.DRIFT_RANK, name, feat.name), edges, column))
         names = preprocessing.feature_names
         self._categorical = []  # (one counter per one-hot slot, the slots' vector columns)
-        for feat in preprocessing.feature_schema.categorical:
-            base = baselines.get(feat.name)
+        for category_feature in preprocessing.feature_schema.categorical:
+            base = baselines.get(category_feature.name)
             if not base or base.get("kind") != "categorical":
                 continue
-            slots = [(j, n.split("=", 1)[1]) for j, n in enumerate(names) if n.startswith(feat.name + "=")]
+            slots = [(j, n.split("=", 1)[1]) for j, n in enumerate(names) if n.startswith(category_feature.name + "=")]
             for _, category in slots:
-                metrics.DRIFT_CATEGORY_BASELINE.labels(name, feat.name, category).set(
+                metrics.DRIFT_CATEGORY_BASELINE.labels(name, category_feature.name, category).set(
                     float(base["frequencies"].get(category, 0.0))
                 )
-            metrics.DRIFT_BASELINE_ROWS.labels(name, feat.name).set(train_rows)
+            metrics.DRIFT_BASELINE_ROWS.labels(name, category_feature.name).set(train_rows)
             self._categorical.append(
                 (
-                    tuple(metrics.labelled(metrics.DRIFT_CATEGORY, name, feat.name, c) for _, c in slots),
+                    tuple(metrics.labelled(metrics.DRIFT_CATEGORY, name, category_feature.name, c) for _, c in slots),
                     tuple(j for j, _ in slots),
                 )
             )

@@ -400,11 +400,11 @@ def test_rate_limit_is_a_safety_valve_above_measured_capacity(objects: list) -> 
 def test_rate_limit_refusals_are_never_breaker_failures() -> None:
     """The mesh's refusal (RESOURCE_EXHAUSTED with its header) is load shed for PredictionService:
     InferenceOverloaded, which its circuit breaker does not count."""
-    pytest.importorskip("mlpair.prediction.inference_client", reason="mlpair is not installed")
+    pytest.importorskip("mlpair.prediction.scoring.client", reason="mlpair is not installed")
     import grpc
 
     from mlpair.prediction.errors import InferenceOverloaded
-    from mlpair.prediction.inference_client import RATE_LIMITED_HEADER, classify
+    from mlpair.prediction.scoring.client import RATE_LIMITED_HEADER, classify
 
     class Refused(grpc.RpcError):
         def code(self):

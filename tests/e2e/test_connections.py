@@ -16,7 +16,7 @@ from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.inference.settings import InferenceSettings
 from mlpair.rpc import LIVENESS
-from mlpair.prediction.inference_client import InferenceClient
+from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import inference_service
 from tests.fault_support import eventually, free_port, health_of, prediction_service, prediction_settings

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.cache import cache_key
+from mlpair.contracts.target import ModelTarget
+from mlpair.prediction.scoring.cache import cache_key
 from mlpair.prediction.converters import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import inference_service, prediction_service
@@ -66,7 +67,7 @@ async def poison(predictor, record: dict, how: str) -> None:
     family = predictor.families[MODEL]
     version = family.members[0].version
     row = family.assembler.assemble(record).vector
-    key = cache_key(MODEL, version, family.feature_version, row)
+    key = cache_key(ModelTarget(MODEL, version, family.feature_version), row)
     cache = predictor.scorer.cache
     good_logits = np.array([0.3, -0.2], np.float32)
     if how == "nonfinite":
@@ -76,7 +77,7 @@ async def poison(predictor, record: dict, how: str) -> None:
     elif how == "wrong_version":
         await cache.put_many([(key, good_logits, "999")])
     elif how == "other_key":  # a well-formed value of another row, copied under this row's key
-        other = cache_key(MODEL, version, family.feature_version, row + 1)
+        other = cache_key(ModelTarget(MODEL, version, family.feature_version), row + 1)
         await cache.put_many([(other, good_logits, version)])
         await cache._redis.set(cache.prefix + key, await cache._redis.get(cache.prefix + other))
     else:

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.cache import (CachedInference, MemoryCache, NullCache, RedisCache, Source, cache_key)
+from mlpair.contracts.target import ModelTarget
+from mlpair.prediction.scoring.cache import (MemoryCache, NullCache, RedisCache, Source, cache_key)
 from mlpair.prediction.converters import to_attributes
-from mlpair.prediction.inference_client import InferenceClient
-from mlpair.prediction.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
+from mlpair.prediction.scoring.client import InferenceClient
+from mlpair.prediction.scoring.factory import wire_scorer
+from mlpair.prediction.scoring.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
 from tests.support import require_service
 
@@ -35,11 +37,11 @@ def caller(**breaker) -> ResilientCaller:
 
 
 def test_key_names_model_version_schema_and_row():
-    base = cache_key("credit-risk", "1", "credit-risk/v1", ROW)
-    assert base == cache_key("credit-risk", "1", "credit-risk/v1", ROW.copy())
-    others = {cache_key("churn", "1", "credit-risk/v1", ROW), cache_key("credit-risk", "2", "credit-risk/v1", ROW),
-              cache_key("credit-risk", "1", "credit-risk/v2", ROW),
-              cache_key("credit-risk", "1", "credit-risk/v1", np.nextafter(ROW, 2, dtype=np.float32))}
+    base = cache_key(ModelTarget("credit-risk", "1", "credit-risk/v1"), ROW)
+    assert base == cache_key(ModelTarget("credit-risk", "1", "credit-risk/v1"), ROW.copy())
+    others = {cache_key(ModelTarget("churn", "1", "credit-risk/v1"), ROW), cache_key(ModelTarget("credit-risk", "2", "credit-risk/v1"), ROW),
+              cache_key(ModelTarget("credit-risk", "1", "credit-risk/v2"), ROW),
+              cache_key(ModelTarget("credit-risk", "1", "credit-risk/v1"), np.nextafter(ROW, 2, dtype=np.float32))}
     assert base not in others and len(others) == 4
 
 
@@ -108,26 +110,26 @@ class CountingClient:
         self.calls: list[str] = []
         self.error: Exception | None = None
 
-    async def infer(self, model_name, model_version, feature_version, features, *, timeout_s=None, callers=None):
-        self.calls.append(model_version)
+    async def infer(self, target, features, *, timeout_s=None, callers=None):
+        self.calls.append(target.version)
         await asyncio.sleep(0)
         if self.error is not None:
             raise self.error
-        return np.tile(LOGITS, (len(features), 1)), model_version
+        return np.tile(LOGITS, (len(features), 1)), target.version
 
 
 async def test_c36_a_model_switch_never_serves_the_old_models_entries():
     from mlpair.prediction.errors import InferenceUnavailable
 
     client, cache = CountingClient(), MemoryCache(max_entries=10, stale_ttl_s=3600)
-    scorer = CachedInference(client, cache, caller(), fresh_ttl_s=300)
-    (first,) = await scorer.score("credit-risk", "1", "credit-risk/v1", ROW[None, :], None)
-    (again,) = await scorer.score("credit-risk", "1", "credit-risk/v1", ROW[None, :], None)
+    scorer = wire_scorer(client, cache, caller(), fresh_ttl_s=300)
+    (first,) = await scorer.score(ModelTarget("credit-risk", "1", "credit-risk/v1"), ROW[None, :], None)
+    (again,) = await scorer.score(ModelTarget("credit-risk", "1", "credit-risk/v1"), ROW[None, :], None)
     assert (first.source, again.source, client.calls) == (Source.INFERENCE, Source.CACHE, ["1"])
-    (switched,) = await scorer.score("credit-risk", "2", "credit-risk/v1", ROW[None, :], None)
+    (switched,) = await scorer.score(ModelTarget("credit-risk", "2", "credit-risk/v1"), ROW[None, :], None)
     assert switched.source is Source.INFERENCE and client.calls == ["1", "2"]
     client.error = InferenceUnavailable("down")
-    (new_schema,) = await scorer.score("credit-risk", "2", "credit-risk/v2", ROW[None, :], None)
+    (new_schema,) = await scorer.score(ModelTarget("credit-risk", "2", "credit-risk/v2"), ROW[None, :], None)
     assert new_schema.source is Source.FALLBACK and new_schema.logits is None  # the v1 entry is not served, not even stale
 
 
@@ -136,19 +138,19 @@ async def test_stale_entries_are_served_only_when_inference_is_unavailable():
 
     clock = Clock()
     client = CountingClient()
-    scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock), caller(), fresh_ttl_s=5,
+    scorer = wire_scorer(client, MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock), caller(), fresh_ttl_s=5,
                              linger_s=0)
-    await scorer.score("m", "1", "s", ROW[None, :], None)
+    await scorer.score(ModelTarget("m", "1", "s"), ROW[None, :], None)
     clock.now += 10  # past the fresh window: inference is called again while it is up
-    (refreshed,) = await scorer.score("m", "1", "s", ROW[None, :], None)
+    (refreshed,) = await scorer.score(ModelTarget("m", "1", "s"), ROW[None, :], None)
     assert refreshed.source is Source.INFERENCE and len(client.calls) == 2
     clock.now += 10
     client.error = InferenceUnavailable("down")
-    (stale,) = await scorer.score("m", "1", "s", ROW[None, :], None)
+    (stale,) = await scorer.score(ModelTarget("m", "1", "s"), ROW[None, :], None)
     assert stale.source is Source.STALE_CACHE and stale.age_ms == 10_000
     assert stale.degraded_reason == "INFERENCE_UNAVAILABLE" and np.array_equal(stale.logits, LOGITS)
     clock.now += 61  # past the stale window: nothing to serve
-    (fallback,) = await scorer.score("m", "1", "s", ROW[None, :], None)
+    (fallback,) = await scorer.score(ModelTarget("m", "1", "s"), ROW[None, :], None)
     assert fallback.source is Source.FALLBACK and fallback.degraded_reason == "INFERENCE_UNAVAILABLE"
 
 
@@ -156,17 +158,17 @@ async def test_contract_refusals_are_raised_never_served_from_cache():
     from mlpair.prediction.errors import InferenceContractError
 
     client = CountingClient()
-    scorer = CachedInference(client, NullCache(), caller(), fresh_ttl_s=5)
+    scorer = wire_scorer(client, NullCache(), caller(), fresh_ttl_s=5)
     client.error = InferenceContractError("refused")
     with pytest.raises(InferenceContractError):
-        await scorer.score("m", "1", "s", ROW[None, :], None)
+        await scorer.score(ModelTarget("m", "1", "s"), ROW[None, :], None)
 
 
 async def test_a_batch_scores_each_distinct_row_once_in_one_call():
     client = CountingClient()
-    scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+    scorer = wire_scorer(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
     rows = np.stack([ROW, ROW + 1, ROW])
-    results = await scorer.score("m", "1", "s", rows, None)
+    results = await scorer.score(ModelTarget("m", "1", "s"), rows, None)
     assert [r.source for r in results] == [Source.INFERENCE] * 3 and client.calls == ["1"]
 
 
@@ -204,9 +206,9 @@ async def test_c22_shared_call_is_cancelled_only_when_every_waiter_has_gone(infe
     async with inference_forwarder(inference_server) as (target, forwarder):
         forwarder.delay_s = 30.0
         client = InferenceClient(target, timeout_ms=60_000, max_message_bytes=1 << 20)
-        scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+        scorer = wire_scorer(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
         row = np.zeros((1, credit_entry.manifest.n_features), np.float32)
-        args = ("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version, row)
+        args = (ModelTarget("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version), row)
         try:
             waiters = [asyncio.ensure_future(scorer.score(*args, None)) for _ in range(3)]
             while forwarder.calls < 1:
@@ -238,12 +240,12 @@ async def test_every_entry_read_from_redis_is_checked_and_a_poisoned_one_is_a_co
     miss (inference is called), counted by cause, never served — not even stale — and never an error."""
     import struct
 
-    from mlpair.prediction.cache_backends import MAX_VALUE_BYTES
+    from mlpair.prediction.scoring.backends import MAX_VALUE_BYTES
     from mlpair.prediction.errors import InferenceUnavailable
 
     cache, clock = redis_cache
     rows = np.stack([ROW + i for i in range(8)])
-    keys = [cache_key("m", "1", "s", row) for row in rows]
+    keys = [cache_key(ModelTarget("m", "1", "s"), row) for row in rows]
     await cache.put_many([(keys[0], LOGITS, "1")])
     good = await cache._redis.get(cache.prefix + keys[0])
 
@@ -266,8 +268,8 @@ async def test_every_entry_read_from_redis_is_checked_and_a_poisoned_one_is_a_co
     before = {c: invalid_reads("redis", c) for c in causes}
 
     client = CountingClient()
-    scorer = CachedInference(client, cache, caller(), fresh_ttl_s=30, linger_s=0)
-    scored = await scorer.score("m", "1", "s", rows, None, n_classes=2)
+    scorer = wire_scorer(client, cache, caller(), fresh_ttl_s=30, linger_s=0)
+    scored = await scorer.score(ModelTarget("m", "1", "s"), rows, None, n_classes=2)
     assert [s.source for s in scored] == [Source.CACHE] + [Source.INFERENCE] * 7  # poisoned: misses
     assert all(np.array_equal(s.logits, LOGITS) for s in scored)
     assert {c: invalid_reads("redis", c) - before[c] for c in causes} == dict.fromkeys(causes, 1)
@@ -275,7 +277,7 @@ async def test_every_entry_read_from_redis_is_checked_and_a_poisoned_one_is_a_co
     for i in range(1, 8):  # poisoned again, then inference goes down: none is served, not even stale
         await cache._redis.set(cache.prefix + keys[i], b"\x01")
     client.error = InferenceUnavailable("down")
-    scored = await scorer.score("m", "1", "s", rows, None, n_classes=2)
+    scored = await scorer.score(ModelTarget("m", "1", "s"), rows, None, n_classes=2)
     assert [s.source for s in scored] == [Source.CACHE] + [Source.FALLBACK] * 7
 
 
@@ -287,13 +289,13 @@ def hashlib_digest(key: str) -> bytes:
 
 async def test_memory_entries_are_checked_too():
     cache = MemoryCache(max_entries=10, stale_ttl_s=60)
-    keys = [cache_key("m", "1", "s", ROW + i) for i in range(3)]
+    keys = [cache_key(ModelTarget("m", "1", "s"), ROW + i) for i in range(3)]
     await cache.put_many([(keys[0], np.array([np.inf, 0.0], np.float32), "1"), (keys[1], LOGITS, "9"),
                           (keys[2], LOGITS.astype(np.float64), "1")])
     before = sum(invalid_reads("memory", c) for c in ("nonfinite", "version", "shape"))
     client = CountingClient()
-    scored = await CachedInference(client, cache, caller(), fresh_ttl_s=30).score(
-        "m", "1", "s", np.stack([ROW + i for i in range(3)]), None, n_classes=2)
+    scored = await wire_scorer(client, cache, caller(), fresh_ttl_s=30).score(
+        ModelTarget("m", "1", "s"), np.stack([ROW + i for i in range(3)]), None, n_classes=2)
     assert [s.source for s in scored] == [Source.INFERENCE] * 3
     assert sum(invalid_reads("memory", c) for c in ("nonfinite", "version", "shape")) - before == 3
 
@@ -306,9 +308,9 @@ async def test_a_leaders_tight_deadline_makes_no_joined_request_fall_back(infere
     async with inference_forwarder(inference_server) as (target, forwarder):
         forwarder.delay_s = 0.3  # slower than the leader's budget, well inside the joiner's
         client = InferenceClient(target, timeout_ms=10_000, max_message_bytes=1 << 20)
-        scorer = CachedInference(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
+        scorer = wire_scorer(client, MemoryCache(max_entries=10, stale_ttl_s=60), caller(), fresh_ttl_s=5)
         row = np.zeros((1, credit_entry.manifest.n_features), np.float32)
-        args = ("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version, row)
+        args = (ModelTarget("credit-risk", credit_entry.manifest.model_version, credit_entry.manifest.versions.feature_schema_version), row)
         try:
             now = time.monotonic()
             leader = asyncio.ensure_future(scorer.score(*args, now + 0.12))

@@ -16,11 +16,12 @@ import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.prediction.coalesce import InferenceCoalescer
+from mlpair.contracts.target import ModelTarget
+from mlpair.prediction.scoring.coalescer import InferenceCoalescer
 from mlpair.prediction.converters import to_attributes
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
-from mlpair.prediction.inference_client import InferenceClient
-from mlpair.prediction.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
+from mlpair.prediction.scoring.client import InferenceClient
+from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.e2e.test_end_to_end import expected_probabilities
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
 
@@ -38,8 +39,7 @@ async def expected(inference_server, credit_entry, rows) -> np.ndarray:
     """The logits of every row, from one direct call (no coalescing)."""
     client = InferenceClient(inference_server, timeout_ms=10_000, max_message_bytes=1 << 22)
     try:
-        logits, _ = await client.infer("credit-risk", credit_entry.manifest.model_version,
-                                       credit_entry.manifest.versions.feature_schema_version, rows)
+        logits, _ = await client.infer(target_of(credit_entry), rows)
     finally:
         await client.close()
     return logits
@@ -59,8 +59,11 @@ async def coalescer(target: str, *, max_delay_s: float = LONG_S, max_rows: int =
 
 
 def call(merged: InferenceCoalescer, entry, rows: np.ndarray, deadline: float | None = None):
-    return asyncio.ensure_future(merged.infer("credit-risk", entry.manifest.model_version,
-                                              entry.manifest.versions.feature_schema_version, rows, deadline))
+    return asyncio.ensure_future(merged.infer(target_of(entry), rows, deadline))
+
+
+def target_of(entry) -> ModelTarget:
+    return ModelTarget("credit-risk", entry.manifest.model_version, entry.manifest.versions.feature_schema_version)
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:

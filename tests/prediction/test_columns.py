@@ -161,9 +161,9 @@ def _scored_group(entry, records: list[dict], members: int, seed: int):
     from types import SimpleNamespace
 
     from mlpair.prediction.batch import Group
-    from mlpair.prediction.cache import Scored, Source
+    from mlpair.prediction.scoring.cache import Scored, Source
     from mlpair.prediction.outcomes import PredictInput
-    from mlpair.prediction.scoring import UnexpectedFailure
+    from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
     policy = DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml")
     schema = entry.preprocessing.feature_schema
@@ -222,17 +222,17 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
 @pytest.mark.parametrize("members", [1, 2])
 def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
     """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
-    from mlpair.prediction.cache import Scored, Source
-    from mlpair.prediction.scoring import _fill, _fill_rows
+    from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
+    from mlpair.prediction.scoring.scorer import _fill, _fill_rows
 
     records = credit_holdout.records[:40]
     rng = np.random.default_rng(members)
     sizes = [1 + 5 * (k % 3 == 0) for k in range(len(records))]  # explained items carry occluded rows
     total = sum(sizes)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-    answers = [[Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
-                Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2], r % 3)
-                for r in range(total)] for m in range(members)]
+    answers = [ScoredRows.of([Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
+                              Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2],
+                                     r % 3) for r in range(total)], 2) for m in range(members)]
     probabilities, usable = rng.uniform(0, 1, (members, total)), rng.uniform(0, 1, total) > 0.1
     margins = rng.normal(size=total)
     filled = []
@@ -242,7 +242,8 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
         group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
         group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
         fill(group, 0, n, answers, probabilities, usable, margins, offsets, sizes)
-        filled.append((group.served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
+        served = [(s.source, s.model_version, s.age_ms, s.degraded_reason, s.logits is None) for s in group.served]
+        filled.append((served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
                        group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
     assert filled[0] == filled[1]
     assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and filled[0][5]

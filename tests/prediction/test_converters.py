@@ -6,7 +6,7 @@ from google.rpc import code_pb2, error_details_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.prediction import converters
-from mlpair.prediction.crm.store import StoredDecision
+from mlpair.prediction.records import StoredDecision
 from mlpair.prediction.errors import InvalidRequest, UnknownModel
 from mlpair.prediction.explain import Contribution, Explanation
 from mlpair.prediction.pipeline import PredictionResult, UnexpectedFailure

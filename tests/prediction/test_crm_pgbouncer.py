@@ -11,7 +11,8 @@ import uuid
 import pytest
 from sqlalchemy import text
 
-from mlpair.prediction.crm.store import CrmStore, StoredDecision, decision_id_for
+from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.records import StoredDecision, decision_id_for
 
 
 def decision(request_id: str) -> StoredDecision:

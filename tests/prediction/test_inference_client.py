@@ -8,8 +8,9 @@ import pytest
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.errors import InferenceContractError, InferenceUnavailable
-from mlpair.prediction.inference_client import InferenceClient
+from mlpair.prediction.scoring.client import InferenceClient
 
 
 class RecordingServicer(pb_grpc.InferenceServiceServicer):
@@ -40,7 +41,7 @@ async def test_c25_client_emits_only_lower_case_metadata_keys(recording_server):
     target, servicer = recording_server
     client = InferenceClient(target, timeout_ms=2000, max_message_bytes=1 << 20)
     try:
-        logits, version = await client.infer("m", "", "schema/v1", np.zeros((3, 5), np.float32))
+        logits, version = await client.infer(ModelTarget("m", "", "schema/v1"), np.zeros((3, 5), np.float32))
     finally:
         await client.close()
     assert logits.shape == (3, 2) and version == "7"
@@ -52,7 +53,7 @@ async def test_unreachable_inference_is_unavailable():
     client = InferenceClient("127.0.0.1:1", timeout_ms=300, max_message_bytes=1 << 20)
     try:
         with pytest.raises(InferenceUnavailable):
-            await client.infer("m", "", "v", np.zeros((1, 5), np.float32))
+            await client.infer(ModelTarget("m", "", "v"), np.zeros((1, 5), np.float32))
     finally:
         await client.close()
 
@@ -61,7 +62,7 @@ async def test_missing_header_at_the_real_server_is_a_contract_error(inference_s
     client = InferenceClient(inference_server, timeout_ms=2000, max_message_bytes=1 << 20)
     try:
         with pytest.raises(InferenceContractError):
-            await client.infer("credit-risk", "", "credit-risk/v0", np.zeros((1, credit_entry.manifest.n_features), np.float32))
+            await client.infer(ModelTarget("credit-risk", "", "credit-risk/v0"), np.zeros((1, credit_entry.manifest.n_features), np.float32))
     finally:
         await client.close()
 
@@ -96,7 +97,7 @@ def rpc_error(code: grpc.StatusCode, details: str = "", *, reason: str = "", tra
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_errors_are_classified_by_cause_and_only_unavailability_counts_for_the_breaker(error, cause, kind,
                                                                                       breaker_failure):
-    from mlpair.prediction.inference_client import classify
+    from mlpair.prediction.scoring.client import classify
 
     found, mapped = classify(error)
     assert (found, type(mapped).__name__) == (cause, kind)

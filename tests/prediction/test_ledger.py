@@ -18,7 +18,9 @@ from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.relay import LedgerRelay
-from mlpair.prediction.crm.store import CrmStore, StoredDecision, decision_id_for
+from mlpair.prediction.crm import codecs
+from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.records import StoredDecision, decision_id_for
 from mlpair.prediction.errors import LedgerUnavailable
 from tests.fault_support import TcpProxy
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
@@ -313,7 +315,7 @@ def test_relay_backoff_is_bounded_however_long_the_outage():
 
 
 def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
-    from mlpair.prediction.crm.store import _DECISION_NAMESPACE
+    from mlpair.prediction.records import _DECISION_NAMESPACE
 
     for request_id in ("r1", "", "é" * 64, "x" * 128, "日本語-id"):
         assert decision_id_for(request_id) == str(uuid.uuid5(_DECISION_NAMESPACE, request_id))
@@ -324,8 +326,8 @@ def test_a_stored_decision_serialises_every_field():
 
     d = dataclasses.replace(decision("every-field"), decision_id="d", decided_at=datetime(2026, 1, 2, tzinfo=timezone.utc),
                             served_from="stale_cache", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN")
-    assert StoredDecision.from_json(d.to_json()) == d
-    assert set(d.to_row()) == {f.name for f in dataclasses.fields(StoredDecision)}
+    assert codecs.from_json(codecs.to_json(d)) == d
+    assert set(codecs.to_row(d)) == {f.name for f in dataclasses.fields(StoredDecision)}
 
 
 async def test_every_field_survives_the_ledger(ledger):

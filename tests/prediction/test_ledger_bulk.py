@@ -10,10 +10,10 @@ import pytest
 
 from bench.pair import scratch_postgres
 from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
+from mlpair.prediction.records import DecisionColumns, RecordedBatch
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.recorder import DecisionRecorder
-from mlpair.prediction.crm.store import decision_id_for
+from mlpair.prediction.records import decision_id_for
 from mlpair.prediction.errors import LedgerUnavailable
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 

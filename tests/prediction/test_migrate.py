@@ -197,7 +197,8 @@ async def test_import_outbox_brings_the_previous_release_decisions_into_the_ledg
     import sqlite3
 
     from mlpair.prediction.crm.ledger import open_ledger
-    from mlpair.prediction.crm.store import StoredDecision
+    from mlpair.prediction.crm.codecs import to_json
+    from mlpair.prediction.records import StoredDecision
 
     outbox = tmp_path / "outbox.sqlite"
     with sqlite3.connect(outbox) as conn:
@@ -207,7 +208,7 @@ async def test_import_outbox_brings_the_previous_release_decisions_into_the_ledg
             d = StoredDecision(f"d-{k}", f"old-{k}", "e", "credit-risk", "1", "credit-risk/v1", "p/1", 0.1 * k,
                                "APPROVE", ("LOW_DEFAULT_RISK",))
             conn.execute("INSERT INTO outbox (request_id, payload, recorded_at, delivered_at) VALUES (?, ?, 0, ?)",
-                         (d.request_id, d.to_json(), delivered))
+                         (d.request_id, to_json(d), delivered))
     done = mlpair_cli("migrate", "--ledger-url", fresh_postgres, "--crm-url", fresh_postgres, "--import-outbox",
                       str(outbox))
     assert done.returncode == 0 and "3 decision(s) imported from outboxes" in done.stdout, done.stderr

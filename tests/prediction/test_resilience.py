@@ -12,7 +12,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.prediction.converters import to_attributes
 from mlpair.prediction.errors import CircuitOpen, InferenceContractError, InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.pipeline import PredictInput
-from mlpair.prediction.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
+from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
 from tests.support import migrate_for
 

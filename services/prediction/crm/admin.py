@@ -16,10 +16,11 @@ from pathlib import Path
 
 from sqlalchemy import select
 
+from mlpair.prediction.crm.codecs import as_utc, from_json, from_record
 from mlpair.prediction.crm.ledger import DecisionLedger, open_ledger
 from mlpair.prediction.crm.migrate import CRM_BRANCH, LEDGER_BRANCH, grant_serving_role, upgrade
 from mlpair.prediction.crm.models import DecisionRecord
-from mlpair.prediction.crm.store import StoredDecision, as_utc, make_engine
+from mlpair.prediction.crm.store import make_engine
 
 IMPORT_BATCH = 5000  # decisions per import transaction
 
@@ -90,7 +91,7 @@ async def _import_outbox(ledger: DecisionLedger, path: Path) -> int:
         rows = conn.execute("SELECT payload, delivered_at IS NOT NULL FROM outbox ORDER BY seq").fetchall()
     added = 0
     for delivered in (True, False):
-        decisions = [StoredDecision.from_json(payload) for payload, done in rows if bool(done) is delivered]
+        decisions = [from_json(payload) for payload, done in rows if bool(done) is delivered]
         for start in range(0, len(decisions), IMPORT_BATCH):
             added += await ledger.import_decisions(decisions[start : start + IMPORT_BATCH], delivered=delivered)
     return added
@@ -113,7 +114,7 @@ async def _backfill(ledger: DecisionLedger, crm_url: str) -> int:
                 ).all()
             if not records:
                 return added
-            decisions = [StoredDecision.from_record(r) for r in records]
+            decisions = [from_record(r) for r in records]
             # rows from before decided_at existed (crm_0001) count from when they were written
             decisions = [
                 d if d.decided_at else replace(d, decided_at=as_utc(r.created_at)) for d, r in zip(decisions, records)

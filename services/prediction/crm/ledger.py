@@ -40,9 +40,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mlpair.prediction import metrics
-from mlpair.prediction.crm.columns import DecisionColumns, RecordedBatch
-from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, StoredDecision, decision_id_for
+from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, reason_codes_from_json, reason_codes_json
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch, StoredDecision, decision_id_for
 
 logger = logging.getLogger(__name__)
 
@@ -67,26 +67,14 @@ DECISION_COLUMNS = (
 NOT_RECORDED = "the decision could not be recorded; retry with the same request_id"
 
 
-@dataclass(frozen=True)
-class Recorded:
-    """What the ledger holds for a request id after a commit.
-
-    ``replayed`` is True when the decision was on record before this call (a retry, or a
-    concurrent call that won); ``fingerprint`` is the recorded request's ("" when unknown: a
-    decision imported from an outbox or backfilled from the CRM).
-    """
-
-    decision: StoredDecision
-    replayed: bool
-    fingerprint: str = ""
-
-
 Entry = tuple[StoredDecision, str]  # a decision and the fingerprint of its request
 
 
 def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[[datetime], Any]) -> tuple:
     """The :data:`DECISION_COLUMNS` values of a decision; ``decided_at`` encodes the timestamp."""
     d = decision
+    if d.decided_at is None:  # complete() sets it before anything is recorded
+        raise ValueError(f"decision {d.request_id!r} has no decided_at")
     return (
         d.request_id,
         fingerprint,
@@ -98,7 +86,7 @@ def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[
         d.policy_version,
         d.probability,
         d.decision,
-        d.reason_codes_json(),
+        reason_codes_json(d.reason_codes),
         d.served_from,
         d.cache_age_ms,
         d.degraded_reason,
@@ -135,7 +123,7 @@ def decision_from_row(row: Sequence, decided_at: Callable[[Any], datetime]) -> t
         policy_version,
         probability,
         decision,
-        StoredDecision.reason_codes_from_json(reason_codes),
+        reason_codes_from_json(reason_codes),
         served_from,
         cache_age_ms,
         degraded_reason,
@@ -206,7 +194,7 @@ class DecisionLedger(abc.ABC):
 
     async def record_many(
         self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
-    ) -> list[Recorded | LedgerUnavailable]:
+    ) -> Sequence[Recorded | LedgerUnavailable]:
         """Commits the decisions not yet on record, all in one group commit when they fit.
 
         Args:
@@ -240,7 +228,7 @@ class DecisionLedger(abc.ABC):
     @abc.abstractmethod
     def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[list[CrmRow]]:
         """Claims up to ``limit`` undelivered decisions, oldest first, that no other relay holds,
-        as the CRM rows to insert (:data:`~mlpair.prediction.crm.store.CRM_COLUMNS` tuples: no
+        as the CRM rows to insert (:data:`~mlpair.prediction.crm.codecs.CRM_COLUMNS` tuples: no
         decoding into objects on the way from one table to the other).
 
         On a normal exit of the ``async with`` body the decisions are marked delivered; on an
@@ -360,7 +348,7 @@ class _Caller:
         self.outcomes[index] = outcome
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():  # a caller that went away still has its decisions on record
-            self.future.set_result(self.outcomes)
+            self.future.set_result([o for o in self.outcomes if o is not None])  # none is None by now
 
 
 def open_ledger(

@@ -27,7 +27,7 @@ import asyncpg
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm import packed
-from mlpair.prediction.crm.columns import DecisionColumns
+from mlpair.prediction.crm.codecs import CrmRow, ledger_arrays
 from mlpair.prediction.crm.ledger import (
     CLAIMED_COLUMNS,
     DECISION_COLUMNS,
@@ -42,7 +42,7 @@ from mlpair.prediction.crm.ledger import (
 )
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
-from mlpair.prediction.crm.store import CrmRow, StoredDecision
+from mlpair.prediction.records import DecisionColumns, StoredDecision
 
 TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
 _COLUMNS = ", ".join(DECISION_COLUMNS)
@@ -246,7 +246,8 @@ class PostgresLedger(DecisionLedger):
         return settle(entries, held)
 
     async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
-        arrays = batch.ledger_arrays(rows)
+        arrays = ledger_arrays(batch, rows)
+        parameters: Sequence[object]  # packed text columns, or the columns as they are
         try:
             statement, parameters = INSERT_PACKED, _packed(arrays)
         except packed.Unpackable:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sqlalchemy import make_url
 
+from mlpair.prediction.crm.codecs import CrmRow
 from mlpair.prediction.crm.ledger import (
     CLAIMED_COLUMNS,
     DECISION_COLUMNS,
@@ -41,7 +42,7 @@ from mlpair.prediction.crm.ledger import (
 )
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
-from mlpair.prediction.crm.store import CrmRow, StoredDecision
+from mlpair.prediction.records import StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
 _COLUMNS = ", ".join(DECISION_COLUMNS)
@@ -170,41 +171,52 @@ class SqliteLedger(DecisionLedger):
             ) from exc
         self._conn = conn
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """The open connection.
+
+        Raises:
+            RuntimeError: the ledger was not opened (or is closed).
+        """
+        if self._conn is None:
+            raise RuntimeError("the SQLite decision ledger is not open")
+        return self._conn
+
     def _one(self, sql: str, params: tuple):
-        return self._conn.execute(sql, params).fetchone()
+        return self._db.execute(sql, params).fetchone()
 
     def _write(self, sql: str, params: tuple) -> int:
         with self._transaction():
-            return self._conn.execute(sql, params).rowcount
+            return self._db.execute(sql, params).rowcount
 
     def _write_returning(self, sql: str, params: tuple) -> list:
         with self._transaction():
-            return self._conn.execute(sql, params).fetchall()
+            return self._db.execute(sql, params).fetchall()
 
     def _executemany(self, sql: str, rows: list) -> int:
         with self._transaction():
-            return self._conn.executemany(sql, rows).rowcount
+            return self._db.executemany(sql, rows).rowcount
 
     @contextlib.contextmanager
     def _transaction(self):
-        self._conn.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
+        self._db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
         try:
             yield
-            self._conn.execute("COMMIT")
+            self._db.execute("COMMIT")
         except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
 
     def _commit_sync(self, entries: list[Entry]) -> list[Recorded]:
         request_ids = list(dict.fromkeys(d.request_id for d, _ in entries))
         with self._transaction():
-            rows = self._conn.execute(f"{_SELECT} WHERE request_id IN ({_marks(request_ids)})", request_ids).fetchall()
+            rows = self._db.execute(f"{_SELECT} WHERE request_id IN ({_marks(request_ids)})", request_ids).fetchall()
             held = {r.decision.request_id: r for r in (on_record(row, datetime.fromisoformat) for row in rows)}
             new = unique_new(entries, held)
             if new:
                 now = time.time()
-                self._conn.executemany(
+                self._db.executemany(
                     f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(DECISION_COLUMNS)}, ?)",
                     [(*row_values(d, f, _iso), now) for d, f in new],
                 )

@@ -11,12 +11,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from mlpair.prediction.crm.ledger import DecisionLedger, Recorded, open_ledger
+from mlpair.prediction.crm.ledger import DecisionLedger, open_ledger
 from mlpair.prediction.crm.migrate import CRM_BRANCH, SchemaNotReady, check_columns
 from mlpair.prediction.crm.relay import LedgerRelay
-from mlpair.prediction.crm.store import CrmStore, StoredDecision
+from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.records import Recorded, StoredDecision
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +33,7 @@ class DecisionRecorder:
         self.ledger = ledger
         self.crm = crm
         self.relay = relay
-        self._tracer = None  # set by instrument(): spans for the durable write of each decision
+        self._tracer: Tracer | None = None  # set by instrument(): spans for the durable write of each decision
 
     def instrument(self, tracer_provider=None) -> None:
         """Traces each ledger commit (``ledger INSERT``, child of the Predict span: the durable
@@ -91,10 +96,11 @@ class DecisionRecorder:
 
     async def record_many(
         self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
-    ) -> list[Recorded | LedgerUnavailable]:
+    ) -> Sequence[Recorded | LedgerUnavailable]:
         """Commits the decisions to the ledger together; each outcome is what is on record for
         its request id (:class:`Recorded`), or the :class:`LedgerUnavailable` that kept it from
         being recorded (so it must not be returned)."""
+        span: contextlib.AbstractContextManager[object]
         if self._tracer is None:
             span = contextlib.nullcontext()
         else:

@@ -17,9 +17,10 @@ import time
 from collections import Counter
 
 from mlpair.prediction import metrics
+from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow
 from mlpair.prediction.crm.ledger import DecisionLedger
 from mlpair.prediction.crm.packed import SEP
-from mlpair.prediction.crm.store import CRM_COLUMNS, CrmRow, CrmStore
+from mlpair.prediction.crm.store import CrmStore
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,7 @@ Connections are checked before use (``pool_pre_ping``) and a dropped one is repl
 
 from __future__ import annotations
 
-import hashlib
-import json
 import uuid
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,146 +16,10 @@ from sqlalchemy import DateTime, Float, Integer, String, Text, event, func, make
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, crm_row, from_record
 from mlpair.prediction.crm.migrate import CRM_BRANCH, upgrade
 from mlpair.prediction.crm.models import DecisionRecord
-
-# Decision ids are derived from the request id (the idempotency key), so every replica, every
-# retry and every delivery attempt name a decision the same way (RFC 4122 name-based UUID).
-_DECISION_NAMESPACE = uuid.UUID("6b1f4a3e-3c1d-5e0a-9b7e-6d6c70616972")
-_NAMESPACE_BYTES = _DECISION_NAMESPACE.bytes
-
-
-# What json.dumps(obj) and json.dumps(obj, separators=(",", ":")) do, without building an encoder
-# per call (json.dumps makes a new JSONEncoder whenever an argument differs from the defaults).
-_JSON = json.JSONEncoder()
-_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
-
-
-def decision_id_for(request_id: str) -> str:
-    """The decision id of ``request_id``: UUIDv5 in mlpair's namespace (RFC 4122 §4.3).
-
-    The same value as ``str(uuid.uuid5(namespace, request_id))``, built from the SHA-1 digest
-    directly: the ``uuid.UUID`` object costs more than the hash on the request path.
-    """
-    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + request_id.encode()).digest()[:16])
-    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
-    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    h = digest.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-@dataclass(frozen=True)
-class StoredDecision:
-    """A decision as recorded (in the decision ledger, then in the CRM).
-
-    ``probability`` is None when no model output was used (``served_from = "fallback"``);
-    ``served_from`` is one of ``inference``, ``cache``, ``stale_cache``, ``fallback``.
-    """
-
-    decision_id: str
-    request_id: str
-    entity_id: str
-    model_name: str
-    model_version: str
-    feature_schema_version: str
-    policy_version: str
-    probability: float | None
-    decision: str
-    reason_codes: tuple[str, ...]
-    served_from: str = "inference"
-    cache_age_ms: int = 0
-    degraded_reason: str = ""
-    decided_at: datetime | None = None
-
-    def _fields(self) -> dict[str, Any]:
-        # Field by field, not dataclasses.asdict: asdict deep-copies every value, which cost more
-        # than the rest of the decision's write on the request path (profiled).
-        return {
-            "decision_id": self.decision_id,
-            "request_id": self.request_id,
-            "entity_id": self.entity_id,
-            "model_name": self.model_name,
-            "model_version": self.model_version,
-            "feature_schema_version": self.feature_schema_version,
-            "policy_version": self.policy_version,
-            "probability": self.probability,
-            "decision": self.decision,
-            "reason_codes": self.reason_codes,
-            "served_from": self.served_from,
-            "cache_age_ms": self.cache_age_ms,
-            "degraded_reason": self.degraded_reason,
-            "decided_at": self.decided_at,
-        }
-
-    def to_json(self) -> str:
-        data = self._fields()
-        data["decided_at"] = self.decided_at.isoformat() if self.decided_at else None
-        return _COMPACT_JSON.encode(data)
-
-    @classmethod
-    def from_json(cls, payload: str) -> StoredDecision:
-        data = json.loads(payload)
-        data["reason_codes"] = tuple(data["reason_codes"])
-        data["decided_at"] = datetime.fromisoformat(data["decided_at"]) if data.get("decided_at") else None
-        return cls(**data)
-
-    @classmethod
-    def from_record(cls, r: DecisionRecord) -> StoredDecision:
-        return cls(
-            r.decision_id,
-            r.request_id,
-            r.entity_id,
-            r.model_name,
-            r.model_version,
-            r.feature_schema_version,
-            r.policy_version,
-            r.probability,
-            r.decision,
-            tuple(json.loads(r.reason_codes)),
-            r.served_from,
-            r.cache_age_ms,
-            r.degraded_reason,
-            as_utc(r.decided_at),
-        )
-
-    def to_row(self) -> dict[str, Any]:
-        row = self._fields()
-        row["reason_codes"] = self.reason_codes_json()
-        return row
-
-    def crm_row(self) -> tuple:
-        """The decision's :data:`CRM_COLUMNS` values."""
-        return (
-            self.decision_id,
-            self.request_id,
-            self.entity_id,
-            self.model_name,
-            self.model_version,
-            self.feature_schema_version,
-            self.policy_version,
-            self.probability,
-            self.decision,
-            self.reason_codes_json(),
-            self.served_from,
-            self.cache_age_ms,
-            self.degraded_reason,
-            self.decided_at,
-        )
-
-    def reason_codes_json(self) -> str:
-        """The reason codes as stored: a JSON list."""
-        return _JSON.encode(list(self.reason_codes))
-
-    @staticmethod
-    def reason_codes_from_json(stored: str) -> tuple[str, ...]:
-        return tuple(json.loads(stored))
-
-
-def as_utc(value: datetime | None) -> datetime | None:
-    """SQLite returns naive datetimes; every timestamp here is UTC."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
+from mlpair.prediction.records import StoredDecision
 
 
 def make_engine(
@@ -194,7 +54,7 @@ def make_engine(
             cursor.close()
 
         return engine
-    connect_args = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
+    connect_args: dict[str, Any] = {"timeout": timeout_s, "command_timeout": timeout_s} if "asyncpg" in url else {}
     if connect_args and statement_cache_size == 0:
         connect_args.update(
             statement_cache_size=0,
@@ -207,9 +67,6 @@ def make_engine(
 
 
 _ARRAY_TYPES = {String: "text", Text: "text", Float: "float8", Integer: "int4", DateTime: "timestamptz"}
-# The CRM columns a delivery writes: the decision's fields, in order (reason_codes as JSON text).
-CRM_COLUMNS = tuple(StoredDecision.__dataclass_fields__)
-CrmRow = tuple  # one decision's CRM_COLUMNS values
 
 
 def _unnest_insert() -> str:
@@ -277,7 +134,7 @@ class CrmStore:
 
     async def deliver(self, decisions: list[StoredDecision]) -> list[str]:
         """Inserts ``decisions`` in one transaction (see :meth:`deliver_rows`)."""
-        return await self.deliver_rows([d.crm_row() for d in decisions])
+        return await self.deliver_rows([crm_row(d) for d in decisions])
 
     async def deliver_rows(self, rows: list[CrmRow]) -> list[str]:
         """Inserts decisions given as :data:`CRM_COLUMNS` tuples in one transaction; request ids
@@ -330,9 +187,9 @@ class CrmStore:
         """The decision recorded for ``request_id``, if any."""
         async with self.engine.connect() as conn:
             record = (await conn.execute(select(DecisionRecord).where(DecisionRecord.request_id == request_id))).first()
-            return StoredDecision.from_record(record) if record else None
+            return from_record(record) if record else None
 
     async def count(self) -> int:
         """Number of recorded decisions."""
         async with self.engine.connect() as conn:
-            return int(await conn.scalar(select(func.count()).select_from(DecisionRecord)))
+            return int((await conn.execute(select(func.count()).select_from(DecisionRecord))).scalar_one())

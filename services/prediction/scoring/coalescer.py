@@ -24,7 +24,7 @@ A merged call is nobody's in particular: it runs in a context of its own (no cal
 baggage or log context), its span links to every caller's span, and it carries no caller's
 request id (:mod:`mlpair.observability.propagation`).
 
-A merged call runs through the :class:`~mlpair.prediction.resilience.ResilientCaller` once:
+A merged call runs through the :class:`~mlpair.prediction.scoring.resilience.ResilientCaller` once:
 the circuit breaker counts it as one call, retries repeat it whole, and its deadline is the
 *latest* of its callers' deadlines (the call is of use while any of them waits). Each caller
 waits only for its own budget: one whose budget runs out gets :class:`InferenceTimeout` alone
@@ -40,16 +40,34 @@ import asyncio
 import contextvars
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
+from mlpair.contracts.target import ModelTarget
 from mlpair.observability.calls import Caller
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import InferenceTimeout
-from mlpair.prediction.resilience import ResilientCaller
+from mlpair.prediction.scoring.resilience import ResilientCaller
 
-LaneKey = tuple[str, str, str]  # (model name, model version, feature schema version)
+
+class Infers(Protocol):
+    """What the coalescer needs of an InferenceService client (:class:`~.client.InferenceClient`)."""
+
+    async def infer(
+        self,
+        target: ModelTarget,
+        features: np.ndarray,
+        *,
+        timeout_s: float | None = None,
+        callers: Sequence[Caller] | None = None,
+    ) -> tuple[np.ndarray, str]: ...
+
+    async def ready(self, timeout_s: float) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -83,24 +101,25 @@ class InferenceCoalescer:
     """Merges concurrent Infer calls per model version into one call (see the module docstring).
 
     Args:
-        client: an :class:`~mlpair.prediction.inference_client.InferenceClient`.
+        client: an :class:`~mlpair.prediction.scoring.client.InferenceClient`.
         caller: deadline budget, retries and circuit breaker, applied to each merged call.
         max_delay_s: longest a row waits for others while a call of its lane is in flight.
         max_rows: most rows in one merged call.
     """
 
-    def __init__(self, client, caller: ResilientCaller, *, max_delay_s: float = 0.002, max_rows: int = 1024) -> None:
+    def __init__(
+        self, client: Infers, caller: ResilientCaller, *, max_delay_s: float = 0.002, max_rows: int = 1024
+    ) -> None:
         self.client = client
         self.caller = caller
         self.max_delay_s = max(0.0, max_delay_s)
         self.max_rows = max(1, max_rows)
-        self._lanes: dict[LaneKey, _Lane] = {}
+        self._lanes: dict[ModelTarget, _Lane] = {}
         self._calls: set[asyncio.Task] = set()
 
-    async def infer(
-        self, model_name: str, model_version: str, feature_version: str, rows: np.ndarray, deadline: float | None
-    ) -> tuple[np.ndarray, str]:
-        """Logits for ``rows`` ``[n, n_features] float32``, sent together with concurrent callers' rows.
+    async def infer(self, target: ModelTarget, rows: np.ndarray, deadline: float | None) -> tuple[np.ndarray, str]:
+        """Logits for ``rows`` ``[n, n_features] float32`` from ``target``'s model, sent together
+        with concurrent callers' rows for the same target (one lane per target).
 
         Args:
             deadline: the caller's deadline in ``time.monotonic()`` seconds, or None.
@@ -112,7 +131,7 @@ class InferenceCoalescer:
             InferenceTimeout, CircuitOpen, InferenceUnavailable, InferenceContractError,
             InferenceFailed: as :meth:`ResilientCaller.call` for the merged call.
         """
-        key = (model_name, model_version, feature_version)
+        key = target
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
@@ -148,7 +167,7 @@ class InferenceCoalescer:
             task.cancel()
         await asyncio.gather(*self._calls, return_exceptions=True)
 
-    def _send(self, key: LaneKey, lane: _Lane) -> None:
+    def _send(self, key: ModelTarget, lane: _Lane) -> None:
         """Sends the lane's queued parts as one call (those still waiting, with budget left)."""
         if lane.flush is not None:
             lane.flush.cancel()
@@ -175,18 +194,17 @@ class InferenceCoalescer:
         self._calls.add(call.task)
         call.task.add_done_callback(self._calls.discard)
 
-    async def _call(self, key: LaneKey, lane: _Lane, parts: list[_Part]) -> None:
-        model_name, model_version, feature_version = key
+    async def _call(self, key: ModelTarget, lane: _Lane, parts: list[_Part]) -> None:
+        model_name = key.name
         rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
         # the latest: the call is of use while any caller waits (each waits only its own budget)
-        deadline = None if any(p.deadline is None for p in parts) else max(p.deadline for p in parts)
+        deadlines = [p.deadline for p in parts if p.deadline is not None]
+        deadline = max(deadlines) if len(deadlines) == len(parts) else None  # None: a caller without one
         callers = [p.caller for p in parts]
         started = time.perf_counter()
         try:
             logits, version = await self.caller.call(
-                lambda timeout: self.client.infer(
-                    model_name, model_version, feature_version, rows, timeout_s=timeout, callers=callers
-                ),
+                lambda timeout: self.client.infer(key, rows, timeout_s=timeout, callers=callers),
                 deadline,
                 model=model_name,
             )

@@ -17,7 +17,7 @@
   service is up (a contract refusal, a model error) count as successes for availability. Load
   shedding (:class:`InferenceOverloaded`: a full queue, the mesh's rate limit) counts as neither:
   a busy service is not a broken one, and opening the circuit would turn shed calls into
-  fallback decisions (errors by cause: ``inference_client.classify``).
+  fallback decisions (errors by cause: ``scoring.client.classify``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from mlpair.contracts import FEATURE_VERSION_KEY
+from mlpair.contracts.target import ModelTarget
 from mlpair.observability.calls import Caller, CallTracer
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import (
@@ -32,7 +34,6 @@ from mlpair.rpc import client_keepalive_options, error_info, message_size_option
 
 logger = logging.getLogger(__name__)
 
-FEATURE_VERSION_KEY = "x-feature-version"
 SERVICE = "mlpair.inference.v1.InferenceService"
 RATE_LIMITED_HEADER = "x-mlpair-rate-limited"  # added by the mesh's local rate limit (deploy/istio)
 _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
@@ -94,6 +95,7 @@ def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
 
 def _rate_limited(exc: grpc.RpcError) -> bool:
     """Whether the mesh's rate limit, not InferenceService, refused the call (its reply header)."""
+    metadata: Sequence[tuple[str, str | bytes]] | None  # what a grpc.aio error carries, if anything
     for metadata in (getattr(exc, "initial_metadata", tuple)(), getattr(exc, "trailing_metadata", tuple)()):
         if any(key.lower() == RATE_LIMITED_HEADER for key, _ in metadata or ()):
             return True
@@ -148,15 +150,13 @@ class InferenceClient:
 
     async def infer(
         self,
-        model_name: str,
-        model_version: str,
-        feature_version: str,
+        target: ModelTarget,
         features: np.ndarray,
         *,
         timeout_s: float | None = None,
         callers: Sequence[Caller] | None = None,
     ) -> tuple[np.ndarray, str]:
-        """Logits for ``features`` ``[batch, n_features] float32``.
+        """Logits for ``features`` ``[batch, n_features] float32`` from ``target``'s model.
 
         Args:
             timeout_s: deadline of this call in seconds; None uses the client's default.
@@ -177,14 +177,14 @@ class InferenceClient:
         """
         x = np.ascontiguousarray(features, dtype="<f4")
         request = pb.InferRequest(
-            model_name=model_name,
-            model_version=model_version,
+            model_name=target.name,
+            model_version=target.version,
             inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()),
             per_row_errors=True,  # rows of many callers share a call: one row's output must fail no other
         )
         timeout = self._timeout_s if timeout_s is None else timeout_s
         response = await self._call(
-            self._stub.Infer, request, ((FEATURE_VERSION_KEY, feature_version),), timeout, callers
+            self._stub.Infer, request, ((FEATURE_VERSION_KEY, target.feature_version),), timeout, callers
         )
         out = response.logits
         if (

@@ -2,7 +2,8 @@
 
 Each group's rows (an explained item's occlusions next to its own row) are packed, in order and
 without splitting an item, into calls of at most ``max_rows`` rows per model version; every member
-of an ensemble scores the same matrix. Calibration is row-wise: a row whose output is unusable (a
+of an ensemble scores the same matrix, and its logits come back as one matrix ``[rows, n_classes]
+float32`` (:class:`~.rows.ScoredRows`) that is calibrated as it is. Calibration is row-wise: a row whose output is unusable (a
 non-finite logit, a probability outside [0, 1]) is marked so alone, and every other row of the same
 call is calibrated exactly as if it had been sent alone. A call that fails gives its error to the
 items whose rows it carried, and to no others.
@@ -12,19 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from mlpair.errors import ServiceError
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.cache import Scored, Source
 from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
+from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
 logger = logging.getLogger(__name__)
 
-Infer = Callable[[ModelFamily, ModelVersion, np.ndarray, float | None], Awaitable[list[Scored]]]
+Infer = Callable[[ModelFamily, ModelVersion, np.ndarray, float | None], Awaitable[ScoredRows]]
 
 
 async def score_groups(groups: list[Group], infer: Infer, max_rows: int) -> None:
@@ -33,7 +34,7 @@ async def score_groups(groups: list[Group], infer: Infer, max_rows: int) -> None
     calls = []
     for group in groups:
         n, members = len(group), len(group.family.members)
-        group.served = [None] * n
+        group.served = [None] * n  # stays None where the row's call fails
         group.probabilities = np.zeros((members, n), dtype=np.float64)
         group.usable = np.zeros(n, dtype=bool)
         group.margins = np.zeros(n, dtype=np.float64)
@@ -72,19 +73,18 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
     deadlines = [r.deadline for r in group.requests[start:end] if r.deadline is not None]
     deadline = min(deadlines) if deadlines else None
     try:
-        answers = await gather([infer(family, m, matrix, deadline) for m in family.members])
-        stacked = [_stack(rows, len(m.entry.manifest.class_names)) for m, rows in zip(family.members, answers)]
-        calibrated = [m.calibrator.probabilities_per_row(z) for m, z in zip(family.members, stacked)]
+        answers: list[ScoredRows] = await gather([infer(family, m, matrix, deadline) for m in family.members])
+        calibrated = [m.calibrator.probabilities_per_row(a.logits) for m, a in zip(family.members, answers)]
         probabilities = np.stack([p for p, _ in calibrated])
         usable = np.logical_and.reduce([ok for _, ok in calibrated])  # every member's output usable
         # margins only feed the shadow comparison (unusable rows: zeros, never compared)
         margins = (
-            family.members[0].calibrator.margins(np.where(usable[:, None], stacked[0], np.float32(0.0)))
+            family.members[0].calibrator.margins(np.where(usable[:, None], answers[0].logits, np.float32(0.0)))
             if family.shadow
             else None
         )
     except ServiceError as exc:
-        error = exc
+        error: ServiceError = exc
     except Exception as exc:  # noqa: BLE001  (one chunk's failure must not fail the batch)
         error = as_item_error(exc)
     else:
@@ -98,23 +98,19 @@ def _fill(
     group: Group,
     start: int,
     end: int,
-    answers: list[list[Scored]],
+    answers: list[ScoredRows],
     probabilities: np.ndarray,
     usable: np.ndarray,
     margins: np.ndarray | None,
-    offsets,
+    offsets: Sequence[int],
     sizes: list[int] | None,
 ) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
     if len(group) < ROW_WISE_BELOW:
         _fill_rows(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
         return
-    single = len(answers) == 1
-    own = (
-        answers[0]
-        if single and sizes is None
-        else [answers[0][o] if single else _served([rows[o] for rows in answers]) for o in offsets]
-    )
+    single, first = len(answers) == 1, answers[0]
+    own = [first.row(o) if single else _served([a.row(o) for a in answers]) for o in offsets]
     group.served[start:end] = own
     rows = np.asarray(offsets, dtype=np.intp) if sizes is not None else slice(0, end - start)
     fallback = np.fromiter((s.source is Source.FALLBACK for s in own), dtype=bool, count=len(own))
@@ -127,7 +123,7 @@ def _fill(
     for k, o, served, ok in zip(range(start, end), offsets, own, decided.tolist()):
         if not ok:
             continue
-        versions[k] = served.model_version if single else "+".join(rows_[o].model_version for rows_ in answers)
+        versions[k] = served.model_version if single else "+".join(a.model_versions[o] for a in answers)
         n = 1 if sizes is None else sizes[k - start]
         if n > 1 and usable[o : o + n].all():  # an explanation needs every occluded row scored
             group.occluded[k] = probabilities[:, o + 1 : o + n]
@@ -137,18 +133,18 @@ def _fill_rows(
     group: Group,
     start: int,
     end: int,
-    answers: list[list[Scored]],
+    answers: list[ScoredRows],
     probabilities: np.ndarray,
     usable: np.ndarray,
     margins: np.ndarray | None,
-    offsets,
+    offsets: Sequence[int],
     sizes: list[int] | None,
 ) -> None:
     """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the
     same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
     single, ok = len(answers) == 1, usable.tolist()
     for k, o in zip(range(start, end), offsets):
-        own = [rows[o] for rows in answers]
+        own = [a.row(o) for a in answers]
         served = group.served[k] = own[0] if single else _served(own)
         if served.source is Source.FALLBACK or not ok[o]:  # fallback first, as in _fill
             continue
@@ -167,20 +163,6 @@ async def gather(calls: list) -> list:
     if len(calls) == 1:
         return [await calls[0]]
     return await asyncio.gather(*calls)
-
-
-def _stack(rows: list[Scored], n_classes: int) -> np.ndarray:
-    """Per-row results → logits ``[rows, n_classes]``. A row without logits (fallback), or
-    whose logits are not ``[n_classes]``, is NaN: the per-row calibration marks it unusable, and
-    it can fail no other row."""
-    shape = (n_classes,)
-    if all(r.logits is not None and r.logits.shape == shape for r in rows):
-        return np.array([r.logits for r in rows], dtype=np.float32).reshape(len(rows), n_classes)
-    logits = np.full((len(rows), n_classes), np.nan, dtype=np.float32)
-    for i, r in enumerate(rows):
-        if r.logits is not None and r.logits.shape == shape:
-            logits[i] = r.logits
-    return logits
 
 
 def _served(own: list[Scored]) -> Scored:

@@ -2,7 +2,7 @@
 
 :class:`MemoryCache` (in-process LRU), :class:`RedisCache` (shared by replicas; any Redis error
 or timeout is a miss, never a failed request) and :class:`NullCache`, behind the
-:class:`LogitsCache` protocol that :class:`~mlpair.prediction.cache.CachedInference` uses.
+:class:`LogitsCache` protocol that :class:`~mlpair.prediction.scoring.cache.CachedInference` uses.
 
 **A shared cache is untrusted input.** Other processes write Redis too (other replicas, other
 releases, anything with access to it), so nothing read from it is used as it comes: the value is
@@ -196,24 +196,32 @@ class RedisCache:
     async def close(self) -> None:
         await self._redis.aclose()
 
-    def _decode(self, key: str, value: bytes, now: float) -> CachedLogits | None:
+    def _decode(self, key: str, value: bytes | str, now: float) -> CachedLogits | None:
         """The entry a value holds if it has this service's layout and was written for ``key``;
         else None (counted by cause: ``size``, ``format``, ``key``, ``clock``)."""
+        if not isinstance(value, bytes):  # never from this client (no decode_responses): not our layout
+            _invalid(self.name, "format")
+            return None
         if len(value) > MAX_VALUE_BYTES:
-            return _invalid(self.name, "size")
+            _invalid(self.name, "size")
+            return None
         try:
             tag, digest, stored_at, length = _HEADER.unpack_from(value)
             start = _HEADER.size + length
             version = value[_HEADER.size : start].decode()
             if tag != _TAG or len(value) < start or (len(value) - start) % 4:
-                return _invalid(self.name, "format")
+                _invalid(self.name, "format")
+                return None
             logits = np.frombuffer(value, dtype="<f4", offset=start)
         except (struct.error, UnicodeDecodeError, ValueError):
-            return _invalid(self.name, "format")
+            _invalid(self.name, "format")
+            return None
         if digest != _key_digest(key):  # a value copied (or written) under another key
-            return _invalid(self.name, "key")
+            _invalid(self.name, "key")
+            return None
         if not math.isfinite(stored_at) or stored_at > now + MAX_CLOCK_SKEW_S:
-            return _invalid(self.name, "clock")
+            _invalid(self.name, "clock")
+            return None
         return CachedLogits(logits, version, max(0.0, now - stored_at))
 
 
@@ -250,4 +258,3 @@ def fit_to_serve(
 
 def _invalid(backend: str, cause: str) -> None:
     metrics.labelled(metrics.CACHE_INVALID, backend, cause).inc()
-    return None

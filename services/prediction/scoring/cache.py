@@ -19,15 +19,15 @@ policy run again on every request, so a policy change applies at once.
   turn no other caller's identical request into a fallback. A finished call
   stays joinable for a short linger (``linger_s``, at most 1 s): a request whose cache read was
   sent before the result was cached (a Redis reply in flight) still gets it without a second call.
-* **Coalescing** (:mod:`~mlpair.prediction.coalesce`): the Infer calls of concurrent requests'
+* **Coalescing** (:mod:`~mlpair.prediction.scoring.coalescer`): the Infer calls of concurrent requests'
   flights go out together as one call per model version, so many Predict calls cost about
   one round trip to InferenceService.
-* **Backends** (:mod:`~mlpair.prediction.cache_backends`). :class:`MemoryCache` (in-process LRU,
+* **Backends** (:mod:`~mlpair.prediction.scoring.backends`). :class:`MemoryCache` (in-process LRU,
   the default), :class:`RedisCache` (shared by replicas through ``redis.asyncio``; any Redis
   error or timeout counts as a miss, never as a failed request) and :class:`NullCache`.
   Single-flight is per process in every case.
 * **Validated reads.** Every entry read, from any backend, is checked like untrusted input
-  (:func:`~mlpair.prediction.cache_backends.fit_to_serve`): the key it was written for, the model
+  (:func:`~mlpair.prediction.scoring.backends.fit_to_serve`): the key it was written for, the model
   version, ``[n_classes]`` finite logits, its size and age. One that does not fit is a miss,
   counted, never served (not even stale), never an error. Rows without usable model output are
   never written.
@@ -36,7 +36,6 @@ policy run again on every request, so a policy change applies at once.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import hashlib
 import logging
@@ -46,11 +45,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlpair.contracts.target import ModelTarget
 from mlpair.prediction import metrics
-from mlpair.prediction.cache_backends import CachedLogits, LogitsCache, MemoryCache, NullCache, RedisCache, fit_to_serve
-from mlpair.prediction.coalesce import InferenceCoalescer
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
-from mlpair.prediction.resilience import ResilientCaller
+from mlpair.prediction.scoring.backends import (
+    CachedLogits,
+    LogitsCache,
+    MemoryCache,
+    NullCache,
+    RedisCache,
+    fit_to_serve,
+)
+from mlpair.prediction.scoring.coalescer import InferenceCoalescer
+from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
 __all__ = [
     "CachedInference",
@@ -60,6 +67,7 @@ __all__ = [
     "NullCache",
     "RedisCache",
     "Scored",
+    "ScoredRows",
     "Source",
     "cache_key",
 ]
@@ -69,39 +77,19 @@ logger = logging.getLogger(__name__)
 KEY_LAYOUT = "v2"  # bumped with the stored value's layout: releases never read each other's entries
 
 
-def cache_key(model_name: str, model_version: str, feature_schema_version: str, row: np.ndarray) -> str:
-    """The cache key of one guarded feature row ``[n_features] float32``."""
+def cache_key(target: ModelTarget, row: np.ndarray) -> str:
+    """The cache key of one guarded feature row ``[n_features] float32`` scored by ``target``."""
     digest = hashlib.blake2b(np.ascontiguousarray(row, dtype="<f4").tobytes(), digest_size=16).hexdigest()
-    return f"{KEY_LAYOUT}|{model_name}|{model_version}|{feature_schema_version}|{digest}"
+    return f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|{digest}"
 
 
-class Source(enum.StrEnum):
-    """Where the logits behind a decision came from (stored with the decision as ``served_from``)."""
+@dataclass(frozen=True, eq=False)
+class _Answer:
+    """A flight's Infer result: logits ``[len(keys), n_classes] float32`` in its keys' order."""
 
-    INFERENCE = "inference"
-    CACHE = "cache"
-    STALE_CACHE = "stale_cache"
-    FALLBACK = "fallback"
-
-
-@dataclass(frozen=True)
-class Scored:
-    """Logits for one row and how they were obtained.
-
-    Attributes:
-        logits: ``[n_classes] float32``, or None when no model output is available (FALLBACK).
-        model_version: version that produced the logits ("" for FALLBACK).
-        source: where they came from.
-        age_ms: age of a cached entry in milliseconds (0 for INFERENCE and FALLBACK).
-        degraded_reason: why inference was not used (``INFERENCE_UNAVAILABLE``,
-            ``INFERENCE_TIMEOUT``, ``CIRCUIT_OPEN``) for STALE_CACHE and FALLBACK, else "".
-    """
-
-    logits: np.ndarray | None
-    model_version: str
-    source: Source
-    age_ms: int = 0
-    degraded_reason: str = ""
+    logits: np.ndarray
+    version: str
+    row_of: dict[str, int]  # key → its row of ``logits``
 
 
 class _Flight:
@@ -109,7 +97,7 @@ class _Flight:
 
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
-        self.outcome: asyncio.Future[dict[str, tuple[np.ndarray, str]]] = asyncio.get_running_loop().create_future()
+        self.outcome: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         self.outcome.add_done_callback(_consume_exception)
         self.task: asyncio.Task | None = None
         self.waiters = 0
@@ -121,35 +109,30 @@ def _consume_exception(future: asyncio.Future) -> None:
 
 
 class CachedInference:
-    """Inference behind the cache, single-flight, coalescing and the resilient caller.
+    """Inference behind the cache and single-flight; misses go to the injected coalescer, which
+    sends them through the resilient caller to the client (wired by :mod:`.factory`).
 
     Args:
-        client: an :class:`~mlpair.prediction.inference_client.InferenceClient`.
+        coalescer: merges concurrent Infer calls (:class:`~.coalescer.InferenceCoalescer`); its
+            resilient caller's deadline budget also bounds how long a request waits on a shared call.
         cache: a :class:`LogitsCache` backend.
-        caller: deadline budget, retries and circuit breaker for each Infer call.
         fresh_ttl_s: entries younger than this are served without calling inference.
         linger_s: how long a successful call stays joinable after its result is cached
             (capped at ``fresh_ttl_s``); covers cache reads that were already in flight.
-        coalesce_max_delay_s: longest a flight's rows wait to share an Infer call with other
-            flights while a call of the same model version is in flight (see ``coalesce``).
-        max_call_rows: most rows in one (merged) Infer call.
     """
 
     def __init__(
         self,
-        client,
+        coalescer: InferenceCoalescer,
         cache: LogitsCache,
-        caller: ResilientCaller,
         *,
         fresh_ttl_s: float,
         linger_s: float = 1.0,
-        coalesce_max_delay_s: float = 0.002,
-        max_call_rows: int = 1024,
     ) -> None:
-        self.client = client
+        self.coalescer = coalescer
+        self.client = coalescer.client
+        self.caller = coalescer.caller
         self.cache = cache
-        self.caller = caller
-        self.coalescer = InferenceCoalescer(client, caller, max_delay_s=coalesce_max_delay_s, max_rows=max_call_rows)
         self.fresh_ttl_s = fresh_ttl_s
         self.linger_s = min(linger_s, fresh_ttl_s)
         self._flights: dict[str, _Flight] = {}
@@ -163,14 +146,12 @@ class CachedInference:
 
     async def score(
         self,
-        model_name: str,
-        model_version: str,
-        feature_schema_version: str,
+        target: ModelTarget,
         rows: np.ndarray,
         deadline: float | None,
         *,
         n_classes: int | None = None,
-    ) -> list[Scored]:
+    ) -> ScoredRows:
         """Logits for each row of ``rows`` ``[batch, n_features] float32``, in order.
 
         Args:
@@ -178,14 +159,16 @@ class CachedInference:
             n_classes: the model's number of classes; a cached entry of another width is a miss.
 
         Returns:
-            One :class:`Scored` per row; rows inference could not score are STALE_CACHE when a
-            stale entry exists, else FALLBACK (``logits`` None).
+            The rows' logits ``[batch, n_classes] float32`` as one matrix and how each was served;
+            rows inference could not score are STALE_CACHE when a stale entry exists, else FALLBACK
+            (a NaN row). Without ``n_classes`` the width is that of the logits received.
 
         Raises:
             InferenceContractError, InferenceFailed: InferenceService refused or failed the call
                 (no decision may be made on these rows).
         """
-        keys = [cache_key(model_name, model_version, feature_schema_version, row) for row in rows]
+        model_name, model_version = target.name, target.version
+        keys = [cache_key(target, row) for row in rows]
         unique = list(dict.fromkeys(keys))
         cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
         for key, entry in cached.items():
@@ -193,7 +176,8 @@ class CachedInference:
                 self.cache.name, entry, model_version, n_classes, self.cache.stale_ttl_s
             ):
                 cached[key] = None  # a miss: never served, not even stale
-        results: dict[str, Scored] = {}
+        results: dict[str, Scored] = {}  # rows served from the cache, stale, or by the fallback
+        inferred: dict[str, _Answer] = {}  # rows inference answered: their call's matrix
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
         leading: list[str] = []
         hits = coalesced = 0
@@ -215,14 +199,7 @@ class CachedInference:
         def lead(lead_keys: list[str]) -> _Flight:
             return self._start_flight(
                 lead_keys,
-                functools.partial(
-                    self.coalescer.infer,
-                    model_name,
-                    model_version,
-                    feature_schema_version,
-                    rows[[first_row[key] for key in lead_keys]],
-                    deadline,
-                ),
+                functools.partial(self.coalescer.infer, target, rows[[first_row[key] for key in lead_keys]], deadline),
             )
 
         if leading:
@@ -230,11 +207,11 @@ class CachedInference:
             flights[id(flight)] = (flight, leading, True)
         again: list[str] = []
         for flight, flight_keys, led in flights.values():
-            if not await self._settle(flight, flight_keys, led, deadline, model_name, cached, results):
+            if not await self._settle(flight, flight_keys, led, deadline, model_name, cached, results, inferred):
                 again += flight_keys
         if again:  # a joined call ran out of its leader's budget, not ours: one call of our own
-            await self._settle(lead(again), again, True, deadline, model_name, cached, results)
-        return [results[key] for key in keys]
+            await self._settle(lead(again), again, True, deadline, model_name, cached, results, inferred)
+        return _scored_rows(keys, results, inferred, n_classes)
 
     async def _settle(
         self,
@@ -243,14 +220,15 @@ class CachedInference:
         led: bool,
         deadline: float | None,
         model_name: str,
-        cached: dict,
+        cached: dict[str, CachedLogits | None],
         results: dict[str, Scored],
+        inferred: dict[str, _Answer],
     ) -> bool:
-        """Waits for a flight and fills ``results`` for its keys (fresh, or stale / fallback when
-        inference could not be used); False, filling nothing, when this request joined another's
+        """Waits for a flight and fills ``inferred`` for its keys, or ``results`` (stale or
+        fallback) when inference could not be used; False, filling nothing, when this request joined another's
         call that timed out on that request's shorter budget while this one still has budget left."""
         try:
-            values = await self._wait(flight, deadline, leader=led)
+            answer = await self._wait(flight, deadline, leader=led)
         except InferenceUnavailable as exc:
             budget = self.caller.budget
             if (
@@ -263,8 +241,7 @@ class CachedInference:
                 results[key] = self._degraded(model_name, cached[key], exc.reason)
         else:
             for key in flight_keys:
-                logits, version = values[key]
-                results[key] = Scored(logits, version, Source.INFERENCE)
+                inferred[key] = answer
         return True
 
     def _start_flight(self, keys: list[str], infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> _Flight:
@@ -287,11 +264,11 @@ class CachedInference:
             flight.outcome.set_exception(exc)
             self._unregister(flight)
             return
-        values = {key: (logits[i].copy(), version) for i, key in enumerate(flight.keys)}
-        flight.outcome.set_result(values)
+        flight.outcome.set_result(_Answer(logits, version, {key: i for i, key in enumerate(flight.keys)}))
+        finite = np.isfinite(logits).all(axis=1).tolist()
         try:  # a row without usable output (NaN, see InferenceClient) is never cached
             await self.cache.put_many(
-                [(key, value[0], value[1]) for key, value in values.items() if np.isfinite(value[0]).all()]
+                [(key, logits[i].copy(), version) for i, key in enumerate(flight.keys) if finite[i]]
             )
         finally:
             asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
@@ -301,7 +278,7 @@ class CachedInference:
             if self._flights.get(key) is flight:
                 del self._flights[key]
 
-    async def _wait(self, flight: _Flight, deadline: float | None, *, leader: bool):
+    async def _wait(self, flight: _Flight, deadline: float | None, *, leader: bool) -> _Answer:
         """The flight's outcome. The leader's call is bounded by its own budget; a request that
         joined another's call waits at most its own remaining budget."""
         flight.waiters += 1
@@ -335,3 +312,43 @@ class CachedInference:
             return Scored(None, "", Source.FALLBACK, 0, reason)
         metrics.STALE_SERVED.labels(model_name, reason).inc()
         return Scored(entry.logits, entry.model_version, Source.STALE_CACHE, int(entry.age_s * 1000), reason)
+
+
+def _scored_rows(
+    keys: list[str], results: dict[str, Scored], inferred: dict[str, _Answer], n_classes: int | None
+) -> ScoredRows:
+    """The rows of ``keys`` in order: each Infer call's logits copied into the matrix as one block,
+    cached and stale entries row by row (a cache entry is one row), NaN where nothing fits."""
+    width = n_classes
+    if width is None:  # the width of what was received: a call's logits, else a cached entry's
+        answer = next(iter(inferred.values()), None)
+        found = next((s.logits for s in results.values() if s.logits is not None), None)
+        width = answer.logits.shape[1] if answer is not None else len(found) if found is not None else 0
+    logits = np.full((len(keys), width), np.nan, dtype=np.float32)
+    blocks: dict[int, tuple[_Answer, list[int], list[int]]] = {}  # call → (its answer, rows here, its rows)
+    sources: list[Source] = []
+    versions: list[str] = []
+    ages: list[int] = []
+    reasons: list[str] = []
+    for i, key in enumerate(keys):
+        answer = inferred.get(key)
+        if answer is not None:
+            block = blocks.setdefault(id(answer), (answer, [], []))
+            block[1].append(i)
+            block[2].append(answer.row_of[key])
+            sources.append(Source.INFERENCE)
+            versions.append(answer.version)
+            ages.append(0)
+            reasons.append("")
+            continue
+        scored = results[key]
+        if scored.logits is not None and scored.logits.shape == (width,):
+            logits[i] = scored.logits
+        sources.append(scored.source)
+        versions.append(scored.model_version)
+        ages.append(scored.age_ms)
+        reasons.append(scored.degraded_reason)
+    for answer, here, there in blocks.values():
+        if answer.logits.shape[1] == width:  # logits of another width stay NaN: unusable rows
+            logits[here] = answer.logits[there]
+    return ScoredRows(logits, sources, versions, ages, reasons)

@@ -1,0 +1,172 @@
+"""PredictionService's layering, read from the source with ``ast`` (nothing is imported).
+
+* ``scoring/`` is the request's path in order — cache → coalescer → resilience → inference client —
+  says so in its docstring, and each layer is built once, in ``scoring/factory.py``, and injected.
+* The decision domain (``records.py``) and the pipeline that makes decisions load no SQLAlchemy
+  and no ``crm`` module when imported; the database encoding lives in ``crm/codecs.py``.
+* ``x-feature-version`` is spelled once in the product: ``mlpair.contracts.FEATURE_VERSION_KEY``.
+* The scoring signatures take one :class:`~mlpair.contracts.target.ModelTarget`, and the logits
+  reach calibration as one matrix (:class:`~mlpair.prediction.scoring.rows.ScoredRows`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+
+import pytest
+
+from tests.test_structure import import_graph, import_time_imports, product_modules
+
+pytestmark = pytest.mark.timeout(60)
+
+SCORING = "mlpair.prediction.scoring"
+
+
+@functools.cache
+def tree(module: str) -> ast.Module:
+    path = product_modules()[module]
+    return ast.parse(path.read_text(), str(path))
+
+
+def function(module: str, qualified: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The definition of ``name`` or ``Class.name`` in ``module``."""
+    *owner, name = qualified.split(".")
+    body = tree(module).body
+    if owner:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == owner[0]).body
+    return next(n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
+
+
+def import_time_closure(module: str) -> set[str]:
+    """``module`` and every product module it loads, transitively, when it is imported."""
+    graph = import_graph(product_modules())
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return seen
+
+
+def imported_roots(module: str, *, at_import_time: bool) -> set[str]:
+    """The top-level package names ``module`` imports (at import time only, or anywhere in it)."""
+    nodes = (
+        import_time_imports(tree(module))
+        if at_import_time
+        else [n for n in ast.walk(tree(module)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    )
+    roots = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def constructed(name: str) -> set[str]:
+    """The product modules that call ``name(...)``."""
+    return {
+        module
+        for module in product_modules()
+        if any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+            for n in ast.walk(tree(module))
+        )
+    }
+
+
+def test_the_scoring_package_holds_the_request_path_and_its_docstring_gives_the_order():
+    modules = {name for name in product_modules() if name == SCORING or name.startswith(SCORING + ".")}
+    assert modules == {
+        SCORING,
+        *(f"{SCORING}.{m}" for m in ("backends", "cache", "client", "coalescer", "factory", "resilience", "rows", "scorer")),
+    }
+    doc = ast.get_docstring(tree(SCORING)) or ""
+    steps = [doc.find(f"**{layer}**") for layer in ("cache", "coalescer", "resilience", "inference client")]
+    assert -1 not in steps and steps == sorted(steps), steps
+    for gone in ("cache", "cache_backends", "coalesce", "resilience", "inference_client", "scoring.py"):
+        assert f"mlpair.prediction.{gone}" not in product_modules()
+
+
+def test_each_scoring_layer_is_built_only_by_the_factory_and_knows_only_the_next():
+    assert constructed("InferenceCoalescer") == {f"{SCORING}.factory"}
+    assert constructed("CachedInference") == {f"{SCORING}.factory"}
+    graph = import_graph(product_modules())
+    assert f"{SCORING}.client" not in graph[f"{SCORING}.cache"] | graph[f"{SCORING}.coalescer"]
+    assert f"{SCORING}.resilience" not in graph[f"{SCORING}.cache"]
+    init = [p.annotation for p in function(f"{SCORING}.cache", "CachedInference.__init__").args.args[1:]]
+    assert [ast.unparse(a) for a in init if a is not None] == ["InferenceCoalescer", "LogitsCache"]
+
+
+@pytest.mark.parametrize("module", ["mlpair.prediction.pipeline", "mlpair.prediction.records"])
+def test_the_decision_path_loads_no_database_layer(module):
+    closure = import_time_closure(module)
+    assert not {m for m in closure if m.startswith("mlpair.prediction.crm")}, sorted(closure)
+    loading_sqlalchemy = {m for m in closure if "sqlalchemy" in imported_roots(m, at_import_time=True)}
+    assert loading_sqlalchemy == set()
+
+
+def test_records_import_no_database_code_anywhere_and_codecs_encode_them():
+    assert "sqlalchemy" not in imported_roots("mlpair.prediction.records", at_import_time=False)
+    assert not any("crm" in m for m in import_graph(product_modules())["mlpair.prediction.records"])
+    defined = {n.name for n in tree("mlpair.prediction.records").body if isinstance(n, ast.ClassDef)}
+    assert {"StoredDecision", "Recorded", "DecisionColumns", "RecordedBatch"} <= defined
+    codecs = {n.name for n in tree("mlpair.prediction.crm.codecs").body if isinstance(n, ast.FunctionDef)}
+    assert {"from_record", "to_row", "crm_row", "to_json", "from_json", "ledger_arrays"} <= codecs
+    assert "mlpair.prediction.crm.columns" not in product_modules()
+
+
+def test_the_feature_version_key_is_spelled_once_in_the_product():
+    assignments, literals = [], []
+    for module in product_modules():
+        for node in ast.walk(tree(module)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == "FEATURE_VERSION_KEY" for t in targets):
+                assignments.append(module)
+            if isinstance(node, ast.Constant) and node.value == "x-feature-version":
+                literals.append(module)
+    assert assignments == ["mlpair.contracts"]
+    assert literals == ["mlpair.contracts"]
+    for user in ("mlpair.prediction.scoring.client", "mlpair.inference.converters", "mlpair.wire"):
+        assert any(
+            isinstance(n, ast.ImportFrom) and n.module == "mlpair.contracts" and "FEATURE_VERSION_KEY" in {a.name for a in n.names}
+            for n in ast.walk(tree(user))
+        ), user
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        (f"{SCORING}.client", "InferenceClient.infer"),
+        (f"{SCORING}.coalescer", "InferenceCoalescer.infer"),
+        (f"{SCORING}.cache", "CachedInference.score"),
+        (f"{SCORING}.cache", "cache_key"),
+    ],
+)
+def test_scoring_signatures_take_one_model_target(module, name):
+    args = function(module, name).args
+    params = [a for a in args.args if a.arg != "self"]
+    assert params[0].arg == "target" and ast.unparse(params[0].annotation) == "ModelTarget"
+    names = {a.arg for a in [*args.args, *args.kwonlyargs]}
+    assert not names & {"model_name", "model_version", "feature_version", "feature_schema_version"}
+
+
+def test_logits_reach_calibration_as_one_matrix():
+    score = function(f"{SCORING}.cache", "CachedInference.score")
+    assert ast.unparse(score.returns) == "ScoredRows"
+    scorer = tree(f"{SCORING}.scorer")
+    assert "_stack" not in {n.name for n in scorer.body if isinstance(n, ast.FunctionDef)}
+    # logits are read only off a whole ScoredRows, never row by row to be stacked again
+    reads = sorted({ast.unparse(n) for n in ast.walk(scorer) if isinstance(n, ast.Attribute) and n.attr == "logits"})
+    assert reads == ["a.logits", "answers[0].logits"]
+    infer = next(n for n in scorer.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "Infer")
+    assert ast.unparse(infer.value).endswith("Awaitable[ScoredRows]]")
+    calibrated = [
+        ast.unparse(n.args[0])
+        for n in ast.walk(scorer)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "probabilities_per_row"
+    ]
+    assert calibrated == ["a.logits"]
