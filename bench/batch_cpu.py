@@ -207,7 +207,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.collector import tune_collector
     from mlpair.prediction import server
-    from mlpair.prediction.converters import to_attributes
+    from mlpair.client import to_attributes
     from mlpair.prediction.servicer import PredictionServicer
     from mlpair.prediction.settings import PredictionSettings
 

@@ -214,7 +214,7 @@ def ledger_figures(scraped0: dict, scraped1: dict, phase_s: float) -> dict:
 
 def run(args) -> int:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-    from mlpair.prediction.converters import to_attributes
+    from mlpair.client import to_attributes
 
     root = Path(args.model_repository).resolve()
     workdir = Path(args.workdir).resolve() / time.strftime("%Y%m%dT%H%M%S")

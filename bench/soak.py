@@ -125,7 +125,7 @@ class Soak:
 
     def __init__(self, args, entry, crm_url: str, proxy: harness.TcpProxy | None) -> None:
         from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-        from mlpair.prediction.converters import to_attributes
+        from mlpair.client import to_attributes
 
         self.args = args
         self.entry = entry

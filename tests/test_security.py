@@ -15,7 +15,7 @@ from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.rpc import error_info
 from tests.support import REPO_ROOT
 

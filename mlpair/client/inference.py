@@ -8,8 +8,8 @@ import numpy as np
 from mlpair.api.inference.v1 import inference_service_pb2 as inference_pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
+from mlpair.contracts import FEATURE_VERSION_KEY
 
-FEATURE_VERSION_KEY = "x-feature-version"  # InferenceService's version-contract metadata key
 INFER_ROWS_PER_CALL = 512  # well below InferenceService's default max batch size (1024 rows)
 INFER_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 

@@ -157,18 +157,3 @@ def _add_extras(response: pb.PredictResponse, warnings, explanation) -> None:
             for c in explanation.contributions
         )
         response.top_reasons.extend(explanation.top_reasons)
-
-
-def to_attributes(record: dict[str, Any]) -> dict[str, pb.AttributeValue]:
-    """Python values → wire values (for clients: the demo and tests); None/NaN → null."""
-    out = {}
-    for name, value in record.items():
-        if value is None or (isinstance(value, float) and value != value):
-            out[name] = pb.AttributeValue()
-        elif isinstance(value, bool):
-            out[name] = pb.AttributeValue(bool_value=value)
-        elif isinstance(value, (int, float)):
-            out[name] = pb.AttributeValue(number_value=float(value))
-        else:
-            out[name] = pb.AttributeValue(string_value=str(value))
-    return out

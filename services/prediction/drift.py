@@ -39,10 +39,6 @@ import numpy as np
 from mlpair.contracts.manifest import SCORE_BASELINE, ModelEntry
 from mlpair.prediction import metrics
 from mlpair.prediction.drift_report import DriftReport, TestResult
-
-# mlpair.prediction.signals reads the baseline CDF from here; the definitions live with the statistics
-from mlpair.prediction.drift_statistics import BASELINE_DECIMALS as BASELINE_DECIMALS
-from mlpair.prediction.drift_statistics import baseline_cdf as baseline_cdf
 from mlpair.prediction.drift_statistics import chi2_against_frequencies, ks_against_quantiles
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ time window — the same KS 0.15 alarm and Bonferroni rule, on the whole fleet's
 **Rank histograms** (``prediction_drift_rank{model, feature}``). Each numeric feature value
 (standardised, as the model sees it) and each calibrated score is mapped to its rank in the
 training distribution, ``u = F_train(v)`` (right-continuous, linear between the manifest's
-quantiles, atoms kept: :func:`mlpair.prediction.drift.baseline_cdf`), and counted in buckets at
+quantiles, atoms kept: :func:`mlpair.prediction.drift_statistics.baseline_cdf`), and counted in buckets at
 rank levels 0.05, 0.10, …, 0.95. Bucket ``le=l`` therefore counts the rows at or below the
 training value of rank ``l``: the live CDF at the training baseline's quantile edges. Beside it,
 ``prediction_drift_rank_baseline{model, feature, le}`` holds the training CDF at the same edges
@@ -56,7 +56,7 @@ import numpy as np
 
 from mlpair.contracts.manifest import SCORE_BASELINE, ModelEntry
 from mlpair.prediction import metrics
-from mlpair.prediction.drift import BASELINE_DECIMALS, baseline_cdf
+from mlpair.prediction.drift_statistics import BASELINE_DECIMALS, baseline_cdf
 from mlpair.prediction.policy import DecisionPolicy
 
 SCORE = "score"  # the feature label of the calibrated score in the rank histogram

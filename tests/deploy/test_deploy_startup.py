@@ -40,7 +40,7 @@ pytest.importorskip("mlpair.prediction.server", reason="mlpair is not installed"
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb

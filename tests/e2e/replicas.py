@@ -20,7 +20,7 @@ from sqlalchemy import func, make_url, select
 from bench.pair import Pair, Service, TcpProxy, free_port, pair
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import make_engine
 from mlpair.rpc import error_info

@@ -9,7 +9,7 @@ from google.rpc import code_pb2, error_details_pb2
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from tests.e2e.conftest import crm_count, inference_service, prediction_service
 from tests.e2e.test_end_to_end import expected_probabilities
 

@@ -13,7 +13,7 @@ import pytest
 from google.rpc import code_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import crm_count
 from tests.e2e.test_isolation import inference, prediction  # noqa: F401  (the same pair, cache off)

@@ -29,7 +29,7 @@ from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as ppb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as ppb_grpc
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.rpc import error_info, wait_until_serving
 from tests.support import CONFIG_DIR, REPO_ROOT
 

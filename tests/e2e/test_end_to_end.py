@@ -15,7 +15,7 @@ import pytest
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import ModelEntry
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.errors import InferenceContractError
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput
 from mlpair.prediction.policy import DecisionPolicy

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from tests.e2e.conftest import prediction_service
 
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from sqlalchemy import func, make_url, select
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import make_engine
 from tests.e2e.replicas import crm_rows

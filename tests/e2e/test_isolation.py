@@ -24,7 +24,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.observability.tracing import build_tracer_provider
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import crm_count, inference_service, prediction_service
 from tests.fault_support import inference_forwarder, prediction_settings

@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.scoring.cache import cache_key
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import inference_service, prediction_service
 from tests.e2e.test_isolation import big_tracestate, decided, traceparent

@@ -24,7 +24,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import PredictionClient, check_health, infer_logits
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.inference.settings import InferenceSettings
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.settings import PredictionSettings
 from mlpair.rpc import channel_credentials, open_channel
 from tests.e2e.conftest import inference_service

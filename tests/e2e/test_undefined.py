@@ -15,7 +15,7 @@ from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.rpc import error_info
 from tests.e2e.conftest import prediction_service
 from tests.inference.test_oip import oip_request

@@ -121,7 +121,7 @@ async def drive(port: int, records: list[dict], ids: list[str], tag: str, concur
 
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-    from mlpair.prediction.converters import to_attributes
+    from mlpair.client import to_attributes
 
     requests = [pb.PredictRequest(request_id=f"{tag}-{i}", entity_id=eid, attributes=to_attributes(r))
                 for i, (eid, r) in enumerate(zip(ids, records, strict=True))]

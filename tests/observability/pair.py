@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 
 
 @dataclass

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY
 
 from mlpair import logs
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import inference_service
 from tests.e2e.test_isolation import traced_prediction

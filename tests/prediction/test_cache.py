@@ -11,7 +11,7 @@ import pytest
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.scoring.cache import (MemoryCache, NullCache, RedisCache, Source, cache_key)
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.factory import wire_scorer
 from mlpair.prediction.scoring.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy

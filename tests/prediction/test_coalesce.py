@@ -18,7 +18,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.scoring.coalescer import InferenceCoalescer
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy

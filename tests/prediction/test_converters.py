@@ -5,6 +5,7 @@ from __future__ import annotations
 from google.rpc import code_pb2, error_details_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import to_attributes
 from mlpair.prediction import converters
 from mlpair.prediction.records import StoredDecision
 from mlpair.prediction.errors import InvalidRequest, UnknownModel
@@ -50,7 +51,7 @@ def test_item_errors_become_statuses_with_error_info_in_request_order():
 
 
 def test_wire_values_round_trip_to_python_values():
-    wire = converters.to_attributes({"a": 1, "b": "x", "c": True, "d": None, "e": float("nan")})
+    wire = to_attributes({"a": 1, "b": "x", "c": True, "d": None, "e": float("nan")})
     request = pb.PredictRequest(request_id="r", entity_id="e", attributes=wire, explain=True)
     parsed = converters.predict_input(request)
     assert parsed.attributes == {"a": 1.0, "b": "x", "c": True, "d": None, "e": None} and parsed.explain

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.rpc import error_info
 from tests.fault_support import eventually, free_port, health_of, prediction_service, prediction_settings
 

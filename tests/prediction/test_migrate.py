@@ -23,7 +23,7 @@ from sqlalchemy import make_url
 from bench import pair as harness
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from tests.fault_support import free_port, prediction_service, prediction_settings

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.converters import to_attributes
+from mlpair.client import to_attributes
 from mlpair.prediction.errors import CircuitOpen, InferenceContractError, InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.pipeline import PredictInput
 from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
