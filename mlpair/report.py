@@ -60,14 +60,13 @@ def _roc(ax, fam: FamilyReport) -> None:
         fpr, tpr, lw=1.2, c="tab:orange", label=f"logistic regression: ROC AUC {roc_auc(fam.labels, fam.baseline):.3f}"
     )
     ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
-    ax.set(
-        title=f"{fam.name}: ROC curve (n = {len(fam.labels)})",
-        xlabel="false positive rate",
-        ylabel="true positive rate",
-        xlim=(0, 1),
-        ylim=(0, 1),
-    )
+    _unit_square(ax, f"{fam.name}: ROC curve (n = {len(fam.labels)})", "false positive rate", "true positive rate")
     ax.legend(loc="lower right")
+
+
+def _unit_square(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """Titles a plot of one rate or probability against another, both axes over [0, 1]."""
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xlim=(0, 1), ylim=(0, 1))
 
 
 def _reliability(ax, fam: FamilyReport) -> None:
@@ -83,13 +82,7 @@ def _reliability(ax, fam: FamilyReport) -> None:
             lw=1.5,
             label=f"{name} calibration (ECE {ece:.3f})",
         )
-    ax.set(
-        title=f"{fam.name}: reliability (15 bins)",
-        xlabel="mean predicted probability",
-        ylabel="observed frequency",
-        xlim=(0, 1),
-        ylim=(0, 1),
-    )
+    _unit_square(ax, f"{fam.name}: reliability (15 bins)", "mean predicted probability", "observed frequency")
     ax.legend(loc="upper left")
 
 

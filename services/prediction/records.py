@@ -99,22 +99,8 @@ class DecisionColumns(Sequence[StoredDecision]):
     decided_at: list[datetime]
     fingerprints: list[str] = field(default_factory=list)
 
-    FIELDS = (
-        "request_id",
-        "decision_id",
-        "entity_id",
-        "model_name",
-        "model_version",
-        "feature_schema_version",
-        "policy_version",
-        "probability",
-        "decision",
-        "reason_codes",
-        "served_from",
-        "cache_age_ms",
-        "degraded_reason",
-        "decided_at",
-    )
+    # The column fields, in this order: StoredDecision's fields with the request id first.
+    FIELDS = ("request_id", *(name for name in StoredDecision.__dataclass_fields__ if name != "request_id"))
 
     def __len__(self) -> int:
         return len(self.request_id)

@@ -223,7 +223,7 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
 def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
     """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
     from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
-    from mlpair.prediction.scoring.scorer import _fill, _fill_rows
+    from mlpair.prediction.scoring.scorer import ChunkScores, _fill, _fill_rows
 
     records = credit_holdout.records[:40]
     rng = np.random.default_rng(members)
@@ -241,7 +241,7 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
         n = len(group)
         group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
         group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
-        fill(group, 0, n, answers, probabilities, usable, margins, offsets, sizes)
+        fill(group, 0, n, ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
         served = [(s.source, s.model_version, s.age_ms, s.degraded_reason, s.logits is None) for s in group.served]
         filled.append((served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
                        group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))

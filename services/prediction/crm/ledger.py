@@ -40,30 +40,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mlpair.prediction import metrics
-from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, reason_codes_from_json, reason_codes_json
+from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, crm_row, reason_codes_from_json
 from mlpair.prediction.errors import LedgerUnavailable
 from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch, StoredDecision, decision_id_for
 
 logger = logging.getLogger(__name__)
 
-# The decision's columns in the ledger, in the order every statement of both engines uses.
-DECISION_COLUMNS = (
-    "request_id",
-    "fingerprint",
-    "decision_id",
-    "entity_id",
-    "model_name",
-    "model_version",
-    "feature_schema_version",
-    "policy_version",
-    "probability",
-    "decision",
-    "reason_codes",
-    "served_from",
-    "cache_age_ms",
-    "degraded_reason",
-    "decided_at",
-)
+# The decision's columns in the ledger, in the order every statement of both engines uses: the
+# request id, the fingerprint of its request, then the decision's other fields.
+DECISION_COLUMNS = ("request_id", "fingerprint", *DecisionColumns.FIELDS[1:])
+_REASON_CODES = DECISION_COLUMNS.index("reason_codes") - 3  # its place after request id, fingerprint, decision id
 NOT_RECORDED = "the decision could not be recorded; retry with the same request_id"
 
 
@@ -72,63 +58,18 @@ Entry = tuple[StoredDecision, str]  # a decision and the fingerprint of its requ
 
 def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[[datetime], Any]) -> tuple:
     """The :data:`DECISION_COLUMNS` values of a decision; ``decided_at`` encodes the timestamp."""
-    d = decision
-    if d.decided_at is None:  # complete() sets it before anything is recorded
-        raise ValueError(f"decision {d.request_id!r} has no decided_at")
-    return (
-        d.request_id,
-        fingerprint,
-        d.decision_id,
-        d.entity_id,
-        d.model_name,
-        d.model_version,
-        d.feature_schema_version,
-        d.policy_version,
-        d.probability,
-        d.decision,
-        reason_codes_json(d.reason_codes),
-        d.served_from,
-        d.cache_age_ms,
-        d.degraded_reason,
-        decided_at(d.decided_at),
-    )
+    if decision.decided_at is None:  # complete() sets it before anything is recorded
+        raise ValueError(f"decision {decision.request_id!r} has no decided_at")
+    fields = crm_row(decision)  # StoredDecision's order: decision id, request id, …, decided at
+    return (fields[1], fingerprint, fields[0], *fields[2:-1], decided_at(decision.decided_at))
 
 
 def decision_from_row(row: Sequence, decided_at: Callable[[Any], datetime]) -> tuple[StoredDecision, str]:
     """A decision and its fingerprint from the :data:`DECISION_COLUMNS` values of a row."""
-    (
-        request_id,
-        fingerprint,
-        decision_id,
-        entity_id,
-        model_name,
-        model_version,
-        schema_version,
-        policy_version,
-        probability,
-        decision,
-        reason_codes,
-        served_from,
-        cache_age_ms,
-        degraded_reason,
-        decided,
-    ) = row
-    return StoredDecision(
-        decision_id,
-        request_id,
-        entity_id,
-        model_name,
-        model_version,
-        schema_version,
-        policy_version,
-        probability,
-        decision,
-        reason_codes_from_json(reason_codes),
-        served_from,
-        cache_age_ms,
-        degraded_reason,
-        decided_at(decided),
-    ), fingerprint
+    request_id, fingerprint, decision_id, *fields = row  # fields: entity id … decided at
+    fields[_REASON_CODES] = reason_codes_from_json(fields[_REASON_CODES])
+    fields[-1] = decided_at(fields[-1])
+    return StoredDecision(decision_id, request_id, *fields), fingerprint
 
 
 def on_record(row: Sequence, decided_at: Callable[[Any], datetime]) -> Recorded:

@@ -26,26 +26,14 @@ from datetime import datetime
 import asyncpg
 from sqlalchemy import make_url
 
-from mlpair.prediction.crm import packed
+from mlpair.prediction.crm import ledger, packed
 from mlpair.prediction.crm.codecs import CrmRow, ledger_arrays
-from mlpair.prediction.crm.ledger import (
-    CLAIMED_COLUMNS,
-    DECISION_COLUMNS,
-    DecisionLedger,
-    Entry,
-    Recorded,
-    complete,
-    on_record,
-    row_values,
-    settle,
-    unique_new,
-)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
-from mlpair.prediction.records import DecisionColumns, StoredDecision
+from mlpair.prediction.records import DecisionColumns, Recorded, StoredDecision
 
 TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
-_COLUMNS = ", ".join(DECISION_COLUMNS)
+_COLUMNS = ", ".join(ledger.DECISION_COLUMNS)
 # each column's base type: an array cast to varchar(n) would truncate, while the assignment into
 # the column refuses a value that is too long, as a row-by-row insert does
 _ARRAY_TYPES = (
@@ -72,12 +60,12 @@ INSERT = (
 )
 SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
 CLAIM = (
-    f"SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
+    f"SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
     "FOR UPDATE SKIP LOCKED"
 )
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
 # The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by PostgreSQL.
-_NAMES = ", ".join(f"c{k}" for k in range(len(DECISION_COLUMNS)))
+_NAMES = ", ".join(f"c{k}" for k in range(len(ledger.DECISION_COLUMNS)))
 INSERT_PACKED = (
     f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
     + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
@@ -88,13 +76,15 @@ INSERT_PACKED = (
 # A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
 # The rows are marked delivered by the same statement, inside the claim's transaction: it commits
 # only once the CRM has them, and a failed delivery rolls the mark back with it.
-_CLAIMED_TYPES = dict(zip(DECISION_COLUMNS, _ARRAY_TYPES))
+_CLAIMED_TYPES = dict(zip(ledger.DECISION_COLUMNS, _ARRAY_TYPES))
 CLAIM_PACKED = (
-    f"WITH claimed AS (SELECT seq, {CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
+    f"WITH claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
     "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
     f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
     "SELECT count(*), "
-    + ", ".join(packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in CLAIMED_COLUMNS.split(", "))
+    + ", ".join(
+        packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in ledger.CLAIMED_COLUMNS.split(", ")
+    )
     + " FROM claimed"
 )
 IMPORT = (
@@ -109,7 +99,7 @@ def _same(value: datetime) -> datetime:
 
 def _columns(rows: Sequence[tuple]) -> list[list]:
     """Row tuples → one list per column (asyncpg sends each as a typed array)."""
-    return [list(column) for column in zip(*rows)] if rows else [[] for _ in DECISION_COLUMNS]
+    return [list(column) for column in zip(*rows)] if rows else [[] for _ in ledger.DECISION_COLUMNS]
 
 
 def _packed(arrays: list[list]) -> list[str]:
@@ -130,7 +120,7 @@ def _packed(arrays: list[list]) -> list[str]:
     return texts
 
 
-class PostgresLedger(DecisionLedger):
+class PostgresLedger(ledger.DecisionLedger):
     """The ledger in ``prediction.decision_ledger`` of a PostgreSQL database.
 
     Args:
@@ -189,7 +179,7 @@ class PostgresLedger(DecisionLedger):
     async def find(self, request_id: str) -> Recorded | None:
         async with self._connection() as conn:
             row = await conn.fetchrow(SELECT_RECORDED, [request_id])
-        return None if row is None else on_record(row, _same)
+        return None if row is None else ledger.on_record(row, _same)
 
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
@@ -227,23 +217,25 @@ class PostgresLedger(DecisionLedger):
         return True
 
     async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
-        rows = [row_values(d, "", _same) for d in map(complete, decisions)]
+        rows = [ledger.row_values(d, "", _same) for d in map(ledger.complete, decisions)]
         async with self._connection() as conn:
             status = await conn.execute(IMPORT, *_columns(rows), delivered)
         return int(status.rsplit(" ", 1)[-1])
 
-    async def _commit(self, entries: list[Entry]) -> list[Recorded]:
-        new = unique_new(entries, {})
+    async def _commit(self, entries: list[ledger.Entry]) -> list[Recorded]:
+        new = ledger.unique_new(entries, {})
         async with self._connection() as conn, conn.transaction():
-            inserted = {r[0] for r in await conn.fetch(INSERT, *_columns([row_values(d, f, _same) for d, f in new]))}
+            inserted = {
+                r[0] for r in await conn.fetch(INSERT, *_columns([ledger.row_values(d, f, _same) for d, f in new]))
+            }
             held = {d.request_id: Recorded(d, False, f) for d, f in new if d.request_id in inserted}
             if len(inserted) < len(new):
                 for row in await conn.fetch(
                     SELECT_RECORDED, [d.request_id for d, _ in new if d.request_id not in inserted]
                 ):
-                    recorded = on_record(row, _same)
+                    recorded = ledger.on_record(row, _same)
                     held[recorded.decision.request_id] = recorded
-        return settle(entries, held)
+        return ledger.settle(entries, held)
 
     async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
         arrays = ledger_arrays(batch, rows)
@@ -258,7 +250,7 @@ class PostgresLedger(DecisionLedger):
                 return {}
             held = {}
             for row in await conn.fetch(SELECT_RECORDED, [rid for rid in arrays[0] if rid not in inserted]):
-                recorded = on_record(row, _same)
+                recorded = ledger.on_record(row, _same)
                 held[recorded.decision.request_id] = recorded
         ids = batch.request_id
         return {i: held[ids[i]] for i in rows if ids[i] not in inserted}

@@ -27,25 +27,14 @@ from pathlib import Path
 
 from sqlalchemy import make_url
 
+from mlpair.prediction.crm import ledger
 from mlpair.prediction.crm.codecs import CrmRow
-from mlpair.prediction.crm.ledger import (
-    CLAIMED_COLUMNS,
-    DECISION_COLUMNS,
-    DecisionLedger,
-    Entry,
-    Recorded,
-    complete,
-    on_record,
-    row_values,
-    settle,
-    unique_new,
-)
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
-from mlpair.prediction.records import StoredDecision
+from mlpair.prediction.records import Recorded, StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
-_COLUMNS = ", ".join(DECISION_COLUMNS)
+_COLUMNS = ", ".join(ledger.DECISION_COLUMNS)
 _SELECT = f"SELECT {_COLUMNS} FROM {LEDGER_TABLE}"
 
 
@@ -53,7 +42,7 @@ def _iso(value: datetime) -> str:
     return value.isoformat()
 
 
-class SqliteLedger(DecisionLedger):
+class SqliteLedger(ledger.DecisionLedger):
     """The ledger in one SQLite file (WAL), shared by the processes of one machine.
 
     Args:
@@ -88,7 +77,7 @@ class SqliteLedger(DecisionLedger):
 
     async def find(self, request_id: str) -> Recorded | None:
         row = await self._run(self._one, f"{_SELECT} WHERE request_id = ?", (request_id,))
-        return None if row is None else on_record(row, datetime.fromisoformat)
+        return None if row is None else ledger.on_record(row, datetime.fromisoformat)
 
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
@@ -97,7 +86,7 @@ class SqliteLedger(DecisionLedger):
             self._write_returning,
             f"UPDATE {LEDGER_TABLE} SET lease_until = ? WHERE seq IN (SELECT seq FROM {LEDGER_TABLE} "
             "WHERE delivered_at IS NULL AND (lease_until IS NULL OR lease_until < ?) ORDER BY seq "
-            f"LIMIT ?) RETURNING seq, {CLAIMED_COLUMNS}",
+            f"LIMIT ?) RETURNING seq, {ledger.CLAIMED_COLUMNS}",
             (now + LEASE_S, now, limit),
         )
         rows.sort(key=lambda row: row[0])  # RETURNING does not keep the subquery's order
@@ -139,15 +128,17 @@ class SqliteLedger(DecisionLedger):
 
     async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
         now = time.time()
-        rows = [(*row_values(d, "", _iso), now, now if delivered else None) for d in map(complete, decisions)]
+        rows = [
+            (*ledger.row_values(d, "", _iso), now, now if delivered else None) for d in map(ledger.complete, decisions)
+        ]
         return await self._run(
             self._executemany,
             f"INSERT OR IGNORE INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at, delivered_at) "
-            f"VALUES ({_marks(DECISION_COLUMNS)}, ?, ?)",
+            f"VALUES ({_marks(ledger.DECISION_COLUMNS)}, ?, ?)",
             rows,
         )
 
-    async def _commit(self, entries: list[Entry]) -> list[Recorded]:
+    async def _commit(self, entries: list[ledger.Entry]) -> list[Recorded]:
         return await self._run(self._commit_sync, entries)
 
     # Everything below runs on the ledger thread, one call at a time.
@@ -208,21 +199,21 @@ class SqliteLedger(DecisionLedger):
                 self._db.execute("ROLLBACK")
             raise
 
-    def _commit_sync(self, entries: list[Entry]) -> list[Recorded]:
+    def _commit_sync(self, entries: list[ledger.Entry]) -> list[Recorded]:
         request_ids = list(dict.fromkeys(d.request_id for d, _ in entries))
         with self._transaction():
             rows = self._db.execute(f"{_SELECT} WHERE request_id IN ({_marks(request_ids)})", request_ids).fetchall()
-            held = {r.decision.request_id: r for r in (on_record(row, datetime.fromisoformat) for row in rows)}
-            new = unique_new(entries, held)
+            held = {r.decision.request_id: r for r in (ledger.on_record(row, datetime.fromisoformat) for row in rows)}
+            new = ledger.unique_new(entries, held)
             if new:
                 now = time.time()
                 self._db.executemany(
-                    f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(DECISION_COLUMNS)}, ?)",
-                    [(*row_values(d, f, _iso), now) for d, f in new],
+                    f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(ledger.DECISION_COLUMNS)}, ?)",
+                    [(*ledger.row_values(d, f, _iso), now) for d, f in new],
                 )
         for decision, fingerprint in new:
             held[decision.request_id] = Recorded(decision, False, fingerprint)
-        return settle(entries, held)
+        return ledger.settle(entries, held)
 
 
 def _marks(values: Sequence) -> str:

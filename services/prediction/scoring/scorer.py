@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,27 +89,29 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
     except Exception as exc:  # noqa: BLE001  (one chunk's failure must not fail the batch)
         error = as_item_error(exc)
     else:
-        _fill(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
+        _fill(group, start, end, ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
         return
     for k in range(start, end):
         group.errors[k] = error
 
 
-def _fill(
-    group: Group,
-    start: int,
-    end: int,
-    answers: list[ScoredRows],
-    probabilities: np.ndarray,
-    usable: np.ndarray,
-    margins: np.ndarray | None,
-    offsets: Sequence[int],
-    sizes: list[int] | None,
-) -> None:
+class ChunkScores(NamedTuple):
+    """What one call scored for the items ``[start, end)`` of a group, its rows packed as sent."""
+
+    answers: list[ScoredRows]  # per ensemble member, the call's rows as scored
+    probabilities: np.ndarray  # [members, rows] float64, calibrated
+    usable: np.ndarray  # [rows] bool: every member's output usable
+    margins: np.ndarray | None  # [rows] float64, for the shadow comparison only (None without a shadow)
+    offsets: Sequence[int]  # per item, the row of its own row in the call
+    sizes: list[int] | None  # per item, its rows (own and occluded); None when no item is explained
+
+
+def _fill(group: Group, start: int, end: int, scores: ChunkScores) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
     if len(group) < ROW_WISE_BELOW:
-        _fill_rows(group, start, end, answers, probabilities, usable, margins, offsets, sizes)
+        _fill_rows(group, start, end, scores)
         return
+    answers, probabilities, usable, margins, offsets, sizes = scores
     single, first = len(answers) == 1, answers[0]
     own = [first.row(o) if single else _served([a.row(o) for a in answers]) for o in offsets]
     group.served[start:end] = own
@@ -129,19 +132,10 @@ def _fill(
             group.occluded[k] = probabilities[:, o + 1 : o + n]
 
 
-def _fill_rows(
-    group: Group,
-    start: int,
-    end: int,
-    answers: list[ScoredRows],
-    probabilities: np.ndarray,
-    usable: np.ndarray,
-    margins: np.ndarray | None,
-    offsets: Sequence[int],
-    sizes: list[int] | None,
-) -> None:
+def _fill_rows(group: Group, start: int, end: int, scores: ChunkScores) -> None:
     """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the
     same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
+    answers, probabilities, usable, margins, offsets, sizes = scores
     single, ok = len(answers) == 1, usable.tolist()
     for k, o in zip(range(start, end), offsets):
         own = [a.row(o) for a in answers]
