@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from mlpair.prediction import metrics
 from mlpair.prediction.scoring.resilience import CircuitState
@@ -57,18 +58,20 @@ class PredictionHealth(Health):
         """
         recorder, scorer = predictor.recorder, predictor.scorer
 
-        async def bounded(check) -> bool:
+        async def bounded(check: Callable[[], Awaitable[object]]) -> bool:
+            # The check's coroutine is made here, not by the caller: a check cancelled before it
+            # starts (the service stopping) leaves no coroutine that was never awaited.
             try:
                 async with asyncio.timeout(timeout_s):
-                    return bool(await check)
+                    return bool(await check())
             except Exception:  # noqa: BLE001  (a hung or failing check is an unhealthy dependency)
                 return False
 
         ledger, crm, cache, inference_ready = await asyncio.gather(
-            bounded(recorder.ledger.probe()),
-            bounded(recorder.crm.ping()),
-            bounded(scorer.cache.ping()),
-            bounded(scorer.client.ready(timeout_s)),
+            bounded(recorder.ledger.probe),
+            bounded(recorder.crm.ping),
+            bounded(scorer.cache.ping),
+            bounded(lambda: scorer.client.ready(timeout_s)),
         )
         inference = inference_ready and scorer.caller.breaker.state is not CircuitState.OPEN
         status = {"inference": inference, "crm": crm, "cache": cache, "ledger": ledger}
