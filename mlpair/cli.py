@@ -200,11 +200,13 @@ def _fail(what: str, exc: BaseException, code: int) -> int:
 
     from mlpair.startup import StartupError
 
-    if _debug:
-        traceback.print_exception(exc, file=sys.stderr)
     reason = _one_line(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {_one_line(exc)}"
     hint = "" if _debug or code == 2 else " (mlpair --debug … for the traceback)"
-    print(f"mlpair: {what}: {reason}{hint}", file=sys.stderr)
+    trace = "".join(traceback.format_exception(exc)) if _debug else ""
+    # One write: a supervisor stops the other workers as soon as one refuses to start, and a worker
+    # stopped halfway through a line-by-line traceback would leave it, not the reason, last.
+    sys.stderr.write(f"{trace}mlpair: {what}: {reason}{hint}\n")
+    sys.stderr.flush()
     return code
 
 
