@@ -296,7 +296,9 @@ async def test_c39_a_commit_whose_acknowledgement_is_lost_is_retried_without_dou
     recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, backoff_max_s=0.1)
     await recorder.start()
     skipped_before = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
-    databases.proxy.lose_reply_after(b"COMMIT")  # the delivery transaction commits; the relay never hears of it
+    # the delivery's insert (one self-committing statement, its parameters holding the request
+    # ids) reaches the CRM and commits; the relay never hears of it
+    databases.proxy.lose_reply_after(b"lost-ack-")
     try:
         await recorder.record_many([decision(i) for i in ids], ["fp"] * 10)
         assert await recorder.wait_delivered(20)

@@ -1,8 +1,9 @@
 """The decision ledger on PostgreSQL: one table shared by every replica (the production engine).
 
 ``prediction.decision_ledger`` holds one row per request id (a unique index). A group commit is one
-transaction: ``INSERT … SELECT FROM unnest(…) ON CONFLICT (request_id) DO NOTHING RETURNING``,
-then, for request ids that were on record, a read of the recorded rows. Under READ COMMITTED an
+statement that commits on its own (no BEGIN/COMMIT round trips):
+``INSERT … SELECT FROM unnest(…) ON CONFLICT (request_id) DO NOTHING RETURNING``, then, only for
+request ids that were on record, a read of the recorded rows. Under READ COMMITTED an
 insert that meets a concurrent, uncommitted insert of the same id waits for it; if that commits,
 the insert does nothing and the read that follows sees the winner's row, so concurrent first calls
 on several replicas all return one decision. Each batch is sorted by request id, so two replicas'
@@ -97,6 +98,13 @@ def _same(value: datetime) -> datetime:
     return value
 
 
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """A released connection's reset: nothing beyond asyncpg's rollback of an open transaction.
+    The ledger sets no session state (no SET, LISTEN, advisory lock or cursor), so asyncpg's
+    default reset query (``RESET ALL``, ``UNLISTEN *``, …) would be one more round trip and
+    statement per commit for nothing."""
+
+
 def _columns(rows: Sequence[tuple]) -> list[list]:
     """Row tuples → one list per column (asyncpg sends each as a typed array)."""
     return [list(column) for column in zip(*rows)] if rows else [[] for _ in ledger.DECISION_COLUMNS]
@@ -157,6 +165,7 @@ class PostgresLedger(ledger.DecisionLedger):
             timeout=self.timeout_s,
             command_timeout=self.timeout_s,
             statement_cache_size=self.statement_cache_size,
+            reset=_keep_session,
         )
         try:
             async with self._connection() as conn:
@@ -224,7 +233,10 @@ class PostgresLedger(ledger.DecisionLedger):
 
     async def _commit(self, entries: list[ledger.Entry]) -> list[Recorded]:
         new = ledger.unique_new(entries, {})
-        async with self._connection() as conn, conn.transaction():
+        # One statement, committed on its own (no BEGIN/COMMIT round trips): the insert is atomic
+        # and durable when it returns. Under READ COMMITTED a conflicting insert has waited for the
+        # other transaction's commit, so the read that follows sees the row that won.
+        async with self._connection() as conn:
             inserted = {
                 r[0] for r in await conn.fetch(INSERT, *_columns([ledger.row_values(d, f, _same) for d, f in new]))
             }
@@ -244,7 +256,7 @@ class PostgresLedger(ledger.DecisionLedger):
             statement, parameters = INSERT_PACKED, _packed(arrays)
         except packed.Unpackable:
             statement, parameters = INSERT, arrays
-        async with self._connection() as conn, conn.transaction():
+        async with self._connection() as conn:  # one self-committing statement, as in _commit
             inserted = {r[0] for r in await conn.fetch(statement, *parameters)}
             if len(inserted) == len(rows):
                 return {}

@@ -1,6 +1,7 @@
 """The CRM database: decisions delivered by the ledger's relay, exactly once per request id.
 
-Delivery is one transaction per batch, ``INSERT … ON CONFLICT DO NOTHING``: if a connection
+Delivery is one statement per batch, ``INSERT … ON CONFLICT DO NOTHING``, atomic and committed on
+its own (on PostgreSQL no BEGIN/COMMIT round trips): if a connection
 drops after the commit but before the acknowledgement, the relay retries the whole
 transaction and the rows already there are skipped, so a decision is never doubled.
 Connections are checked before use (``pool_pre_ping``) and a dropped one is replaced.
@@ -8,13 +9,15 @@ Connections are checked before use (``pool_pre_ping``) and a dropped one is repl
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import DateTime, Float, Integer, String, Text, event, func, make_url, select, text
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, crm_row, from_record
 from mlpair.prediction.crm.migrate import CRM_BRANCH, upgrade
@@ -153,7 +156,7 @@ class CrmStore:
             # 14 column arrays, not 14 parameters per row: SQLAlchemy's per-row parameter
             # processing cost more CPU than the rest of the delivery (same rows; see the tests)
             columns = [list(column) for column in zip(*rows)]
-            async with self.engine.begin() as conn:
+            async with self._self_committing() as conn:
                 result = await conn.exec_driver_sql(_UNNEST_INSERT, tuple(columns))
                 return list(result.scalars())
         stmt = _insert(self.engine.dialect.name).on_conflict_do_nothing().returning(DecisionRecord.request_id)
@@ -170,9 +173,16 @@ class CrmStore:
         """Inserts decisions given as packed text columns (``CRM_COLUMNS`` order, ``crm/packed.py``)
         in one transaction, as :meth:`deliver_rows` does; returns how many were inserted (request
         ids already recorded are skipped)."""
-        async with self.engine.begin() as conn:
+        async with self._self_committing() as conn:
             result = await conn.exec_driver_sql(_PACKED_INSERT, tuple(columns))
             return int(result.scalar_one())
+
+    @contextlib.asynccontextmanager
+    async def _self_committing(self) -> AsyncIterator[AsyncConnection]:
+        """A connection whose one statement commits on its own (PostgreSQL: no BEGIN and COMMIT
+        round trips; a single ``INSERT`` is atomic by itself)."""
+        async with self.engine.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
     async def ping(self) -> bool:
         """Whether the CRM database answers ``SELECT 1``."""
