@@ -191,7 +191,7 @@ class DecisionLedger(abc.ABC):
 
     @abc.abstractmethod
     async def _commit(self, entries: list[Entry]) -> list[Recorded]:
-        """One transaction: inserts what is new, reads back what was on record (see :func:`settle`)."""
+        """One commit: inserts what is new atomically, then reads back what was on record (see :func:`settle`)."""
 
     async def _record_bulk(self, batch: DecisionColumns) -> RecordedBatch:
         """A whole batch in its own transactions (``max_commit_rows`` rows each), its columns sent as

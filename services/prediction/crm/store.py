@@ -1,9 +1,9 @@
 """The CRM database: decisions delivered by the ledger's relay, exactly once per request id.
 
 Delivery is one statement per batch, ``INSERT … ON CONFLICT DO NOTHING``, atomic and committed on
-its own (on PostgreSQL no BEGIN/COMMIT round trips): if a connection
-drops after the commit but before the acknowledgement, the relay retries the whole
-transaction and the rows already there are skipped, so a decision is never doubled.
+its own (on PostgreSQL no BEGIN/COMMIT round trips): if a connection drops after the commit but
+before the acknowledgement, the relay retries the whole batch and the rows already there are
+skipped, so a decision is never doubled.
 Connections are checked before use (``pool_pre_ping``) and a dropped one is replaced.
 """
 
