@@ -123,14 +123,14 @@ def test_ports_and_probes_agree_with_the_settings(objects: list) -> None:
         assert ports["http-metrics"] == int(settings[f"{prefix}_METRICS_PORT"])
         annotations = workload["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == settings[f"{prefix}_METRICS_PORT"]
-        for probe in ("startupProbe", "readinessProbe"):
-            assert container[probe]["grpc"] == {
-                "port": ports["grpc"],
-                "service": HEALTH_SERVICE[app(workload)],
-            }
-        # Liveness asks the name that stays SERVING while the process lives
-        # (test_deploy_production.py keeps it apart from readiness).
+        assert container["readinessProbe"]["grpc"] == {
+            "port": ports["grpc"],
+            "service": HEALTH_SERVICE[app(workload)],
+        }
+        # Liveness asks the name that stays SERVING while the process lives, and so does
+        # PredictionService's startup probe (test_deploy_production.py says which name each asks).
         assert container["livenessProbe"]["grpc"] == {"port": ports["grpc"], "service": "liveness"}
+        assert container["startupProbe"]["grpc"]["port"] == ports["grpc"]
 
 
 def test_services_select_pods_on_their_grpc_port(objects: list) -> None:

@@ -49,6 +49,7 @@ from tests.support import CREDIT_SCHEMA, POSTGRES_HOST, POSTGRES_PORT, require_s
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
@@ -444,3 +445,59 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     # The serving role may do what the service needs and nothing more.
     assert await serving_role_refusals(databases) == list(NOT_THE_SERVICES_BUSINESS)
     assert inference_fs.written_outside_writable_mounts() == []
+
+
+@pytest.mark.parametrize("overlay", dc.OVERLAYS)
+async def test_a_prediction_pod_started_during_a_ledger_outage_waits_unready_and_is_not_restarted(
+    rendered: dict,
+    overlay: str,
+    release_repository: Path,
+    databases: Databases,
+    redis_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rollout, a scale-up or a node drain during a database failover starts pods whose shared
+    # ledger does not answer. The probes that restart a pod (startup, liveness) must pass, and
+    # only readiness fail: the pod takes no traffic, is not killed when the outage outlasts the
+    # startup window (then held in CrashLoopBackOff after the ledger is back), and turns ready by
+    # itself once the ledger answers.
+    from bench.pair import TcpProxy, free_port
+    from sqlalchemy import make_url
+
+    from tests.fault_support import eventually
+
+    objects = rendered[overlay]
+    (job,) = dc.jobs(objects)
+    await run_migrate_job(job, databases, tmp_path)
+    workload = sorted(dc.workloads(objects, "prediction"), key=dc.name_of)[-1]
+    container = dc.pod_spec(workload)["containers"][0]
+    name = {probe: container[probe]["grpc"].get("service", "") for probe in PROBES}
+    ledger = TcpProxy(POSTGRES_HOST, POSTGRES_PORT)  # not listening yet: the ledger is down
+    ledger_url = make_url(databases.serving_url).set(host="127.0.0.1", port=ledger.port)
+    pod = pods.materialise(workload, objects, tmp_path / "pod", release_repository)
+    monkeypatch.chdir(pod.root)
+    local = {
+        "inference_target": f"127.0.0.1:{free_port()}",  # down too: degraded, not unready
+        "ledger_url": ledger_url.render_as_string(hide_password=False),
+        "crm_url": databases.serving_url,
+        "redis_url": "redis://127.0.0.1:6379/0",
+        "redis_key_prefix": redis_prefix,
+    }
+    try:
+        async with prediction_pod(pod, monkeypatch, **local) as (target, _):
+            assert await health_of(target, name["startupProbe"]) == SERVING
+            assert await health_of(target, name["livenessProbe"]) == SERVING
+            assert await health_of(target, name["readinessProbe"]) == NOT_SERVING
+            await asyncio.sleep(2.5)  # several health checks later: still waiting, still alive
+            assert await health_of(target, name["startupProbe"]) == SERVING
+            assert await health_of(target, name["readinessProbe"]) == NOT_SERVING
+            await ledger.restore()
+
+            async def ready() -> bool:
+                return await health_of(target, name["readinessProbe"]) == SERVING
+
+            await eventually(ready, timeout_s=20)
+            await assert_probes_pass(workload, target)
+    finally:
+        await ledger.close()
