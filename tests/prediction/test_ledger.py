@@ -4,7 +4,9 @@ the answer, exactly once in the CRM (C39, C40), whatever number of ledger client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import sqlite3
 import uuid
 
@@ -22,7 +24,7 @@ from mlpair.prediction.crm import codecs
 from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.records import StoredDecision, decision_id_for
 from mlpair.prediction.errors import LedgerUnavailable
-from tests.fault_support import TcpProxy
+from tests.fault_support import TcpProxy, eventually
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 
 ENGINES = ["sqlite", "postgresql"]
@@ -314,6 +316,37 @@ def test_relay_backoff_is_bounded_however_long_the_outage():
     relay = LedgerRelay(None, None, backoff_base_s=0.05, backoff_max_s=5.0)
     waits = [relay.backoff_s(failures) for failures in (1, 10, 2000, 10**6)]
     assert all(0.0 <= w <= 5.0 for w in waits)
+
+
+@pytest.mark.parametrize("failing", ["ledger", "CRM"])
+async def test_a_failed_delivery_names_the_database_that_failed(failing, caplog):
+    # An operator paged for a relay failing must know which database to look at: the ledger
+    # (the claim or its mark failed) or the CRM (the insert failed).
+    row = tuple("credit-risk" if column == "model_name" else "x" for column in codecs.CRM_COLUMNS)
+
+    class Ledger:
+        committed = asyncio.Event()
+
+        @contextlib.asynccontextmanager
+        async def claim(self, limit):
+            if failing == "ledger":
+                raise ConnectionRefusedError
+            yield [row]
+
+    class Crm:
+        async def deliver_rows(self, rows):
+            raise ConnectionRefusedError
+
+    relay = LedgerRelay(Ledger(), Crm(), poll_s=0.01, linger_s=0, backoff_base_s=0.01, backoff_max_s=0.01)
+    with caplog.at_level(logging.WARNING, logger="mlpair.prediction.crm.relay"):
+        relay.start()
+
+        async def logged() -> bool:
+            return "CRM delivery failed" in caplog.text
+
+        await eventually(logged, timeout_s=5)
+        await relay.stop()
+    assert f"ConnectionRefusedError from the {failing}; decisions wait in the ledger" in caplog.text
 
 
 def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():

@@ -59,6 +59,7 @@ class LedgerRelay:
         self.linger_s = linger_s
         self.crm_up: bool | None = None  # None until the first attempt
         self.delivered = 0  # decisions this relay inserted into the CRM
+        self._failing = "ledger"  # which database the current delivery attempt failed at
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -111,13 +112,14 @@ class LedgerRelay:
                 pass
             self.ledger.committed.clear()
             while True:
+                self._failing = "ledger"  # until the CRM write itself fails (_write)
                 try:
                     delivered = await self._deliver_batch()
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001  (the CRM or the ledger is down: back off, retry)
                     failures += 1
-                    self._record_failure(exc, failures)
+                    self._record_failure(exc, failures, self._failing)
                     await asyncio.sleep(self.backoff_s(failures))
                     continue
                 if failures:
@@ -158,6 +160,7 @@ class LedgerRelay:
             inserted = await insert()
         except Exception:
             self.crm_up = False
+            self._failing = "CRM"
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
             _count_models(models, "error")
             raise
@@ -168,13 +171,16 @@ class LedgerRelay:
         metrics.OUTBOX_DELIVERED.inc(inserted)
         metrics.OUTBOX_ALREADY_IN_CRM.inc(n - inserted)
 
-    def _record_failure(self, exc: Exception, failures: int) -> None:
+    def _record_failure(self, exc: Exception, failures: int, failing: str) -> None:
+        """Counts a failed delivery; ``failing``: ``"CRM"`` when the CRM write raised, ``"ledger"``
+        when the claim or its mark did (the line then says which database an operator should look at)."""
         metrics.RELAY_FAILURES.inc()
         if failures == 1 or failures % 20 == 0:  # one line per outage, then a reminder, not one per retry
             logger.warning(
-                "CRM delivery failed (%d attempt(s) so far): %s; decisions wait in the ledger",
+                "CRM delivery failed (%d attempt(s) so far): %s from the %s; decisions wait in the ledger",
                 failures,
                 type(exc).__name__,
+                failing,
             )
 
 
