@@ -351,3 +351,7 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Alembic announces each of its plugins at INFO whenever a schema check loads it (a dozen
+    # lines per start of PredictionService, none of them about this process); its migration
+    # lines (alembic.runtime.migration) stay.
+    logging.getLogger("alembic.runtime.plugins").setLevel(max(logging.WARNING, root.level))

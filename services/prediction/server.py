@@ -10,6 +10,7 @@ per-dependency health are described in :mod:`mlpair.prediction.health`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -171,8 +172,16 @@ async def stop(
 async def serve(settings: PredictionSettings, *, shared_port: bool = False) -> None:
     """Runs until SIGTERM/SIGINT, then drains; ``shared_port``: as one of a supervisor's workers, each
     with its own ledger pool, relay, cache and breaker over the one shared ledger."""
-    server, _, health, predictor = await start(settings, shared_port=shared_port)
+    # The handlers first: a SIGTERM while the ledger is opened or the families load then starts
+    # the drain as soon as the server is up, instead of the default exit mid-start.
+    stopped = asyncio.create_task(wait_for_termination_signal())
+    await asyncio.sleep(0)  # its handlers are installed
+    try:
+        server, _, health, predictor = await start(settings, shared_port=shared_port)
+    except BaseException:
+        stopped.cancel()
+        raise
     tune_collector()
-    await wait_for_termination_signal()
+    await stopped
     await stop(server, health, predictor, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)
     logger.info("PredictionService stopped")

@@ -248,3 +248,41 @@ def test_c48_a_second_server_on_a_port_in_use_exits_2_naming_the_port(inference_
             assert run.returncode == 2, (role, workers, run.stderr[-1000:])
             assert f"port {port} is in use" in last, (role, workers, last)
             assert took < 10, (role, workers, took)
+
+
+async def test_a_sigterm_while_prediction_service_starts_drains_instead_of_killing_it(
+        model_repository, prediction_databases):
+    # Kubernetes may stop a pod that is still starting (a rollout superseded, a scale-down): the
+    # signal must start the drain, as it does once serving, not end the process by the default
+    # action mid-start. The ledger here accepts connections and never answers, so the start
+    # stays inside the ledger's open (its 2 s timeout) when the signal arrives.
+    held = asyncio.Event()
+    peers: list[asyncio.StreamWriter] = []
+
+    async def silent(reader, writer) -> None:
+        peers.append(writer)
+        held.set()
+
+    ledger = await asyncio.start_server(silent, "127.0.0.1", 0)
+    ledger_port = ledger.sockets[0].getsockname()[1]
+    port = free_port()
+    env = {**prediction_env(model_repository, f"127.0.0.1:{free_port()}", prediction_databases, port, grace_s=1.0),
+           "PREDICTION_LEDGER_URL": f"postgresql+asyncpg://mlpair@127.0.0.1:{ledger_port}/ledger",
+           "PREDICTION_LEDGER_TIMEOUT_MS": "2000", "PREDICTION_WORKERS": "1", "PREDICTION_LOG_LEVEL": "INFO"}
+    process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "prediction"], cwd=REPO_ROOT,
+                               env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        await asyncio.wait_for(held.wait(), 60)  # the start has reached the ledger
+        process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(process.wait, 30)
+        log = process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            await asyncio.to_thread(process.wait, 10)
+        for writer in peers:
+            writer.close()
+        ledger.close()
+    assert code == 0, log[-2000:]
+    assert "termination signal received" in log and "PredictionService stopped" in log, log[-2000:]
+    assert "alembic.runtime.plugins" not in log  # the schema check's library chatter stays out of INFO
