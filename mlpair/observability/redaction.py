@@ -22,18 +22,23 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+# ID numbers stand alone or end a longer token: a letter or digit next to one makes it part of a
+# larger value (a hash, a version), while "-" and "_" are where callers join an ID to a prefix
+# (request ids such as "ssn-123-45-6789" or "app_4111111111111111"), so they bound it.
+_NOT_AFTER = r"(?<![A-Za-z0-9])"
+_NOT_BEFORE = r"(?![A-Za-z0-9])"
 # (kind, pattern, fewest digits). Order matters: specific shapes run before generic digit runs.
 # The digit minimum keeps dates (2026-11-30: 8 digits), versions and timings out of "phone".
 PATTERNS: tuple[tuple[str, re.Pattern[str], int], ...] = (
     ("email", re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"), 0),
     # US Social Security number, 123-45-6789 (also with spaces).
-    ("national_id", re.compile(r"(?<![\w-])\d{3}[- ]\d{2}[- ]\d{4}(?![\w-])"), 0),
+    ("national_id", re.compile(rf"{_NOT_AFTER}\d{{3}}[- ]\d{{2}}[- ]\d{{4}}{_NOT_BEFORE}"), 0),
     # Spanish DNI (8 digits + check letter) and NIE (X/Y/Z + 7 digits + letter).
-    ("national_id", re.compile(r"(?<![\w-])(?:\d{8}|[XYZxyz]\d{7})-?[A-HJ-NP-TV-Za-hj-np-tv-z](?![\w-])"), 0),
+    ("national_id", re.compile(rf"{_NOT_AFTER}(?:\d{{8}}|[XYZxyz]\d{{7}})-?[A-HJ-NP-TV-Za-hj-np-tv-z]{_NOT_BEFORE}"), 0),
     # UK National Insurance number, AB 12 34 56 C.
     (
         "national_id",
-        re.compile(r"(?<![\w-])[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{2} ?\d{2} ?\d{2} ?\d{2} ?[A-Da-d](?![\w-])"),
+        re.compile(rf"{_NOT_AFTER}[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{{2}} ?\d{{2}} ?\d{{2}} ?\d{{2}} ?[A-Da-d]{_NOT_BEFORE}"),
         0,
     ),
     # Phone numbers with a country code: +34 612 345 678, +1 (555) 123-4567, +441234567890.
@@ -45,7 +50,7 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], int], ...] = (
     ("phone", re.compile(r"(?<![\w.-])\(\d{2,4}\)\s?\d{2,4}[ .-]\d{2,4}(?![\w.-])"), 9),
     # Bare runs of 9–19 digits (phones up to E.164's 15, card numbers up to 19) not part of a
     # decimal, hex string or word.
-    ("number", re.compile(r"(?<![\w.])\d{9,19}(?![\w.])"), 0),
+    ("number", re.compile(r"(?<![A-Za-z0-9.])\d{9,19}(?![A-Za-z0-9.])"), 0),
 )
 
 _VALUE = r"""(?:"[^"]*"|'[^']*'|[^\s,;)}\]]+)"""

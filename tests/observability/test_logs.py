@@ -122,6 +122,22 @@ def test_timestamps_versions_and_ids_are_not_mistaken_for_personal_data():
     assert Redactor().text(text) == text
 
 
+@pytest.mark.parametrize("raw, redacted", [
+    ("ssn-123-45-6789", "ssn-[REDACTED:national_id]"),
+    ("app_123-45-6789", "app_[REDACTED:national_id]"),
+    ("app_4111111111111111", "app_[REDACTED:number]"),
+    ("loan-12345678Z", "loan-[REDACTED:national_id]"),
+    ("cust_X1234567L", "cust_[REDACTED:national_id]"),
+    ("ni-AB123456C", "ni-[REDACTED:national_id]"),
+])
+def test_id_numbers_joined_to_a_prefix_in_a_request_id_are_redacted(raw, redacted):
+    # Callers build request ids from a prefix and a number: "-" or "_" must not hide the number.
+    from mlpair.observability.redaction import Redactor
+
+    assert Redactor().text(raw) == redacted
+    assert Redactor().text(f"request {raw} refused") == f"request {redacted} refused"
+
+
 def test_per_request_lines_can_be_sampled_at_info():
     logger = logging.getLogger("mlpair.test.sampling")
     logger.setLevel(logging.INFO)
