@@ -34,11 +34,17 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], int], ...] = (
     # US Social Security number, 123-45-6789 (also with spaces).
     ("national_id", re.compile(rf"{_NOT_AFTER}\d{{3}}[- ]\d{{2}}[- ]\d{{4}}{_NOT_BEFORE}"), 0),
     # Spanish DNI (8 digits + check letter) and NIE (X/Y/Z + 7 digits + letter).
-    ("national_id", re.compile(rf"{_NOT_AFTER}(?:\d{{8}}|[XYZxyz]\d{{7}})-?[A-HJ-NP-TV-Za-hj-np-tv-z]{_NOT_BEFORE}"), 0),
+    (
+        "national_id",
+        re.compile(rf"{_NOT_AFTER}(?:\d{{8}}|[XYZxyz]\d{{7}})-?[A-HJ-NP-TV-Za-hj-np-tv-z]{_NOT_BEFORE}"),
+        0,
+    ),
     # UK National Insurance number, AB 12 34 56 C.
     (
         "national_id",
-        re.compile(rf"{_NOT_AFTER}[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{{2}} ?\d{{2}} ?\d{{2}} ?\d{{2}} ?[A-Da-d]{_NOT_BEFORE}"),
+        re.compile(
+            rf"{_NOT_AFTER}[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{{2}} ?\d{{2}} ?\d{{2}} ?\d{{2}} ?[A-Da-d]{_NOT_BEFORE}"
+        ),
         0,
     ),
     # Phone numbers with a country code: +34 612 345 678, +1 (555) 123-4567, +441234567890.
