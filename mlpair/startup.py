@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
-    from pydantic_settings import BaseSettings
+    from pydantic_settings import BaseSettings, SettingsError
 
 
 class StartupError(Exception):
@@ -60,3 +60,21 @@ def invalid_settings(settings_cls: type[BaseSettings], exc: ValidationError) -> 
         )
         problems.append(f"{where}: {error['msg']}")
     return StartupError("invalid setting " + "; ".join(problems))
+
+
+def unparsable_setting(settings_cls: type[BaseSettings], exc: SettingsError) -> StartupError:
+    """One line for an environment value pydantic-settings could not parse: a list or map setting
+    must be JSON there, e.g. ``invalid setting --models / PREDICTION_MODELS: not JSON; …``."""
+    import re
+
+    prefix = settings_cls.model_config.get("env_prefix", "")
+    found = re.search(r'field "(\w+)"', str(exc))
+    field = found.group(1) if found and found.group(1) in settings_cls.model_fields else None
+    if field is None:
+        return StartupError(f"invalid setting: {exc}")
+    annotation = str(settings_cls.model_fields[field].annotation).lower()
+    example = '{"credit-risk": ["1"]}' if "dict" in annotation or "mapping" in annotation else '["credit-risk", "churn"]'
+    return StartupError(
+        f"invalid setting --{field.replace('_', '-')} / {prefix}{field.upper()}: the environment value is "
+        f"not JSON; a list or map setting is written as JSON there, e.g. {prefix}{field.upper()}='{example}'"
+    )

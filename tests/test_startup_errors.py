@@ -23,10 +23,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def mlpair(*args: str, code: str | None = None, cwd=None) -> subprocess.CompletedProcess:
+def mlpair(*args: str, code: str | None = None, cwd=None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "mlpair.cli", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERENCE_", "PREDICTION_"))}
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=cwd, env=env)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("INFERENCE_", "PREDICTION_"))}
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=cwd, env={**base, **(env or {})})
 
 
 def last_line(out: subprocess.CompletedProcess) -> str:
@@ -66,6 +66,29 @@ def test_an_invalid_setting_is_one_line_naming_the_flag_and_variable(role, flag,
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [last_line(out)], "exactly one line"
     assert last_line(out).startswith(f"mlpair: {role} service: invalid setting {flag} / {env}: "), out.stderr
+
+
+@pytest.mark.parametrize(("env", "value", "example"), [
+    ("PREDICTION_MODELS", "credit-risk,churn", """PREDICTION_MODELS='["credit-risk", "churn"]'"""),
+    ("PREDICTION_ENSEMBLES", "credit-risk=1", """PREDICTION_ENSEMBLES='{"credit-risk": ["1"]}'"""),
+])
+def test_a_list_or_map_setting_that_is_not_json_names_the_variable_and_its_form(env, value, example):
+    # The environment carries a list or a map as JSON; a plain value used to end in the settings
+    # library's own message (exit 1) that named neither the variable nor the form it needs.
+    out = mlpair("serve", "prediction", "--workers", "1", env={env: value})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [last_line(out)], "exactly one line"
+    flag = "--" + env.removeprefix("PREDICTION_").lower()
+    assert last_line(out).startswith(f"mlpair: prediction service: invalid setting {flag} / {env}: "), out.stderr
+    assert last_line(out).endswith(f"e.g. {example}"), out.stderr
+
+
+def test_serving_families_without_the_default_one_names_the_setting_that_picks_it(model_repository):
+    out = mlpair("serve", "prediction", "--workers", "1", "--models", "churn", "--model-repository",
+                 str(model_repository), "--config-dir", str(CONFIG_DIR), "--port", "0", "--metrics-port", "0")
+    assert out.returncode == 2, out.stderr
+    assert last_line(out) == ("mlpair: prediction service: default model family 'credit-risk' is not among the "
+                              "served ['churn']: set --model-name / PREDICTION_MODEL_NAME to one of them"), out.stderr
 
 
 def test_an_unexpected_failure_is_one_line_and_exit_1_with_the_traceback_under_debug():

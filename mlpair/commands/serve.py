@@ -40,14 +40,17 @@ def settings_from_args(settings_cls: type[S], args: argparse.Namespace) -> S:
         StartupError: a value is invalid; one line naming each offending flag and variable.
     """
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
-    from mlpair.startup import invalid_settings
+    from mlpair.startup import invalid_settings, unparsable_setting
 
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
     try:
         return settings_cls(**given)
     except ValidationError as exc:
         raise invalid_settings(settings_cls, exc) from exc
+    except SettingsError as exc:  # an environment value of a list or map setting that is not JSON
+        raise unparsable_setting(settings_cls, exc) from exc
 
 
 def serve_inference(args: argparse.Namespace) -> int:

@@ -47,7 +47,10 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
     """
     names = settings.models or [settings.model_name]
     if settings.model_name not in names:
-        raise ConfigurationError(f"default model family {settings.model_name!r} is not among the served {names}")
+        raise ConfigurationError(
+            f"default model family {settings.model_name!r} is not among the served {names}: set "
+            f"--model-name / PREDICTION_MODEL_NAME to one of them"
+        )
     if unserved := sorted((set(settings.ensembles) | set(settings.shadows)) - set(names)):
         raise ConfigurationError(f"ensemble or shadow configured for {unserved}, which are not served")
     families = {

@@ -174,7 +174,7 @@ class PostgresLedger(ledger.DecisionLedger):
                 )
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
             raise SchemaNotReady(
-                f"the decision ledger lacks the {TABLE} table or columns this release uses: run `mlpair migrate`"
+                f"the decision ledger lacks the {TABLE} table or columns this release uses: run `mlpair migrate` with the same ledger URL (--ledger-url / PREDICTION_LEDGER_URL)"
             ) from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
             self.reachable = False  # not ready until a probe reaches it

@@ -148,7 +148,9 @@ class SqliteLedger(ledger.DecisionLedger):
 
     def _open(self) -> None:
         if not self.path.is_file():
-            raise SchemaNotReady(f"no decision ledger at {self.path}: run `mlpair migrate`")
+            raise SchemaNotReady(
+                f"no decision ledger at {self.path}: run `mlpair migrate` with the same ledger URL (--ledger-url / PREDICTION_LEDGER_URL)"
+            )
         conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
@@ -158,7 +160,7 @@ class SqliteLedger(ledger.DecisionLedger):
             conn.close()
             raise SchemaNotReady(
                 f"the decision ledger at {self.path} lacks the {LEDGER_TABLE} table or columns "
-                "this release uses: run `mlpair migrate`"
+                "this release uses: run `mlpair migrate` with the same ledger URL (--ledger-url / PREDICTION_LEDGER_URL)"
             ) from exc
         self._conn = conn
 

@@ -116,7 +116,8 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
         ):
             raise SchemaNotReady(
                 f"the {branch} database at {engine.url.render_as_string()} lacks the "
-                f"{table} table or columns this release uses: run `mlpair migrate`"
+                f"{table} table or columns this release uses: run `mlpair migrate` with the same "
+                f"{branch} URL (--{branch}-url / PREDICTION_{branch.upper()}_URL)"
             ) from exc
         raise
 
