@@ -78,20 +78,29 @@ def _value(text: str) -> float | str | None:
 
 def render(reply: PredictResponse) -> str:
     """The decision as a few human-readable lines: decision, reasons, probability, versions, warnings."""
+    # Fields a reply leaves unset are left out, not printed empty: no model version on a fallback
+    # (no model answered), no calibration method on a replay (the proto's rules).
+    model = [
+        *([f"version {reply.model_version}"] if reply.model_version else ["none (fallback)"]),
+        f"feature schema {reply.feature_schema_version}",
+        f"policy {reply.policy_version}",
+        *([f"calibration {reply.calibration_method}"] if reply.calibration_method else []),
+    ]
     lines = [
         f"decision      {reply.decision_label}" + (" (fallback: no model answer)" if reply.fallback else ""),
         f"reasons       {', '.join(reply.reason_codes) or '-'}",
         f"probability   {reply.probability:.4f}" + (" (none: fallback)" if reply.fallback else ""),
-        f"model         version {reply.model_version}, feature schema {reply.feature_schema_version}, "
-        f"policy {reply.policy_version}, calibration {reply.calibration_method}",
+        f"model         {', '.join(model)}",
         f"request id    {reply.request_id} (decision {reply.decision_id}"
         + (", replayed" if reply.replayed else "")
         + ")",
     ]
     lines += [f"explanation   {text}" for text in reply.top_reasons]
     lines += [f"warning       {w.code} {w.field}: {w.message}" for w in reply.warnings]
-    if reply.stale or reply.degraded_reason:
-        lines.append(f"degraded      {reply.degraded_reason} (cached {reply.cache_age_ms} ms ago)")
+    if reply.stale:
+        lines.append(f"degraded      {reply.degraded_reason} (served from the cache, {reply.cache_age_ms} ms old)")
+    elif reply.degraded_reason:
+        lines.append(f"degraded      {reply.degraded_reason}")
     return "\n".join(lines)
 
 

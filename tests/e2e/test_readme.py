@@ -99,3 +99,28 @@ def test_the_readme_attribute_table_is_the_generated_one(model_repository):
     assert "`rent`" in generated and "`month-to-month`" in generated, "categories come from the trained vocabularies"
     rows = [line for line in generated.splitlines() if line.startswith("| `")]
     assert len(rows) == len(attribute_rows(CONFIG_DIR, model_repository))
+
+
+@pytest.mark.parametrize(("reply", "present", "absent"), [
+    # a fallback: no model answered, so no model version, and nothing came from the cache
+    (pb.PredictResponse(decision_label="REVIEW", fallback=True, degraded_reason="INFERENCE_UNAVAILABLE",
+                        feature_schema_version="fs-1", policy_version="p-1"),
+     ["model         none (fallback), feature schema fs-1, policy p-1", "degraded      INFERENCE_UNAVAILABLE"],
+     ["version ,", "cached", "calibration"]),
+    # a replay: the proto leaves calibration_method unset
+    (pb.PredictResponse(decision_label="APPROVE", model_version="1", replayed=True, feature_schema_version="fs-1",
+                        policy_version="p-1"),
+     ["model         version 1, feature schema fs-1, policy p-1", ", replayed)"], ["calibration", "degraded"]),
+    # a stale cached answer
+    (pb.PredictResponse(decision_label="APPROVE", model_version="1", stale=True, cache_age_ms=1200,
+                        degraded_reason="INFERENCE_UNAVAILABLE", calibration_method="temperature"),
+     ["calibration temperature", "degraded      INFERENCE_UNAVAILABLE (served from the cache, 1200 ms old)"], []),
+])
+def test_mlpair_predict_prints_no_empty_field(reply, present, absent):
+    from mlpair.commands.calls import render
+
+    text = render(reply)
+    for line in present:
+        assert line in text, text
+    for fragment in absent:
+        assert fragment not in text, text
