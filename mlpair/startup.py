@@ -73,7 +73,9 @@ def unparsable_setting(settings_cls: type[BaseSettings], exc: SettingsError) -> 
     if field is None:
         return StartupError(f"invalid setting: {exc}")
     annotation = str(settings_cls.model_fields[field].annotation).lower()
-    example = '{"credit-risk": ["1"]}' if "dict" in annotation or "mapping" in annotation else '["credit-risk", "churn"]'
+    example = (
+        '{"credit-risk": ["1"]}' if "dict" in annotation or "mapping" in annotation else '["credit-risk", "churn"]'
+    )
     return StartupError(
         f"invalid setting --{field.replace('_', '-')} / {prefix}{field.upper()}: the environment value is "
         f"not JSON; a list or map setting is written as JSON there, e.g. {prefix}{field.upper()}='{example}'"
