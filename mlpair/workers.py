@@ -236,16 +236,25 @@ def serve_metrics(host: str, port: int, folder: Path) -> None:
         raise port_error(host, port, exc, "metrics port") from exc
 
 
-def supervise(layer: str, settings, workers: int, run_worker: Callable[[object], int]) -> int:
+def supervise(
+    layer: str,
+    settings,
+    workers: int,
+    run_worker: Callable[[object], int],
+    preflight: Callable[[object], object] | None = None,
+) -> int:
     """Runs ``workers`` processes of ``run_worker(settings)`` (picklable; serves on the shared port and
     returns an exit code) until SIGTERM/SIGINT or until one exits; see the module docstring. Port 0
-    picks one free port for all of them.
+    picks one free port for all of them. ``preflight(settings)``, once the port is known to be free
+    and before any worker starts, checks what every worker would refuse alike (the configuration),
+    so such a refusal is one line from one process.
 
     Returns:
         0 after a signal when every worker drained; 2 or 1 when a worker exited by itself.
 
     Raises:
-        StartupError: the port (or the metrics port) is in use or cannot be bound.
+        StartupError: the port (or the metrics port) is in use or cannot be bound, or ``preflight``
+            refused the configuration.
     """
     port = check_port_free(settings.host, settings.port)
     settings = settings.model_copy(update={"port": port})
@@ -260,6 +269,8 @@ def supervise(layer: str, settings, workers: int, run_worker: Callable[[object],
         ) from exc
     try:
         check_port_free(settings.host, port)  # again, now that no other supervisor can start on it
+        if preflight is not None:
+            preflight(settings)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)  # inherited by the workers
         if settings.metrics_port:
             serve_metrics(settings.host, settings.metrics_port, folder)

@@ -83,10 +83,14 @@ def test_a_list_or_map_setting_that_is_not_json_names_the_variable_and_its_form(
     assert last_line(out).endswith(f"e.g. {example}"), out.stderr
 
 
-def test_serving_families_without_the_default_one_names_the_setting_that_picks_it(model_repository):
-    out = mlpair("serve", "prediction", "--workers", "1", "--models", "churn", "--model-repository",
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serving_families_without_the_default_one_names_the_setting_that_picks_it(model_repository, workers):
+    # With 2 workers the supervisor checks the configuration before starting them: one line, not
+    # the same refusal from each worker and a supervisor's line after them.
+    out = mlpair("serve", "prediction", "--workers", workers, "--models", "churn", "--model-repository",
                  str(model_repository), "--config-dir", str(CONFIG_DIR), "--port", "0", "--metrics-port", "0")
     assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [last_line(out)], "exactly one line"
     assert last_line(out) == ("mlpair: prediction service: default model family 'credit-risk' is not among the "
                               "served ['churn']: set --model-name / PREDICTION_MODEL_NAME to one of them"), out.stderr
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic_settings import BaseSettings
@@ -69,7 +69,7 @@ def serve_prediction(args: argparse.Namespace) -> int:
     from mlpair.prediction.settings import PredictionSettings
 
     settings = settings_from_args(PredictionSettings, args)
-    return run_server("prediction", settings, _prediction)
+    return run_server("prediction", settings, _prediction, preflight=_prediction_configuration)
 
 
 # The servers are imported only once the port is known to be free: a refusal comes in about a
@@ -86,8 +86,23 @@ async def _prediction(settings: PredictionSettings, *, shared_port: bool = False
     await serve(settings, shared_port=shared_port)
 
 
-def run_server(layer: str, settings: Settings, serve: Serve[Settings], *, on_gpu: bool = False) -> int:
-    """One serving process, or a supervisor of ``settings.workers`` of them (:mod:`mlpair.workers`)."""
+def _prediction_configuration(settings: PredictionSettings) -> None:
+    """A supervisor's check before its workers start: the families load as the settings say."""
+    from mlpair.prediction.server import load_families
+
+    load_families(settings)
+
+
+def run_server(
+    layer: str,
+    settings: Settings,
+    serve: Serve[Settings],
+    *,
+    on_gpu: bool = False,
+    preflight: Callable[[Settings], None] | None = None,
+) -> int:
+    """One serving process, or a supervisor of ``settings.workers`` of them (:mod:`mlpair.workers`)
+    that runs ``preflight(settings)`` before starting them."""
     import functools
 
     from mlpair.cli import _fail
@@ -100,7 +115,11 @@ def run_server(layer: str, settings: Settings, serve: Serve[Settings], *, on_gpu
         workers = worker_count(settings.workers, uses_gpu=on_gpu)
         if workers > 1:
             return supervise(
-                layer, settings, workers, functools.partial(serve_process, layer, serve=serve, shared_port=True)
+                layer,
+                settings,
+                workers,
+                functools.partial(serve_process, layer, serve=serve, shared_port=True),
+                preflight,
             )
     except StartupError as exc:
         return _fail(f"{layer} service", exc, 2)

@@ -36,10 +36,11 @@ SERVICE_NAME = "mlpair.prediction.v1.PredictionService"
 SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering what this replica recorded
 
 
-def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:
-    """Loads every served model family and builds its dependencies (no network I/O yet).
+def load_families(settings: PredictionSettings) -> dict[str, ModelFamily]:
+    """Every served model family, checked against the settings (files only: no network I/O).
 
-    ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
+    A supervisor calls it before starting its workers, so a configuration error is one line from
+    one process rather than the same line from each worker.
 
     Raises:
         ConfigurationError: schema, policy and model repository disagree, or the default,
@@ -53,7 +54,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         )
     if unserved := sorted((set(settings.ensembles) | set(settings.shadows)) - set(names)):
         raise ConfigurationError(f"ensemble or shadow configured for {unserved}, which are not served")
-    families = {
+    return {
         name: ModelFamily.load(
             name,
             settings.config_dir,
@@ -63,6 +64,18 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         )
         for name in names
     }
+
+
+def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:
+    """Loads every served model family (:func:`load_families`) and builds its dependencies (no
+    network I/O yet).
+
+    ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
+
+    Raises:
+        ConfigurationError: see :func:`load_families`.
+    """
+    families = load_families(settings)
     recorder = DecisionRecorder.open(
         settings.ledger_url,
         settings.crm_url,
