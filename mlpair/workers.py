@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mlpair.startup import StartupError
 
@@ -241,7 +242,7 @@ def supervise(
     settings,
     workers: int,
     run_worker: Callable[[object], int],
-    preflight: Callable[[object], object] | None = None,
+    preflight: Callable[[Any], object] | None = None,
 ) -> int:
     """Runs ``workers`` processes of ``run_worker(settings)`` (picklable; serves on the shared port and
     returns an exit code) until SIGTERM/SIGINT or until one exits; see the module docstring. Port 0
