@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mlpair.inference.settings import InferenceSettings
     from mlpair.prediction.settings import PredictionSettings
 
-    parser = argparse.ArgumentParser(prog="mlpair", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mlpair", description=" ".join(__doc__.split("\n\n", 1)[0].split()))
     parser.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 

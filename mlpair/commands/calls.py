@@ -41,7 +41,10 @@ def predict(args: argparse.Namespace) -> int:
                 args.family, args.entity_id, attributes, request_id=args.request_id or None, explain=args.explain
             )
     except grpc.RpcError as exc:
-        print(f"mlpair predict: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = ""
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            hint = f" (is PredictionService up and ready there? `mlpair health --target {args.target}`)"
+        print(f"mlpair predict: {args.target}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     print(render(reply))
     return 0
@@ -55,13 +58,15 @@ def parse_attributes(pairs: list[str]) -> dict[str, float | str | None]:
     name, ``"42"`` for a number). ``mlpair attributes`` lists what each family accepts.
 
     Raises:
-        ValueError: a pair has no ``=`` or an empty name.
+        ValueError: a pair has no ``=`` or an empty name, or a name is given twice.
     """
     out: dict[str, float | str | None] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"--attr {pair!r}: expected NAME=VALUE (e.g. Income=1290)")
+        if name.strip() in out:
+            raise ValueError(f"--attr {name.strip()} is given twice: give each attribute once")
         out[name.strip()] = _value(text.strip())
     return out
 

@@ -34,12 +34,14 @@ MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
 
 
 def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
-    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1."""
+    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1,
+    each naming the schema's closest attribute when one is close (a misspelling, another case)."""
     warnings = [
         RequestWarning(
             "UNKNOWN_ATTRIBUTE",
             name[:MAX_ECHO],
-            f"the {family.name!r} feature schema has no attribute of this name; it was ignored",
+            f"the {family.name!r} feature schema has no attribute of this name; it was ignored"
+            + _did_you_mean(name, family.schema.attribute_names),
         )
         for name in names[:MAX_WARNINGS]
     ]
@@ -81,3 +83,13 @@ def check_id(field: str, value: str) -> None:
         raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
     if _CONTROL.search(value):
         raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})
+
+
+def _did_you_mean(name: str, known: Sequence[str]) -> str:
+    """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name`` (difflib's ratio
+    ≥ 0.8 on lower-cased names), else ``""``."""
+    import difflib
+
+    lowered = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name[:MAX_ECHO].lower(), list(lowered), n=1, cutoff=0.8)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""

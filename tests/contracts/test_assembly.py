@@ -318,3 +318,12 @@ def test_wire_numbers_convert_exactly_as_other_numbers(assemblers, datasets):
         for record in datasets[family].records[:200]:
             wire, plain = assembler.assemble(_wire_like(record)), assembler.assemble(record)
             assert wire.vector.tobytes() == plain.vector.tobytes() and wire.guards == plain.guards
+
+
+@pytest.mark.parametrize(("given", "suggested"), [("income", "Income"), ("Incme", "Income"), ("HOME", "Home"),
+                                                  ("Shoe size", None)])
+def test_an_unknown_attribute_names_the_closest_known_one(credit_schema, given, suggested):
+    from mlpair.prediction.checks import _did_you_mean
+
+    hint = _did_you_mean(given, credit_schema.attribute_names)
+    assert hint == (f" (did you mean {suggested!r}?)" if suggested else "")

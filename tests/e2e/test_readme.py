@@ -91,6 +91,21 @@ async def test_mlpair_predict_refusals_are_one_line(prediction_target, capsys):
     assert "\n" not in err
     assert cli_main(["predict", "--family", "credit-risk", "--entity-id", "a-1", "--attr", "Income"]) == 2
     assert capsys.readouterr().err.strip() == "mlpair: predict: --attr 'Income': expected NAME=VALUE (e.g. Income=1290)"
+    # an attribute given twice is refused, not silently the last one
+    assert cli_main(["predict", "--family", "credit-risk", "--entity-id", "a-1", "--attr", "Income=abc",
+                     "--attr", "Income=12"]) == 2
+    assert capsys.readouterr().err.strip() == "mlpair: predict: --attr Income is given twice: give each attribute once"
+
+
+def test_mlpair_predict_with_no_service_there_says_how_to_check(capsys):
+    from bench.pair import free_port
+
+    target = f"127.0.0.1:{free_port()}"
+    args = ["predict", "--target", target, "--family", "credit-risk", "--entity-id", "a-1", "--attr", "Income=1"]
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlpair predict: {target}: UNAVAILABLE: ") and "\n" not in err
+    assert err.endswith(f"(is PredictionService up and ready there? `mlpair health --target {target}`)")
 
 
 def test_the_readme_attribute_table_is_the_generated_one(model_repository):

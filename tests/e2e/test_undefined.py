@@ -121,6 +121,7 @@ async def test_unknown_attributes_are_decided_and_named_or_refused_when_strict(s
     reply = await stub.Predict(pb.PredictRequest(request_id="undefined-typo", entity_id="e",
                                                  attributes=to_attributes(record)), timeout=10)
     assert [(w.code, w.field) for w in reply.warnings] == [("UNKNOWN_ATTRIBUTE", "Incomee")]
+    assert reply.warnings[0].message.endswith("it was ignored (did you mean 'Income'?)")
     assert "INCOME_MISSING_DEFAULTED" in reply.reason_codes  # the attribute meant was treated as missing
     again = await stub.Predict(pb.PredictRequest(request_id="undefined-typo", entity_id="e",
                                                  attributes=to_attributes(record)), timeout=10)
