@@ -8,6 +8,7 @@ input is repeated in a message is cut to ``MAX_ECHO`` characters.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,7 +86,8 @@ def check_id(field: str, value: str) -> None:
         raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})
 
 
-def _did_you_mean(name: str, known: Sequence[str]) -> str:
+@functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
+def _did_you_mean(name: str, known: tuple[str, ...]) -> str:
     """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name`` (difflib's ratio
     ≥ 0.8 on lower-cased names), else ``""``."""
     import difflib
