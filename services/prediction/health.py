@@ -3,8 +3,9 @@
 ``grpc.health.v1`` names served:
 
 * ``liveness`` — SERVING while the process answers at all, whatever the ledger, the outbox
-  relay or the drain say (:mod:`mlpair.rpc.health`): the name for the liveness probe, so a
-  ledger outage makes replicas unready, never restarts them.
+  relay or the drain say (:mod:`mlpair.rpc.health`): the name for the liveness and the startup
+  probe, so a ledger outage makes replicas unready, never restarts them, even one that starts
+  during the outage.
 * ``""`` and ``mlpair.prediction.v1.PredictionService`` — **readiness**: SERVING while the
   configuration is loaded (the process started) and the decision ledger answers: without it no
   decision can be recorded, so none is made (fail closed). Nothing else: with InferenceService
