@@ -70,11 +70,14 @@ class Service:
         name: its full name, e.g. ``mlpair.inference.v1.InferenceService`` (health, reflection).
         servicer: the servicer instance (guarded by :func:`build_server`).
         add_to_server: the generated ``add_<Service>Servicer_to_server`` function.
+        refused: told of each call refused before its method ran
+            (:func:`~mlpair.rpc.servicers.guard_servicer`), or None.
     """
 
     name: str
     servicer: object
     add_to_server: Callable[[Any, Any], None]
+    refused: Callable[[str, object, str], None] | None = None
 
 
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
@@ -163,7 +166,7 @@ def build_server(
         ]
     )
     for service in services:
-        servicer = guard_servicer(service.servicer, domain, health.gate)
+        servicer = guard_servicer(service.servicer, domain, health.gate, service.refused)
         if observe is not None:
             observe(servicer, service.name)
         add_servicer(service.add_to_server, servicer, server)

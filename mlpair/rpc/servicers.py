@@ -80,14 +80,24 @@ def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: object, se
     server.add_registered_method_handlers(captured.service, handlers)
 
 
+RefusalHook = Callable[[str, object, str], None]
+"""Told of a call refused before its handler ran: (``Servicer.Method``, the request — a message, or
+the marker of one that did not parse —, the status code name)."""
+
+
 def _guarded(
-    inner: Callable[..., Awaitable[Any]], method: str, domain: str, gate: DrainGate | None = None
+    inner: Callable[..., Awaitable[Any]],
+    method: str,
+    domain: str,
+    gate: DrainGate | None = None,
+    refused: RefusalHook | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """``inner`` with exceptions mapped to rich statuses (the one place that does the mapping),
-    counted by ``gate``; once the drain closes it, held and then refused UNAVAILABLE (DRAINING)."""
+    counted by ``gate``; once the drain closes it, held and then refused UNAVAILABLE (DRAINING).
+    ``refused`` hears of every call refused before ``inner`` ran (the handler counts its own)."""
 
     async def guarded(request: object, context: grpc.aio.ServicerContext) -> Any:
-        admitted = False
+        admitted = entered = False
         try:
             if gate is not None:
                 if not gate.enter():
@@ -98,8 +108,11 @@ def _guarded(
             if isinstance(request, Refused):
                 raise request.error
             check_metadata(context.invocation_metadata())
+            entered = True
             return await inner(request, context)
         except ServiceError as exc:
+            if not entered and refused is not None:
+                refused(method, request, exc.code)
             status = to_status(exc.code, exc.message, exc.reason, domain, exc.metadata)
         except grpc.aio.AbortError:
             raise  # the handler already chose its status
@@ -123,15 +136,18 @@ def rpc_methods(servicer: object) -> list[str]:
     ]
 
 
-def guard_servicer(servicer: S, domain: str, gate: DrainGate | None = None) -> S:
+def guard_servicer(servicer: S, domain: str, gate: DrainGate | None = None, refused: RefusalHook | None = None) -> S:
     """Maps exceptions escaping every RPC method of a servicer instance to rich gRPC statuses
     (:func:`_guarded`), by wrapping the methods in place; with a ``gate``, its calls are counted,
-    and once the drain closes it they are held, then refused UNAVAILABLE (DRAINING).
+    and once the drain closes it they are held, then refused UNAVAILABLE (DRAINING); ``refused``
+    hears of each call refused before its method ran (malformed message, unknown fields, bad
+    metadata, the drain), so the service can count it as it counts the calls its methods refuse.
 
     Not an interceptor: grpc.aio runs interceptors in Python on every call, which measured
     15-25 µs of server CPU per request and a 20-30 % lower request rate at concurrency 64 on a
     2-core machine. Call before registering the servicer.
     """
     for name in rpc_methods(servicer):
-        setattr(servicer, name, _guarded(getattr(servicer, name), f"{type(servicer).__name__}.{name}", domain, gate))
+        method = f"{type(servicer).__name__}.{name}"
+        setattr(servicer, name, _guarded(getattr(servicer, name), method, domain, gate, refused))
     return servicer

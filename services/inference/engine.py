@@ -225,7 +225,8 @@ class InferenceEngine:
             code = exc.code
             raise
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            # gRPC cancels a call whose deadline passed: that is the deadline, not the caller leaving
+            code = "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline - 0.001 else "CANCELLED"
             raise
         except Exception:
             code = "INTERNAL"
@@ -258,6 +259,12 @@ class InferenceEngine:
         logits = logits.copy()
         logits[bad] = 0.0
         return InferResult(served.name, served.version, served.output_name, logits, tuple(int(r) for r in bad))
+
+    def count_refusal(self, name: str, code: str) -> None:
+        """Counts an inference call refused before :meth:`infer` saw it (its message, metadata or
+        parameters), as :meth:`infer` counts the calls it refuses: under ``name`` when that model is
+        served, else ``unknown``; ``code``: the status code name."""
+        self._count(name if name and self.repository.is_ready(name) else "unknown", "", code)
 
     def _count(self, name: str, version: str, code: str) -> None:
         key = (name, version, code)

@@ -35,7 +35,7 @@ from mlpair.inference.errors import DOMAIN
 from mlpair.inference.health import publish_loading, publish_readiness
 from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
-from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer
+from mlpair.inference.servicer import InferenceServicer, OpenInferenceServicer, count_refused_calls
 from mlpair.inference.settings import InferenceSettings
 from mlpair.logs import count_failures_with, set_process_model_version
 from mlpair.observability.calls import observe_servicer
@@ -80,11 +80,17 @@ class InferenceServer:
         self.server, self.port = build_server(
             settings,
             [
-                Service(SERVICE_NAME, InferenceServicer(self.engine), pb_grpc.add_InferenceServiceServicer_to_server),
+                Service(
+                    SERVICE_NAME,
+                    InferenceServicer(self.engine),
+                    pb_grpc.add_InferenceServiceServicer_to_server,
+                    count_refused_calls(self.engine),
+                ),
                 Service(
                     OIP_SERVICE_NAME,
                     OpenInferenceServicer(self.engine),
                     oip_grpc.add_GRPCInferenceServiceServicer_to_server,
+                    count_refused_calls(self.engine),
                 ),
             ],
             self.health,

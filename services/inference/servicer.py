@@ -12,6 +12,7 @@ import functools
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 
 from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -37,6 +38,20 @@ async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
+INFER_METHODS = frozenset({"InferenceServicer.Infer", "OpenInferenceServicer.ModelInfer"})
+
+
+def count_refused_calls(engine: InferenceEngine):
+    """The hook :func:`mlpair.rpc.guard_servicer` calls for a call refused before its method ran:
+    an inference call among them is counted in ``inference_requests_total`` with its code."""
+
+    def refused(method: str, request: object, code: str) -> None:
+        if method in INFER_METHODS:
+            engine.count_refusal(request.model_name if isinstance(request, Message) else "", code)
+
+    return refused
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """``mlpair.inference.v1.InferenceService``: the project's own API."""
 
@@ -44,11 +59,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.engine = engine
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> pb.InferResponse:
+        try:
+            feature_version = converters.feature_version(context.invocation_metadata())
+            tensor = converters.tensor_in(request.inputs)
+        except ServiceError as exc:
+            self.engine.count_refusal(request.model_name, exc.code)
+            raise
         result = await self.engine.infer(
             request.model_name,
             request.model_version,
-            converters.feature_version(context.invocation_metadata()),
-            converters.tensor_in(request.inputs),
+            feature_version,
+            tensor,
             converters.deadline(context),
             per_row_errors=request.per_row_errors,
         )
@@ -132,14 +153,16 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             yield response
 
     async def _infer(self, request: oip.ModelInferRequest, metadata, deadline: float | None) -> oip.ModelInferResponse:
-        options = oip_extensions.request_options(request)
+        try:  # refused here, the call is counted as the engine counts the calls it refuses
+            options = oip_extensions.request_options(request)
+            feature_version = converters.oip_feature_version(request, metadata)
+            tensor = converters.oip_tensor_in(request)
+            outputs = converters.oip_requested_outputs(request)
+        except ServiceError as exc:
+            self.engine.count_refusal(request.model_name, exc.code)
+            raise
         result = await self.engine.infer(
-            request.model_name,
-            request.model_version,
-            converters.oip_feature_version(request, metadata),
-            converters.oip_tensor_in(request),
-            options.deadline(deadline),
-            converters.oip_requested_outputs(request),
+            request.model_name, request.model_version, feature_version, tensor, options.deadline(deadline), outputs
         )
         return oip_extensions.infer_response(result, request.id, options)
 

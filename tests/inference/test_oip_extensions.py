@@ -224,3 +224,60 @@ async def test_timeout_parameter_drops_a_request_still_queued(model_repository, 
     assert error_info(err).reason == "DEADLINE_EXPIRED_IN_QUEUE"
     assert oip_logits(late).shape == (2, 2)
     assert stats.executed_rows == 1 + 2 and sorted(stats.batches) == [1, 2]
+
+
+def refused_count(model: str, code: str = "INVALID_ARGUMENT") -> float:
+    """Calls refused before any version was chosen: counted under the model (or ``unknown``), version ""."""
+    labels = {"model": model, "version": "", "code": code}
+    return REGISTRY.get_sample_value("inference_requests_total", labels) or 0.0
+
+
+async def test_every_refused_infer_call_is_counted_with_its_code(server, stub, holdout_x, feature_version):
+    # Refused by the parameters, the metadata or the message itself, before the engine saw the
+    # call: counted like the engine's own refusals, or an error ratio built on this counter
+    # misses them (an internal caller's walk-through found 28 of 84 refusals uncounted).
+    before = {model: refused_count(model) for model in (MODEL, "unknown")}
+    good = oip_request(holdout_x[:1], feature_version=feature_version)
+    unsupported = with_parameter(oip_request(holdout_x[:1], feature_version=feature_version), "foo",
+                                 string_param="x")
+    conflicting = [("x-feature-version", "a"), ("x-feature-version", "b")]
+    await expect_error(stub.ModelInfer(unsupported), grpc.StatusCode.INVALID_ARGUMENT)
+    await expect_error(stub.ModelInfer(oip.ModelInferRequest(model_name=MODEL)), grpc.StatusCode.INVALID_ARGUMENT)
+    await expect_error(stub.ModelInfer(good, metadata=conflicting), grpc.StatusCode.INVALID_ARGUMENT)
+    async with channel_to(server) as channel:
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for message in (good.SerializeToString() + b"\xf8\x06\x01", b"\xff"):  # unknown field 111; not a message
+            await expect_error(raw(message), grpc.StatusCode.INVALID_ARGUMENT)
+    assert refused_count(MODEL) - before[MODEL] == 3
+    assert refused_count("unknown") - before["unknown"] == 2
+
+
+async def test_a_call_whose_deadline_passed_is_counted_as_deadline_exceeded(model_repository, holdout_x,
+                                                                            feature_version):
+    # gRPC cancels the handler of a call whose deadline passes while its row waits for a batch (a
+    # 50 ms queue delay here, a 5 ms deadline): that is the deadline, and a dashboard must not read
+    # it as callers cancelling (they were counted CANCELLED).
+    labels = {"model": MODEL, "version": "1"}
+
+    def count(code: str) -> float:
+        return REGISTRY.get_sample_value("inference_requests_total", {**labels, "code": code}) or 0.0
+
+    settings = make_settings(model_repository, models=[MODEL], max_batch_size=64, max_queue_delay_ms=50)
+    async with running(settings) as srv, channel_to(srv) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        await stub.ModelInfer(oip_request(holdout_x[:1], feature_version=feature_version))  # connected, warm
+        before = {code: count(code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+        request = oip_request(holdout_x[:1], feature_version=feature_version)
+        expired = 0
+        for _ in range(20):  # a call may also be served: it joins a batch whose window a cancelled call opened
+            try:
+                await stub.ModelInfer(request, timeout=0.005)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc.details()
+                expired += 1
+        assert expired >= 5
+        # (a call that expired before it reached the server is counted nowhere)
+        await wait_for(lambda: count("DEADLINE_EXCEEDED") > before["DEADLINE_EXCEEDED"])
+        await asyncio.sleep(0.2)  # the last handlers cancelled
+    assert count("CANCELLED") == before["CANCELLED"]
+    assert 1 <= count("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] <= expired
