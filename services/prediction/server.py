@@ -26,7 +26,7 @@ from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.health import PredictionHealth
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, Predictor
 from mlpair.prediction.scoring.factory import build_scorer
-from mlpair.prediction.servicer import PredictionServicer
+from mlpair.prediction.servicer import PredictionServicer, count_refused_calls
 from mlpair.prediction.settings import PredictionSettings
 from mlpair.rpc import Service, build_server, drain, wait_for_termination_signal
 
@@ -130,7 +130,14 @@ def create_server(
 
     server, port = build_server(
         settings,
-        [Service(SERVICE_NAME, PredictionServicer(predictor), pb_grpc.add_PredictionServiceServicer_to_server)],
+        [
+            Service(
+                SERVICE_NAME,
+                PredictionServicer(predictor),
+                pb_grpc.add_PredictionServiceServicer_to_server,
+                count_refused_calls(predictor),
+            )
+        ],
         health,
         domain=DOMAIN,
         shared_port=shared_port,

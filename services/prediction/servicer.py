@@ -6,12 +6,30 @@ import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction import converters
+from mlpair.prediction import converters, metrics
 from mlpair.prediction.pipeline import Predictor
+
+DECIDING_METHODS = frozenset({"PredictionServicer.Predict", "PredictionServicer.BatchPredict"})
+
+
+def count_refused_calls(predictor: Predictor):
+    """The hook :func:`mlpair.rpc.guard_servicer` calls for a call refused before its method ran
+    (malformed message, unknown fields, conflicting metadata, the drain): a Predict or BatchPredict
+    among them is counted once in ``prediction_requests_total`` with its code, under the family it
+    named when that family is served, else ``unknown`` (the pipeline counts the calls it decides)."""
+
+    def refused(method: str, request: object, code: str) -> None:
+        if method not in DECIDING_METHODS:
+            return
+        name = (request.model_name or predictor.default_model) if isinstance(request, pb.PredictRequest) else ""
+        metrics.labelled(metrics.REQUESTS, name if name in predictor.families else "unknown", code).inc()
+
+    return refused
 
 
 class PredictionServicer(pb_grpc.PredictionServiceServicer):
-    """Thin gRPC adapter over :class:`Predictor`; errors are mapped by the interceptor."""
+    """Thin gRPC adapter over :class:`Predictor`; errors are mapped to statuses by
+    :func:`mlpair.rpc.guard_servicer`."""
 
     def __init__(self, predictor: Predictor) -> None:
         self.predictor = predictor

@@ -98,9 +98,11 @@ async def test_conflicting_duplicate_metadata_is_refused_on_both_services(infere
             oip_request(np.ascontiguousarray(holdout_x[:1])), metadata=twice), "CONFLICTING_METADATA")
     stub, _ = prediction
     request = pb.PredictRequest(request_id="undefined-md", entity_id="e", attributes=to_attributes(credit_holdout.records[0]))
+    before = invalid_predict_calls("credit-risk")
     error = await refused(stub.Predict(request, metadata=(("x-request-id", "a"), ("x-request-id", "b"))),
                           "CONFLICTING_METADATA")
     assert error_info(error).metadata["key"] == "x-request-id"
+    assert invalid_predict_calls("credit-risk") == before + 1  # counted, under the family it named
 
 
 async def test_an_attribute_value_of_a_kind_this_server_does_not_know_is_refused_not_read_as_missing(
@@ -108,10 +110,20 @@ async def test_an_attribute_value_of_a_kind_this_server_does_not_know_is_refused
     stub, _ = prediction
     request = pb.PredictRequest(request_id="undefined-kind", entity_id="e", attributes=to_attributes(credit_holdout.records[0]))
     request.attributes["Income"].CopyFrom(pb.AttributeValue.FromString(b"\x20\x07"))  # a newer oneof member, field 4
+    before = invalid_predict_calls("unknown")
     error = await refused(stub.Predict(request, timeout=10), "UNKNOWN_FIELD")
     assert "attributes['Income'] field 4" in error.details()
     batch = pb.BatchPredictRequest(requests=[request])
     await refused(stub.BatchPredict(batch, timeout=10), "UNKNOWN_FIELD")
+    # refused before any family was read: counted under "unknown", once per call
+    assert invalid_predict_calls("unknown") == before + 2
+
+
+def invalid_predict_calls(model: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"model": model, "code": "INVALID_ARGUMENT"}
+    return REGISTRY.get_sample_value("prediction_requests_total", labels) or 0.0
 
 
 async def test_unknown_attributes_are_decided_and_named_or_refused_when_strict(services, credit_holdout):
