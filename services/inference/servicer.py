@@ -1,7 +1,9 @@
 """gRPC servicers: thin adapters from both protocols onto one :class:`InferenceEngine`.
 
 They convert (``converters``, ``oip_extensions``) and delegate, nothing more; errors are mapped
-to statuses by :func:`mlpair.rpc.guard_servicer`, so there is no try/except here. The one
+to statuses by :func:`mlpair.rpc.guard_servicer`. The one try/except here counts a call its
+conversion refused (the engine counts every call it sees; :func:`count_refused_calls`, those the
+guard refuses), then re-raises. The one
 streaming RPC, ModelStreamInfer, answers each request through the same path as ModelInfer
 (:mod:`mlpair.inference.streaming` turns a failed request into an error response on the stream).
 """
