@@ -27,6 +27,11 @@ refused to start with a :class:`~mlpair.startup.StartupError`, else 1), so the o
 restarts the container and counts the restart where operators look, rather than a
 half-capacity pod hiding a crash loop. Workers die with the supervisor (``PR_SET_PDEATHSIG``).
 
+Readiness: the kernel may send a new connection to any worker, so the port is ready only when
+every worker is. Each worker marks itself ready in a folder the supervisor made, and reports its
+readiness names SERVING only once every worker has (:class:`mlpair.rpc.health.Health`); a client
+that waited for SERVING never meets a worker still loading its models.
+
 Metrics: the supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder before starting
 the workers and serves ``metrics_port`` itself with prometheus-client's
 ``MultiProcessCollector``: counters and histograms are the sums over the workers (those of a
@@ -215,8 +220,15 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_main(run: Callable[[object], int], settings, parent_pid: int) -> None:
+READY_DIR_ENV = "MLPAIR_WORKERS_READY_DIR"
+WORKERS_ENV = "MLPAIR_WORKERS"
+"""Set in each worker (never in the supervisor): where the workers mark themselves ready, and how
+many there are (:class:`mlpair.rpc.health.Health` reports ready only once all of them are)."""
+
+
+def _worker_main(run: Callable[[object], int], settings, parent_pid: int, ready_dir: str, workers: int) -> None:
     die_with_parent(parent_pid)
+    os.environ[READY_DIR_ENV], os.environ[WORKERS_ENV] = ready_dir, str(workers)
     sys.exit(run(settings))
 
 
@@ -285,8 +297,14 @@ class _Supervisor:
     def __init__(self, layer: str, settings, workers: int, run_worker: Callable[[object], int], folder: Path) -> None:
         self.layer, self.settings, self.folder = layer, settings, folder
         context = multiprocessing.get_context("spawn")
+        ready = folder / "ready"  # not a metrics file: the collector reads only *.db
+        ready.mkdir()
         self.processes = [
-            context.Process(target=_worker_main, args=(run_worker, settings, os.getpid()), name=f"{layer}-worker-{i}")
+            context.Process(
+                target=_worker_main,
+                args=(run_worker, settings, os.getpid(), str(ready), workers),
+                name=f"{layer}-worker-{i}",
+            )
             for i in range(workers)
         ]
         self.stop = threading.Event()

@@ -112,3 +112,53 @@ def test_a_supervisor_without_a_writable_temp_folder_says_so(monkeypatch) -> Non
                                      model_copy=lambda update: types.SimpleNamespace(host="127.0.0.1", **update))
     with pytest.raises(StartupError, match="writable folder .*Read-only file system.*workers to 1"):
         workers.supervise("inference", settings, 2, lambda s: 0)
+
+
+async def test_a_worker_reports_ready_only_once_every_worker_is(tmp_path, monkeypatch) -> None:
+    # The kernel spreads new connections over a supervisor's workers: a client that waited for
+    # SERVING on one connection met a worker still loading its models on the next (an OTLP test
+    # got UNAVAILABLE "model 'credit-risk' is not ready yet" right after SERVING).
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    from mlpair.rpc.health import Health, WorkerReadiness
+    from mlpair.workers import READY_DIR_ENV, WORKERS_ENV
+
+    monkeypatch.setenv(READY_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    health = Health(["svc"])
+
+    async def status() -> int:
+        reply = await health.servicer.Check(health_pb2.HealthCheckRequest(service="svc"), None)
+        return reply.status
+
+    await health.set_serving(True)  # this worker is ready, the other one is not yet
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    await asyncio.sleep(3 * WorkerReadiness.POLL_S)
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    (tmp_path / "4242").touch()  # the other worker marks itself ready
+    for _ in range(50):
+        if await status() == health_pb2.HealthCheckResponse.SERVING:
+            break
+        await asyncio.sleep(WorkerReadiness.POLL_S)
+    assert await status() == health_pb2.HealthCheckResponse.SERVING
+    await health.set_serving(False)  # this worker loses readiness: so does the port, and its mark goes
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4242"]
+    await health.begin_drain()
+
+
+async def test_a_single_process_reports_its_own_readiness_at_once(monkeypatch) -> None:
+    from grpc_health.v1 import health_pb2
+
+    from mlpair.rpc.health import Health
+    from mlpair.workers import READY_DIR_ENV, WORKERS_ENV
+
+    monkeypatch.delenv(READY_DIR_ENV, raising=False)
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    health = Health(["svc"])
+    assert health.workers is None
+    await health.set_serving(True)
+    reply = await health.servicer.Check(health_pb2.HealthCheckRequest(service="svc"), None)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING

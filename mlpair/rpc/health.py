@@ -15,7 +15,9 @@ Health names on both services:
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -91,11 +93,26 @@ class Health:
         """Passed to :func:`mlpair.rpc.servicers.guard_servicer` by :func:`mlpair.rpc.server.build_server`;
         the drain closes it after its accept window."""
         self._parts: set[str] = set()
+        self.workers = WorkerReadiness.of_this_process()
+        """The supervisor's workers this process is one of (None when it serves alone)."""
+        self._wanted = False  # this process's own readiness, whatever the other workers'
+        self._waiting: asyncio.Task | None = None
 
     async def set_serving(self, serving: bool, parts: Mapping[str, bool] | None = None) -> None:
         """Sets every readiness name to ``serving``, and each further readiness name of ``parts``
         (e.g. a model's) to its own value; a part published before and absent from ``parts`` turns
-        NOT_SERVING rather than unknown, so a watcher sees the change. ``parts`` None = unchanged."""
+        NOT_SERVING rather than unknown, so a watcher sees the change. ``parts`` None = unchanged.
+
+        As one of a supervisor's workers, the readiness names turn SERVING only once every worker
+        is ready (a connection may reach any of them); until then they stay NOT_SERVING and a
+        task publishes SERVING when the last worker is."""
+        self._wanted = serving
+        if self.workers is not None:
+            self.workers.mark(serving)
+            if serving and not self.workers.all_ready():
+                serving = False
+                if self._waiting is None or self._waiting.done():
+                    self._waiting = asyncio.get_running_loop().create_task(self._serving_once_all_ready())
         for name in self.names:
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
         if parts is None:
@@ -113,8 +130,54 @@ class Health:
     async def begin_drain(self) -> None:
         """Every readiness name NOT_SERVING for good (later updates are ignored); open Watch
         streams end; ``liveness`` stays SERVING."""
+        self._wanted = False
+        if self._waiting is not None:
+            self._waiting.cancel()
         await self.servicer.begin_drain([*self.names, *sorted(self._parts)])
+
+    async def _serving_once_all_ready(self) -> None:
+        while self._wanted and self.workers is not None and not self.workers.all_ready():
+            await asyncio.sleep(WorkerReadiness.POLL_S)
+        if self._wanted:
+            for name in self.names:
+                await self.servicer.set(name, SERVING)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Registers the health service on ``server``."""
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+
+class WorkerReadiness:
+    """Which of a supervisor's workers are ready: one empty file per ready worker, named by its pid,
+    in a folder the supervisor made (:mod:`mlpair.workers`).
+
+    Args:
+        folder: the supervisor's folder. workers: how many workers it started.
+    """
+
+    POLL_S = 0.1
+    """How often a ready worker looks whether the others are."""
+
+    def __init__(self, folder: Path, workers: int) -> None:
+        self.folder, self.count = folder, workers
+        self._mark = folder / str(os.getpid())
+
+    @classmethod
+    def of_this_process(cls) -> WorkerReadiness | None:
+        """The readiness of this process's fellow workers, from the environment its supervisor set
+        (``MLPAIR_WORKERS_READY_DIR``, ``MLPAIR_WORKERS``); None outside a supervisor."""
+        from mlpair.workers import READY_DIR_ENV, WORKERS_ENV
+
+        folder, workers = os.environ.get(READY_DIR_ENV), os.environ.get(WORKERS_ENV)
+        return cls(Path(folder), int(workers)) if folder and workers else None
+
+    def mark(self, ready: bool) -> None:
+        """Marks this worker ready or not ready."""
+        if ready:
+            self._mark.touch()
+        else:
+            self._mark.unlink(missing_ok=True)
+
+    def all_ready(self) -> bool:
+        """Whether every worker has marked itself ready."""
+        return sum(1 for _ in self.folder.iterdir()) >= self.count
