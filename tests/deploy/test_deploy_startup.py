@@ -147,6 +147,20 @@ async def run_migrate_job(job: dict, databases: Databases, cwd: Path) -> str:
     return output
 
 
+def local_services(
+    inference_target: str, databases: Databases, redis_prefix: str, ledger_url: str | None = None
+) -> dict[str, str]:
+    """A prediction pod's local replacements (module docstring): where InferenceService, the
+    ledger (default: the test database, as the serving role), the CRM and Redis are."""
+    return {
+        "inference_target": inference_target,
+        "ledger_url": ledger_url or databases.serving_url,
+        "crm_url": databases.serving_url,
+        "redis_url": "redis://127.0.0.1:6379/0",
+        "redis_key_prefix": redis_prefix,
+    }
+
+
 def serving_env(pod: pods.Pod, **local: str) -> dict[str, str]:
     """The pod's environment with the local replacements of the module docstring."""
     prefix = dc.PREFIX[dc.app_of(pod.workload)] + "_"
@@ -366,13 +380,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
         series_before = {key: value or 0.0 for key, value in adapter_series(release).items()}
         serving = {(f, v) for f, vs in server.engine.repository.serving().items() for v in vs}
         assert serving == release  # every mounted version, nothing else
-        local = {
-            "inference_target": inference_target,
-            "ledger_url": databases.serving_url,
-            "crm_url": databases.serving_url,
-            "redis_url": "redis://127.0.0.1:6379/0",
-            "redis_key_prefix": redis_prefix,
-        }
+        local = local_services(inference_target, databases, redis_prefix)
 
         # Before the Job: the pod refuses to start, and says what to run.
         early = pods.materialise(leaving, objects, tmp_path / "before-migrate", release_repository)
@@ -477,13 +485,9 @@ async def test_a_prediction_pod_started_during_a_ledger_outage_waits_unready_and
     ledger_url = make_url(databases.serving_url).set(host="127.0.0.1", port=ledger.port)
     pod = pods.materialise(workload, objects, tmp_path / "pod", release_repository)
     monkeypatch.chdir(pod.root)
-    local = {
-        "inference_target": f"127.0.0.1:{free_port()}",  # down too: degraded, not unready
-        "ledger_url": ledger_url.render_as_string(hide_password=False),
-        "crm_url": databases.serving_url,
-        "redis_url": "redis://127.0.0.1:6379/0",
-        "redis_key_prefix": redis_prefix,
-    }
+    local = local_services(  # InferenceService down too: degraded, not unready
+        f"127.0.0.1:{free_port()}", databases, redis_prefix, ledger_url.render_as_string(hide_password=False)
+    )
     try:
         async with prediction_pod(pod, monkeypatch, **local) as (target, _):
             assert await health_of(target, name["startupProbe"]) == SERVING
