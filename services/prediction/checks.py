@@ -42,7 +42,7 @@ def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tup
             "UNKNOWN_ATTRIBUTE",
             name[:MAX_ECHO],
             f"the {family.name!r} feature schema has no attribute of this name; it was ignored"
-            + _did_you_mean(name, family.schema.attribute_names),
+            + _did_you_mean(name[:MAX_ECHO], family.schema.attribute_names),  # cut first: the cache keeps it
         )
         for name in names[:MAX_WARNINGS]
     ]
@@ -89,9 +89,10 @@ def check_id(field: str, value: str) -> None:
 @functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
 def _did_you_mean(name: str, known: tuple[str, ...]) -> str:
     """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name`` (difflib's ratio
-    ≥ 0.8 on lower-cased names), else ``""``."""
+    ≥ 0.8 on lower-cased names), else ``""``. ``name`` comes from a client: callers cut it to
+    ``MAX_ECHO`` characters, so the cache holds no more than that per entry."""
     import difflib
 
     lowered = {k.lower(): k for k in known}
-    close = difflib.get_close_matches(name[:MAX_ECHO].lower(), list(lowered), n=1, cutoff=0.8)
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.8)
     return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
