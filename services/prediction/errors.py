@@ -95,3 +95,11 @@ class IdempotencyKeyReused(PredictionError):
 
     code = "ALREADY_EXISTS"
     reason = "IDEMPOTENCY_KEY_REUSED"
+
+
+class CallerLeft(PredictionError):
+    """The caller cancelled, or its deadline passed, before its item of a merged batch was decided:
+    the item is neither decided nor recorded (no client sees this error)."""
+
+    code = "CANCELLED"
+    reason = "CALLER_LEFT"

@@ -86,6 +86,11 @@ COALESCED_CALL_FLIGHTS = Histogram(
 BATCH_ITEMS = Histogram(
     "prediction_batch_items", "Items per BatchPredict call.", buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000)
 )
+MERGED_CALLS = Histogram(
+    "prediction_merged_calls",
+    "Predict calls decided together in one batch (1: the call was decided alone).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
 EXPLANATIONS = Counter("prediction_explanations_total", "Decisions returned with an explanation.", ["model"])
 ENSEMBLE_SPREAD = Histogram(
     "prediction_ensemble_spread",

@@ -45,8 +45,9 @@ from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
 from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided, decide_columns
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
+from mlpair.prediction.errors import CallerLeft, InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
+from mlpair.prediction.merging import MergedCall, PredictMerger
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
 from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch
 from mlpair.prediction.scoring.cache import CachedInference
@@ -85,12 +86,16 @@ class Predictor:
         *,
         max_inference_rows: int = 1024,
         max_batch_items: int = 1000,
+        merge_max_calls: int = 64,
+        merge_max_delay_s: float = 0.005,
         explain_top_k: int = 3,
         drift: DriftMonitors | None = None,
         unknown_attributes: str = "warn",
     ) -> None:
         """Wires the served families to inference (behind its cache) and the decision recorder.
 
+        ``merge_max_calls``, ``merge_max_delay_s``: concurrent Predict calls decided together
+        (:class:`~mlpair.prediction.merging.PredictMerger`; 1 decides each alone).
         ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
         and names each in the result's warnings; ``refuse`` refuses it (:class:`UnknownAttribute`).
 
@@ -109,6 +114,7 @@ class Predictor:
         self.refuse_unknown_attributes = unknown_attributes == "refuse"
         self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
+        self.merger = PredictMerger(self._run, min(merge_max_calls, max_batch_items), merge_max_delay_s)
         self._columns = {name: ColumnAssembler(f.assembler) for name, f in self.families.items()}
         self._verdicts: dict[str, dict] = {name: {} for name in self.families}  # (verdict, stale, guards) → record
         for family in self.families.values():
@@ -130,7 +136,10 @@ class Predictor:
             LedgerUnavailable: the decision could not be recorded (and so is not returned).
         """
         started = time.perf_counter()
-        [outcome] = await self._run([request])
+        if request.explain or self.merger.max_calls <= 1:  # an explanation's occlusions: a batch of its own
+            [outcome] = await self._run([request])
+        else:
+            outcome = await self.merger.decide(request)
         name = request.model_name or self.default_model
         metrics.labelled(metrics.REQUEST_DURATION, name if name in self.families else "unknown").observe(
             time.perf_counter() - started
@@ -166,17 +175,27 @@ class Predictor:
         return await self._run(requests)
 
     async def drain_background(self) -> None:
-        """Waits for background shadow comparisons still running (call before closing clients)."""
+        """Waits for merged Predict batches and background shadow comparisons still running
+        (call before closing clients)."""
+        await self.merger.drain()
         await self.shadows.drain()
 
     # -- the stages ------------------------------------------------------------------------
 
-    async def _run(self, requests: Sequence[PredictInput]) -> Outcomes:
+    async def _run(self, requests: Sequence[PredictInput], callers: Sequence[MergedCall] | None = None) -> Outcomes:
+        """Decides ``requests`` as one batch; ``callers``: each item's caller when they are separate
+        Predicts decided together (:class:`PredictMerger`): each item is then scored in its caller's
+        context, and one whose caller has left is neither decided, recorded nor counted."""
         slots: list[Slot] = [None] * len(requests)
         groups = prepare_items(
             requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
         )
-        await score_groups(groups, self._infer, self.max_inference_rows)
+        await score_groups(groups, self._infer, self.max_inference_rows, callers)
+        if callers is not None:
+            for group in groups:  # left while the batch was scored: not decided or recorded
+                for k, index in enumerate(group.index):
+                    if callers[index].gone and k not in group.errors:
+                        group.errors[k] = CallerLeft("the caller left before its item was decided")
         decided_at = datetime.now(UTC)
         decided: list[Decided] = []
         for group in groups:
@@ -196,7 +215,9 @@ class Predictor:
         if decided:
             await self._record(decided, slots)
         requests_by_outcome: Counter[tuple[str, str]] = Counter()
-        for request, outcome in zip(requests, slots):
+        for i, (request, outcome) in enumerate(zip(requests, slots)):
+            if callers is not None and callers[i].gone:  # as a call cancelled alone: not counted
+                continue
             name = request.model_name or self.default_model
             label = name if name in self.families else "unknown"  # clients must not mint label values
             requests_by_outcome[label, outcome.code if isinstance(outcome, ServiceError) else "OK"] += 1

@@ -105,6 +105,8 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         recorder,
         max_inference_rows=settings.inference_max_batch_rows,
         max_batch_items=settings.max_batch_items,
+        merge_max_calls=settings.merge_max_calls,
+        merge_max_delay_s=settings.merge_max_delay_ms / 1000,
         explain_top_k=settings.explain_top_reasons,
         drift=drift,
         unknown_attributes=settings.unknown_attributes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import NonNegativeFloat, PositiveInt, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from mlpair.rpc.server import ConnectionSettings
@@ -47,6 +47,10 @@ class PredictionSettings(ConnectionSettings):
     batches (up to its max_request_rows, default 8192), so this may exceed it."""
     coalesce_max_delay_ms: float = 5.0
     """Longest a request's rows wait, while an Infer call of the same model version is in flight, to share the next call with other requests' rows, in milliseconds."""
+    merge_max_calls: PositiveInt = 64
+    """Most concurrent Predict calls decided together as one batch (docs/performance.md); 1 decides each alone."""
+    merge_max_delay_ms: NonNegativeFloat = 5.0
+    """Longest a Predict call waits, while a batch is being decided, to be decided with the calls that arrive after it, in milliseconds (never more than a tenth of its deadline's budget)."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
     unknown_attributes: Literal["warn", "refuse"] = "warn"

@@ -12,36 +12,76 @@ items whose rows it carried, and to no others.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from mlpair.errors import ServiceError
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.errors import PredictionError
+from mlpair.prediction.errors import CallerLeft, PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
 from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
+
+if TYPE_CHECKING:
+    from mlpair.prediction.merging import MergedCall
 
 logger = logging.getLogger(__name__)
 
 Infer = Callable[[ModelFamily, ModelVersion, np.ndarray, float | None], Awaitable[ScoredRows]]
 
 
-async def score_groups(groups: list[Group], infer: Infer, max_rows: int) -> None:
+async def score_groups(
+    groups: list[Group], infer: Infer, max_rows: int, callers: Sequence[MergedCall] | None = None
+) -> None:
     """Fills each group's scoring columns (``served``, ``probabilities``, ``usable``, ``occluded``,
-    ``margins``, ``model_versions``, ``errors``) through ``infer`` in calls of at most ``max_rows`` rows."""
+    ``margins``, ``model_versions``, ``errors``) through ``infer`` in calls of at most ``max_rows`` rows.
+
+    ``callers``: when the call's items are separate callers' Predicts decided together
+    (:mod:`mlpair.prediction.merging`), each item's caller by position in the call. Each item is
+    then scored on its own, in its caller's context and with its own deadline, as if it had been
+    sent alone (the inference coalescer still merges the rows into shared Infer calls); a caller
+    that leaves cancels its own item's scoring, which ends with :class:`CallerLeft`."""
+    if callers is not None:
+        await _score_callers(groups, infer, callers)
+        return
     calls = []
     for group in groups:
-        n, members = len(group), len(group.family.members)
-        group.served = [None] * n  # stays None where the row's call fails
-        group.probabilities = np.zeros((members, n), dtype=np.float64)
-        group.usable = np.zeros(n, dtype=bool)
-        group.margins = np.zeros(n, dtype=np.float64)
-        group.model_versions = [""] * n
+        _start_columns(group)
         calls += [_score_chunk(group, start, end, infer) for start, end in pack(group, max_rows)]
     await gather(calls)
+
+
+async def _score_callers(groups: list[Group], infer: Infer, callers: Sequence[MergedCall]) -> None:
+    loop = asyncio.get_running_loop()
+    tasks: list[tuple[Group, int, asyncio.Task]] = []
+    for group in groups:
+        _start_columns(group)
+        for k, index in enumerate(group.index):
+            caller = callers[index]
+            task = loop.create_task(_score_chunk(group, k, k + 1, infer), context=caller.context)
+            caller.future.add_done_callback(functools.partial(_cancel_if_left, task))
+            tasks.append((group, k, task))
+    await asyncio.gather(*(task for _, _, task in tasks), return_exceptions=True)
+    for group, k, task in tasks:
+        if task.cancelled():
+            group.errors[k] = CallerLeft("the caller left before its item was decided")
+
+
+def _cancel_if_left(task: asyncio.Task, future: asyncio.Future) -> None:
+    if future.cancelled():
+        task.cancel()
+
+
+def _start_columns(group: Group) -> None:
+    n, members = len(group), len(group.family.members)
+    group.served = [None] * n  # stays None where the row's call fails
+    group.probabilities = np.zeros((members, n), dtype=np.float64)
+    group.usable = np.zeros(n, dtype=bool)
+    group.margins = np.zeros(n, dtype=np.float64)
+    group.model_versions = [""] * n
 
 
 def pack(group: Group, max_rows: int) -> list[tuple[int, int]]:
@@ -108,7 +148,7 @@ class ChunkScores(NamedTuple):
 
 def _fill(group: Group, start: int, end: int, scores: ChunkScores) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities."""
-    if len(group) < ROW_WISE_BELOW:
+    if end - start < ROW_WISE_BELOW:
         _fill_rows(group, start, end, scores)
         return
     answers, probabilities, usable, margins, offsets, sizes = scores
@@ -133,7 +173,7 @@ def _fill(group: Group, start: int, end: int, scores: ChunkScores) -> None:
 
 
 def _fill_rows(group: Group, start: int, end: int, scores: ChunkScores) -> None:
-    """:func:`_fill` row by row, for groups too small for NumPy to pay: the same columns, the
+    """:func:`_fill` row by row, for chunks too small for NumPy to pay: the same columns, the
     same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
     answers, probabilities, usable, margins, offsets, sizes = scores
     single, ok = len(answers) == 1, usable.tolist()

@@ -1,0 +1,213 @@
+"""Concurrent Predict calls decided as one batch: the pipeline's per-call work paid once per batch.
+
+A Predict call carries one applicant, and most of what deciding it costs PredictionService does
+not depend on how many applicants a call carries: checking and assembling the rows, deciding,
+the ledger commit's bookkeeping, the per-call metrics (docs/performance.md, "Concurrent Predicts
+decided together"). The :class:`PredictMerger` gathers the Predict calls that arrive in one
+event-loop iteration and runs them through the pipeline together, as the items of one batch;
+each caller gets its own item's outcome. No call waits for company: a batch is sent after the
+iteration in which its first call arrived, so a lone call pays one loop iteration.
+
+What a caller sees does not change (tests/prediction/test_merging.py):
+
+* **Its own deadline.** Each call's rows are scored on their own, through the cache and the
+  inference coalescer, in the caller's context and with its deadline budget (``score_groups``'
+  ``callers``), and only calls with deadlines close together share a batch (:class:`PredictMerger`):
+  a caller with a short deadline gets its fallback in time and neither shortens nor lengthens
+  another caller's budget; the spans and log lines of its scoring are its own.
+* **Its own errors.** A bad item gets its own error, as in a BatchPredict.
+* **One decision per request id.** Two calls with the same request id never share a batch (a
+  batch refuses a repeated id): the second goes in the next batch and finds the first's
+  decision on record (``replayed``), as two concurrent calls always have.
+* **A caller that leaves** (it cancelled, or its deadline passed) takes its item with it: its
+  scoring is cancelled (and the Infer call, once no caller waits for it) and its item is
+  neither decided nor recorded, unless the batch's ledger commit had already begun — as for a
+  call decided alone. A batch whose callers have all left is cancelled.
+
+What is shared: the batch's ledger commit, and the log lines and spans of the batch as a whole
+(a merged batch runs in a context of its own, not as any one of its callers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from mlpair.prediction import metrics
+from mlpair.prediction.outcomes import Outcome, Outcomes, PredictInput
+
+
+class MergedCall:
+    """One Predict call waiting in, or decided by, a merged batch.
+
+    Attributes:
+        request: what it asks.
+        future: resolves to its outcome; cancelled when the caller leaves.
+        context: the caller's context (trace span, log context): its item is scored in it.
+    """
+
+    __slots__ = ("request", "future", "context", "batch")
+
+    def __init__(self, request: PredictInput, future: asyncio.Future[Outcome], context: contextvars.Context) -> None:
+        self.request = request
+        self.future = future
+        self.context = context
+        self.batch: list[MergedCall] = []  # the calls decided together, once sent
+
+    @property
+    def gone(self) -> bool:
+        """Whether the caller left before its outcome was delivered."""
+        return self.future.cancelled()
+
+
+# (requests, the merged calls by position, or None for a batch of one) → each request's outcome
+RunBatch = Callable[[Sequence[PredictInput], Sequence[MergedCall] | None], Awaitable[Outcomes]]
+
+
+class _Queue:
+    """Calls waiting to go out together: their deadlines lie within the merger's window of the first's."""
+
+    __slots__ = ("calls", "ids", "deadline", "flush", "send_by")
+
+    def __init__(self, deadline: float | None) -> None:
+        self.calls: list[MergedCall] = []
+        self.ids: set[str] = set()
+        self.deadline = deadline  # the first call's (None: calls without a deadline)
+        self.flush: asyncio.Handle | None = None
+        self.send_by = 0.0  # loop time the queue goes by
+
+    def takes(self, deadline: float | None, window_s: float) -> bool:
+        if deadline is None or self.deadline is None:
+            return deadline is None and self.deadline is None
+        return abs(deadline - self.deadline) <= window_s
+
+
+class PredictMerger:
+    """Decides concurrent single-item calls as batches of at most ``max_calls`` (module docstring).
+
+    When a batch is sent:
+
+    * after the current event-loop iteration, when no batch is being decided: a lone call pays
+      no wait, and calls that arrived together go together;
+    * otherwise as soon as a batch being decided finishes, or when the oldest queued call has
+      waited ``max_delay_s``, whichever comes first (the inference coalescer's rule, one stage
+      earlier): under load, batches grow with the time a batch takes;
+    * at once when ``max_calls`` are queued.
+
+    Deadlines: a batch is decided when its last item is scored, so only calls whose deadlines lie
+    within ``max_delay_s`` of each other (or that have none) share a batch — callers with the
+    same timeout always do — and the budget kept back for recording (``crm_reserve_ms``) still
+    covers the earliest. A call never waits for company more than a tenth of the budget its
+    deadline leaves it.
+
+    Args:
+        run: runs one batch: ``run(requests, callers)`` → each request's outcome, in order;
+            ``callers`` is None for a batch of one (it then runs in its caller's context).
+        max_calls: most calls in one batch.
+        max_delay_s: longest a call waits for company while a batch is being decided, in seconds.
+    """
+
+    def __init__(self, run: RunBatch, max_calls: int, max_delay_s: float) -> None:
+        self._run = run
+        self.max_calls = max_calls
+        self.max_delay_s = max_delay_s
+        self._queues: list[_Queue] = []
+        self._tasks: dict[int, asyncio.Task] = {}  # id(batch) → the task deciding it
+
+    async def decide(self, request: PredictInput) -> Outcome:
+        """``request``'s outcome, decided in a batch with the calls that arrived with it.
+
+        Raises:
+            Whatever the batch's run raised as a whole (each item's own error is its outcome).
+        """
+        deadline = request.deadline
+        queue = next((q for q in self._queues if q.takes(deadline, self.max_delay_s)), None)
+        if queue is not None and request.request_id in queue.ids:
+            self._send(queue)  # a repeated id never shares a batch: what is queued goes first
+            queue = None
+        if queue is None:
+            queue = _Queue(deadline)
+            self._queues.append(queue)
+        loop = asyncio.get_running_loop()
+        call = MergedCall(request, loop.create_future(), contextvars.copy_context())
+        queue.calls.append(call)
+        queue.ids.add(request.request_id)
+        if len(queue.calls) >= self.max_calls:
+            self._send(queue)
+        elif not self._tasks:
+            if queue.flush is None:
+                queue.flush, queue.send_by = loop.call_soon(self._send, queue), loop.time()
+        else:
+            wait_s = self.max_delay_s
+            if deadline is not None:
+                wait_s = min(wait_s, max(0.0, deadline - time.monotonic()) / 10)
+            send_by = loop.time() + wait_s
+            if queue.flush is None or send_by < queue.send_by:
+                if queue.flush is not None:
+                    queue.flush.cancel()
+                queue.flush, queue.send_by = loop.call_at(send_by, self._send, queue), send_by
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            self._left(call)
+            raise
+
+    async def drain(self) -> None:
+        """Sends what is queued and waits for every batch being decided."""
+        for queue in list(self._queues):
+            self._send(queue)
+        while self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def _left(self, call: MergedCall) -> None:
+        """A caller left: a batch whose callers have all left is cancelled (a live batch drops
+        the leaver's item itself, see ``score_groups`` and ``Predictor._run``)."""
+        if not call.future.done():
+            call.future.cancel()
+        task = self._tasks.get(id(call.batch))
+        if task is not None and all(c.gone for c in call.batch):
+            task.cancel()
+
+    def _send(self, queue: _Queue) -> None:
+        if queue.flush is not None:
+            queue.flush.cancel()
+            queue.flush = None
+        if queue in self._queues:
+            self._queues.remove(queue)
+        batch = [call for call in queue.calls if not call.future.done()]  # done: left while queued
+        if not batch:
+            return
+        for call in batch:
+            call.batch = batch
+        metrics.MERGED_CALLS.observe(len(batch))
+        # one caller: its batch runs as it would alone; several: in a context of none of them
+        context = batch[0].context if len(batch) == 1 else contextvars.Context()
+        task = asyncio.get_running_loop().create_task(self._decide(batch), context=context)
+        key = id(batch)
+        self._tasks[key] = task
+        task.add_done_callback(functools.partial(self._done, key))
+
+    def _done(self, key: int, _: asyncio.Task) -> None:
+        """A batch is decided: the calls waiting for one to finish go now."""
+        self._tasks.pop(key, None)
+        for queue in list(self._queues):
+            self._send(queue)
+
+    async def _decide(self, batch: list[MergedCall]) -> None:
+        try:
+            outcomes = await self._run([c.request for c in batch], batch if len(batch) > 1 else None)
+        except asyncio.CancelledError:
+            for call in batch:
+                call.future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001  (every caller of the batch gets it)
+            for call in batch:
+                if not call.future.done():
+                    call.future.set_exception(exc)
+            return
+        for i, call in enumerate(batch):
+            if not call.future.done():  # done: the caller left
+                call.future.set_result(outcomes[i])

@@ -1,0 +1,142 @@
+"""Concurrent Predict calls decided together (services/prediction/merging.py), through the real
+InferenceService behind a counting forwarder: exact batch counts, and every caller's outcome is
+the one it gets alone.
+
+Each test holds a first call in a slow Infer call, so the calls sent meanwhile queue up and go as
+one batch when it is done (``merge_max_delay_ms`` is long enough that nothing else sends them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import to_attributes
+from tests.e2e.test_end_to_end import expected_probabilities
+from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
+
+HOLD_S = 0.3  # the forwarder's delay: how long the first batch keeps the next calls queued
+TIMEOUT_S = 20.0
+
+
+def predict(request_id: str, record: dict) -> pb.PredictRequest:
+    return pb.PredictRequest(request_id=request_id, entity_id=f"entity-{request_id}", attributes=to_attributes(record))
+
+
+def merged() -> tuple[float, float]:
+    """(batches sent, calls in them) so far: ``prediction_merged_calls`` count and sum."""
+    return (REGISTRY.get_sample_value("prediction_merged_calls_count") or 0.0,
+            REGISTRY.get_sample_value("prediction_merged_calls_sum") or 0.0)
+
+
+def settings_for(tmp_path, model_repository, target):
+    return prediction_settings(tmp_path, model_repository, target, cache_backend="off", merge_max_delay_ms=10_000)
+
+
+async def hold_first_batch(stub, forwarder, record: dict) -> asyncio.Task:
+    """Sends one call and waits until its Infer call is held by the forwarder."""
+    forwarder.delay_s = HOLD_S
+    first = asyncio.ensure_future(stub.Predict(predict("first", record), timeout=TIMEOUT_S))
+    while forwarder.calls < 1:
+        await asyncio.sleep(0.005)
+    return first
+
+
+async def test_concurrent_predicts_are_decided_as_one_batch_each_as_if_alone(
+        inference_server, model_repository, credit_entry, credit_holdout, tmp_path):
+    records = credit_holdout.records[:7]
+    bad = dict(records[6], **{next(iter(records[6])): "not a number"})  # a value no conversion accepts
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _):
+            before = merged()
+            first = await hold_first_batch(stub, forwarder, records[0])
+            calls = [stub.Predict(predict(f"m-{i}", records[i]), timeout=TIMEOUT_S) for i in range(1, 6)]
+            calls.append(stub.Predict(predict("m-bad", bad), timeout=TIMEOUT_S))
+            outcomes = await asyncio.gather(first, *calls, return_exceptions=True)
+            after = merged()
+            ledger = predictor.recorder.ledger
+            on_record = [await ledger.find(rid) for rid in ["first", *(f"m-{i}" for i in range(1, 6)), "m-bad"]]
+    # two batches: the first call alone, then the six that queued behind it
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 7)
+    # the five good calls' rows went out as one Infer call
+    assert forwarder.rows == [1, 5]
+    replies, refused = outcomes[:6], outcomes[6]
+    assert all(isinstance(r, pb.PredictResponse) for r in replies), replies
+    expected = expected_probabilities(credit_entry, records[:6])
+    np.testing.assert_allclose([r.probability for r in replies], expected, rtol=1e-6, atol=1e-7)
+    assert not any(r.replayed or r.fallback for r in replies)
+    assert len({r.decision_id for r in replies}) == 6
+    # the bad item got its own error, and nothing of it is on record
+    assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert on_record[-1] is None
+    assert [r.decision.decision_id for r in on_record[:6]] == [r.decision_id for r in replies]
+
+
+async def test_two_concurrent_calls_with_one_request_id_never_share_a_batch_and_get_one_decision(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    record = credit_holdout.records[1]
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _):
+            before = merged()
+            first = await hold_first_batch(stub, forwarder, credit_holdout.records[0])
+            same = [stub.Predict(predict("same-id", record), timeout=TIMEOUT_S) for _ in range(2)]
+            replies = await asyncio.gather(first, *same)
+            after = merged()
+            recorded = await predictor.recorder.ledger.find("same-id")
+    # the repeated id sent the queue ahead of it: three batches of one
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 3)
+    a, b = replies[1], replies[2]
+    assert a.decision_id == b.decision_id == recorded.decision.decision_id
+    assert (a.decision, a.probability) == (b.decision, b.probability)
+    assert sorted([a.replayed, b.replayed]) == [False, True]
+
+
+async def test_a_caller_that_leaves_a_merged_batch_takes_only_its_item(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    records = credit_holdout.records
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _):
+            first = await hold_first_batch(stub, forwarder, records[0])
+            calls = {rid: stub.Predict(predict(rid, records[i]), timeout=TIMEOUT_S)
+                     for i, rid in enumerate(["stay-1", "leave", "stay-2"], start=1)}
+            await first
+            while forwarder.calls < 2:  # the batch of three is in its (held) Infer call
+                await asyncio.sleep(0.005)
+            calls["leave"].cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await calls["leave"]
+            stayed = [await calls["stay-1"], await calls["stay-2"]]
+            ledger = predictor.recorder.ledger
+            gone, kept = await ledger.find("leave"), [await ledger.find(r) for r in ("stay-1", "stay-2")]
+    assert forwarder.rows == [1, 3]
+    assert forwarder.cancelled == 0  # the shared Infer call went on for the callers still waiting
+    assert gone is None
+    assert [k.decision.decision_id for k in kept] == [r.decision_id for r in stayed]
+    assert not any(r.fallback for r in stayed)
+
+
+async def test_a_short_deadline_is_not_merged_with_long_ones_and_gets_its_fallback_in_time(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    records = credit_holdout.records
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, _, _, _):
+            before = merged()
+            first = await hold_first_batch(stub, forwarder, records[0])
+            long_calls = [stub.Predict(predict(f"long-{i}", records[i]), timeout=TIMEOUT_S) for i in (1, 2)]
+            short = stub.Predict(predict("short", records[3]), timeout=0.25)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            short_reply = await short
+            short_s = loop.time() - started
+            replies = await asyncio.gather(first, *long_calls)
+            after = merged()
+    # batches: the first, the short call alone (it did not wait for the first batch), the two long ones
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 4)
+    assert short_reply.fallback and short_reply.degraded_reason == "INFERENCE_TIMEOUT"
+    assert short_s < 0.25
+    assert not any(r.fallback for r in replies)
