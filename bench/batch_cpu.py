@@ -228,14 +228,18 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     payloads = []
     for _ in range(total_calls):
         chunk = list(itertools.islice(workload, args.batch_items))
-        payloads.append(pb.BatchPredictRequest(requests=[
-            pb.PredictRequest(request_id=rid, entity_id=eid, model_name=harness.MODEL, attributes=to_attributes(a))
-            for rid, eid, a in chunk]).SerializeToString())
+        items = [pb.PredictRequest(request_id=rid, entity_id=eid, model_name=harness.MODEL, attributes=to_attributes(a))
+                 for rid, eid, a in chunk]
+        payloads.append(items[0].SerializeToString() if args.rpc == "predict"
+                        else pb.BatchPredictRequest(requests=items).SerializeToString())
     queue = iter(payloads)
 
     stages = _StageTimer()
 
     async def one(raw: bytes) -> int:
+        if args.rpc == "predict":
+            reply = await servicer.Predict(pb.PredictRequest.FromString(raw), context)
+            return len(reply.SerializeToString()) and 1
         with stages.timed("parse request"):
             request = pb.BatchPredictRequest.FromString(raw)
         with stages.timed("servicer and pipeline glue"):  # less the stages timed inside it
@@ -282,7 +286,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     await predictor.recorder.close()
     await predictor.scorer.close()
     figures = sorted(p["cpu_us_per_row"] for p in passes)
-    return {"bench": "batch_cpu", "batch_items": args.batch_items, "concurrency": args.concurrency,
+    return {"bench": "batch_cpu", "rpc": args.rpc, "batch_items": args.batch_items, "concurrency": args.concurrency,
             "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
             "ledger": ledger_url.split(":", 1)[0],
             "cpu_us_per_row_median": figures[len(figures) // 2], "cpu_us_per_row_min": figures[0],
@@ -330,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repository", default="var/models")
     parser.add_argument("--batch-items", type=int, default=500, help="applicants per BatchPredict call")
     parser.add_argument("--concurrency", type=int, default=4, help="BatchPredict calls in flight")
+    parser.add_argument("--rpc", choices=("batch", "predict"), default="batch",
+                        help="the RPC measured: BatchPredict, or Predict (one applicant per call; --batch-items 1)")
     parser.add_argument("--calls", type=int, default=40, help="measured calls per pass")
     parser.add_argument("--repeats", type=int, default=3, help="measured passes")
     parser.add_argument("--warmup-calls", type=int, default=8)
@@ -340,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", action="store_true",
                         help="one extra pass, one call at a time, timing each stage (CPU µs per row)")
     args = parser.parse_args(argv)
+    if args.rpc == "predict" and args.batch_items != 1:
+        parser.error("--rpc predict sends one applicant per call: use --batch-items 1")
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="batch-cpu-") as tmp, harness.scratch_postgres() as pg_url:
         postgres = pg_url is not None and not args.sqlite

@@ -151,7 +151,7 @@ def check_infer(key: str, raw: bytes) -> None:
 
 
 SCRAPED = ("prediction_coalesced_call_rows_count", "prediction_coalesced_call_rows_sum",
-           "prediction_outbox_delivered_total", "prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")
+           "prediction_merged_calls_count", "prediction_merged_calls_sum", "prediction_outbox_delivered_total", "prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")
 COMMIT_BUCKETS = "prediction_ledger_commit_duration_seconds_bucket"
 MAX_OF_REPLICAS = ("prediction_outbox_depth", "prediction_outbox_oldest_age_seconds")  # the shared ledger's
 
@@ -202,14 +202,18 @@ def histogram_quantile(q: float, before: Counter, after: Counter) -> float | Non
 
 def ledger_figures(scraped0: dict, scraped1: dict, phase_s: float) -> dict:
     """What the ledger and its relays did over a phase: commit latency p50/p99 (ms), decisions
-    delivered to the CRM per second, and the backlog left when the phase ended."""
+    delivered to the CRM per second, the backlog left when the phase ended, and the Predict calls
+    decided together per batch (``prediction_merged_calls``; None before that metric existed)."""
     delivered = scraped1["prediction_outbox_delivered_total"] - scraped0["prediction_outbox_delivered_total"]
+    batches = scraped1["prediction_merged_calls_count"] - scraped0["prediction_merged_calls_count"]
+    merged = scraped1["prediction_merged_calls_sum"] - scraped0["prediction_merged_calls_sum"]
     quantiles = {q: histogram_quantile(q, scraped0[COMMIT_BUCKETS], scraped1[COMMIT_BUCKETS]) for q in (0.5, 0.99)}
     return {"ledger_commit_p50_ms": None if quantiles[0.5] is None else round(1000 * quantiles[0.5], 2),
             "ledger_commit_p99_ms": None if quantiles[0.99] is None else round(1000 * quantiles[0.99], 2),
             "crm_delivered_per_s": round(delivered / phase_s, 1),
             "backlog_at_end": int(scraped1["prediction_outbox_depth"]),
-            "backlog_oldest_age_s_at_end": round(scraped1["prediction_outbox_oldest_age_seconds"], 2)}
+            "backlog_oldest_age_s_at_end": round(scraped1["prediction_outbox_oldest_age_seconds"], 2),
+            "predicts_per_merged_batch": round(merged / batches, 2) if batches else None}
 
 
 def run(args) -> int:
