@@ -68,14 +68,15 @@ RunBatch = Callable[[Sequence[PredictInput], Sequence[MergedCall] | None], Await
 
 
 class _Queue:
-    """Calls waiting to go out together: their deadlines lie within the merger's window of the first's."""
+    """Calls waiting to go out together: their near deadlines lie within the merger's window of the
+    first's (``deadline`` None: calls with no deadline or a far one)."""
 
     __slots__ = ("calls", "ids", "deadline", "flush", "send_by")
 
     def __init__(self, deadline: float | None) -> None:
         self.calls: list[MergedCall] = []
         self.ids: set[str] = set()
-        self.deadline = deadline  # the first call's (None: calls without a deadline)
+        self.deadline = deadline  # the first call's near deadline
         self.flush: asyncio.Handle | None = None
         self.send_by = 0.0  # loop time the queue goes by
 
@@ -97,10 +98,14 @@ class PredictMerger:
       earlier): under load, batches grow with the time a batch takes;
     * at once when ``max_calls`` are queued.
 
-    Deadlines: a batch is decided when its last item is scored, so only calls whose deadlines lie
-    within ``max_delay_s`` of each other (or that have none) share a batch — callers with the
-    same timeout always do — and the budget kept back for recording (``crm_reserve_ms``) still
-    covers the earliest. A call never waits for company more than a tenth of the budget its
+    Deadlines: a batch is decided when its last item is scored. An item's scoring ends by
+    ``scoring_bound_s`` (every Infer attempt and backoff at its longest) or, when its deadline is
+    sooner than that, by its deadline less the budget kept back for recording (``crm_reserve_ms``).
+    So calls whose deadlines are further away than ``scoring_bound_s`` (or that have none) share
+    batches freely, and calls with a nearer deadline share one only with calls whose deadlines lie
+    within ``deadline_window_s`` of theirs: keep the window well under the reserve
+    (``build_predictor`` uses half of it), and the earliest caller still has the rest to record
+    its decision in time. A call never waits for company more than a tenth of the budget its
     deadline leaves it.
 
     Args:
@@ -108,12 +113,18 @@ class PredictMerger:
             ``callers`` is None for a batch of one (it then runs in its caller's context).
         max_calls: most calls in one batch.
         max_delay_s: longest a call waits for company while a batch is being decided, in seconds.
+        deadline_window_s: most seconds between the near deadlines of calls in one batch.
+        scoring_bound_s: longest an item's scoring takes when its deadline does not cut it short.
     """
 
-    def __init__(self, run: RunBatch, max_calls: int, max_delay_s: float) -> None:
+    def __init__(
+        self, run: RunBatch, max_calls: int, max_delay_s: float, deadline_window_s: float, scoring_bound_s: float
+    ) -> None:
         self._run = run
         self.max_calls = max_calls
         self.max_delay_s = max_delay_s
+        self.deadline_window_s = deadline_window_s
+        self.scoring_bound_s = scoring_bound_s
         self._queues: list[_Queue] = []
         self._tasks: dict[int, asyncio.Task] = {}  # id(batch) → the task deciding it
 
@@ -123,13 +134,14 @@ class PredictMerger:
         Raises:
             Whatever the batch's run raised as a whole (each item's own error is its outcome).
         """
-        deadline = request.deadline
-        queue = next((q for q in self._queues if q.takes(deadline, self.max_delay_s)), None)
+        deadline, now = request.deadline, time.monotonic()
+        near = deadline if deadline is not None and deadline - now <= self.scoring_bound_s + self.max_delay_s else None
+        queue = next((q for q in self._queues if q.takes(near, self.deadline_window_s)), None)
         if queue is not None and request.request_id in queue.ids:
             self._send(queue)  # a repeated id never shares a batch: what is queued goes first
             queue = None
         if queue is None:
-            queue = _Queue(deadline)
+            queue = _Queue(near)
             self._queues.append(queue)
         loop = asyncio.get_running_loop()
         call = MergedCall(request, loop.create_future(), contextvars.copy_context())
@@ -143,7 +155,7 @@ class PredictMerger:
         else:
             wait_s = self.max_delay_s
             if deadline is not None:
-                wait_s = min(wait_s, max(0.0, deadline - time.monotonic()) / 10)
+                wait_s = min(wait_s, max(0.0, deadline - now) / 10)
             send_by = loop.time() + wait_s
             if queue.flush is None or send_by < queue.send_by:
                 if queue.flush is not None:

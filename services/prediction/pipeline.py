@@ -88,14 +88,15 @@ class Predictor:
         max_batch_items: int = 1000,
         merge_max_calls: int = 64,
         merge_max_delay_s: float = 0.005,
+        merge_deadline_window_s: float = 0.01,
+        merge_scoring_bound_s: float = 8.0,
         explain_top_k: int = 3,
         drift: DriftMonitors | None = None,
         unknown_attributes: str = "warn",
     ) -> None:
         """Wires the served families to inference (behind its cache) and the decision recorder.
 
-        ``merge_max_calls``, ``merge_max_delay_s``: concurrent Predict calls decided together
-        (:class:`~mlpair.prediction.merging.PredictMerger`; 1 decides each alone).
+        ``merge_*``: concurrent Predict calls decided together (:class:`~mlpair.prediction.merging.PredictMerger`; 1 decides each alone).
         ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
         and names each in the result's warnings; ``refuse`` refuses it (:class:`UnknownAttribute`).
 
@@ -114,7 +115,13 @@ class Predictor:
         self.refuse_unknown_attributes = unknown_attributes == "refuse"
         self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
-        self.merger = PredictMerger(self._run, min(merge_max_calls, max_batch_items), merge_max_delay_s)
+        self.merger = PredictMerger(
+            self._run,
+            min(merge_max_calls, max_batch_items),
+            merge_max_delay_s,
+            merge_deadline_window_s,
+            merge_scoring_bound_s,
+        )
         self._columns = {name: ColumnAssembler(f.assembler) for name, f in self.families.items()}
         self._verdicts: dict[str, dict] = {name: {} for name in self.families}  # (verdict, stale, guards) → record
         for family in self.families.values():

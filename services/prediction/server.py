@@ -66,6 +66,15 @@ def load_families(settings: PredictionSettings) -> dict[str, ModelFamily]:
     }
 
 
+def scoring_bound_s(settings: PredictionSettings) -> float:
+    """The longest an item's scoring takes when its deadline does not cut it short, in seconds: a
+    wait in the coalescer's lane, then every Infer attempt and every backoff at its longest
+    (``inference_timeout_ms`` each), twice (a cache follower whose leader failed leads a flight
+    of its own)."""
+    attempt_s = 2 * settings.inference_timeout_ms / 1000  # the attempt, then its backoff
+    return 2 * (settings.coalesce_max_delay_ms / 1000 + settings.inference_max_attempts * attempt_s)
+
+
 def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Predictor:
     """Loads every served model family (:func:`load_families`) and builds its dependencies (no
     network I/O yet).
@@ -107,6 +116,8 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         max_batch_items=settings.max_batch_items,
         merge_max_calls=settings.merge_max_calls,
         merge_max_delay_s=settings.merge_max_delay_ms / 1000,
+        merge_deadline_window_s=settings.crm_reserve_ms / 2000,  # half the time kept back to record
+        merge_scoring_bound_s=scoring_bound_s(settings),
         explain_top_k=settings.explain_top_reasons,
         drift=drift,
         unknown_attributes=settings.unknown_attributes,

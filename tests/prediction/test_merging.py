@@ -9,6 +9,7 @@ one batch when it is done (``merge_max_delay_ms`` is long enough that nothing el
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -140,3 +141,37 @@ async def test_a_short_deadline_is_not_merged_with_long_ones_and_gets_its_fallba
     assert short_reply.fallback and short_reply.degraded_reason == "INFERENCE_TIMEOUT"
     assert short_s < 0.25
     assert not any(r.fallback for r in replies)
+
+
+async def test_near_deadlines_share_a_batch_only_within_the_window_and_batches_stop_at_max_calls():
+    """The merger alone, with a stand-in for the pipeline: which calls go out together."""
+    from mlpair.prediction.merging import PredictMerger
+    from mlpair.prediction.outcomes import PredictInput
+
+    batches: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def run(requests, callers):
+        batches.append([r.request_id for r in requests])
+        assert (callers is None) == (len(requests) == 1)
+        if requests[0].request_id == "busy":
+            await release.wait()
+        return [f"outcome of {r.request_id}" for r in requests]
+
+    merger = PredictMerger(run, max_calls=3, max_delay_s=10.0, deadline_window_s=0.01, scoring_bound_s=5.0)
+
+    def call(request_id: str, in_s: float | None) -> asyncio.Future:
+        deadline = None if in_s is None else time.monotonic() + in_s
+        return asyncio.ensure_future(merger.decide(PredictInput(request_id, "e", {}, deadline=deadline)))
+
+    busy = call("busy", None)
+    await asyncio.sleep(0)  # sent at once: nothing was being decided
+    queued = [call("near-1", 1.0), call("near-2", 1.005), call("near-later", 1.5), call("none-1", None),
+              call("far", 60.0), call("none-2", None), call("none-3", None)]
+    await asyncio.sleep(0.01)  # all queued behind the busy batch (a tenth of 1 s is 100 ms)
+    release.set()
+    outcomes = await asyncio.gather(busy, *queued)
+    assert outcomes[1] == "outcome of near-1" and outcomes[-1] == "outcome of none-3"
+    # near deadlines 5 ms apart share a batch, 500 ms apart do not; no deadline and a far one share,
+    # three at most (the third call filled the batch, which went at once, before the busy one was done)
+    assert batches == [["busy"], ["none-1", "far", "none-2"], ["near-1", "near-2"], ["near-later"], ["none-3"]]
