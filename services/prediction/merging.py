@@ -91,8 +91,9 @@ class PredictMerger:
 
     When a batch is sent:
 
-    * after the current event-loop iteration, when no batch is being decided: a lone call pays
-      no wait, and calls that arrived together go together;
+    * at once, in the caller's own task, while fewer than ``wait_from_calls`` calls are being
+      decided and none is queued: on a lightly loaded server, where waiting would only add
+      latency, a call is decided exactly as it was before merging existed;
     * otherwise as soon as a batch being decided finishes, or when the oldest queued call has
       waited ``max_delay_s``, whichever comes first (the inference coalescer's rule, one stage
       earlier): under load, batches grow with the time a batch takes;
@@ -115,16 +116,25 @@ class PredictMerger:
         max_delay_s: longest a call waits for company while a batch is being decided, in seconds.
         deadline_window_s: most seconds between the near deadlines of calls in one batch.
         scoring_bound_s: longest an item's scoring takes when its deadline does not cut it short.
+        wait_from_calls: calls being decided from which a new call waits for company.
     """
 
     def __init__(
-        self, run: RunBatch, max_calls: int, max_delay_s: float, deadline_window_s: float, scoring_bound_s: float
+        self,
+        run: RunBatch,
+        max_calls: int,
+        max_delay_s: float,
+        deadline_window_s: float,
+        scoring_bound_s: float,
+        wait_from_calls: int = 8,
     ) -> None:
         self._run = run
         self.max_calls = max_calls
         self.max_delay_s = max_delay_s
         self.deadline_window_s = deadline_window_s
         self.scoring_bound_s = scoring_bound_s
+        self.wait_from_calls = wait_from_calls
+        self._deciding = 0  # calls in the batches being decided
         self._queues: list[_Queue] = []
         self._tasks: dict[int, asyncio.Task] = {}  # id(batch) → the task deciding it
 
@@ -134,6 +144,8 @@ class PredictMerger:
         Raises:
             Whatever the batch's run raised as a whole (each item's own error is its outcome).
         """
+        if self._deciding < self.wait_from_calls and not self._queues:
+            return await self._alone(request)
         deadline, now = request.deadline, time.monotonic()
         near = deadline if deadline is not None and deadline - now <= self.scoring_bound_s + self.max_delay_s else None
         queue = next((q for q in self._queues if q.takes(near, self.deadline_window_s)), None)
@@ -149,7 +161,7 @@ class PredictMerger:
         queue.ids.add(request.request_id)
         if len(queue.calls) >= self.max_calls:
             self._send(queue)
-        elif not self._tasks:
+        elif self._deciding < self.wait_from_calls:
             if queue.flush is None:
                 queue.flush, queue.send_by = loop.call_soon(self._send, queue), loop.time()
         else:
@@ -167,10 +179,20 @@ class PredictMerger:
             self._left(call)
             raise
 
+    async def _alone(self, request: PredictInput) -> Outcome:
+        """Decides ``request`` as a batch of one in the caller's task (cancelled with it)."""
+        metrics.MERGED_CALLS.observe(1)
+        self._deciding += 1
+        try:
+            outcomes = await self._run([request], None)
+        finally:
+            self._deciding -= 1
+            self._send_all()
+        return outcomes[0]
+
     async def drain(self) -> None:
         """Sends what is queued and waits for every batch being decided."""
-        for queue in list(self._queues):
-            self._send(queue)
+        self._send_all()
         while self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
@@ -195,16 +217,21 @@ class PredictMerger:
         for call in batch:
             call.batch = batch
         metrics.MERGED_CALLS.observe(len(batch))
+        self._deciding += len(batch)
         # one caller: its batch runs as it would alone; several: in a context of none of them
         context = batch[0].context if len(batch) == 1 else contextvars.Context()
         task = asyncio.get_running_loop().create_task(self._decide(batch), context=context)
         key = id(batch)
         self._tasks[key] = task
-        task.add_done_callback(functools.partial(self._done, key))
+        task.add_done_callback(functools.partial(self._done, key, len(batch)))
 
-    def _done(self, key: int, _: asyncio.Task) -> None:
+    def _done(self, key: int, calls: int, _: asyncio.Task) -> None:
         """A batch is decided: the calls waiting for one to finish go now."""
         self._tasks.pop(key, None)
+        self._deciding -= calls
+        self._send_all()
+
+    def _send_all(self) -> None:
         for queue in list(self._queues):
             self._send(queue)
 

@@ -90,6 +90,7 @@ class Predictor:
         merge_max_delay_s: float = 0.005,
         merge_deadline_window_s: float = 0.01,
         merge_scoring_bound_s: float = 8.0,
+        merge_wait_from_calls: int = 8,
         explain_top_k: int = 3,
         drift: DriftMonitors | None = None,
         unknown_attributes: str = "warn",
@@ -121,6 +122,7 @@ class Predictor:
             merge_max_delay_s,
             merge_deadline_window_s,
             merge_scoring_bound_s,
+            merge_wait_from_calls,
         )
         self._columns = {name: ColumnAssembler(f.assembler) for name, f in self.families.items()}
         self._verdicts: dict[str, dict] = {name: {} for name in self.families}  # (verdict, stale, guards) → record

@@ -118,6 +118,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         merge_max_delay_s=settings.merge_max_delay_ms / 1000,
         merge_deadline_window_s=settings.crm_reserve_ms / 2000,  # half the time kept back to record
         merge_scoring_bound_s=scoring_bound_s(settings),
+        merge_wait_from_calls=settings.merge_wait_from_calls,
         explain_top_k=settings.explain_top_reasons,
         drift=drift,
         unknown_attributes=settings.unknown_attributes,

@@ -3,7 +3,8 @@ InferenceService behind a counting forwarder: exact batch counts, and every call
 the one it gets alone.
 
 Each test holds a first call in a slow Infer call, so the calls sent meanwhile queue up and go as
-one batch when it is done (``merge_max_delay_ms`` is long enough that nothing else sends them).
+one batch when it is done (``merge_wait_from_calls=1``: a call waits while one call is being
+decided; ``merge_max_delay_ms`` is long enough that nothing else sends them).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def merged() -> tuple[float, float]:
 
 
 def settings_for(tmp_path, model_repository, target):
-    return prediction_settings(tmp_path, model_repository, target, cache_backend="off", merge_max_delay_ms=10_000)
+    return prediction_settings(tmp_path, model_repository, target, cache_backend="off", merge_max_delay_ms=10_000,
+                               merge_wait_from_calls=1)
 
 
 async def hold_first_batch(stub, forwarder, record: dict) -> asyncio.Task:
@@ -158,7 +160,8 @@ async def test_near_deadlines_share_a_batch_only_within_the_window_and_batches_s
             await release.wait()
         return [f"outcome of {r.request_id}" for r in requests]
 
-    merger = PredictMerger(run, max_calls=3, max_delay_s=10.0, deadline_window_s=0.01, scoring_bound_s=5.0)
+    merger = PredictMerger(run, max_calls=3, max_delay_s=10.0, deadline_window_s=0.01, scoring_bound_s=5.0,
+                           wait_from_calls=1)
 
     def call(request_id: str, in_s: float | None) -> asyncio.Future:
         deadline = None if in_s is None else time.monotonic() + in_s
@@ -175,3 +178,29 @@ async def test_near_deadlines_share_a_batch_only_within_the_window_and_batches_s
     # near deadlines 5 ms apart share a batch, 500 ms apart do not; no deadline and a far one share,
     # three at most (the third call filled the batch, which went at once, before the busy one was done)
     assert batches == [["busy"], ["none-1", "far", "none-2"], ["near-1", "near-2"], ["near-later"], ["none-3"]]
+
+
+async def test_below_wait_from_calls_no_call_waits_for_company():
+    from mlpair.prediction.merging import PredictMerger
+    from mlpair.prediction.outcomes import PredictInput
+
+    batches: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def run(requests, callers):
+        batches.append([r.request_id for r in requests])
+        await release.wait()
+        return [r.request_id for r in requests]
+
+    merger = PredictMerger(run, max_calls=64, max_delay_s=10.0, deadline_window_s=0.01, scoring_bound_s=5.0,
+                           wait_from_calls=3)
+    calls = []
+    for i in range(4):  # one at a time: the first three go at once, the fourth waits (three being decided)
+        calls.append(asyncio.ensure_future(merger.decide(PredictInput(f"c{i}", "e", {}))))
+        await asyncio.sleep(0)
+    calls.append(asyncio.ensure_future(merger.decide(PredictInput("c4", "e", {}))))
+    await asyncio.sleep(0.01)
+    assert batches == [["c0"], ["c1"], ["c2"]]
+    release.set()
+    assert await asyncio.gather(*calls) == ["c0", "c1", "c2", "c3", "c4"]
+    assert batches == [["c0"], ["c1"], ["c2"], ["c3", "c4"]]
