@@ -126,7 +126,7 @@ class PredictMerger:
         max_delay_s: float,
         deadline_window_s: float,
         scoring_bound_s: float,
-        wait_from_calls: int = 8,
+        wait_from_calls: int = 4,
     ) -> None:
         self._run = run
         self.max_calls = max_calls

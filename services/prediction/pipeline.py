@@ -90,7 +90,7 @@ class Predictor:
         merge_max_delay_s: float = 0.005,
         merge_deadline_window_s: float = 0.01,
         merge_scoring_bound_s: float = 8.0,
-        merge_wait_from_calls: int = 8,
+        merge_wait_from_calls: int = 4,
         explain_top_k: int = 3,
         drift: DriftMonitors | None = None,
         unknown_attributes: str = "warn",

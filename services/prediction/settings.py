@@ -51,7 +51,7 @@ class PredictionSettings(ConnectionSettings):
     """Most concurrent Predict calls decided together as one batch (docs/performance.md); 1 decides each alone."""
     merge_max_delay_ms: NonNegativeFloat = 5.0
     """Longest a Predict call waits, while a batch is being decided, to be decided with the calls that arrive after it, in milliseconds (never more than a tenth of its deadline's budget)."""
-    merge_wait_from_calls: PositiveInt = 8
+    merge_wait_from_calls: PositiveInt = 4
     """Predict calls being decided from which a new call waits (up to merge_max_delay_ms) to be decided with the calls after it; below it, calls go at once (waiting would only add latency on a lightly loaded server)."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
