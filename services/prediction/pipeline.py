@@ -135,7 +135,8 @@ class Predictor:
 
     async def predict(self, request: PredictInput) -> PredictionResult:
         """Decides and records one request; a ``request_id`` already on record returns the
-        recorded decision (``replayed``).
+        recorded decision (``replayed``). Under load it is decided together with concurrent calls,
+        as one batch (:class:`~mlpair.prediction.merging.PredictMerger`), with the same outcome.
 
         Raises:
             InvalidRequest: bad ids or attribute values (all problems named together).
