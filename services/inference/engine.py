@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 NON_FINITE_OUTPUT = "NON_FINITE_OUTPUT"
 """Reason of a row error: the model produced a NaN or Inf logit for that row."""
 MAX_NAMED_ROWS = 5  # rows named in one error message
+# A call cancelled this close to its deadline, or after it, is counted DEADLINE_EXCEEDED: the
+# caller's timer started when it sent the call, this server's when the call arrived, so the
+# caller's deadline passes (and gRPC cancels the call) as much earlier as the call took to
+# arrive — milliseconds on a busy machine, where 1 ms counted some deadlines as CANCELLED.
+DEADLINE_SLACK_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +231,8 @@ class InferenceEngine:
             raise
         except asyncio.CancelledError:
             # gRPC cancels a call whose deadline passed: that is the deadline, not the caller leaving
-            code = "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline - 0.001 else "CANCELLED"
+            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+            code = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
             raise
         except Exception:
             code = "INTERNAL"
