@@ -3,10 +3,10 @@
 A Predict call carries one applicant, and most of what deciding it costs PredictionService does
 not depend on how many applicants a call carries: checking and assembling the rows, deciding,
 the ledger commit's bookkeeping, the per-call metrics (docs/performance.md, "Concurrent Predicts
-decided together"). The :class:`PredictMerger` gathers the Predict calls that arrive in one
-event-loop iteration and runs them through the pipeline together, as the items of one batch;
-each caller gets its own item's outcome. No call waits for company: a batch is sent after the
-iteration in which its first call arrived, so a lone call pays one loop iteration.
+decided together"). Under load, the :class:`PredictMerger` gathers the Predict calls that arrive
+while others are being decided and runs them through the pipeline together, as the items of one
+batch; each caller gets its own item's outcome. On a lightly loaded server a call is decided at
+once, alone, as if merging did not exist (see :class:`PredictMerger` for when calls wait).
 
 What a caller sees does not change (tests/prediction/test_merging.py):
 
@@ -49,13 +49,14 @@ class MergedCall:
         context: the caller's context (trace span, log context): its item is scored in it.
     """
 
-    __slots__ = ("request", "future", "context", "batch")
+    __slots__ = ("request", "future", "context", "batch", "task")
 
     def __init__(self, request: PredictInput, future: asyncio.Future[Outcome], context: contextvars.Context) -> None:
         self.request = request
         self.future = future
         self.context = context
         self.batch: list[MergedCall] = []  # the calls decided together, once sent
+        self.task: asyncio.Task | None = None  # the task deciding them, once sent
 
     @property
     def gone(self) -> bool:
@@ -136,7 +137,7 @@ class PredictMerger:
         self.wait_from_calls = wait_from_calls
         self._deciding = 0  # calls in the batches being decided
         self._queues: list[_Queue] = []
-        self._tasks: dict[int, asyncio.Task] = {}  # id(batch) → the task deciding it
+        self._tasks: set[asyncio.Task] = set()  # the batches being decided
 
     async def decide(self, request: PredictInput) -> Outcome:
         """``request``'s outcome, decided in a batch with the calls that arrived with it.
@@ -194,16 +195,15 @@ class PredictMerger:
         """Sends what is queued and waits for every batch being decided."""
         self._send_all()
         while self._tasks:
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _left(self, call: MergedCall) -> None:
         """A caller left: a batch whose callers have all left is cancelled (a live batch drops
         the leaver's item itself, see ``score_groups`` and ``Predictor._run``)."""
         if not call.future.done():
             call.future.cancel()
-        task = self._tasks.get(id(call.batch))
-        if task is not None and all(c.gone for c in call.batch):
-            task.cancel()
+        if call.task is not None and all(c.gone for c in call.batch):
+            call.task.cancel()
 
     def _send(self, queue: _Queue) -> None:
         if queue.flush is not None:
@@ -214,20 +214,19 @@ class PredictMerger:
         batch = [call for call in queue.calls if not call.future.done()]  # done: left while queued
         if not batch:
             return
-        for call in batch:
-            call.batch = batch
         metrics.MERGED_CALLS.observe(len(batch))
         self._deciding += len(batch)
         # one caller: its batch runs as it would alone; several: in a context of none of them
         context = batch[0].context if len(batch) == 1 else contextvars.Context()
         task = asyncio.get_running_loop().create_task(self._decide(batch), context=context)
-        key = id(batch)
-        self._tasks[key] = task
-        task.add_done_callback(functools.partial(self._done, key, len(batch)))
+        for call in batch:
+            call.batch, call.task = batch, task
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._done, len(batch)))
 
-    def _done(self, key: int, calls: int, _: asyncio.Task) -> None:
+    def _done(self, calls: int, task: asyncio.Task) -> None:
         """A batch is decided: the calls waiting for one to finish go now."""
-        self._tasks.pop(key, None)
+        self._tasks.discard(task)
         self._deciding -= calls
         self._send_all()
 

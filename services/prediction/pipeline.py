@@ -202,7 +202,7 @@ class Predictor:
         )
         await score_groups(groups, self._infer, self.max_inference_rows, callers)
         if callers is not None:
-            for group in groups:  # left while the batch was scored: not decided or recorded
+            for group in groups:  # left while the batch was scored (its scoring cancelled): not decided or recorded
                 for k, index in enumerate(group.index):
                     if callers[index].gone and k not in group.errors:
                         group.errors[k] = CallerLeft("the caller left before its item was decided")

@@ -21,7 +21,7 @@ import numpy as np
 
 from mlpair.errors import ServiceError
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
-from mlpair.prediction.errors import CallerLeft, PredictionError
+from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
 from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
@@ -43,7 +43,7 @@ async def score_groups(
     (:mod:`mlpair.prediction.merging`), each item's caller by position in the call. Each item is
     then scored on its own, in its caller's context and with its own deadline, as if it had been
     sent alone (the inference coalescer still merges the rows into shared Infer calls); a caller
-    that leaves cancels its own item's scoring, which ends with :class:`CallerLeft`."""
+    that leaves cancels its own item's scoring (the pipeline then drops the item, :class:`CallerLeft`)."""
     if callers is not None:
         await _score_callers(groups, infer, callers)
         return
@@ -56,18 +56,15 @@ async def score_groups(
 
 async def _score_callers(groups: list[Group], infer: Infer, callers: Sequence[MergedCall]) -> None:
     loop = asyncio.get_running_loop()
-    tasks: list[tuple[Group, int, asyncio.Task]] = []
+    tasks: list[asyncio.Task] = []
     for group in groups:
         _start_columns(group)
         for k, index in enumerate(group.index):
             caller = callers[index]
             task = loop.create_task(_score_chunk(group, k, k + 1, infer), context=caller.context)
             caller.future.add_done_callback(functools.partial(_cancel_if_left, task))
-            tasks.append((group, k, task))
-    await asyncio.gather(*(task for _, _, task in tasks), return_exceptions=True)
-    for group, k, task in tasks:
-        if task.cancelled():
-            group.errors[k] = CallerLeft("the caller left before its item was decided")
+            tasks.append(task)
+    await asyncio.gather(*tasks, return_exceptions=True)  # a left caller's task ends cancelled
 
 
 def _cancel_if_left(task: asyncio.Task, future: asyncio.Future) -> None:
