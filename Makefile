@@ -13,9 +13,9 @@ BUF := .tools/node_modules/.bin/buf
 
 venv: $(STAMP)
 
-# Reinstall when the dependency list changes. torch==2.13.0 is pinned in pyproject so pip takes
-# the local CPU wheel rather than a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Reinstall when the dependency list or the compiled part (setup.py) changes. torch==2.13.0 is
+# pinned in pyproject so pip takes the local CPU wheel rather than a multi-GB CUDA build.
+$(STAMP): pyproject.toml setup.py mlpair/_batch_items.c
 	$(call install,dev)
 
 # $(call install,EXTRA): the virtualenv with the project and that extra, then the target's stamp.
@@ -53,7 +53,7 @@ train: $(STAMP)
 	$(VENV)/bin/mlpair train --model-repository $(MODEL_REPOSITORY)
 
 # The demo installs only its own extra (training, both services, the report): no test or deploy tools.
-$(DEMO_STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml setup.py mlpair/_batch_items.c
 	$(call install,demo)
 
 demo: $(DEMO_STAMP)

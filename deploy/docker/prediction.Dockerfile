@@ -3,7 +3,9 @@
 # PredictionService image for the CPU node pool.
 #
 # Slim Debian Python 3.11 base; the `prediction` extra brings SQLAlchemy, aiosqlite, asyncpg,
-# Alembic, redis and scipy (all with wheels, so no compiler is needed). No torch and no ONNX
+# Alembic, redis and scipy (all with wheels). The build stage has a C compiler for the one
+# compiled part, mlpair._batch_items (setup.py: a BatchPredict's items read from the wire bytes);
+# the runtime stage does not, and the build fails if that part did not build. No torch and no ONNX
 # Runtime: the model runs in InferenceService; the build fails if either slipped in through a
 # dependency.
 #
@@ -14,10 +16,17 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: a virtualenv with mlpair[prediction]; pip and the sources stay here ----
 FROM ${PYTHON_IMAGE} AS build
+ARG DEBIAN_FRONTEND=noninteractive
+# Versions come from the pinned base image's Debian release; exact apt pins would break the build
+# whenever the archive publishes a security update, so DL3008 is waived.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY mlpair ./mlpair
 COPY services ./services
 COPY training ./training
@@ -28,7 +37,7 @@ RUN pip install --no-cache-dir '.[prediction]' \
     && for heavy in torch onnxruntime onnxruntime-gpu; do \
          if pip show "$heavy" >/dev/null 2>&1; then echo "$heavy must not ship in the prediction image" >&2; exit 1; fi; \
        done \
-    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, mlpair"
+    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, mlpair, mlpair._batch_items"
 
 # ---- runtime: the same base (same interpreter path), the virtualenv, a non-root user ----
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,0 +1,307 @@
+/*
+ * mlpair._batch_items: a BatchPredictRequest's items, read straight from its wire bytes.
+ *
+ * Reading the parsed message from Python (mlpair.prediction.converters.predict_input) looks up
+ * each attribute in the map, asks its oneof which kind is set and reads that field: three calls
+ * into the protobuf runtime per attribute, about 10 us of a BatchPredict row's CPU for 13
+ * attributes. This reads the same fields from the serialised request in one pass, with the
+ * protobuf wire format's rules (https://protobuf.dev/programming-guides/encoding/), and gives
+ * the same Python values:
+ *
+ *   BatchPredictRequest.requests = 1 (repeated PredictRequest)
+ *   PredictRequest: request_id = 1, entity_id = 2, model_name = 4 (strings), explain = 5 (bool),
+ *                   attributes = 3 (map<string, AttributeValue>: entries, key = 1, value = 2)
+ *   AttributeValue.kind oneof: number_value = 1 (double), string_value = 2 (string),
+ *                              bool_value = 3 (bool)
+ *
+ * An attribute's value is the float, str or bool of the oneof member set last, or None when none
+ * is set. As a protobuf parser does: a scalar field given twice keeps the last; a map key seen
+ * again replaces the earlier entry; an entry's value given twice is merged (the later member
+ * wins); a missing key or string is ""; fields it does not use are skipped. Anything it cannot
+ * read as a parser would (truncated bytes, groups, a string that is not UTF-8) makes it return
+ * None, and the caller reads the parsed message instead. Little-endian hosts only (doubles are
+ * copied as they lie on the wire); elsewhere the module does not build and the caller reads the
+ * parsed message.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "mlpair._batch_items reads doubles in the wire's byte order: little-endian hosts only"
+#endif
+
+typedef struct {
+    const char *p;
+    const char *end;
+} Span;
+
+/* One remembered string per position in an item: items of a batch mostly repeat the same keys and
+ * categories in the same order, so the same str object is reused (its hash computed once). */
+#define REMEMBERED 64
+typedef struct {
+    const char *bytes;
+    Py_ssize_t size;
+    PyObject *text; /* a reference of its own, released by forget() */
+} Remembered;
+
+static int read_varint(Span *s, uint64_t *out) {
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64 && s->p < s->end; shift += 7) {
+        unsigned char byte = (unsigned char)*s->p++;
+        value |= (uint64_t)(byte & 0x7f) << shift;
+        if (!(byte & 0x80)) {
+            *out = value;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int read_delimited(Span *s, Span *inner) {
+    uint64_t size;
+    if (!read_varint(s, &size) || size > (uint64_t)(s->end - s->p)) return 0;
+    inner->p = s->p;
+    inner->end = s->p + size;
+    s->p += size;
+    return 1;
+}
+
+static int skip(Span *s, int wire_type) {
+    uint64_t ignored;
+    Span inner;
+    switch (wire_type) {
+    case 0: return read_varint(s, &ignored);
+    case 1: if (s->end - s->p < 8) return 0; s->p += 8; return 1;
+    case 2: return read_delimited(s, &inner);
+    case 5: if (s->end - s->p < 4) return 0; s->p += 4; return 1;
+    default: return 0; /* groups (3, 4) and invalid wire types */
+    }
+}
+
+/* An AttributeValue being read: the member set last (0 none, 1 number, 2 string, 3 bool). */
+typedef struct {
+    int kind;
+    double number;
+    Span text;
+    int flag;
+} Value;
+
+static int read_value(Span s, Value *v) {
+    while (s.p < s.end) {
+        uint64_t tag;
+        if (!read_varint(&s, &tag)) return 0;
+        uint64_t field = tag >> 3;
+        int wire_type = (int)(tag & 7);
+        if (field == 1 && wire_type == 1) {
+            if (s.end - s.p < 8) return 0;
+            memcpy(&v->number, s.p, 8);
+            s.p += 8;
+            v->kind = 1;
+        } else if (field == 2 && wire_type == 2) {
+            if (!read_delimited(&s, &v->text)) return 0;
+            v->kind = 2;
+        } else if (field == 3 && wire_type == 0) {
+            uint64_t flag;
+            if (!read_varint(&s, &flag)) return 0;
+            v->flag = flag != 0;
+            v->kind = 3;
+        } else if (!skip(&s, wire_type)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* A new reference to the str of ``text``, reusing ``memo``'s when the bytes are the same; NULL
+ * with an exception set when the bytes are not UTF-8 or memory runs out. */
+static PyObject *text_of(Span text, Remembered *memo) {
+    Py_ssize_t size = text.end - text.p;
+    if (memo != NULL && memo->text != NULL && memo->size == size && memcmp(memo->bytes, text.p, size) == 0) {
+        Py_INCREF(memo->text);
+        return memo->text;
+    }
+    PyObject *decoded = PyUnicode_DecodeUTF8(text.p, size, NULL);
+    if (decoded != NULL && memo != NULL) {
+        Py_XSETREF(memo->text, Py_NewRef(decoded));
+        memo->bytes = text.p;
+        memo->size = size;
+    }
+    return decoded;
+}
+
+static void forget(Remembered *memo) {
+    for (int i = 0; i < REMEMBERED; i++) Py_CLEAR(memo[i].text);
+}
+
+static PyObject *value_object(const Value *v, Remembered *memo) {
+    switch (v->kind) {
+    case 1: return PyFloat_FromDouble(v->number);
+    case 2: return text_of(v->text, memo);
+    case 3: return PyBool_FromLong(v->flag);
+    default: Py_RETURN_NONE;
+    }
+}
+
+/* Reads one map entry into ``attributes``; 0 (no exception) when the bytes are no entry, -1 with
+ * an exception set, 1 when read. ``keys`` and ``texts`` remember this position's strings. */
+static int read_entry(Span s, PyObject *attributes, Remembered *keys, Remembered *texts) {
+    Span key = {"", ""};
+    Value value = {0, 0.0, {NULL, NULL}, 0};
+    while (s.p < s.end) {
+        uint64_t tag;
+        if (!read_varint(&s, &tag)) return 0;
+        uint64_t field = tag >> 3;
+        int wire_type = (int)(tag & 7);
+        if (field == 1 && wire_type == 2) {
+            if (!read_delimited(&s, &key)) return 0;
+        } else if (field == 2 && wire_type == 2) {
+            Span inner;
+            if (!read_delimited(&s, &inner) || !read_value(inner, &value)) return 0;
+        } else if (!skip(&s, wire_type)) {
+            return 0;
+        }
+    }
+    PyObject *name = text_of(key, keys);
+    if (name == NULL) return -1;
+    PyObject *object = value_object(&value, texts);
+    if (object == NULL) {
+        Py_DECREF(name);
+        return -1;
+    }
+    int failed = PyDict_SetItem(attributes, name, object);
+    Py_DECREF(name);
+    Py_DECREF(object);
+    return failed ? -1 : 1;
+}
+
+/* Fields of PredictRequest read here; a string field given twice keeps the last, as a parser does. */
+enum { REQUEST_ID = 1, ENTITY_ID = 2, ATTRIBUTES = 3, MODEL_NAME = 4, EXPLAIN = 5 };
+
+/* One PredictRequest as a new (request_id, entity_id, model_name, attributes, explain) tuple;
+ * NULL with no exception set when unreadable, with one set when memory ran out. */
+static PyObject *read_item(Span s, Remembered *keys, Remembered *texts, Remembered *model) {
+    Span ids[3] = {{"", ""}, {"", ""}, {"", ""}}; /* request_id, entity_id, model_name */
+    int explain = 0;
+    PyObject *attributes = PyDict_New();
+    if (attributes == NULL) return NULL;
+    int position = 0;
+    while (s.p < s.end) {
+        uint64_t tag;
+        if (!read_varint(&s, &tag)) goto unreadable;
+        uint64_t field = tag >> 3;
+        int wire_type = (int)(tag & 7);
+        if (field == ATTRIBUTES && wire_type == 2) {
+            Span entry;
+            if (!read_delimited(&s, &entry)) goto unreadable;
+            int at = position < REMEMBERED ? position : -1;
+            int read = read_entry(entry, attributes, at < 0 ? NULL : &keys[at], at < 0 ? NULL : &texts[at]);
+            if (read < 0) goto failed;
+            if (read == 0) goto unreadable;
+            position++;
+        } else if ((field == REQUEST_ID || field == ENTITY_ID || field == MODEL_NAME) && wire_type == 2) {
+            if (!read_delimited(&s, &ids[field == MODEL_NAME ? 2 : field - 1])) goto unreadable;
+        } else if (field == EXPLAIN && wire_type == 0) {
+            uint64_t flag;
+            if (!read_varint(&s, &flag)) goto unreadable;
+            explain = flag != 0;
+        } else if (!skip(&s, wire_type)) {
+            goto unreadable;
+        }
+    }
+    PyObject *request_id = text_of(ids[0], NULL);
+    PyObject *entity_id = request_id ? text_of(ids[1], NULL) : NULL;
+    PyObject *model_name = entity_id ? text_of(ids[2], model) : NULL;
+    if (model_name == NULL) {
+        Py_XDECREF(request_id);
+        Py_XDECREF(entity_id);
+        goto failed;
+    }
+    PyObject *item = PyTuple_New(5);
+    if (item == NULL) {
+        Py_DECREF(request_id);
+        Py_DECREF(entity_id);
+        Py_DECREF(model_name);
+        goto failed;
+    }
+    PyTuple_SET_ITEM(item, 0, request_id);
+    PyTuple_SET_ITEM(item, 1, entity_id);
+    PyTuple_SET_ITEM(item, 2, model_name);
+    PyTuple_SET_ITEM(item, 3, attributes);
+    PyTuple_SET_ITEM(item, 4, PyBool_FromLong(explain));
+    return item;
+unreadable:
+    Py_DECREF(attributes);
+    return NULL;
+failed:
+    Py_DECREF(attributes);
+    if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear(); /* not UTF-8: the protobuf parser's business, not ours */
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(read_items_doc,
+"read_items(data, /)\n--\n\n"
+"The items of a serialised BatchPredictRequest, in order: a list of (request_id, entity_id,\n"
+"model_name, attributes, explain) tuples, attributes a dict of attribute name -> float, str,\n"
+"bool, or None for a value with no kind set; None when the bytes cannot be read this way (the\n"
+"caller then reads the parsed message).");
+
+static PyObject *read_items(PyObject *Py_UNUSED(module), PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Span s = {(const char *)view.buf, (const char *)view.buf + view.len};
+    Remembered keys[REMEMBERED] = {{0}};
+    Remembered texts[REMEMBERED] = {{0}};
+    Remembered model = {0};
+    PyObject *items = PyList_New(0);
+    if (items == NULL) goto done;
+    while (s.p < s.end) {
+        uint64_t tag;
+        if (!read_varint(&s, &tag)) goto unreadable;
+        uint64_t field = tag >> 3;
+        int wire_type = (int)(tag & 7);
+        if (field == 1 && wire_type == 2) {
+            Span item;
+            if (!read_delimited(&s, &item)) goto unreadable;
+            PyObject *read = read_item(item, keys, texts, &model);
+            if (read == NULL) {
+                if (PyErr_Occurred()) goto failed;
+                goto unreadable;
+            }
+            int failed = PyList_Append(items, read);
+            Py_DECREF(read);
+            if (failed) goto failed;
+        } else if (!skip(&s, wire_type)) {
+            goto unreadable;
+        }
+    }
+    goto done;
+unreadable:
+    Py_CLEAR(items);
+    items = Py_NewRef(Py_None);
+    goto done;
+failed:
+    Py_CLEAR(items);
+done:
+    forget(keys);
+    forget(texts);
+    Py_CLEAR(model.text);
+    PyBuffer_Release(&view);
+    return items;
+}
+
+static PyMethodDef methods[] = {
+    {"read_items", read_items, METH_O, read_items_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "mlpair._batch_items",
+    "A BatchPredictRequest's items read from its wire bytes (see the C source's header).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__batch_items(void) { return PyModule_Create(&module); }

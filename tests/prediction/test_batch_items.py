@@ -1,0 +1,173 @@
+"""The compiled BatchPredict reader (``mlpair/_batch_items.c``) gives what the parsed message gives.
+
+``converters.batch_inputs`` reads a BatchPredict's items from the request's wire bytes where
+``mlpair._batch_items`` is built, and through the parsed message (``predict_input``) where it is
+not. Both must hand the pipeline the same items: the same ids, model names, explain flags and
+attribute values, of the same types (``1.0``, ``"1"`` and ``True`` stay apart; ``-0.0``, NaN and
+a value with no kind set stay what they are). Checked on generated requests, and on wire bytes a
+protobuf parser reads by rules a re-serialised message never exercises (a key given twice, a value
+merged from two parts, fields this reader skips); bytes it cannot read leave the decision to the
+parsed message.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.prediction import converters
+
+try:
+    from mlpair._batch_items import read_items
+except ImportError:  # not built here: only the fallback runs
+    read_items = None
+
+needs_reader = pytest.mark.skipif(read_items is None, reason="mlpair._batch_items is not built (setup.py)")
+
+
+def comparable(value):
+    """A value as type and repr, so -0.0 differs from 0.0 and NaN equals NaN."""
+    return type(value).__name__, repr(value)
+
+
+def as_seen(items) -> list:
+    return [
+        (i.request_id, i.entity_id, i.model_name, i.explain, i.deadline, {k: comparable(v) for k, v in i.attributes.items()})
+        for i in items
+    ]
+
+
+def parsed(request: pb.BatchPredictRequest, deadline: float | None = None) -> list:
+    """The items as the parsed message gives them (the fallback path)."""
+    return as_seen([converters.predict_input(item, deadline) for item in request.requests])
+
+
+def test_the_compiled_reader_is_built_where_ci_runs() -> None:
+    """A missing C compiler makes the install fall back silently (setup.py: optional); CI has
+    one, so there the reader must be there and in use."""
+    if os.environ.get("CI") != "true" and read_items is None:
+        pytest.skip("mlpair._batch_items is not built here (no C compiler?); CI requires it")
+    assert read_items is not None
+    assert converters._read_items is read_items
+
+
+texts = st.text(max_size=12)
+values = st.one_of(
+    st.none(),
+    st.builds(lambda x: pb.AttributeValue(number_value=x), st.floats(allow_nan=True, allow_infinity=True)),
+    st.builds(lambda x: pb.AttributeValue(string_value=x), texts),
+    st.builds(lambda x: pb.AttributeValue(bool_value=x), st.booleans()),
+    st.just(pb.AttributeValue()),  # present, no kind set: None
+)
+
+
+@st.composite
+def batch_requests(draw) -> pb.BatchPredictRequest:
+    request = pb.BatchPredictRequest()
+    for _ in range(draw(st.integers(0, 6))):
+        item = request.requests.add(
+            request_id=draw(texts), entity_id=draw(texts), model_name=draw(st.sampled_from(["", "credit-risk", "é"])),
+            explain=draw(st.booleans()),
+        )
+        for name, value in draw(st.dictionaries(texts, values, max_size=8)).items():
+            if value is None:
+                continue
+            item.attributes[name].CopyFrom(value)
+    return request
+
+
+@needs_reader
+@settings(max_examples=400, deadline=None)
+@given(batch_requests(), st.one_of(st.none(), st.floats(0, 1e6)))
+def test_generated_requests_read_the_same_both_ways(request: pb.BatchPredictRequest, deadline) -> None:
+    assert as_seen(converters.batch_inputs(request, deadline)) == parsed(request, deadline)
+
+
+@needs_reader
+def test_holdout_applicants_read_the_same_both_ways(credit_holdout) -> None:
+    from mlpair.client import to_attributes
+
+    records = credit_holdout.records
+    request = pb.BatchPredictRequest(
+        requests=[
+            pb.PredictRequest(request_id=f"r-{i}", entity_id=f"e-{i}", model_name="credit-risk", attributes=to_attributes(r))
+            for i, r in enumerate(records)
+        ]
+    )
+    assert as_seen(converters.batch_inputs(request)) == parsed(request)
+
+
+# Hand-made wire bytes: tag = field number << 3 | wire type (https://protobuf.dev/programming-guides/encoding/).
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def delimited(field: int, payload: bytes) -> bytes:
+    return varint(field << 3 | 2) + varint(len(payload)) + payload
+
+
+def entry(key: bytes, *value_parts: bytes) -> bytes:
+    return delimited(3, delimited(1, key) + b"".join(delimited(2, part) for part in value_parts))
+
+
+NUMBER = varint(1 << 3 | 1) + struct.pack("<d", 2.5)
+TEXT = delimited(2, b"rent")
+FLAG = varint(3 << 3 | 0) + varint(1)
+UNUSED = varint(9 << 3 | 0) + varint(7) + varint(10 << 3 | 5) + b"\x00\x00\x00\x00" + varint(11 << 3 | 1) + bytes(8)
+
+
+@needs_reader
+@pytest.mark.parametrize(
+    "item",
+    [
+        pytest.param(entry(b"a", NUMBER) + entry(b"a", TEXT), id="a key given twice keeps the last entry"),
+        pytest.param(entry(b"a", NUMBER, TEXT), id="a value given in two parts is merged, the later member wins"),
+        pytest.param(entry(b"a", TEXT, b""), id="an empty later part keeps the member set before"),
+        pytest.param(entry(b"a", NUMBER + FLAG), id="two members in one part: the later wins"),
+        pytest.param(entry(b"", FLAG) + delimited(3, delimited(2, NUMBER)), id="an empty or missing key is the empty name"),
+        pytest.param(delimited(1, b"x") + delimited(1, b"y") + varint(5 << 3) + varint(1) + varint(5 << 3) + varint(0), id="a scalar given twice keeps the last"),
+        pytest.param(UNUSED + entry(b"a", UNUSED + TEXT + UNUSED), id="fields this reader does not use are skipped"),
+        pytest.param(varint(3 << 3 | 0) + varint(5) + entry(b"a", varint(1 << 3 | 0) + varint(4)), id="a known number with another wire type is skipped"),
+    ],
+)
+def test_wire_rules_are_the_parsers(item: bytes) -> None:
+    data = delimited(1, item) * 2
+    request = pb.BatchPredictRequest.FromString(data)
+    assert as_seen(PredictInputs(read_items(data))) == parsed(request)
+
+
+def PredictInputs(items) -> list:
+    return [converters.PredictInput(rid, eid, attributes, model, explain) for rid, eid, model, attributes, explain in items]
+
+
+@needs_reader
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(delimited(1, entry(b"a", NUMBER))[:-3], id="truncated"),
+        pytest.param(delimited(1, entry(b"\xff\xfe", NUMBER)), id="a key that is not UTF-8"),
+        pytest.param(delimited(1, entry(b"a", delimited(2, b"\xc3"))), id="a string value that is not UTF-8"),
+        pytest.param(delimited(1, varint(6 << 3 | 3) + varint(6 << 3 | 4)), id="a group"),
+        pytest.param(delimited(1, varint(3 << 3 | 2) + varint(200)), id="a length past the end"),
+    ],
+)
+def test_bytes_it_cannot_read_are_left_to_the_parser(data: bytes) -> None:
+    assert read_items(data) is None
+
+
+def test_without_the_reader_the_parsed_message_is_read(monkeypatch) -> None:
+    request = pb.BatchPredictRequest(
+        requests=[pb.PredictRequest(request_id="r", entity_id="e", attributes={"a": pb.AttributeValue(number_value=1.0)})]
+    )
+    monkeypatch.setattr(converters, "_read_items", None)
+    assert as_seen(converters.batch_inputs(request, 5.0)) == parsed(request, 5.0)
