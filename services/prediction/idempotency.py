@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -44,60 +44,61 @@ def request_fingerprint(model_name: str, entity_id: str, attributes: Mapping[str
 def request_fingerprints(model_name: str, entity_ids: Sequence[str], records: Sequence[Mapping[str, Any]]) -> list[str]:
     """:func:`request_fingerprint` of many requests of one family, the same hex digests.
 
-    The canonical JSON is assembled from per-value fragments instead of being encoded row by row:
-    each attribute's ``["name",value]`` text is made once per distinct string or flag and by
-    ``float.__repr__`` (what the JSON encoder writes) for finite numbers. A row with another key
-    set than the first row's, a missing value, a non-finite number or a value of another type is
+    The canonical JSON is assembled column by column from per-value fragments instead of being
+    encoded row by row: each attribute's ``["name",value]`` text is made once per distinct string
+    or flag and by ``float.__repr__`` (what the JSON encoder writes) for finite numbers, and a
+    missing value (None, "" or NaN) leaves its fragment out, as the canonical form does. A row with
+    another key set than the first row's, a non-finite number or a value of another type is
     fingerprinted by :func:`request_fingerprint` itself.
     """
     if len(records) < 8:  # a few rows: building the fragments would cost more than it saves
         return [request_fingerprint(model_name, e, r) for e, r in zip(entity_ids, records)]
-    names = sorted(records[0])
     keys = records[0].keys()
-    fragments = [_Fragments(name) for name in names]
-    out = []
+    alike = [k for k, record in enumerate(records) if record.keys() == keys]
+    columns = [_Fragments(name).column([records[k][name] for k in alike]) for name in sorted(keys)]
+    out = [""] * len(records)
     sha256, encode = hashlib.sha256, _CANONICAL.encode
     head = encode(model_name)
-    for entity_id, record in zip(entity_ids, records):
-        if record.keys() == keys:
-            parts = [f.of(record[f.name]) for f in fragments]
-            if _complete(parts):
-                text = f"[{head},{encode(entity_id)},[{','.join(parts)}]]"
-                out.append(sha256(text.encode()).hexdigest())
-                continue
-        out.append(request_fingerprint(model_name, entity_id, record))
+    for k, parts in zip(alike, zip(*columns) if columns else [()] * len(alike)):
+        if None in parts:
+            out[k] = request_fingerprint(model_name, entity_ids[k], records[k])
+        else:
+            text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
+            out[k] = sha256(text.encode()).hexdigest()
+    if len(alike) < len(records):
+        for k in set(range(len(records))).difference(alike):
+            out[k] = request_fingerprint(model_name, entity_ids[k], records[k])
     return out
 
 
-def _complete(parts: list[str | None]) -> TypeGuard[list[str]]:
-    """Whether every attribute had a fragment (None: that value is fingerprinted row by row)."""
-    return None not in parts
-
-
 class _Fragments:
-    """The canonical JSON fragment ``["name",value]`` of one attribute's values (None: not this way)."""
+    """The canonical JSON fragments ``["name",value]`` of one attribute's values."""
 
-    __slots__ = ("name", "_head", "_memo")
+    __slots__ = ("_head", "_memo")
 
     def __init__(self, name: str) -> None:
-        self.name = name
         self._head = f"[{_CANONICAL.encode(name)},"
-        self._memo: dict[tuple[type, Any], str] = {}
+        # missing values leave their fragment out (""); the type is in the key: True and 1.0 are
+        # equal dictionary keys
+        self._memo: dict[tuple[type, Any], str] = {(type(None), None): "", (str, ""): ""}
 
-    def of(self, value: Any) -> str | None:
-        kind = type(value)
-        if kind is float:
-            if value - value != 0.0:  # NaN (missing) or an infinity: row by row
-                return None
-            return f"{self._head}{float.__repr__(value)}]"
-        if kind is str or kind is bool:
-            key = (kind, value)  # the type in the key: True and 1.0 are equal dictionary keys
-            found = self._memo.get(key)
-            if found is None:
-                if value == "":
-                    return None
-                found = f"{self._head}{_CANONICAL.encode(value)}]"
-                if len(self._memo) < 4096:
-                    self._memo[key] = found
-            return found
-        return None
+    def column(self, values: list) -> list[str | None]:
+        """Each value's fragment: "" for a missing value, None for one fingerprinted row by row."""
+        head, memo = self._head, self._memo
+        out: list[str | None] = []
+        append = out.append
+        for value in values:
+            kind = type(value)
+            if kind is float:
+                if value - value == 0.0:  # finite
+                    append(f"{head}{value!r}]")  # float.__repr__: what the JSON encoder writes
+                else:  # NaN is missing; an infinity is fingerprinted row by row
+                    append("" if value != value else None)
+                continue
+            found = memo.get((kind, value)) if kind is str or kind is bool or value is None else None
+            if found is None and (kind is str or kind is bool):
+                found = f"{head}{_CANONICAL.encode(value)}]"
+                if len(memo) < 4096:
+                    memo[(kind, value)] = found
+            append(found)
+        return out
