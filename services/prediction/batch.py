@@ -18,7 +18,7 @@ import numpy as np
 from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.checks import check_id, unknown_attribute_warnings, unknown_attributes_error
+from mlpair.prediction.checks import check_id, ids_pass, unknown_attribute_warnings, unknown_attributes_error
 from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
@@ -97,6 +97,44 @@ def prepare_items(
         columns: family → its :class:`ColumnAssembler`.
         refuse_unknown: refuse requests naming attributes the schema does not know.
     """
+    by_family = _families_at_once(requests, resolve) if len(requests) >= ROW_WISE_BELOW else None
+    if by_family is None:
+        by_family = _families_item_by_item(requests, resolve, outcomes)
+    return [
+        group
+        for family, index in by_family.values()
+        if (group := _assemble(family, columns(family), [requests[i] for i in index], index, refuse_unknown, outcomes))
+    ]
+
+
+def _families_at_once(
+    requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily]
+) -> dict[str, tuple[ModelFamily, list[int]]] | None:
+    """Each family's items when every item passes its checks, found with a pass per check over
+    the whole call; None when one does not (:func:`_families_item_by_item` then gives each
+    failing item its own error, as it would have here)."""
+    request_ids = [r.request_id for r in requests]
+    if len(set(request_ids)) < len(request_ids) or not ids_pass(request_ids):
+        return None
+    if not ids_pass([r.entity_id for r in requests]):
+        return None
+    families = {}
+    for name in {r.model_name for r in requests}:
+        try:
+            families[name] = resolve(name)
+        except PredictionError:
+            return None
+    by_family: dict[str, tuple[ModelFamily, list[int]]] = {}
+    for index, request in enumerate(requests):
+        family = families[request.model_name]
+        by_family.setdefault(family.name, (family, []))[1].append(index)
+    return by_family
+
+
+def _families_item_by_item(
+    requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily], outcomes: list
+) -> dict[str, tuple[ModelFamily, list[int]]]:
+    """Each family's items, checking item by item; a failing item's error goes in ``outcomes``."""
     by_family: dict[str, tuple[ModelFamily, list[int]]] = {}
     seen: set[str] = set()
     for index, request in enumerate(requests):
@@ -113,11 +151,7 @@ def prepare_items(
             outcomes[index] = exc
             continue
         by_family.setdefault(family.name, (family, []))[1].append(index)
-    return [
-        group
-        for family, index in by_family.values()
-        if (group := _assemble(family, columns(family), [requests[i] for i in index], index, refuse_unknown, outcomes))
-    ]
+    return by_family
 
 
 def _assemble(

@@ -86,6 +86,17 @@ def check_id(field: str, value: str) -> None:
         raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})
 
 
+def ids_pass(values: list[str]) -> bool:
+    """Whether every id passes :func:`check_id`, checked for the whole list at once (a C-level
+    pass per check instead of three per id); False sends the caller to :func:`check_id` per id
+    for each one's own error."""
+    return (
+        all(map(str.strip, values))
+        and max(map(len, values), default=0) <= MAX_ID_LENGTH
+        and _CONTROL.search("".join(values)) is None
+    )
+
+
 @functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
 def _did_you_mean(name: str, known: tuple[str, ...]) -> str:
     """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name`` (difflib's ratio
