@@ -1,5 +1,8 @@
 /*
- * mlpair._batch_items: a BatchPredictRequest's items, read straight from its wire bytes.
+ * mlpair._batch_items: a BatchPredictRequest's items read straight from its wire bytes
+ * (read_items), and a BatchPredictResponse's fresh decisions written from their columns
+ * (write_rows, see its docstring below: about 6 us of a row's CPU spent building a
+ * PredictResponse field by field in Python becomes well under 1 us).
  *
  * Reading the parsed message from Python (mlpair.prediction.converters.predict_input) looks up
  * each attribute in the map, asks its oneof which kind is set and reads that field: three calls
@@ -293,14 +296,224 @@ done:
     return items;
 }
 
+/* ---- writing: rows of columns as protobuf messages ---------------------------------------- */
+
+/* A growing output buffer. */
+typedef struct {
+    char *data;
+    Py_ssize_t size;
+    Py_ssize_t capacity;
+} Buffer;
+
+static int reserve(Buffer *b, Py_ssize_t more) {
+    if (b->size + more <= b->capacity) return 1;
+    Py_ssize_t capacity = b->capacity ? b->capacity : 256;
+    while (capacity < b->size + more) capacity *= 2;
+    char *data = PyMem_Realloc(b->data, capacity);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    b->data = data;
+    b->capacity = capacity;
+    return 1;
+}
+
+static int put_varint(Buffer *b, uint64_t value) {
+    if (!reserve(b, 10)) return 0;
+    do {
+        unsigned char byte = value & 0x7f;
+        value >>= 7;
+        b->data[b->size++] = (char)(byte | (value ? 0x80 : 0));
+    } while (value);
+    return 1;
+}
+
+static int put_bytes(Buffer *b, const char *bytes, Py_ssize_t size) {
+    if (!reserve(b, size)) return 0;
+    memcpy(b->data + b->size, bytes, size);
+    b->size += size;
+    return 1;
+}
+
+static int put_text(Buffer *b, uint64_t field, PyObject *text) {
+    Py_ssize_t size;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(text, &size);
+    if (utf8 == NULL) return 0;
+    return put_varint(b, field << 3 | 2) && put_varint(b, (uint64_t)size) && put_bytes(b, utf8, size);
+}
+
+/* Column kinds (see write_rows' docstring). */
+enum { STRING = 0, DOUBLE = 1, BOOL = 2, INT = 3, STRINGS = 4, TIMESTAMP = 5 };
+
+/* Field ``field`` of kind ``kind`` with ``value``, left out when it holds its default (proto3's
+ * implicit presence: "", 0, false, an empty list) or is None (unset, as a message constructor
+ * takes it); 0 with an exception set on failure. */
+static int put_field(Buffer *b, uint64_t field, int kind, PyObject *value) {
+    if (value == Py_None) return 1;
+    switch (kind) {
+    case STRING:
+        if (!PyUnicode_Check(value)) break;
+        return PyUnicode_GET_LENGTH(value) == 0 || put_text(b, field, value);
+    case DOUBLE: {
+        double number = PyFloat_AsDouble(value);
+        if (number == -1.0 && PyErr_Occurred()) return 0;
+        uint64_t bits;
+        memcpy(&bits, &number, 8);
+        if (bits == 0) return 1;
+        return put_varint(b, field << 3 | 1) && put_bytes(b, (const char *)&number, 8);
+    }
+    case BOOL: {
+        int flag = PyObject_IsTrue(value);
+        if (flag < 0) return 0;
+        return !flag || (put_varint(b, field << 3) && put_varint(b, 1));
+    }
+    case INT: {
+        long long number = PyLong_AsLongLong(value);
+        if (number == -1 && PyErr_Occurred()) return 0;
+        return number == 0 || (put_varint(b, field << 3) && put_varint(b, (uint64_t)number));
+    }
+    case STRINGS: {
+        PyObject *items = PySequence_Fast(value, "a repeated string column holds sequences of str");
+        if (items == NULL) return 0;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+        int ok = 1;
+        for (Py_ssize_t i = 0; ok && i < n; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+            ok = PyUnicode_Check(item) ? put_text(b, field, item) : (PyErr_SetString(PyExc_TypeError, "not a str"), 0);
+        }
+        Py_DECREF(items);
+        return ok;
+    }
+    case TIMESTAMP: { /* (seconds, nanos) as google.protobuf.Timestamp */
+        long long seconds, nanos;
+        if (!PyArg_ParseTuple(value, "LL", &seconds, &nanos)) return 0;
+        Buffer inner = {NULL, 0, 0};
+        int ok = (seconds == 0 || (put_varint(&inner, 1 << 3) && put_varint(&inner, (uint64_t)seconds))) &&
+                 (nanos == 0 || (put_varint(&inner, 2 << 3) && put_varint(&inner, (uint64_t)nanos))) &&
+                 put_varint(b, field << 3 | 2) && put_varint(b, (uint64_t)inner.size) &&
+                 put_bytes(b, inner.data ? inner.data : "", inner.size);
+        PyMem_Free(inner.data);
+        return ok;
+    }
+    default:
+        PyErr_SetString(PyExc_ValueError, "unknown column kind");
+        return 0;
+    }
+    PyErr_SetString(PyExc_TypeError, "a string column holds str");
+    return 0;
+}
+
+static int varint_size(uint64_t value) {
+    int n = 1;
+    while (value >= 0x80) {
+        value >>= 7;
+        n++;
+    }
+    return n;
+}
+
+PyDoc_STRVAR(write_rows_doc,
+"write_rows(columns, count, wrap, /)\n--\n\n"
+"Rows 0..count-1 of ``columns`` as serialised protobuf messages: a list of ``count`` bytes.\n\n"
+"``columns`` is a sequence of (field number, kind, values) with ``values`` a list of at least\n"
+"``count`` values; kinds: 0 string, 1 double, 2 bool, 3 int (int32/int64/enum), 4 repeated\n"
+"string (a sequence of str per row), 5 google.protobuf.Timestamp given as (seconds, nanos).\n"
+"Fields are written in the order given, each left out when it holds its default or is None, as\n"
+"proto3 serialises. Each message is then wrapped, innermost last, in the length-delimited\n"
+"fields ``wrap`` names: wrap=(1, 1) writes each row as field 1 of a message that is itself\n"
+"field 1, so the rows joined are the bytes of a message whose repeated field 1 holds them.\n"
+"Raises TypeError or ValueError for a value of the wrong type.");
+
+static PyObject *write_rows(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *columns, *wrap;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "OnO", &columns, &count, &wrap)) return NULL;
+    PyObject *spec = PySequence_Fast(columns, "columns must be a sequence");
+    if (spec == NULL) return NULL;
+    PyObject *wrapping = PySequence_Fast(wrap, "wrap must be a sequence");
+    if (wrapping == NULL) {
+        Py_DECREF(spec);
+        return NULL;
+    }
+    Py_ssize_t n_columns = PySequence_Fast_GET_SIZE(spec), n_wrap = PySequence_Fast_GET_SIZE(wrapping);
+    uint64_t fields[64], wraps[8];
+    int kinds[64];
+    PyObject *values[64];
+    PyObject *out = NULL;
+    Buffer row = {NULL, 0, 0};
+    if (n_columns > 64 || n_wrap > 8) {
+        PyErr_SetString(PyExc_ValueError, "at most 64 columns and 8 wrapping fields");
+        goto done;
+    }
+    for (Py_ssize_t c = 0; c < n_columns; c++) {
+        PyObject *column = PySequence_Fast_GET_ITEM(spec, c);
+        unsigned long long field;
+        if (!PyArg_ParseTuple(column, "KiO", &field, &kinds[c], &values[c])) goto done;
+        if (!PyList_Check(values[c]) || PyList_GET_SIZE(values[c]) < count) {
+            PyErr_SetString(PyExc_ValueError, "each column's values are a list of at least count values");
+            goto done;
+        }
+        fields[c] = field;
+    }
+    for (Py_ssize_t w = 0; w < n_wrap; w++) {
+        unsigned long long field = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(wrapping, w));
+        if (PyErr_Occurred()) goto done;
+        wraps[w] = field;
+    }
+    out = PyList_New(count);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        row.size = 0;
+        for (Py_ssize_t c = 0; c < n_columns; c++) {
+            if (!put_field(&row, fields[c], kinds[c], PyList_GET_ITEM(values[c], i))) goto failed;
+        }
+        /* the wrapping fields' tags and lengths, outermost first */
+        uint64_t lengths[8];
+        uint64_t inner = (uint64_t)row.size;
+        Py_ssize_t total = row.size;
+        for (Py_ssize_t w = n_wrap - 1; w >= 0; w--) {
+            lengths[w] = inner;
+            inner += varint_size(wraps[w] << 3 | 2) + varint_size(inner);
+        }
+        total = (Py_ssize_t)inner;
+        PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
+        if (bytes == NULL) goto failed;
+        Buffer head = {NULL, 0, 0};
+        int ok = 1;
+        for (Py_ssize_t w = 0; ok && w < n_wrap; w++) {
+            ok = put_varint(&head, wraps[w] << 3 | 2) && put_varint(&head, lengths[w]);
+        }
+        if (!ok) {
+            PyMem_Free(head.data);
+            Py_DECREF(bytes);
+            goto failed;
+        }
+        char *to = PyBytes_AS_STRING(bytes);
+        if (head.size) memcpy(to, head.data, head.size);
+        if (row.size) memcpy(to + head.size, row.data, row.size);
+        PyMem_Free(head.data);
+        PyList_SET_ITEM(out, i, bytes);
+    }
+    goto done;
+failed:
+    Py_CLEAR(out);
+done:
+    PyMem_Free(row.data);
+    Py_DECREF(spec);
+    Py_DECREF(wrapping);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_items", read_items, METH_O, read_items_doc},
+    {"write_rows", write_rows, METH_VARARGS, write_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "mlpair._batch_items",
-    "A BatchPredictRequest's items read from its wire bytes (see the C source's header).", -1, methods,
+    "A BatchPredictRequest's items read from its wire bytes, and rows of columns written as protobuf messages (see the C source's header).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -14,10 +14,11 @@ from mlpair.errors import ServiceError
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult
 
-try:  # the compiled reader (setup.py); where it was not built the parsed message is read instead
+try:  # the compiled part (setup.py); where it was not built, the messages are read and built in Python
     from mlpair._batch_items import read_items as _read_items
+    from mlpair._batch_items import write_rows as _write_rows
 except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_batch_items.py)
-    _read_items = None
+    _read_items = _write_rows = None
 
 # Decision labels that the wire enum also names; any other label travels only as decision_label.
 _DECISION_ENUM = {
@@ -112,21 +113,104 @@ def error_status(error: ServiceError) -> status_pb2.Status:
 
 def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.BatchPredictResponse:
     """Each item's response or error, in order; fresh decisions are read straight from their
-    columns (an :class:`Outcomes`' unread slots), never turned into result objects first."""
-    response = pb.BatchPredictResponse()
-    results = response.results
+    columns (an :class:`Outcomes`' unread slots), never turned into result objects first.
+
+    Where ``mlpair._batch_items`` is built, a group's fresh decisions are written as serialised
+    results column by column (``write_rows``) and the response is parsed from the results' bytes
+    joined: ~1 µs per row against ~6 µs for a ``PredictResponse`` built field by field
+    (measured on 500 rows). Rows with warnings or an explanation, replays and errors are built as
+    messages and serialised into the same sequence; ``tests/prediction/test_batch_items.py``
+    checks both ways give equal responses.
+    """
+    slots = outcomes.slots if isinstance(outcomes, Outcomes) else outcomes
     timestamps: dict = {}
-    for o in outcomes.slots if isinstance(outcomes, Outcomes) else outcomes:
-        # added in place: a BatchPredictResult built first would be copied in again
+    if _write_rows is None:
+        response = pb.BatchPredictResponse()
+        results = response.results
+        for o in slots:  # added in place: a BatchPredictResult built first would be copied in again
+            if isinstance(o, tuple):
+                results.add(prediction=_fresh_response(*o, timestamps))
+            else:
+                results.add(**_result_fields(o))
+        return response
+    written: dict[int, list[bytes | None]] = {}  # id(decided) → each decided row's serialised result
+    pieces = []
+    for o in slots:
         if isinstance(o, tuple):
-            results.add(prediction=_fresh_response(*o, timestamps))
-        elif isinstance(o, ServiceError):
-            results.add(error=error_status(o))
-        elif o is not None:
-            results.add(prediction=predict_response(o))
-        else:  # the pipeline gives every item an outcome
-            raise ValueError("a batch item was left without an outcome")
-    return response
+            decided, j = o
+            rows = written.get(id(decided))
+            if rows is None:
+                rows = written[id(decided)] = _written_results(decided, timestamps)
+            pieces.append(rows[j] or _one_result(prediction=_fresh_response(decided, j, timestamps)))
+        else:
+            pieces.append(_one_result(**_result_fields(o)))
+    return pb.BatchPredictResponse.FromString(b"".join(pieces))
+
+
+def _result_fields(o: PredictionResult | ServiceError | None) -> dict:
+    """A replayed or failed item's ``BatchPredictResult`` fields."""
+    if isinstance(o, ServiceError):
+        return {"error": error_status(o)}
+    if o is None:  # the pipeline gives every item an outcome
+        raise ValueError("a batch item was left without an outcome")
+    return {"prediction": predict_response(o)}
+
+
+def _one_result(**fields) -> bytes:
+    """One ``BatchPredictResult`` as it lies in a ``BatchPredictResponse``'s bytes (field 1, length-delimited)."""
+    return pb.BatchPredictResponse(results=[pb.BatchPredictResult(**fields)]).SerializeToString()
+
+
+_FIELD = {name: f.number for name, f in pb.PredictResponse.DESCRIPTOR.fields_by_name.items()}
+_WRAP = (
+    pb.BatchPredictResponse.DESCRIPTOR.fields_by_name["results"].number,
+    pb.BatchPredictResult.DESCRIPTOR.fields_by_name["prediction"].number,
+)
+_STRING, _DOUBLE, _BOOL, _INT, _STRINGS, _TIMESTAMP = range(6)  # write_rows' column kinds
+
+
+def _written_results(decided, timestamps: dict) -> list[bytes | None]:
+    """A group's fresh decisions (``decisions.Decided``) as serialised ``BatchPredictResult``
+    pieces, the fields :func:`_fresh_response` sets; None for a row with warnings or an
+    explanation (built by :func:`_fresh_response` instead)."""
+    c = decided.columns
+    n = len(c.request_id)
+    stamps = []
+    for at in c.decided_at:
+        stamp = timestamps.get(at)
+        if stamp is None:
+            t = timestamp_pb2.Timestamp()
+            t.FromDatetime(at)
+            stamp = timestamps[at] = t
+        stamps.append(stamp)
+    enum = _DECISION_ENUM
+    columns = [
+        (_FIELD["request_id"], _STRING, c.request_id),
+        (_FIELD["decision_id"], _STRING, c.decision_id),
+        (_FIELD["probability"], _DOUBLE, [p or 0.0 for p in c.probability]),
+        (_FIELD["decision"], _INT, [enum.get(label, pb.DECISION_UNSPECIFIED) for label in c.decision]),
+        (_FIELD["reason_codes"], _STRINGS, c.reason_codes),
+        (_FIELD["model_version"], _STRING, c.model_version),
+        (_FIELD["feature_schema_version"], _STRING, c.feature_schema_version),
+        (_FIELD["from_cache"], _BOOL, decided.from_cache),
+        (_FIELD["policy_version"], _STRING, c.policy_version),
+        (_FIELD["decision_label"], _STRING, c.decision),
+        (_FIELD["spread"], _DOUBLE, decided.spread),
+        (_FIELD["calibration_method"], _STRING, decided.calibration_method),
+        (_FIELD["stale"], _BOOL, [s == "stale_cache" for s in c.served_from]),
+        (_FIELD["cache_age_ms"], _INT, c.cache_age_ms),
+        (_FIELD["degraded_reason"], _STRING, c.degraded_reason),
+        (_FIELD["fallback"], _BOOL, [s == "fallback" for s in c.served_from]),
+        (_FIELD["decided_at"], _TIMESTAMP, [(t.seconds, t.nanos) for t in stamps]),
+    ]
+    columns.sort(key=lambda column: column[0])  # field order, as protobuf serialises
+    rows: list[bytes | None] = _write_rows(columns, n, _WRAP)
+    warned, explained = decided.group.warnings, decided.explanations
+    if warned or explained:
+        for j in range(n):
+            if warned.get(decided.rows[j]) or j in explained:
+                rows[j] = None
+    return rows
 
 
 def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:

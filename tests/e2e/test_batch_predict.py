@@ -199,3 +199,38 @@ async def test_a_batch_decides_and_counts_exactly_as_the_same_predict_calls(pred
         p = result.prediction
         assert (p.decision_label, p.probability, list(p.reason_codes), p.model_version) == \
             (single.decision_label, single.probability, list(single.reason_codes), single.model_version)
+
+
+async def test_responses_written_column_by_column_equal_the_ones_built_field_by_field(prediction, credit_holdout,
+                                                                                     churn_holdout, monkeypatch):
+    """``converters.batch_response`` writes fresh decisions with ``mlpair._batch_items`` where it is
+    built; on a call with every kind of outcome (fresh, warned, explained, replayed, refused, two
+    families) the response equals the one built field by field."""
+    from mlpair.prediction import converters
+    from mlpair.prediction.outcomes import PredictInput
+
+    if converters._write_rows is None:
+        pytest.skip("mlpair._batch_items is not built here: only the field-by-field path runs")
+    _, predictor = prediction
+
+    def inputs(prefix: str) -> list[PredictInput]:
+        credit = [PredictInput(f"{prefix}-c{i}", eid, rec, "credit-risk")
+                  for i, (eid, rec) in enumerate(zip(credit_holdout.entity_ids[:24], credit_holdout.records))]
+        credit[3] = PredictInput(credit[3].request_id, "e3", {**credit[3].attributes, "not_in_schema": 1.0}, "credit-risk")
+        credit[5] = PredictInput(credit[5].request_id, "e5", credit[5].attributes, "credit-risk", explain=True)
+        churn = [PredictInput(f"{prefix}-h{i}", eid, rec, "churn")
+                 for i, (eid, rec) in enumerate(zip(churn_holdout.entity_ids[:10], churn_holdout.records))]
+        return [*credit, PredictInput("", "e", {}, "credit-risk"), *churn, PredictInput(f"{prefix}-x", "e", {}, "fraud")]
+
+    await predictor.predict_batch(inputs("written")[:4])  # on record before: replayed below
+    outcomes = await predictor.predict_batch(inputs("written"))
+    written = converters.batch_response(outcomes)
+    monkeypatch.setattr(converters, "_write_rows", None)
+    built = converters.batch_response(outcomes)
+    assert written == built
+    kinds = [r.WhichOneof("outcome") for r in built.results]
+    assert kinds.count("error") == 2 and kinds.count("prediction") == len(kinds) - 2
+    predictions = [r.prediction for r in built.results if r.WhichOneof("outcome") == "prediction"]
+    assert sum(p.replayed for p in predictions) == 4
+    assert any(p.warnings for p in predictions) and any(p.contributions for p in predictions)
+    assert all(p.HasField("decided_at") for p in predictions)

@@ -1,4 +1,8 @@
-"""The compiled BatchPredict reader (``mlpair/_batch_items.c``) gives what the parsed message gives.
+"""The compiled BatchPredict reader and writer (``mlpair/_batch_items.c``) give what protobuf gives.
+
+The writer (``write_rows``) is checked at the end: rows written column by column parse as the
+messages built field by field (and, on real outcomes of every kind, in
+``tests/e2e/test_batch_predict.py``).
 
 ``converters.batch_inputs`` reads a BatchPredict's items from the request's wire bytes where
 ``mlpair._batch_items`` is built, and through the parsed message (``predict_input``) where it is
@@ -171,3 +175,53 @@ def test_without_the_reader_the_parsed_message_is_read(monkeypatch) -> None:
     )
     monkeypatch.setattr(converters, "_read_items", None)
     assert as_seen(converters.batch_inputs(request, 5.0)) == parsed(request, 5.0)
+
+
+# ---- writing: write_rows against messages built field by field ----
+
+try:
+    from mlpair._batch_items import write_rows
+except ImportError:
+    write_rows = None
+
+needs_writer = pytest.mark.skipif(write_rows is None, reason="mlpair._batch_items is not built (setup.py)")
+KINDS = {"string": 0, "double": 1, "bool": 2, "int": 3, "strings": 4, "timestamp": 5}
+# PredictResponse fields of every kind write_rows writes (decided_at: a Timestamp)
+FIELDS = [
+    ("request_id", "string", st.one_of(st.none(), texts)),
+    ("probability", "double", st.one_of(st.none(), st.floats(allow_nan=False), st.just(-0.0))),
+    ("decision", "int", st.sampled_from([0, 1, 2, 3])),
+    ("reason_codes", "strings", st.lists(texts, max_size=3)),
+    ("from_cache", "bool", st.booleans()),
+    ("cache_age_ms", "int", st.one_of(st.integers(-(2**31), 2**31 - 1))),
+    ("decided_at", "timestamp", st.one_of(st.none(), st.tuples(st.integers(-62135596800, 253402300799), st.integers(0, 999_999_999)))),
+]
+NUMBERS = {name: f.number for name, f in pb.PredictResponse.DESCRIPTOR.fields_by_name.items()}
+
+
+@needs_writer
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(*(strategy for _, _, strategy in FIELDS)), max_size=5))
+def test_written_rows_parse_as_the_messages_built_field_by_field(rows) -> None:
+    from google.protobuf import timestamp_pb2
+
+    columns = [(NUMBERS[name], KINDS[kind], [row[k] for row in rows]) for k, (name, kind, _) in enumerate(FIELDS)]
+    columns.sort(key=lambda c: c[0])
+    written = pb.BatchPredictResponse.FromString(b"".join(write_rows(columns, len(rows), (1, 1))))
+    expected = pb.BatchPredictResponse()
+    for row in rows:
+        fields = {name: value for (name, _, _), value in zip(FIELDS, row) if name != "decided_at"}
+        prediction = expected.results.add().prediction
+        prediction.MergeFrom(pb.PredictResponse(**fields))
+        if row[-1] is not None:
+            prediction.decided_at.CopyFrom(timestamp_pb2.Timestamp(seconds=row[-1][0], nanos=row[-1][1]))
+    assert written == expected
+    assert [r.prediction.ListFields() for r in written.results] == [r.prediction.ListFields() for r in expected.results]
+
+
+@needs_writer
+def test_a_value_of_the_wrong_type_is_refused() -> None:
+    with pytest.raises(TypeError):
+        write_rows([(1, KINDS["string"], [3])], 1, (1,))
+    with pytest.raises(ValueError):
+        write_rows([(1, KINDS["string"], [])], 1, (1,))
