@@ -17,6 +17,11 @@ from typing import Any
 
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
+try:  # the compiled part (setup.py): the canonical texts of many rows at once
+    from mlpair._batch_items import canonical_texts as _canonical_texts
+except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_batch_items.py)
+    _canonical_texts = None
+
 
 def request_fingerprint(model_name: str, entity_id: str, attributes: Mapping[str, Any]) -> str:
     """SHA-256 (64 hex characters) of the canonical request.
@@ -44,27 +49,46 @@ def request_fingerprint(model_name: str, entity_id: str, attributes: Mapping[str
 def request_fingerprints(model_name: str, entity_ids: Sequence[str], records: Sequence[Mapping[str, Any]]) -> list[str]:
     """:func:`request_fingerprint` of many requests of one family, the same hex digests.
 
-    The canonical JSON is assembled column by column from per-value fragments instead of being
-    encoded row by row: each attribute's ``["name",value]`` text is made once per distinct string
-    or flag and by ``float.__repr__`` (what the JSON encoder writes) for finite numbers, and a
-    missing value (None, "" or NaN) leaves its fragment out, as the canonical form does. A row with
-    another key set than the first row's, a non-finite number or a value of another type is
-    fingerprinted by :func:`request_fingerprint` itself.
+    The canonical JSON of the rows that share the first row's key set is written column by
+    column: by ``canonical_texts`` in ``mlpair/_batch_items.c`` where it is built (~2.5 µs per
+    13-attribute row with the SHA-256, against ~6 µs for the fragments below and ~9 µs row by
+    row, measured on 500 holdout applicants), else from per-value fragments: each attribute's
+    ``["name",value]`` text made once per distinct string or flag and by ``float.__repr__`` (what
+    the JSON encoder writes) for finite numbers. A missing value (None, "" or NaN) leaves its
+    fragment out, as the canonical form does. A row with another key set, or (fragments) a
+    non-finite number or (either way) a value of another type, is fingerprinted by
+    :func:`request_fingerprint` itself.
     """
     if len(records) < 8:  # a few rows: building the fragments would cost more than it saves
         return [request_fingerprint(model_name, e, r) for e, r in zip(entity_ids, records)]
     keys = records[0].keys()
     alike = [k for k, record in enumerate(records) if record.keys() == keys]
-    columns = [_Fragments(name).column([records[k][name] for k in alike]) for name in sorted(keys)]
+    names = sorted(keys)
+    columns = [[records[k][name] for k in alike] for name in names]
     out = [""] * len(records)
     sha256, encode = hashlib.sha256, _CANONICAL.encode
-    head = encode(model_name)
-    for k, parts in zip(alike, zip(*columns) if columns else [()] * len(alike)):
-        if None in parts:
-            out[k] = request_fingerprint(model_name, entity_ids[k], records[k])
-        else:
-            text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
-            out[k] = sha256(text.encode()).hexdigest()
+    if _canonical_texts is not None:  # the same texts, written by C (~1 µs per row against ~5)
+        texts = _canonical_texts(
+            encode(model_name).encode(),
+            [entity_ids[k] for k in alike],
+            [f"[{encode(name)},".encode() for name in names],
+            columns,
+        )
+        for k, text in zip(alike, texts):
+            out[k] = (
+                sha256(text).hexdigest()
+                if text is not None
+                else request_fingerprint(model_name, entity_ids[k], records[k])
+            )
+    else:
+        fragments = [_Fragments(name).column(column) for name, column in zip(names, columns)]
+        head = encode(model_name)
+        for k, parts in zip(alike, zip(*fragments) if fragments else [()] * len(alike)):
+            if None in parts:
+                out[k] = request_fingerprint(model_name, entity_ids[k], records[k])
+            else:
+                text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
+                out[k] = sha256(text.encode()).hexdigest()
     if len(alike) < len(records):
         for k in set(range(len(records))).difference(alike):
             out[k] = request_fingerprint(model_name, entity_ids[k], records[k])

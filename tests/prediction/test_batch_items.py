@@ -225,3 +225,33 @@ def test_a_value_of_the_wrong_type_is_refused() -> None:
         write_rows([(1, KINDS["string"], [3])], 1, (1,))
     with pytest.raises(ValueError):
         write_rows([(1, KINDS["string"], [])], 1, (1,))
+
+
+# ---- the idempotency fingerprint's canonical texts ----
+
+awkward_texts = st.one_of(texts, st.sampled_from(['"', "\\", "\x00", "\x1f", "\x7f", "\u2028", "é\"\\n", "\b\f\n\r\t", "😀"]))
+attribute_values_ = st.one_of(
+    st.none(), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e300, 5e-324]),
+    awkward_texts, st.booleans(), st.integers(-5, 5),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    records=st.lists(awkward_texts, min_size=1, max_size=4, unique=True).flatmap(
+        lambda names: st.lists(st.fixed_dictionaries({n: attribute_values_ for n in names}), min_size=8, max_size=12)
+    ),
+    entity_ids=st.lists(awkward_texts, min_size=12, max_size=12),
+    model_name=awkward_texts,
+)
+def test_fingerprints_of_a_batch_are_each_rows_own_both_ways(records, entity_ids, model_name) -> None:
+    """Escapes, non-ASCII, missing values of every spelling, infinities and ints (the row-wise
+    fallback) give each row's own fingerprint, through the C texts and through the fragments."""
+    from mlpair.prediction import idempotency
+
+    entity_ids = entity_ids[: len(records)]
+    expected = [idempotency.request_fingerprint(model_name, e, r) for e, r in zip(entity_ids, records)]
+    assert idempotency.request_fingerprints(model_name, entity_ids, records) == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(idempotency, "_canonical_texts", None)
+        assert idempotency.request_fingerprints(model_name, entity_ids, records) == expected
