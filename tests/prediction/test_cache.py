@@ -10,7 +10,7 @@ import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.target import ModelTarget
-from mlpair.prediction.scoring.cache import (MemoryCache, NullCache, RedisCache, Source, cache_key)
+from mlpair.prediction.scoring.cache import (MemoryCache, NullCache, RedisCache, Source, cache_key, cache_keys)
 from mlpair.client import to_attributes
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.factory import wire_scorer
@@ -43,6 +43,14 @@ def test_key_names_model_version_schema_and_row():
               cache_key(ModelTarget("credit-risk", "1", "credit-risk/v2"), ROW),
               cache_key(ModelTarget("credit-risk", "1", "credit-risk/v1"), np.nextafter(ROW, 2, dtype=np.float32))}
     assert base not in others and len(others) == 4
+
+
+def test_keys_of_a_matrix_are_each_rows_own():
+    target = ModelTarget("credit-risk", "1", "credit-risk/v1")
+    rows = np.random.default_rng(5).normal(size=(7, ROW.shape[0])).astype(np.float32)
+    rows[3] = rows[1]  # equal rows, equal keys
+    for matrix in (rows, np.asfortranarray(rows), rows.astype(np.float64), rows[:, :0], rows[:0]):
+        assert cache_keys(target, matrix) == [cache_key(target, row) for row in matrix]
 
 
 async def test_memory_cache_ages_entries_out_of_the_stale_window():
