@@ -375,6 +375,7 @@ static int put_field(Buffer *b, uint64_t field, int kind, PyObject *value) {
         return number == 0 || (put_varint(b, field << 3) && put_varint(b, (uint64_t)number));
     }
     case STRINGS: {
+        if (PyUnicode_Check(value)) break; /* a str is a sequence too, but of characters */
         PyObject *items = PySequence_Fast(value, "a repeated string column holds sequences of str");
         if (items == NULL) return 0;
         Py_ssize_t n = PySequence_Fast_GET_SIZE(items);

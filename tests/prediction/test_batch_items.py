@@ -169,6 +169,26 @@ def test_bytes_it_cannot_read_are_left_to_the_parser(data: bytes) -> None:
     assert read_items(data) is None
 
 
+@needs_reader
+@settings(max_examples=1000, deadline=None)
+@given(batch_requests(), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4), st.integers(0, 64))
+def test_damaged_bytes_read_as_the_parser_reads_them_or_not_at_all(request, flips, cut) -> None:
+    """Any bytes — a valid request with bytes changed and its end cut — never crash the reader;
+    where the protobuf parser accepts them, the reader gives what the parser gives, or None."""
+    data = bytearray(request.SerializeToString())
+    for at, value in flips:
+        if data:
+            data[at % len(data)] = value
+    data = bytes(data[: max(0, len(data) - cut)])
+    read = read_items(data)
+    try:
+        parsed_request = pb.BatchPredictRequest.FromString(data)
+    except Exception:  # noqa: BLE001  (not a message: the reader's answer does not matter, only that it answered)
+        return
+    if read is not None:
+        assert as_seen(PredictInputs(read)) == parsed(parsed_request)
+
+
 def test_without_the_reader_the_parsed_message_is_read(monkeypatch) -> None:
     request = pb.BatchPredictRequest(
         requests=[pb.PredictRequest(request_id="r", entity_id="e", attributes={"a": pb.AttributeValue(number_value=1.0)})]
@@ -223,6 +243,8 @@ def test_written_rows_parse_as_the_messages_built_field_by_field(rows) -> None:
 def test_a_value_of_the_wrong_type_is_refused() -> None:
     with pytest.raises(TypeError):
         write_rows([(1, KINDS["string"], [3])], 1, (1,))
+    with pytest.raises(TypeError):
+        write_rows([(1, KINDS["strings"], ["not a list of codes"])], 1, (1,))
     with pytest.raises(ValueError):
         write_rows([(1, KINDS["string"], [])], 1, (1,))
 
