@@ -330,3 +330,38 @@ async def test_a_leaders_tight_deadline_makes_no_joined_request_fall_back(infere
             await client.close()
     assert (led.source, led.degraded_reason) == (Source.FALLBACK, "INFERENCE_TIMEOUT")  # its own budget
     assert follower.source is Source.INFERENCE and forwarder.calls == 2
+
+
+@pytest.mark.parametrize("case", ["one call in order", "one call shuffled", "two calls", "a key twice", "another width"])
+def test_rows_of_a_call_are_each_keys_own_answer(case):
+    """``_scored_rows`` takes one call's matrix whole when it answered every row in order; every
+    other arrangement goes row by row. Either way row ``i`` holds its own key's logits."""
+    from mlpair.prediction.scoring.cache import _Answer, _scored_rows
+
+    rng = np.random.default_rng(11)
+    keys = [f"k{i}" for i in range(6)]
+
+    def answer(for_keys, version="1", width=2):
+        return _Answer(rng.normal(size=(len(for_keys), width)).astype(np.float32), version, {k: i for i, k in enumerate(for_keys)})
+
+    if case == "one call in order":
+        answers = [answer(keys)]
+    elif case == "one call shuffled":
+        answers = [answer([keys[i] for i in (3, 0, 5, 1, 4, 2)])]
+    elif case == "two calls":
+        answers = [answer(keys[:2], "1"), answer(keys[2:], "2")]
+    elif case == "a key twice":
+        answers = [answer(keys)]
+        keys = [*keys, keys[2]]
+    else:
+        answers = [answer(keys, width=3)]
+    inferred = {k: a for a in answers for k in a.row_of}
+    rows = _scored_rows(keys, {}, inferred, 2)
+    for i, key in enumerate(keys):
+        own = inferred[key]
+        expected = own.logits[own.row_of[key]] if own.logits.shape[1] == 2 else np.full(2, np.nan, dtype=np.float32)
+        np.testing.assert_array_equal(rows.logits[i], expected)
+        assert (rows.sources[i], rows.model_versions[i], rows.age_ms[i], rows.degraded_reasons[i]) == (
+            Source.INFERENCE, own.version, 0, "")
+    assert rows.logits.dtype == np.float32 and not any(rows.logits is a.logits for a in answers)
+    assert not np.shares_memory(rows.logits, answers[0].logits)
