@@ -29,14 +29,16 @@ _NAMESPACE_BYTES = _DECISION_NAMESPACE.bytes
 def decision_id_for(request_id: str) -> str:
     """The decision id of ``request_id``: UUIDv5 in mlpair's namespace (RFC 4122 §4.3).
 
-    The same value as ``str(uuid.uuid5(namespace, request_id))``, built from the SHA-1 digest
-    directly: the ``uuid.UUID`` object costs more than the hash on the request path.
+    The same value as ``str(uuid.uuid5(namespace, request_id))``, written from the SHA-1 hex
+    digest directly (the version nibble set to 5, the variant's two bits to 10 by a table): the
+    ``uuid.UUID`` object costs more than the hash on the request path, and the bytes route
+    (``bytearray``, bit masks, ``hex``) 0.4 µs more than this (1.8 against 1.4 µs per id).
     """
-    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + request_id.encode()).digest()[:16])
-    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
-    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    h = digest.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    h = hashlib.sha1(_NAMESPACE_BYTES + request_id.encode()).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
+
+
+_VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}  # hex digit → with RFC 4122's variant bits 10
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,8 @@ async def test_a_failed_delivery_names_the_database_that_failed(failing, caplog)
 def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
     from mlpair.prediction.records import _DECISION_NAMESPACE
 
-    for request_id in ("r1", "", "é" * 64, "x" * 128, "日本語-id"):
+    # 2,000 generated ids besides: every hex digit turns up where the variant bits are set
+    for request_id in ("r1", "", "é" * 64, "x" * 128, "日本語-id", *(f"r{i}" for i in range(2000))):
         assert decision_id_for(request_id) == str(uuid.uuid5(_DECISION_NAMESPACE, request_id))
 
 
