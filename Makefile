@@ -17,12 +17,14 @@ venv: $(STAMP)
 # pinned in pyproject so pip takes the local CPU wheel rather than a multi-GB CUDA build.
 $(STAMP): pyproject.toml setup.py mlpair/_batch_items.c
 	$(call install,dev)
+	@$(PY) -c "import mlpair._batch_items" 2>/dev/null || { echo "mlpair/_batch_items.c did not build (setup.py makes it optional for installs without a C compiler; here it is required): run '$(PY) setup.py build_ext --inplace' to see why" >&2; rm -f $@; exit 1; }
 
 # $(call install,EXTRA): the virtualenv with the project and that extra, then the target's stamp.
 # setuptools warns on every editable install that the `mlpair/` folder in the working directory may
 # shadow the package: here it is the package, so that one warning is silenced.
 define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -f mlpair/_batch_items.*.so  # a build that fails (optional) must not leave an old one in use
 	$(PY) -m pip install --quiet --upgrade pip
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[$(1)]'
 	touch $@

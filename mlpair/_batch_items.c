@@ -21,9 +21,11 @@
  * An attribute's value is the float, str or bool of the oneof member set last, or None when none
  * is set. As a protobuf parser does: a scalar field given twice keeps the last; a map key seen
  * again replaces the earlier entry; an entry's value given twice is merged (the later member
- * wins); a missing key or string is ""; fields it does not use are skipped. Anything it cannot
- * read as a parser would (truncated bytes, groups, a string that is not UTF-8) makes it return
- * None, and the caller reads the parsed message instead. Little-endian hosts only (doubles are
+ * wins); a missing key or string is "". Anything else makes it return None, and the caller reads
+ * the parsed message instead: truncated bytes, a string that is not UTF-8, and any field it does
+ * not know (another number, or a known number with another wire type), where a parser's rules
+ * are subtler (a map entry holding an unknown field is kept out of the map). The service never
+ * lets such fields through anyway (mlpair/wire.py refuses unknown fields before the handler). Little-endian hosts only (doubles are
  * copied as they lie on the wire); elsewhere the module does not build and the caller reads the
  * parsed message.
  */
@@ -72,18 +74,6 @@ static int read_delimited(Span *s, Span *inner) {
     return 1;
 }
 
-static int skip(Span *s, int wire_type) {
-    uint64_t ignored;
-    Span inner;
-    switch (wire_type) {
-    case 0: return read_varint(s, &ignored);
-    case 1: if (s->end - s->p < 8) return 0; s->p += 8; return 1;
-    case 2: return read_delimited(s, &inner);
-    case 5: if (s->end - s->p < 4) return 0; s->p += 4; return 1;
-    default: return 0; /* groups (3, 4) and invalid wire types */
-    }
-}
-
 /* An AttributeValue being read: the member set last (0 none, 1 number, 2 string, 3 bool). */
 typedef struct {
     int kind;
@@ -111,8 +101,8 @@ static int read_value(Span s, Value *v) {
             if (!read_varint(&s, &flag)) return 0;
             v->flag = flag != 0;
             v->kind = 3;
-        } else if (!skip(&s, wire_type)) {
-            return 0;
+        } else {
+            return 0; /* a field this reader does not know: left to the parser */
         }
     }
     return 1;
@@ -163,8 +153,8 @@ static int read_entry(Span s, PyObject *attributes, Remembered *keys, Remembered
         } else if (field == 2 && wire_type == 2) {
             Span inner;
             if (!read_delimited(&s, &inner) || !read_value(inner, &value)) return 0;
-        } else if (!skip(&s, wire_type)) {
-            return 0;
+        } else {
+            return 0; /* a field this reader does not know: left to the parser */
         }
     }
     PyObject *name = text_of(key, keys);
@@ -210,8 +200,8 @@ static PyObject *read_item(Span s, Remembered *keys, Remembered *texts, Remember
             uint64_t flag;
             if (!read_varint(&s, &flag)) goto unreadable;
             explain = flag != 0;
-        } else if (!skip(&s, wire_type)) {
-            goto unreadable;
+        } else {
+            goto unreadable; /* a field this reader does not know: left to the parser */
         }
     }
     PyObject *request_id = text_of(ids[0], NULL);
@@ -278,8 +268,8 @@ static PyObject *read_items(PyObject *Py_UNUSED(module), PyObject *arg) {
             int failed = PyList_Append(items, read);
             Py_DECREF(read);
             if (failed) goto failed;
-        } else if (!skip(&s, wire_type)) {
-            goto unreadable;
+        } else {
+            goto unreadable; /* a field this reader does not know: left to the parser */
         }
     }
     goto done;

@@ -10,8 +10,8 @@ not. Both must hand the pipeline the same items: the same ids, model names, expl
 attribute values, of the same types (``1.0``, ``"1"`` and ``True`` stay apart; ``-0.0``, NaN and
 a value with no kind set stay what they are). Checked on generated requests, and on wire bytes a
 protobuf parser reads by rules a re-serialised message never exercises (a key given twice, a value
-merged from two parts, fields this reader skips); bytes it cannot read leave the decision to the
-parsed message.
+merged from two parts); bytes it cannot read, and fields it does not know, leave the decision to
+the parsed message. Damaged bytes (a fuzz test) never crash it.
 """
 
 from __future__ import annotations
@@ -140,8 +140,6 @@ UNUSED = varint(9 << 3 | 0) + varint(7) + varint(10 << 3 | 5) + b"\x00\x00\x00\x
         pytest.param(entry(b"a", NUMBER + FLAG), id="two members in one part: the later wins"),
         pytest.param(entry(b"", FLAG) + delimited(3, delimited(2, NUMBER)), id="an empty or missing key is the empty name"),
         pytest.param(delimited(1, b"x") + delimited(1, b"y") + varint(5 << 3) + varint(1) + varint(5 << 3) + varint(0), id="a scalar given twice keeps the last"),
-        pytest.param(UNUSED + entry(b"a", UNUSED + TEXT + UNUSED), id="fields this reader does not use are skipped"),
-        pytest.param(varint(3 << 3 | 0) + varint(5) + entry(b"a", varint(1 << 3 | 0) + varint(4)), id="a known number with another wire type is skipped"),
     ],
 )
 def test_wire_rules_are_the_parsers(item: bytes) -> None:
@@ -163,6 +161,14 @@ def PredictInputs(items) -> list:
         pytest.param(delimited(1, entry(b"a", delimited(2, b"\xc3"))), id="a string value that is not UTF-8"),
         pytest.param(delimited(1, varint(6 << 3 | 3) + varint(6 << 3 | 4)), id="a group"),
         pytest.param(delimited(1, varint(3 << 3 | 2) + varint(200)), id="a length past the end"),
+        # fields it does not know, at every depth: a parser's rules for them are subtler (a map
+        # entry holding one stays out of the map), and the service refuses them before this runs
+        pytest.param(delimited(1, UNUSED + entry(b"a", TEXT)), id="an unknown field in an item"),
+        pytest.param(delimited(1, entry(b"a", UNUSED + TEXT)), id="an unknown field in a value"),
+        pytest.param(delimited(1, delimited(3, delimited(1, b"a") + UNUSED)), id="an unknown field in a map entry"),
+        pytest.param(delimited(1, varint(3 << 3 | 0) + varint(5)), id="a known number with another wire type"),
+        pytest.param(delimited(1, entry(b"a", varint(1 << 3 | 0) + varint(4))), id="a value member with another wire type"),
+        pytest.param(UNUSED + delimited(1, entry(b"a", TEXT)), id="an unknown field in the request"),
     ],
 )
 def test_bytes_it_cannot_read_are_left_to_the_parser(data: bytes) -> None:
@@ -170,7 +176,7 @@ def test_bytes_it_cannot_read_are_left_to_the_parser(data: bytes) -> None:
 
 
 @needs_reader
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(batch_requests(), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4), st.integers(0, 64))
 def test_damaged_bytes_read_as_the_parser_reads_them_or_not_at_all(request, flips, cut) -> None:
     """Any bytes — a valid request with bytes changed and its end cut — never crash the reader;
