@@ -74,6 +74,15 @@ static int read_delimited(Span *s, Span *inner) {
     return 1;
 }
 
+/* The next field's tag: its number and wire type; 0 when the bytes end inside it. */
+static int read_tag(Span *s, uint64_t *field, int *wire_type) {
+    uint64_t tag;
+    if (!read_varint(s, &tag)) return 0;
+    *field = tag >> 3;
+    *wire_type = (int)(tag & 7);
+    return 1;
+}
+
 /* An AttributeValue being read: the member set last (0 none, 1 number, 2 string, 3 bool). */
 typedef struct {
     int kind;
@@ -84,10 +93,9 @@ typedef struct {
 
 static int read_value(Span s, Value *v) {
     while (s.p < s.end) {
-        uint64_t tag;
-        if (!read_varint(&s, &tag)) return 0;
-        uint64_t field = tag >> 3;
-        int wire_type = (int)(tag & 7);
+        uint64_t field;
+        int wire_type;
+        if (!read_tag(&s, &field, &wire_type)) return 0;
         if (field == 1 && wire_type == 1) {
             if (s.end - s.p < 8) return 0;
             memcpy(&v->number, s.p, 8);
@@ -144,10 +152,9 @@ static int read_entry(Span s, PyObject *attributes, Remembered *keys, Remembered
     Span key = {"", ""};
     Value value = {0, 0.0, {NULL, NULL}, 0};
     while (s.p < s.end) {
-        uint64_t tag;
-        if (!read_varint(&s, &tag)) return 0;
-        uint64_t field = tag >> 3;
-        int wire_type = (int)(tag & 7);
+        uint64_t field;
+        int wire_type;
+        if (!read_tag(&s, &field, &wire_type)) return 0;
         if (field == 1 && wire_type == 2) {
             if (!read_delimited(&s, &key)) return 0;
         } else if (field == 2 && wire_type == 2) {
@@ -182,10 +189,9 @@ static PyObject *read_item(Span s, Remembered *keys, Remembered *texts, Remember
     if (attributes == NULL) return NULL;
     int position = 0;
     while (s.p < s.end) {
-        uint64_t tag;
-        if (!read_varint(&s, &tag)) goto unreadable;
-        uint64_t field = tag >> 3;
-        int wire_type = (int)(tag & 7);
+        uint64_t field;
+        int wire_type;
+        if (!read_tag(&s, &field, &wire_type)) goto unreadable;
         if (field == ATTRIBUTES && wire_type == 2) {
             Span entry;
             if (!read_delimited(&s, &entry)) goto unreadable;
@@ -253,10 +259,9 @@ static PyObject *read_items(PyObject *Py_UNUSED(module), PyObject *arg) {
     PyObject *items = PyList_New(0);
     if (items == NULL) goto done;
     while (s.p < s.end) {
-        uint64_t tag;
-        if (!read_varint(&s, &tag)) goto unreadable;
-        uint64_t field = tag >> 3;
-        int wire_type = (int)(tag & 7);
+        uint64_t field;
+        int wire_type;
+        if (!read_tag(&s, &field, &wire_type)) goto unreadable;
         if (field == 1 && wire_type == 2) {
             Span item;
             if (!read_delimited(&s, &item)) goto unreadable;

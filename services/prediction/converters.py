@@ -175,14 +175,7 @@ def _written_results(decided, timestamps: dict) -> list[bytes | None]:
     explanation (built by :func:`_fresh_response` instead)."""
     c = decided.columns
     n = len(c.request_id)
-    stamps = []
-    for at in c.decided_at:
-        stamp = timestamps.get(at)
-        if stamp is None:
-            t = timestamp_pb2.Timestamp()
-            t.FromDatetime(at)
-            stamp = timestamps[at] = t
-        stamps.append(stamp)
+    stamps = [_timestamp(at, timestamps) for at in c.decided_at]
     enum = _DECISION_ENUM
     columns = [
         (_FIELD["request_id"], _STRING, c.request_id),
@@ -217,11 +210,8 @@ def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:
     """Row ``j`` of a group's fresh decisions (``decisions.Decided``) as :func:`predict_response`
     would encode its :class:`PredictionResult`."""
     c = decided.columns
-    label, served_from, decided_at = c.decision[j], c.served_from[j], c.decided_at[j]
-    stamp = timestamps.get(decided_at)
-    if stamp is None:
-        stamp = timestamps[decided_at] = timestamp_pb2.Timestamp()
-        stamp.FromDatetime(decided_at)
+    label, served_from = c.decision[j], c.served_from[j]
+    stamp = _timestamp(c.decided_at[j], timestamps)
     response = pb.PredictResponse(
         request_id=c.request_id[j],
         decision_id=c.decision_id[j],
@@ -246,6 +236,16 @@ def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:
     if warnings or explanation is not None:
         _add_extras(response, warnings or (), explanation)
     return response
+
+
+def _timestamp(at, timestamps: dict) -> timestamp_pb2.Timestamp:
+    """``at`` (a datetime) as a protobuf Timestamp, made once per distinct value in ``timestamps``
+    (a call's decisions share theirs)."""
+    stamp = timestamps.get(at)
+    if stamp is None:
+        stamp = timestamps[at] = timestamp_pb2.Timestamp()
+        stamp.FromDatetime(at)
+    return stamp
 
 
 def _add_extras(response: pb.PredictResponse, warnings, explanation) -> None:

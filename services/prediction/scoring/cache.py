@@ -81,7 +81,11 @@ KEY_LAYOUT = "v2"  # bumped with the stored value's layout: releases never read 
 def cache_key(target: ModelTarget, row: np.ndarray) -> str:
     """The cache key of one guarded feature row ``[n_features] float32`` scored by ``target``."""
     digest = hashlib.blake2b(np.ascontiguousarray(row, dtype="<f4").tobytes(), digest_size=16).hexdigest()
-    return f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|{digest}"
+    return _key_prefix(target) + digest
+
+
+def _key_prefix(target: ModelTarget) -> str:
+    return f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|"
 
 
 def cache_keys(target: ModelTarget, rows: np.ndarray) -> list[str]:
@@ -91,7 +95,7 @@ def cache_keys(target: ModelTarget, rows: np.ndarray) -> list[str]:
     data = np.ascontiguousarray(rows, dtype="<f4")
     if data.ndim != 2 or not data.shape[1]:
         return [cache_key(target, row) for row in rows]
-    prefix = f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|"
+    prefix = _key_prefix(target)
     raw, width, blake2b = data.tobytes(), data.shape[1] * 4, hashlib.blake2b
     return [prefix + blake2b(raw[i : i + width], digest_size=16).hexdigest() for i in range(0, len(raw), width)]
 
