@@ -241,12 +241,44 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
         n = len(group)
         group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
         group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
-        fill(group, 0, n, ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
+        fill(group, range(n), ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
         served = [(s.source, s.model_version, s.age_ms, s.degraded_reason, s.logits is None) for s in group.served]
         filled.append((served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
                        group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
     assert filled[0] == filled[1]
     assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and filled[0][5]
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_scoring_fills_any_list_of_items_as_row_by_row_and_leaves_the_others(members, credit_entry, credit_holdout):
+    """The scores of merged Predicts' items (one row each, not contiguous: items that failed or
+    left are skipped) land on those items alone, ``_fill`` and ``_fill_rows`` alike."""
+    from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
+    from mlpair.prediction.scoring.scorer import ChunkScores, _fill, _fill_rows
+
+    records = credit_holdout.records[:40]
+    items = [k for k in range(len(records)) if k % 3 != 1]  # 27 of 40
+    rng = np.random.default_rng(members)
+    answers = [ScoredRows.of([Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
+                              Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2],
+                                     r % 3) for r in range(len(items))], 2) for m in range(members)]
+    probabilities, usable = rng.uniform(0, 1, (members, len(items))), rng.uniform(0, 1, len(items)) > 0.1
+    scores = ChunkScores(answers, probabilities, usable, rng.normal(size=len(items)), range(len(items)), None)
+    filled = []
+    for fill in (_fill, _fill_rows):
+        group = _scored_group(credit_entry, records, members, seed=0)
+        n = len(group)
+        group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
+        group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
+        fill(group, items, scores)
+        skipped = [k for k in range(n) if k not in items]
+        assert all(group.served[k] is None and group.model_versions[k] == "" for k in skipped)
+        assert not group.usable[skipped].any() and not group.probabilities[:, skipped].any()
+        filled.append(([group.served[k][1:] for k in items], group.model_versions, group.probabilities.tobytes(),
+                       group.usable.tobytes(), group.margins.tobytes()))
+        decided = [k for j, k in enumerate(items) if usable[j] and all(a.sources[j] is not Source.FALLBACK for a in answers)]
+        np.testing.assert_array_equal(group.usable[items], [k in decided for k in items])
+    assert filled[0] == filled[1]
 
 
 def test_a_few_rows_assembled_row_by_row_get_the_columnar_guards(credit_entry, credit_holdout):

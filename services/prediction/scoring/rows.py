@@ -79,6 +79,19 @@ class ScoredRows(Sequence[Scored]):
             [r.degraded_reason for r in rows],
         )
 
+    @classmethod
+    def concat(cls, parts: Sequence[ScoredRows]) -> ScoredRows:
+        """The rows of ``parts`` one after another, as one :class:`ScoredRows` (logits of one width)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            np.concatenate([p.logits for p in parts]),
+            [s for p in parts for s in p.sources],
+            [v for p in parts for v in p.model_versions],
+            [a for p in parts for a in p.age_ms],
+            [r for p in parts for r in p.degraded_reasons],
+        )
+
     def __len__(self) -> int:
         return len(self.sources)
 
