@@ -5,8 +5,8 @@ messages built field by field (and, on real outcomes of every kind, in
 ``tests/e2e/test_batch_predict.py``).
 
 ``converters.batch_inputs`` reads a BatchPredict's items from the request's wire bytes where
-``mlpair._batch_items`` is built, and through the parsed message (``predict_input``) where it is
-not. Both must hand the pipeline the same items: the same ids, model names, explain flags and
+``mlpair._batch_items`` is built, and through the parsed message (``parsed_input``) where it is
+not; ``converters.predict_input`` reads a Predict call the same way, as a batch of one. Both must hand the pipeline the same items: the same ids, model names, explain flags and
 attribute values, of the same types (``1.0``, ``"1"`` and ``True`` stay apart; ``-0.0``, NaN and
 a value with no kind set stay what they are). Checked on generated requests, and on wire bytes a
 protobuf parser reads by rules a re-serialised message never exercises (a key given twice, a value
@@ -48,7 +48,7 @@ def as_seen(items) -> list:
 
 def parsed(request: pb.BatchPredictRequest, deadline: float | None = None) -> list:
     """The items as the parsed message gives them (the fallback path)."""
-    return as_seen([converters.predict_input(item, deadline) for item in request.requests])
+    return as_seen([converters.parsed_input(item, deadline) for item in request.requests])
 
 
 def test_the_compiled_reader_is_built_where_ci_runs() -> None:
@@ -90,6 +90,21 @@ def batch_requests(draw) -> pb.BatchPredictRequest:
 @given(batch_requests(), st.one_of(st.none(), st.floats(0, 1e6)))
 def test_generated_requests_read_the_same_both_ways(request: pb.BatchPredictRequest, deadline) -> None:
     assert as_seen(converters.batch_inputs(request, deadline)) == parsed(request, deadline)
+
+
+@needs_reader
+@settings(max_examples=300, deadline=None)
+@given(batch_requests(), st.one_of(st.none(), st.floats(0, 1e6)))
+def test_generated_predict_calls_read_the_same_both_ways(request: pb.BatchPredictRequest, deadline) -> None:
+    assert as_seen([converters.predict_input(item, deadline) for item in request.requests]) == parsed(request, deadline)
+
+
+@needs_reader
+def test_a_predict_call_with_a_field_the_reader_does_not_know_is_read_through_the_message() -> None:
+    known = pb.PredictRequest(request_id="r", entity_id="e", attributes={"Age": pb.AttributeValue(number_value=30.0)})
+    newer = pb.PredictRequest.FromString(known.SerializeToString() + varint(99 << 3 | 0) + varint(1))  # a newer client's field
+    assert read_items(delimited(1, newer.SerializeToString())) is None  # the reader leaves it to the parser
+    assert as_seen([converters.predict_input(newer, 2.0)]) == as_seen([converters.parsed_input(known, 2.0)])
 
 
 @needs_reader
