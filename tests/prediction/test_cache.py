@@ -126,6 +126,30 @@ class CountingClient:
         return np.tile(LOGITS, (len(features), 1)), target.version
 
 
+async def test_c36_a_finished_call_stays_joinable_for_its_linger_each_for_its_own():
+    """A finished flight answers requests for its keys for ``linger_s`` after it finished (here
+    the cache never holds anything, so only the lingering flight can answer), then is gone; the
+    flights finished at different times expire each at its own time."""
+    client = CountingClient()
+    scorer = wire_scorer(client, NullCache(), caller(), fresh_ttl_s=300, linger_s=1.0)
+    target = ModelTarget("m", "1", "s")
+    a, b = ROW[None, :], (ROW + 1)[None, :]
+    await scorer.score(target, a, None)
+    await asyncio.sleep(0.6)
+    await scorer.score(target, b, None)
+    assert len(client.calls) == 2
+    (joined_a,), (joined_b,) = await scorer.score(target, a, None), await scorer.score(target, b, None)
+    assert len(client.calls) == 2 and joined_a.source is joined_b.source is Source.INFERENCE  # both lingering
+    await asyncio.sleep(0.5)  # a finished 1.1 s ago, b 0.5 s ago (margins for a loaded machine)
+    await scorer.score(target, a, None)
+    assert len(client.calls) == 3  # a's flight expired: a call of its own
+    await scorer.score(target, b, None)
+    assert len(client.calls) == 3  # b's still lingers
+    await asyncio.sleep(1.1)
+    assert not scorer._flights  # every flight expired
+    await scorer.close()
+
+
 async def test_c36_a_model_switch_never_serves_the_old_models_entries():
     from mlpair.prediction.errors import InferenceUnavailable
 
