@@ -97,6 +97,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         batch_size=settings.relay_batch_size,
         linger_s=settings.relay_linger_ms / 1000,
         backoff_max_s=settings.relay_backoff_max_ms / 1000,
+        relay_concurrency=settings.relay_concurrency,
     )
     # Observability (issue 6): CRM spans, personal fields kept out of logs, drift monitoring.
     if settings.tracing:

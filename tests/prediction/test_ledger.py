@@ -266,11 +266,52 @@ async def test_three_relays_deliver_each_decision_exactly_once(databases):
         await writer.close()
 
 
+@pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)  # SKIP LOCKED claims
+async def test_a_relay_claiming_three_batches_at_once_delivers_each_decision_exactly_once(databases):
+    """Through a backlog a relay claims up to three batches at once (a pool of 6: 3 kept for
+    commits); every decision is inserted by exactly one claim, none skipped as already there."""
+    ids = [f"parallel-{uuid.uuid4()}" for _ in range(900)]
+    ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S, pool_size=6)
+    await ledger.open()
+    await ledger.record_many([decision(i) for i in ids], ["fp"] * len(ids))
+    crm = CrmStore(databases.crm_url, timeout_s=5)
+    relay = LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0, concurrency=5)
+    assert relay.concurrency == 3  # capped by what the commits leave of the pool
+    assert open_ledger(databases.ledger_url).relay_claims == 1  # the default pool of 4: one claim at a time
+    in_flight, most = 0, 0
+    deliver = relay._deliver_batch
+
+    async def counted() -> int:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            return await deliver()
+        finally:
+            in_flight -= 1
+
+    relay._deliver_batch = counted
+    skipped_before = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
+    try:
+        relay.start()
+        assert await relay.wait_delivered(30)
+        assert most == 3 and relay.delivered == 900
+        assert REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") - skipped_before == 0
+        assert await crm_rows(crm, ids) == (900, 900)
+    finally:
+        await relay.stop()
+        await ledger.close()
+        await crm.close()
+
+
+@pytest.mark.parametrize("relay_concurrency", [1, 3])
 @pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)  # a server behind a TCP proxy
-async def test_c39_connections_cut_in_the_middle_of_deliveries_lose_and_double_nothing(databases):
+async def test_c39_connections_cut_in_the_middle_of_deliveries_lose_and_double_nothing(databases, relay_concurrency):
     ids = [f"cut-{uuid.uuid4()}" for _ in range(600)]
     _, crm_url = databases.proxied()
-    recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, batch_size=20, backoff_max_s=0.1)
+    recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, batch_size=20, backoff_max_s=0.1,
+                                     pool_size=6, relay_concurrency=relay_concurrency)
+    assert recorder.relay.concurrency == relay_concurrency
     await recorder.start()
     failures_before = REGISTRY.get_sample_value("prediction_relay_failures_total") or 0
     try:

@@ -111,6 +111,7 @@ class DecisionLedger(abc.ABC):
     commit_concurrency = 1  # transactions in progress at once
     db_system = ""  # OpenTelemetry's name of the engine
     bulk_rows = 0  # a DecisionColumns batch of at least this many rows commits on its own (0: never)
+    relay_claims = 1  # claims one relay may hold at once (more only where claims never overlap and run in parallel)
 
     def __init__(self) -> None:
         self.committed = asyncio.Event()

@@ -153,6 +153,9 @@ class PostgresLedger(ledger.DecisionLedger):
         self.timeout_s = timeout_s
         self.pool_size = pool_size
         self.statement_cache_size = statement_cache_size
+        # SKIP LOCKED: concurrent claims take disjoint rows. Each holds a connection for its whole
+        # delivery, so the relay may take only what the commits leave of the pool.
+        self.relay_claims = max(1, pool_size - self.commit_concurrency)
         self._pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:

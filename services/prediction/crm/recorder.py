@@ -61,6 +61,7 @@ class DecisionRecorder:
         linger_s: float = 0.05,
         backoff_max_s: float = 5.0,
         crm_statement_cache_size: int = 100,
+        relay_concurrency: int = 3,
     ) -> DecisionRecorder:
         """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments and
         :func:`~mlpair.prediction.crm.store.make_engine` for ``crm_statement_cache_size``."""
@@ -72,7 +73,14 @@ class DecisionRecorder:
             statement_cache_size=statement_cache_size,
         )
         crm = CrmStore(crm_url, timeout_s=crm_timeout_s, statement_cache_size=crm_statement_cache_size)
-        relay = LedgerRelay(ledger, crm, batch_size=batch_size, linger_s=linger_s, backoff_max_s=backoff_max_s)
+        relay = LedgerRelay(
+            ledger,
+            crm,
+            batch_size=batch_size,
+            linger_s=linger_s,
+            backoff_max_s=backoff_max_s,
+            concurrency=relay_concurrency,
+        )
         return cls(ledger, crm, relay)
 
     async def start(self) -> None:

@@ -2,7 +2,9 @@
 
 Every replica runs one. Each round claims a batch (:meth:`DecisionLedger.claim`: no two relays
 hold the same row), delivers it in one CRM transaction (``INSERT … ON CONFLICT DO NOTHING``) and
-marks it delivered. While the CRM is down it retries with full-jitter exponential backoff and the
+marks it delivered. While full batches keep coming (a backlog), it claims up to ``concurrency``
+batches at once where the ledger allows it (PostgreSQL: ``SKIP LOCKED`` claims never overlap),
+so the two databases work on several batches in parallel instead of one round trip after another. While the CRM is down it retries with full-jitter exponential backoff and the
 rows wait in the ledger, where any replica — this one after a restart, or another after a scale
 down — finds them. A CRM commit whose acknowledgement was lost is retried harmlessly: the rows
 already there are skipped, so each request id is in the CRM exactly once.
@@ -37,6 +39,8 @@ class LedgerRelay:
             (rows committed by other replicas, or left by a replica that went away).
         linger_s: once woken by a commit, how long to wait for more decisions before claiming, so
             one CRM transaction carries many decisions even under light load.
+        concurrency: most batches claimed and delivered at once while a backlog lasts (capped by
+            the ledger's ``relay_claims``); one at a time otherwise, and after any failure.
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class LedgerRelay:
         backoff_max_s: float = 5.0,
         poll_s: float = 1.0,
         linger_s: float = 0.05,
+        concurrency: int = 1,
     ) -> None:
         self.ledger = ledger
         self.crm = crm
@@ -57,6 +62,7 @@ class LedgerRelay:
         self.backoff_max_s = backoff_max_s
         self.poll_s = poll_s
         self.linger_s = linger_s
+        self.concurrency = max(1, min(concurrency, ledger.relay_claims))
         self.crm_up: bool | None = None  # None until the first attempt
         self.delivered = 0  # decisions this relay inserted into the CRM
         self._failing = "ledger"  # which database the current delivery attempt failed at
@@ -111,23 +117,41 @@ class LedgerRelay:
             except TimeoutError:
                 pass
             self.ledger.committed.clear()
+            width = 1  # batches claimed at once: more only while full batches keep coming
             while True:
                 self._failing = "ledger"  # until the CRM write itself fails (_write)
                 try:
-                    delivered = await self._deliver_batch()
+                    delivered = await self._deliver_batches(width)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001  (the CRM or the ledger is down: back off, retry)
                     failures += 1
                     self._record_failure(exc, failures, self._failing)
+                    width = 1
                     await asyncio.sleep(self.backoff_s(failures))
                     continue
                 if failures:
                     logger.warning("CRM delivery works again after %d failed attempt(s)", failures)
                 failures = 0
-                if delivered < self.batch_size:
+                if delivered < width * self.batch_size:
                     break
+                width = self.concurrency
             self._idle.set()
+
+    async def _deliver_batches(self, width: int) -> int:
+        """``width`` batches claimed and delivered at once; how many decisions they claimed.
+
+        Raises:
+            Exception: the first failure among them, once all have ended (the others' deliveries
+                stand: each batch commits or rolls back on its own).
+        """
+        if width == 1:
+            return await self._deliver_batch()
+        outcomes = await asyncio.gather(*(self._deliver_batch() for _ in range(width)), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return sum(outcomes)  # type: ignore[arg-type]
 
     async def _deliver_batch(self) -> int:
         """Claims one batch, delivers it and marks it delivered; returns how many it claimed.
