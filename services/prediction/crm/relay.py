@@ -4,9 +4,10 @@ Every replica runs one. Each round claims a batch (:meth:`DecisionLedger.claim`:
 hold the same row), delivers it in one CRM transaction (``INSERT … ON CONFLICT DO NOTHING``) and
 marks it delivered. While full batches keep coming (a backlog), it claims up to ``concurrency``
 batches at once where the ledger allows it (PostgreSQL: ``SKIP LOCKED`` claims never overlap),
-so the two databases work on several batches in parallel instead of one round trip after another. While the CRM is down it retries with full-jitter exponential backoff and the
-rows wait in the ledger, where any replica — this one after a restart, or another after a scale
-down — finds them. A CRM commit whose acknowledgement was lost is retried harmlessly: the rows
+so the two databases work on several batches in parallel instead of one round trip after
+another. While the CRM is down it retries with full-jitter exponential backoff and the rows wait
+in the ledger, where any replica — this one after a restart, or another after a scale down —
+finds them. A CRM commit whose acknowledgement was lost is retried harmlessly: the rows
 already there are skipped, so each request id is in the CRM exactly once.
 """
 
