@@ -219,10 +219,27 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
     assert _decided(decide_columns(one, at, 3, {})) == _decided(columnar_)[:1]  # one row takes the row-wise path
 
 
+def _member_answers(members: int, rows: int) -> list:
+    """Each ensemble member's scored rows: fresh and cached by turns, a fallback every ninth row."""
+    from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
+
+    return [ScoredRows.of([Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
+                           Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2],
+                                  r % 3) for r in range(rows)], 2) for m in range(members)]
+
+
+def _unscored_group(entry, records: list[dict], members: int):
+    """:func:`_scored_group`'s group with its scoring columns as scoring starts them (nothing filled)."""
+    group = _scored_group(entry, records, members, seed=0)
+    n = len(group)
+    group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
+    group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
+    return group
+
+
 @pytest.mark.parametrize("members", [1, 2])
 def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
     """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
-    from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
     from mlpair.prediction.scoring.scorer import ChunkScores, _fill, _fill_rows
 
     records = credit_holdout.records[:40]
@@ -230,17 +247,13 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
     sizes = [1 + 5 * (k % 3 == 0) for k in range(len(records))]  # explained items carry occluded rows
     total = sum(sizes)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-    answers = [ScoredRows.of([Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
-                              Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2],
-                                     r % 3) for r in range(total)], 2) for m in range(members)]
+    answers = _member_answers(members, total)
     probabilities, usable = rng.uniform(0, 1, (members, total)), rng.uniform(0, 1, total) > 0.1
     margins = rng.normal(size=total)
     filled = []
     for fill in (_fill, _fill_rows):
-        group = _scored_group(credit_entry, records, members, seed=0)
+        group = _unscored_group(credit_entry, records, members)
         n = len(group)
-        group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
-        group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
         fill(group, range(n), ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
         served = [(s.source, s.model_version, s.age_ms, s.degraded_reason, s.logits is None) for s in group.served]
         filled.append((served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
@@ -253,23 +266,19 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
 def test_scoring_fills_any_list_of_items_as_row_by_row_and_leaves_the_others(members, credit_entry, credit_holdout):
     """The scores of merged Predicts' items (one row each, not contiguous: items that failed or
     left are skipped) land on those items alone, ``_fill`` and ``_fill_rows`` alike."""
-    from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
+    from mlpair.prediction.scoring.rows import Source
     from mlpair.prediction.scoring.scorer import ChunkScores, _fill, _fill_rows
 
     records = credit_holdout.records[:40]
     items = [k for k in range(len(records)) if k % 3 != 1]  # 27 of 40
     rng = np.random.default_rng(members)
-    answers = [ScoredRows.of([Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if (r + m) % 9 == 4 else
-                              Scored(np.zeros(2, np.float32), f"m{m}v{r % 2}", (Source.INFERENCE, Source.CACHE)[r % 2],
-                                     r % 3) for r in range(len(items))], 2) for m in range(members)]
+    answers = _member_answers(members, len(items))
     probabilities, usable = rng.uniform(0, 1, (members, len(items))), rng.uniform(0, 1, len(items)) > 0.1
     scores = ChunkScores(answers, probabilities, usable, rng.normal(size=len(items)), range(len(items)), None)
     filled = []
     for fill in (_fill, _fill_rows):
-        group = _scored_group(credit_entry, records, members, seed=0)
+        group = _unscored_group(credit_entry, records, members)
         n = len(group)
-        group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
-        group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
         fill(group, items, scores)
         skipped = [k for k in range(n) if k not in items]
         assert all(group.served[k] is None and group.model_versions[k] == "" for k in skipped)
