@@ -236,6 +236,21 @@ async def test_c39_decisions_wait_durably_through_a_crm_outage_and_a_restart_the
         await other.close()
 
 
+def _after_barrier(write, barrier: asyncio.Barrier):
+    """A relay's ``_write`` whose first call waits at ``barrier`` (at most 10 s)."""
+    first = True
+
+    async def gated(n, models, insert):
+        nonlocal first
+        if first:
+            first = False
+            async with asyncio.timeout(10):
+                await barrier.wait()
+        return await write(n, models, insert)
+
+    return gated
+
+
 async def test_three_relays_deliver_each_decision_exactly_once(databases):
     """Three replicas' relays working through one backlog at once: every decision is inserted
     into the CRM by exactly one of them (none skipped as already there: no double delivery)."""
@@ -250,6 +265,11 @@ async def test_three_relays_deliver_each_decision_exactly_once(databases):
         await ledger.open()
         crm = CrmStore(databases.crm_url, timeout_s=5)
         parts.append((ledger, crm, LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0)))
+    # each relay's first CRM write waits until all three hold a claim: all three take part, and
+    # their claims are held at the same time, whatever order the event loop starts them in
+    barrier = asyncio.Barrier(len(parts))
+    for _, _, relay in parts:
+        relay._write = _after_barrier(relay._write, barrier)
     try:
         for _, _, relay in parts:
             relay.start()
