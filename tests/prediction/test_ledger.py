@@ -251,9 +251,12 @@ def _after_barrier(write, barrier: asyncio.Barrier):
     return gated
 
 
-async def test_three_relays_deliver_each_decision_exactly_once(databases):
-    """Three replicas' relays working through one backlog at once: every decision is inserted
-    into the CRM by exactly one of them (none skipped as already there: no double delivery)."""
+@pytest.mark.parametrize(("fresh_database", "claims"), [("sqlite", 1), ("postgresql", 1), ("postgresql", 3)],
+                         indirect=["fresh_database"])  # a SQLite ledger (one writer) claims one batch at a time
+async def test_three_relays_deliver_each_decision_exactly_once(databases, claims):
+    """Three replicas' relays working through one backlog at once, each claiming one batch at a
+    time or (PostgreSQL, a pool of 6) up to three: every decision is inserted into the CRM by
+    exactly one claim (none skipped as already there: no double delivery)."""
     ids = [f"relays-{uuid.uuid4()}" for _ in range(900)]
     writer = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S)
     await writer.open()
@@ -261,10 +264,12 @@ async def test_three_relays_deliver_each_decision_exactly_once(databases):
     skipped_before = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
     parts = []
     for _ in range(3):
-        ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S)
+        ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S, pool_size=6)
         await ledger.open()
         crm = CrmStore(databases.crm_url, timeout_s=5)
-        parts.append((ledger, crm, LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0)))
+        relay = LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0, concurrency=claims)
+        assert relay.concurrency == claims
+        parts.append((ledger, crm, relay))
     # each relay's first CRM write waits until all three hold a claim: all three take part, and
     # their claims are held at the same time, whatever order the event loop starts them in
     barrier = asyncio.Barrier(len(parts))
