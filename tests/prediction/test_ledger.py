@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import sqlite3
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY
@@ -379,7 +380,7 @@ async def test_c39_a_commit_whose_acknowledgement_is_lost_is_retried_without_dou
 
 
 def test_relay_backoff_is_bounded_however_long_the_outage():
-    relay = LedgerRelay(None, None, backoff_base_s=0.05, backoff_max_s=5.0)
+    relay = LedgerRelay(SimpleNamespace(relay_claims=1), None, backoff_base_s=0.05, backoff_max_s=5.0)
     waits = [relay.backoff_s(failures) for failures in (1, 10, 2000, 10**6)]
     assert all(0.0 <= w <= 5.0 for w in waits)
 
@@ -392,6 +393,7 @@ async def test_a_failed_delivery_names_the_database_that_failed(failing, caplog)
 
     class Ledger:
         committed = asyncio.Event()
+        relay_claims = 1
 
         @contextlib.asynccontextmanager
         async def claim(self, limit):

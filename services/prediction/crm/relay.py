@@ -63,7 +63,7 @@ class LedgerRelay:
         self.backoff_max_s = backoff_max_s
         self.poll_s = poll_s
         self.linger_s = linger_s
-        self.concurrency = max(1, min(concurrency, getattr(ledger, "relay_claims", 1)))  # 1 for a stand-in ledger
+        self.concurrency = max(1, min(concurrency, ledger.relay_claims))
         self.crm_up: bool | None = None  # None until the first attempt
         self.delivered = 0  # decisions this relay inserted into the CRM
         self._failing = "ledger"  # which database the current delivery attempt failed at
