@@ -17,8 +17,10 @@ row) plus, per row, what a response carries beside the record (:class:`Extras`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import cast
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from mlpair.prediction import metrics
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
 from mlpair.prediction.explain import Explanation, explain
 from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.records import DecisionColumns, decision_id_for
+from mlpair.prediction.records import DecisionColumns, decision_ids_for
 from mlpair.prediction.scoring.rows import Source
 from mlpair.prediction.scoring.scorer import as_item_error
 
@@ -34,6 +36,7 @@ FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
 STALE_REASON = "STALE_CACHE_RESULT"
 _FROM_CACHE = (Source.CACHE, Source.STALE_CACHE)
+_SERVED_FROM = {s: s.value for s in Source}  # a dict look-up: cheaper than the enum's ``value`` property
 _MEMO_LIMIT = 4096
 Verdict = tuple[str, tuple[str, ...]]  # (decision, reason codes) of a row with model output
 
@@ -167,6 +170,9 @@ def _records(
     errors: dict[int, Exception],
 ) -> Decided:
     """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
+    if verdicts and not errors and None not in verdicts:
+        every = cast(list[Verdict], verdicts)  # no None among them, just checked
+        return _records_all_scored(group, decided_at, explain_top_k, every, probability_list, spread_list)
     family, policy = group.family, group.family.policy
     fallback_decision = policy.fallback_decision
     out_rows: list[int] = []
@@ -215,7 +221,7 @@ def _records(
     versions = group.model_versions
     columns = DecisionColumns(
         request_ids,
-        [decision_id_for(r) for r in request_ids],
+        decision_ids_for(request_ids),
         [requests[k].entity_id for k in out_rows],
         [family.name] * m,
         [versions[k] for k in out_rows],
@@ -230,15 +236,63 @@ def _records(
         [decided_at] * m,
         [group.fingerprints[k] for k in out_rows],
     )
-    explanations = {}
-    for j, k in enumerate(out_rows):
-        p = prob[j]  # None: no model output (in without_model), nothing to explain
+    explanations = _explanations(group, out_rows, prob, explain_top_k)
+    return Decided(group, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
+
+
+def _records_all_scored(
+    group: Group,
+    decided_at: datetime,
+    explain_top_k: int,
+    verdicts: list[Verdict],
+    probability: list[float],
+    spread: list[float],
+) -> Decided:
+    """:func:`_records` when every row was decided with model output (no error, no fallback): the
+    same records, each column built in one pass over the rows instead of ten appends per row."""
+    family, policy, n = group.family, group.family.policy, len(group)
+    _, _, sources, age, degraded = zip(*group.served)
+    requests = group.requests
+    request_ids = [r.request_id for r in requests]
+    columns = DecisionColumns(
+        request_ids,
+        decision_ids_for(request_ids),
+        [r.entity_id for r in requests],
+        [family.name] * n,
+        list(group.model_versions),
+        [family.feature_version] * n,
+        [policy.version] * n,
+        list(probability),
+        [v[0] for v in verdicts],
+        [v[1] for v in verdicts],
+        [_SERVED_FROM[s] for s in sources],
+        list(age),
+        list(degraded),
+        [decided_at] * n,
+        list(group.fingerprints),
+    )
+    rows = list(range(n))
+    cached = [s in _FROM_CACHE for s in sources]
+    explanations = _explanations(group, rows, probability, explain_top_k)
+    return Decided(group, rows, columns, spread, cached, [family.calibration_method] * n, explanations, {}, {})
+
+
+def _explanations(
+    group: Group, rows: list[int], probability: Sequence[float | None], explain_top_k: int
+) -> dict[int, Explanation]:
+    """Decided row → its explanation, for the rows of ``rows`` (group rows) explained with model output."""
+    explanations: dict[int, Explanation] = {}
+    if not group.occluded:
+        return explanations
+    family = group.family
+    for j, k in enumerate(rows):
+        p = probability[j]  # None: no model output (in without_model), nothing to explain
         if k in group.occluded and p is not None:
             occluded = group.occluded[k]
             explanations[j] = explain(family.schema, p, occluded.mean(axis=0), explain_top_k)
     if explanations:
         metrics.EXPLANATIONS.labels(family.name).inc(len(explanations))
-    return Decided(group, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
+    return explanations
 
 
 def _verdict(policy: DecisionPolicy, verdict: int, stale: bool, guard_codes: tuple[str, ...]) -> Verdict:

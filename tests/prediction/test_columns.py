@@ -154,10 +154,12 @@ def test_signals_count_a_batch_as_row_by_row_observations_would(credit_entry, ho
             assert at_once[key] == value, key
 
 
-def _scored_group(entry, records: list[dict], members: int, seed: int):
+def _scored_group(entry, records: list[dict], members: int, seed: int, every_row_decided: bool = False):
     """A group of ``records`` (their real guards) as scoring leaves it, with ``members`` ensemble
     members' probabilities: inside the bands, on their edges, and a few the policy refuses; every
-    source (fresh, cached, stale, fallback), unusable output, a chunk's error and explained rows."""
+    source (fresh, cached, stale, fallback), unusable output, a chunk's error and explained rows.
+    ``every_row_decided``: none of what keeps a row from a decision with model output (no refused
+    probability, fallback, unusable output or error)."""
     from types import SimpleNamespace
 
     from mlpair.prediction.batch import Group
@@ -175,16 +177,20 @@ def _scored_group(entry, records: list[dict], members: int, seed: int):
     edges = [b.min_probability for b in policy.bands]
     probabilities = rng.uniform(0, 1, (members, n))
     probabilities[:, :len(edges) * 2] = np.concatenate([edges, np.nextafter(edges, 0.0)])
-    probabilities[:, -3:] = [math.nan, 1.5, -0.25]  # usable yet refused by the policy
-    sources = [Source.INFERENCE, Source.CACHE, Source.STALE_CACHE, Source.FALLBACK]
-    served = [Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if sources[k % 4] is Source.FALLBACK else
-              Scored(np.zeros(2, np.float32), f"v{k % 3}", sources[k % 4], 17 * (k % 5),
-                     "INFERENCE_TIMEOUT" if sources[k % 4] is Source.STALE_CACHE else "") for k in range(n)]
-    usable = np.array([served[k].source is not Source.FALLBACK and k % 11 != 5 for k in range(n)])
+    sources = [Source.INFERENCE, Source.CACHE, Source.STALE_CACHE, *(() if every_row_decided else [Source.FALLBACK])]
+    if not every_row_decided:
+        probabilities[:, -3:] = [math.nan, 1.5, -0.25]  # usable yet refused by the policy
+    source = [sources[k % len(sources)] for k in range(n)]
+    served = [Scored(None, "", Source.FALLBACK, 0, "CIRCUIT_OPEN") if source[k] is Source.FALLBACK else
+              Scored(np.zeros(2, np.float32), f"v{k % 3}", source[k], 17 * (k % 5),
+                     "INFERENCE_TIMEOUT" if source[k] is Source.STALE_CACHE else "") for k in range(n)]
+    usable = np.array([s.source is not Source.FALLBACK and (every_row_decided or k % 11 != 5)
+                       for k, s in enumerate(served)])
+    errors = {} if every_row_decided else {7: UnexpectedFailure("internal error")}
     group = Group(family, list(range(n)), [PredictInput(f"r{k}", f"e{k}", records[k]) for k in range(n)],
                   assembled.matrix, columns.guards(assembled.actions), [f"fp{k}" for k in range(n)],
                   served=served, probabilities=np.where(usable, probabilities, 0.0), usable=usable,
-                  model_versions=[s.model_version for s in served], errors={7: UnexpectedFailure("internal error")})
+                  model_versions=[s.model_version for s in served], errors=errors)
     group.occluded = {k: rng.uniform(0, 1, (members, family.n_schema_features)) for k in range(0, n, 13) if usable[k]}
     return group
 
@@ -217,6 +223,29 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
                 served=group.served[:1], probabilities=group.probabilities[:, :1], usable=group.usable[:1],
                 model_versions=group.model_versions[:1], occluded={k: v for k, v in group.occluded.items() if k == 0})
     assert _decided(decide_columns(one, at, 3, {})) == _decided(columnar_)[:1]  # one row takes the row-wise path
+
+
+@pytest.mark.parametrize("members", [1, 3])
+def test_a_group_decided_with_model_output_on_every_row_is_recorded_as_the_general_path_records_it(
+        members, credit_entry, credit_holdout):
+    """A group whose every row has model output takes a column-at-once path to its records; one
+    failed row sends the same group through the general, row-by-row bookkeeping, and every other
+    row's record, probability bits, spread, source, calibration method and explanation are the same."""
+    from datetime import datetime, timezone
+
+    from mlpair.prediction.decisions import decide_columns
+    from mlpair.prediction.scoring.scorer import UnexpectedFailure
+
+    group = _scored_group(credit_entry, credit_holdout.records, members, seed=members, every_row_decided=True)
+    at = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    whole = decide_columns(group, at, 3, {})
+    assert len(whole.rows) == len(group) and not whole.errors and not whole.without_model
+    assert whole.explanations and any(whole.from_cache) and not all(whole.from_cache)
+    group.errors = {len(group) - 1: UnexpectedFailure("internal error")}
+    general = decide_columns(group, at, 3, {})
+    assert general.rows == whole.rows[:-1]
+    assert _decided(general) == _decided(whole)[:-1]
+    assert [p.hex() for p in general.columns.probability] == [p.hex() for p in whole.columns.probability[:-1]]
 
 
 def _member_answers(members: int, rows: int) -> list:

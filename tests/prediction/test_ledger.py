@@ -23,7 +23,7 @@ from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.relay import LedgerRelay
 from mlpair.prediction.crm import codecs
 from mlpair.prediction.crm.store import CrmStore
-from mlpair.prediction.records import StoredDecision, decision_id_for
+from mlpair.prediction.records import StoredDecision, decision_id_for, decision_ids_for
 from mlpair.prediction.errors import LedgerUnavailable
 from tests.fault_support import TcpProxy, eventually
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
@@ -421,8 +421,12 @@ def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
     from mlpair.prediction.records import _DECISION_NAMESPACE
 
     # 2,000 generated ids besides: every hex digit turns up where the variant bits are set
-    for request_id in ("r1", "", "é" * 64, "x" * 128, "日本語-id", *(f"r{i}" for i in range(2000))):
-        assert decision_id_for(request_id) == str(uuid.uuid5(_DECISION_NAMESPACE, request_id))
+    request_ids = ["r1", "", "é" * 64, "x" * 128, "日本語-id", *(f"r{i}" for i in range(2000))]
+    expected = [str(uuid.uuid5(_DECISION_NAMESPACE, request_id)) for request_id in request_ids]
+    assert [decision_id_for(request_id) for request_id in request_ids] == expected
+    # a batch's ids, written at once from eight ids on: the same, at every batch size around that
+    for n in (0, 1, 7, 8, 9, 64, len(request_ids)):
+        assert decision_ids_for(request_ids[:n]) == expected[:n]
 
 
 def test_a_stored_decision_serialises_every_field():
