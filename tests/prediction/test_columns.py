@@ -266,16 +266,18 @@ def _unscored_group(entry, records: list[dict], members: int):
     return group
 
 
+@pytest.mark.parametrize("explained", [True, False])
 @pytest.mark.parametrize("members", [1, 2])
-def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entry, credit_holdout):
-    """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does."""
+def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, explained, credit_entry, credit_holdout):
+    """``scoring._fill_rows`` (groups under eight rows) leaves the group's scoring columns as ``_fill`` does,
+    with explained items among them and without (one row per item, ``_fill``'s shortest path)."""
     from mlpair.prediction.scoring.scorer import ChunkScores, _fill, _fill_rows
 
     records = credit_holdout.records[:40]
     rng = np.random.default_rng(members)
-    sizes = [1 + 5 * (k % 3 == 0) for k in range(len(records))]  # explained items carry occluded rows
-    total = sum(sizes)
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    sizes = [1 + 5 * (k % 3 == 0) for k in range(len(records))] if explained else None  # occluded rows
+    total = sum(sizes) if sizes else len(records)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist() if sizes else range(total)
     answers = _member_answers(members, total)
     probabilities, usable = rng.uniform(0, 1, (members, total)), rng.uniform(0, 1, total) > 0.1
     margins = rng.normal(size=total)
@@ -288,7 +290,7 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, credit_entr
         filled.append((served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
                        group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
     assert filled[0] == filled[1]
-    assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and filled[0][5]
+    assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and bool(filled[0][5]) is explained
 
 
 @pytest.mark.parametrize("members", [1, 2])

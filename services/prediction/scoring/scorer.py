@@ -210,7 +210,10 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
         return
     answers, probabilities, usable, margins, offsets, sizes = scores
     single, first = len(answers) == 1, answers[0]
-    own = [first.row(o) if single else _served([a.row(o) for a in answers]) for o in offsets]
+    if single:
+        own = _rows_at(first, offsets)
+    else:
+        own = [_served([a.row(o) for a in answers]) for o in offsets]
     at: slice | list[int]
     if isinstance(items, range):
         at = slice(items.start, items.stop)
@@ -227,6 +230,11 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
     if margins is not None:
         group.margins[at] = np.where(decided, margins[rows], 0.0)
     versions = group.model_versions
+    if single and sizes is None:  # one member, nothing explained: only the versions to copy
+        for k, served, ok in zip(items, own, decided.tolist()):
+            if ok:
+                versions[k] = served.model_version
+        return
     for j, (k, o, served, ok) in enumerate(zip(items, offsets, own, decided.tolist())):
         if not ok:
             continue
@@ -234,6 +242,21 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
         n = 1 if sizes is None else sizes[j]
         if n > 1 and usable[o : o + n].all():  # an explanation needs every occluded row scored
             group.occluded[k] = probabilities[:, o + 1 : o + n]
+
+
+def _rows_at(answer: ScoredRows, offsets: Sequence[int]) -> list[Scored]:
+    """``answer.row(o)`` for each of ``offsets``, its columns looked up once instead of per row."""
+    logits, fallback = answer.logits, Source.FALLBACK
+    sources, versions, ages, reasons = answer.sources, answer.model_versions, answer.age_ms, answer.degraded_reasons
+    if offsets == range(len(answer)):  # every row in order: the columns side by side
+        return [
+            Scored(None if s is fallback else row, v, s, a, r)
+            for row, v, s, a, r in zip(logits, versions, sources, ages, reasons)
+        ]
+    return [
+        Scored(None if sources[o] is fallback else logits[o], versions[o], sources[o], ages[o], reasons[o])
+        for o in offsets
+    ]
 
 
 def _fill_rows(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
