@@ -210,10 +210,7 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
         return
     answers, probabilities, usable, margins, offsets, sizes = scores
     single, first = len(answers) == 1, answers[0]
-    if single:
-        own = _rows_at(first, offsets)
-    else:
-        own = [_served([a.row(o) for a in answers]) for o in offsets]
+    own = _rows_at(first, offsets) if single else [_served([a.row(o) for a in answers]) for o in offsets]
     at: slice | list[int]
     if isinstance(items, range):
         at = slice(items.start, items.stop)
