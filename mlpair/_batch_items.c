@@ -3,7 +3,8 @@
  * (read_items), and a BatchPredictResponse's fresh decisions written from their columns
  * (write_rows, see its docstring below: about 6 us of a row's CPU spent building a
  * PredictResponse field by field in Python becomes well under 1 us), and each item's canonical
- * request text for its idempotency fingerprint (canonical_texts).
+ * request text for its idempotency fingerprint (canonical_texts), and a batch's attribute values
+ * column by column (columns).
  *
  * Reading the parsed message from Python (mlpair.prediction.converters.predict_input) looks up
  * each attribute in the map, asks its oneof which kind is set and reads that field: three calls
@@ -645,10 +646,45 @@ static PyObject *canonical_texts(PyObject *Py_UNUSED(module), PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(columns_doc,
+"columns(records, names) -> list[list] | None\n\n"
+"The records' values column by column: ``[[r.get(name) for r in records] for name in names]``\n"
+"(None where a record lacks the name), for a list of dicts; None when a record is not a dict, and\n"
+"the caller reads them itself. The two per-row loops that read every attribute of a batch (its\n"
+"fingerprints' columns and the feature assembly's) cost about 35 ns a value as a comprehension.");
+
+static PyObject *columns(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *records, *names;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &records, &PyList_Type, &names)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(records), k_max = PyList_GET_SIZE(names);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyDict_CheckExact(PyList_GET_ITEM(records, i))) Py_RETURN_NONE;
+    PyObject *out = PyList_New(k_max);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < k_max; k++) {
+        PyObject *name = PyList_GET_ITEM(names, k), *column = PyList_New(n);
+        if (column == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, column);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *value = PyDict_GetItemWithError(PyList_GET_ITEM(records, i), name); /* borrowed */
+            if (value == NULL && PyErr_Occurred()) { /* an unhashable name */
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyList_SET_ITEM(column, i, Py_NewRef(value == NULL ? Py_None : value));
+        }
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_items", read_items, METH_O, read_items_doc},
     {"write_rows", write_rows, METH_VARARGS, write_rows_doc},
     {"canonical_texts", canonical_texts, METH_VARARGS, canonical_texts_doc},
+    {"columns", columns, METH_VARARGS, columns_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mlpair.prediction.columns import attribute_columns
+
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 try:  # the compiled part (setup.py): the canonical texts of many rows at once
@@ -64,7 +66,10 @@ def request_fingerprints(model_name: str, entity_ids: Sequence[str], records: Se
     keys = records[0].keys()
     alike = [k for k, record in enumerate(records) if record.keys() == keys]
     names = sorted(keys)
-    columns = [[records[k][name] for k in alike] for name in names]
+    if len(alike) == len(records):
+        columns = attribute_columns(records, names)
+    else:
+        columns = [[records[k][name] for k in alike] for name in names]
     out = [""] * len(records)
     sha256, encode = hashlib.sha256, _CANONICAL.encode
     if _canonical_texts is not None:  # the same texts, written by C

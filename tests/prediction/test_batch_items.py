@@ -298,3 +298,39 @@ def test_fingerprints_of_a_batch_are_each_rows_own_both_ways(records, entity_ids
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(idempotency, "_canonical_texts", None)
         assert idempotency.request_fingerprints(model_name, entity_ids, records) == expected
+
+
+# ---- a batch's attribute values column by column ----
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    records=st.lists(st.dictionaries(awkward_texts, attribute_values_, max_size=5), max_size=12),
+    names=st.lists(awkward_texts, max_size=6),
+)
+def test_attribute_columns_are_each_records_values_both_ways(records, names) -> None:
+    """Records with names missing, extra or in any order: each column holds each record's value
+    (None where it lacks the name), through the compiled ``columns`` and the comprehension."""
+    from mlpair.prediction import columns
+
+    names = [*names, *(records[0] if records else ())]
+    expected = [[r[name] if name in r else None for r in records] for name in names]
+    assert columns.attribute_columns(records, names) == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(columns, "_columns", None)
+        assert columns.attribute_columns(records, names) == expected
+
+
+def test_attribute_columns_of_records_that_are_not_dicts_are_read_as_mappings() -> None:
+    """A record that is a mapping of another type (the parsed message's path) is read by the
+    comprehension; the compiled part answers None for such a batch rather than guessing."""
+    from types import MappingProxyType
+
+    from mlpair.prediction.columns import _columns, attribute_columns
+
+    records = [{"a": 1.0}, MappingProxyType({"a": 2.0, "b": "x"})]
+    assert attribute_columns(records, ["a", "b"]) == [[1.0, 2.0], [None, "x"]]
+    if _columns is not None:
+        assert _columns(records, ["a", "b"]) is None
+        with pytest.raises(TypeError):
+            _columns([{"a": 1.0}], [["unhashable"]])
