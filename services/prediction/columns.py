@@ -105,7 +105,7 @@ class ColumnAssembler:
         self._names = [feat.name for feat, _, _ in assembler._numeric] + [
             spec[0].name for spec in assembler._categorical
         ]
-        self._categorical_memo: list[dict[str, tuple[int, int]]] = [{} for _ in schema.categorical]
+        self._categorical_memo: list[dict[str, int]] = [{} for _ in schema.categorical]  # value → slot << 5 | bits
         self._row_guards: dict[bytes, RowGuards] = {}
         self._decoded_bits = [(bit, action) for action, bit in ACTION_BITS.items()]
 
@@ -215,7 +215,7 @@ class ColumnAssembler:
     def _categorical(
         k: int,
         spec,
-        memo: dict[str, tuple[int, int]],
+        memo: dict[str, int],
         values: list,
         matrix: np.ndarray,
         actions: np.ndarray,
@@ -233,22 +233,24 @@ class ColumnAssembler:
                 slot, bits = unknown, bits | ACTION_BITS[UNKNOWN_CATEGORY]
             return slot, bits
 
-        slots = np.empty(len(values), dtype=np.intp)
-        bits = np.zeros(len(values), dtype=np.uint8)
-        found = [memo.get(v) if type(v) is str else None for v in values]
-        for i, hit in enumerate(found):
-            if hit is None:
+        # each value's slot and guard bits as one code, slot << 5 | bits (the bits are under 32);
+        # the memo holds strings only, so any other value (a number, a flag, None) misses it
+        try:
+            codes: list[int | None] = list(map(memo.get, values))
+        except TypeError:  # an unhashable value: every value converted below
+            codes = [None] * len(values)
+        if None in codes:
+            for i in [i for i, code in enumerate(codes) if code is None]:
                 value = values[i]
                 try:
-                    hit = convert(value)
+                    slot, bits = convert(value)
                 except ConversionProblem as exc:
                     problems.setdefault(i, {})[feat.name] = str(exc)
-                    hit = (unknown, 0)
-                else:
-                    if type(value) is str and len(memo) < _MEMO_LIMIT:
-                        memo[value] = hit
-                found[i] = hit
-        if found:
-            slots[:], bits[:] = zip(*found)
-        matrix[np.arange(len(values)), slots] = 1.0
-        actions[:, k] = bits
+                    codes[i] = unknown << 5
+                    continue
+                code = codes[i] = slot << 5 | bits
+                if type(value) is str and len(memo) < _MEMO_LIMIT:
+                    memo[value] = code
+        found = np.array(codes, dtype=np.intp)
+        matrix[np.arange(len(values)), found >> 5] = 1.0
+        actions[:, k] = found & 0x1F
