@@ -72,12 +72,15 @@ class Service:
         add_to_server: the generated ``add_<Service>Servicer_to_server`` function.
         refused: told of each call refused before its method ran
             (:func:`~mlpair.rpc.servicers.guard_servicer`), or None.
+        serialized: methods that may answer with a :class:`~mlpair.rpc.servicers.Serialized`
+            response (written in wire form by the handler, sent as it is).
     """
 
     name: str
     servicer: object
     add_to_server: Callable[[Any, Any], None]
     refused: Callable[[str, object, str], None] | None = None
+    serialized: tuple[str, ...] = ()
 
 
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
@@ -169,7 +172,7 @@ def build_server(
         servicer = guard_servicer(service.servicer, domain, health.gate, service.refused)
         if observe is not None:
             observe(servicer, service.name)
-        add_servicer(service.add_to_server, servicer, server)
+        add_servicer(service.add_to_server, servicer, server, service.serialized)
     health.add_to(server)
     if settings.reflection:
         enable_reflection(server, [service.name for service in services])

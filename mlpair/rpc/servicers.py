@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -48,6 +48,21 @@ def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], object]:
     return parse
 
 
+class Serialized(NamedTuple):
+    """A response its handler wrote in wire form already (a method registered as ``serialized``
+    with :func:`add_servicer`): gRPC sends ``data`` as it is, instead of a message parsed from
+    those bytes only to be serialised again."""
+
+    data: bytes
+
+
+def _sending_serialized(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    def send(response: Any) -> bytes:
+        return response.data if type(response) is Serialized else serialize(response)
+
+    return send
+
+
 class _Captured:
     """Collects what a generated ``add_<Service>Servicer_to_server`` function registers."""
 
@@ -61,21 +76,28 @@ class _Captured:
         self.service, self.handlers = service, handlers
 
 
-def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: object, server: grpc.aio.Server) -> None:
+def add_servicer(
+    add_to_server: Callable[[Any, Any], None],
+    servicer: object,
+    server: grpc.aio.Server,
+    serialized: Collection[str] = (),
+) -> None:
     """Registers ``servicer`` as the generated ``add_to_server`` would, except that a request
     whose bytes are not a valid message reaches the guarded handler (:func:`guard_servicer`)
     as a marker it refuses with INVALID_ARGUMENT (MALFORMED_REQUEST), and one carrying fields
     the contract does not define as a :class:`~mlpair.wire.Refused` (UNKNOWN_FIELD). Left to
     itself, gRPC answers the first UNKNOWN, with the parser's exception text as the message,
-    and the handler would silently ignore the second's fields."""
+    and the handler would silently ignore the second's fields. The methods named in
+    ``serialized`` may answer with a :class:`Serialized` response, sent as its bytes."""
     captured = _Captured()
     add_to_server(servicer, captured)
-    handlers = {
-        name: handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
-        if handler.request_deserializer
-        else handler
-        for name, handler in captured.handlers.items()
-    }
+    handlers = {}
+    for name, handler in captured.handlers.items():
+        if handler.request_deserializer:
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
+        if name in serialized:
+            handler = handler._replace(response_serializer=_sending_serialized(handler.response_serializer))
+        handlers[name] = handler
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.service, handlers),))
     server.add_registered_method_handlers(captured.service, handlers)
 

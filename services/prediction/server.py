@@ -151,6 +151,7 @@ def create_server(
                 PredictionServicer(predictor),
                 pb_grpc.add_PredictionServiceServicer_to_server,
                 count_refused_calls(predictor),
+                serialized=("BatchPredict",),  # written column by column (converters.batch_response)
             )
         ],
         health,

@@ -8,6 +8,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.prediction import converters, metrics
 from mlpair.prediction.pipeline import Predictor
+from mlpair.rpc.servicers import Serialized
 
 DECIDING_METHODS = frozenset({"PredictionServicer.Predict", "PredictionServicer.BatchPredict"})
 
@@ -40,6 +41,6 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
 
     async def BatchPredict(
         self, request: pb.BatchPredictRequest, context: grpc.aio.ServicerContext
-    ) -> pb.BatchPredictResponse:
+    ) -> pb.BatchPredictResponse | Serialized:
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)

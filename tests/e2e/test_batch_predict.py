@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
+from mlpair.rpc.servicers import Serialized
 from tests.e2e.conftest import crm_count, inference_service, prediction_service
 from tests.e2e.test_end_to_end import expected_probabilities
 
@@ -225,9 +226,10 @@ async def test_responses_written_column_by_column_equal_the_ones_built_field_by_
     await predictor.predict_batch(inputs("written")[:4])  # on record before: replayed below
     outcomes = await predictor.predict_batch(inputs("written"))
     written = converters.batch_response(outcomes)
+    assert isinstance(written, Serialized)  # sent as these bytes, never parsed on the server
     monkeypatch.setattr(converters, "_write_rows", None)
     built = converters.batch_response(outcomes)
-    assert written == built
+    assert pb.BatchPredictResponse.FromString(written.data) == built
     kinds = [r.WhichOneof("outcome") for r in built.results]
     assert kinds.count("error") == 2 and kinds.count("prediction") == len(kinds) - 2
     predictions = [r.prediction for r in built.results if r.WhichOneof("outcome") == "prediction"]

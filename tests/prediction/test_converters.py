@@ -11,6 +11,7 @@ from mlpair.prediction.records import StoredDecision
 from mlpair.prediction.errors import InvalidRequest, UnknownModel
 from mlpair.prediction.explain import Contribution, Explanation
 from mlpair.prediction.pipeline import PredictionResult, UnexpectedFailure
+from mlpair.rpc.servicers import Serialized
 
 
 def stored(decision: str) -> StoredDecision:
@@ -41,6 +42,8 @@ def test_item_errors_become_statuses_with_error_info_in_request_order():
                 UnknownModel("model family 'x' is not served here"),
                 UnexpectedFailure("internal error")]
     reply = converters.batch_response(outcomes)
+    if isinstance(reply, Serialized):  # written in wire form (the compiled part is built)
+        reply = pb.BatchPredictResponse.FromString(reply.data)
     assert [r.WhichOneof("outcome") for r in reply.results] == ["prediction", "error", "error", "error"]
     codes = [r.error.code for r in reply.results[1:]]
     assert codes == [code_pb2.INVALID_ARGUMENT, code_pb2.NOT_FOUND, code_pb2.INTERNAL]

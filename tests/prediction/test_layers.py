@@ -160,8 +160,9 @@ def test_logits_reach_calibration_as_one_matrix():
     scorer = tree(f"{SCORING}.scorer")
     assert "_stack" not in {n.name for n in scorer.body if isinstance(n, ast.FunctionDef)}
     # logits are read only off a whole ScoredRows, never row by row to be stacked again
+    # (``answer`` is _rows_at's ScoredRows, whose rows it hands out as views of the matrix)
     reads = sorted({ast.unparse(n) for n in ast.walk(scorer) if isinstance(n, ast.Attribute) and n.attr == "logits"})
-    assert reads == ["a.logits", "answers[0].logits"]
+    assert reads == ["a.logits", "answer.logits", "answers[0].logits"]
     infer = next(n for n in scorer.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "Infer")
     assert ast.unparse(infer.value).endswith("Awaitable[ScoredRows]]")
     calibrated = [
