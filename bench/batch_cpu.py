@@ -62,6 +62,13 @@ class FakeInference:
         return None
 
 
+def wire_form(reply) -> bytes:
+    """A servicer's reply as gRPC sends it: a ``Serialized`` response's bytes as they are, else
+    the message serialised (the harness measures releases before the written responses too)."""
+    data = getattr(reply, "data", None)
+    return data if isinstance(data, bytes) else reply.SerializeToString()
+
+
 class _GcTimer:
     """CPU seconds spent in the garbage collector (any thread) since :meth:`reset`, and (runs, CPU ms) per generation."""
 
@@ -245,12 +252,24 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
         with stages.timed("servicer and pipeline glue"):  # less the stages timed inside it
             reply = await servicer.BatchPredict(request, context)
             with stages.timed("response"):
-                raw_reply = reply.SerializeToString()  # as grpc would
-        errors = sum(1 for r in reply.results if r.WhichOneof("outcome") != "prediction")
-        if errors:
-            first = next(r.error for r in reply.results if r.WhichOneof("outcome") == "error")
-            raise RuntimeError(f"{errors} item errors in one call, the first: {first.message}")
-        return len(raw_reply) and len(reply.results)
+                replies.append(wire_form(reply))  # what grpc sends; checked after the pass (check_replies)
+        return len(request.requests)
+
+    replies: list[bytes] = []
+
+    def check_replies(rows: int) -> None:
+        """Every reply since the last check holds one decision per item, ``rows`` in all (parsed
+        here, after the pass's CPU was read: checking is the harness's work, not the service's)."""
+        results = 0
+        for raw_reply in replies:
+            reply = pb.BatchPredictResponse.FromString(raw_reply)
+            errors = [r.error for r in reply.results if r.WhichOneof("outcome") != "prediction"]
+            if errors:
+                raise RuntimeError(f"{len(errors)} item errors in one call, the first: {errors[0].message}")
+            results += len(reply.results)
+        replies.clear()
+        if args.rpc == "batch" and results != rows:
+            raise RuntimeError(f"{results} results for {rows} items")
 
     async def drive(calls: int, deliver: bool = True) -> int:
         rows = 0
@@ -264,13 +283,14 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     gc_time = _GcTimer()
     if not args.no_gc_tuning:
         tune_collector()  # as serve() does once the service is up (the payloads with it)
-    await drive(args.warmup_calls)
+    check_replies(await drive(args.warmup_calls))
     passes = []
     for _ in range(args.repeats):
         gc_time.reset()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         rows = await drive(args.calls)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        check_replies(rows)
         passes.append({"rows": rows, "cpu_us_per_row": round(1e6 * cpu / rows, 2), "wall_s": round(wall, 3),
                        "gc_us_per_row": round(1e6 * gc_time.seconds / rows, 2), "gc_runs": gc_time.runs})
     gc_time.close()
@@ -279,10 +299,13 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
 
         profiler = cProfile.Profile()
         profiler.enable()
-        await drive(args.calls)
+        rows = await drive(args.calls)
         profiler.disable()
+        check_replies(rows)
         profiler.dump_stats(args.profile)
     breakdown = await stage_breakdown(args, predictor, stages, drive) if args.stages else None
+    if breakdown:
+        check_replies(breakdown["rows"])
     await predictor.recorder.close()
     await predictor.scorer.close()
     figures = sorted(p["cpu_us_per_row"] for p in passes)
