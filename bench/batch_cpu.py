@@ -62,6 +62,21 @@ class FakeInference:
         return None
 
 
+def request_reader():
+    """The request's bytes → what the served BatchPredict handler gets: the items read from the
+    bytes where the release registers a reader (``converters.read_batch_request``), else the
+    strict parse the server makes (``mlpair.wire.parse_strictly``), so releases compare alike."""
+    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+    from mlpair.prediction import converters
+    from mlpair.wire import parse_strictly
+
+    strict = parse_strictly(pb.BatchPredictRequest.FromString)
+    read = getattr(converters, "read_batch_request", None)
+    if read is None:
+        return strict
+    return lambda data: read(data) or strict(data)
+
+
 def wire_form(reply) -> bytes:
     """A servicer's reply as gRPC sends it: a ``Serialized`` response's bytes as they are, else
     the message serialised (the harness measures releases before the written responses too)."""
@@ -242,18 +257,19 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     queue = iter(payloads)
 
     stages = _StageTimer()
+    read_request = request_reader()
 
     async def one(raw: bytes) -> int:
         if args.rpc == "predict":
             reply = await servicer.Predict(pb.PredictRequest.FromString(raw), context)
             return len(reply.SerializeToString()) and 1
         with stages.timed("parse request"):
-            request = pb.BatchPredictRequest.FromString(raw)
+            request = read_request(raw)
         with stages.timed("servicer and pipeline glue"):  # less the stages timed inside it
             reply = await servicer.BatchPredict(request, context)
             with stages.timed("response"):
                 replies.append(wire_form(reply))  # what grpc sends; checked after the pass (check_replies)
-        return len(request.requests)
+        return len(request.items if hasattr(request, "items") else request.requests)
 
     replies: list[bytes] = []
 

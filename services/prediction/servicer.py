@@ -40,7 +40,7 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         return converters.predict_response(result)
 
     async def BatchPredict(
-        self, request: pb.BatchPredictRequest, context: grpc.aio.ServicerContext
+        self, request: pb.BatchPredictRequest | converters.ReadBatch, context: grpc.aio.ServicerContext
     ) -> pb.BatchPredictResponse | Serialized:
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)

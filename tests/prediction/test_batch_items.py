@@ -184,6 +184,9 @@ def PredictInputs(items) -> list:
         pytest.param(delimited(1, varint(3 << 3 | 0) + varint(5)), id="a known number with another wire type"),
         pytest.param(delimited(1, entry(b"a", varint(1 << 3 | 0) + varint(4))), id="a value member with another wire type"),
         pytest.param(UNUSED + delimited(1, entry(b"a", TEXT)), id="an unknown field in the request"),
+        pytest.param(delimited(1, b"\x80" * 10 + b"\x01"), id="a varint of eleven bytes"),
+        pytest.param(delimited(1, varint(0 << 3 | 2) + varint(0)), id="field number 0"),
+        pytest.param(delimited(1, varint(1 << 3 | 7)), id="wire type 7"),
     ],
 )
 def test_bytes_it_cannot_read_are_left_to_the_parser(data: bytes) -> None:
@@ -195,7 +198,8 @@ def test_bytes_it_cannot_read_are_left_to_the_parser(data: bytes) -> None:
 @given(batch_requests(), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4), st.integers(0, 64))
 def test_damaged_bytes_read_as_the_parser_reads_them_or_not_at_all(request, flips, cut) -> None:
     """Any bytes — a valid request with bytes changed and its end cut — never crash the reader;
-    where the protobuf parser accepts them, the reader gives what the parser gives, or None."""
+    where the protobuf parser accepts them, the reader gives what the parser gives, or None; where
+    the parser refuses them, the reader does too (a served BatchPredict is read by it first)."""
     data = bytearray(request.SerializeToString())
     for at, value in flips:
         if data:
@@ -204,7 +208,8 @@ def test_damaged_bytes_read_as_the_parser_reads_them_or_not_at_all(request, flip
     read = read_items(data)
     try:
         parsed_request = pb.BatchPredictRequest.FromString(data)
-    except Exception:  # noqa: BLE001  (not a message: the reader's answer does not matter, only that it answered)
+    except Exception:  # noqa: BLE001  (not a message: refused by the reader too)
+        assert read is None
         return
     if read is not None:
         assert as_seen(PredictInputs(read)) == parsed(parsed_request)
@@ -334,3 +339,28 @@ def test_attribute_columns_of_records_that_are_not_dicts_are_read_as_mappings() 
         assert _columns(records, ["a", "b"]) is None
         with pytest.raises(TypeError):
             _columns([{"a": 1.0}], [["unhashable"]])
+
+
+@needs_reader
+def test_a_served_batch_is_read_from_its_bytes_and_anything_else_goes_to_the_strict_parser() -> None:
+    """As PredictionService registers BatchPredict: readable bytes reach the handler as the items
+    read (no message parsed), bytes with fields the contract does not define as the refusal the
+    strict parser makes (UNKNOWN_FIELD), bytes that are no message as the malformed marker."""
+    from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+    from mlpair.rpc.servicers import _UNDECODABLE, _Captured, add_servicer
+    from mlpair.wire import Refused
+
+    server = _Captured()
+    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, pb_grpc.PredictionServiceServicer(), server,
+                 readers={"BatchPredict": converters.read_batch_request})
+    read = server.handlers["BatchPredict"].request_deserializer
+    request = pb.BatchPredictRequest(requests=[pb.PredictRequest(
+        request_id="r", entity_id="e", attributes={"a": pb.AttributeValue(number_value=1.0)})])
+    data = request.SerializeToString()
+    got = read(data)
+    assert isinstance(got, converters.ReadBatch)
+    assert as_seen(converters.batch_inputs(got)) == parsed(request)
+    assert isinstance(read(UNUSED + data), Refused)
+    assert read(data[:-3]) is _UNDECODABLE
+    assert isinstance(server.handlers["Predict"].request_deserializer(pb.PredictRequest().SerializeToString()),
+                      pb.PredictRequest)  # only the method given a reader has one
