@@ -22,10 +22,9 @@ for one extra pass.
 ``--relay-process`` measures the other deployment: this process records with the relay off
 (``relay_in_process=False``) and a ``mlpair relay`` subprocess delivers. Each pass then reports
 this process's CPU per row (``cpu_us_per_row``: deciding, recording and polling the backlog until
-it is empty) and, separately, the subprocess's (``relay_process_cpu_us_per_row``: psutil's user +
-system CPU time of that process across the same pass, its idle polls of the ledger included;
-counted in clock ticks of 10 ms, so ±2 µs per row on a pass of 5,000 rows:
-``relay_process_cpu_us_per_row_all_passes``, over every pass together, is the finer figure). In
+it is empty) and, separately, the subprocess's (``relay_process_cpu_us_per_row``: its user +
+system CPU time across the same pass, its idle polls of the ledger included; see
+:class:`RelayProcess` for the clock). In
 ``--stages`` mode the relay subprocess is paused (SIGSTOP) while the pass decides, then resumed,
 and the "relay" line is its CPU delivering that pass.
 
@@ -220,16 +219,34 @@ class _Context:
 
 
 class RelayProcess:
-    """A ``mlpair relay`` subprocess over the bench's ledger and CRM, and its CPU time (psutil)."""
+    """A ``mlpair relay`` subprocess over the bench's ledger and CRM, and its CPU time.
+
+    The CPU time is the process's CPU-time clock (``clock_getcpuclockid``, nanoseconds, every
+    thread) where the C library has one, else psutil's user + system times, counted in clock ticks
+    of 10 ms: 2 µs per row on a pass of 5,000 rows, too coarse for the --stages line.
+    """
 
     def __init__(self, process: subprocess.Popen) -> None:
+        import ctypes
+        import ctypes.util
+
         import psutil
 
         self.process = process
         self._ps = psutil.Process(process.pid)
+        self._clock: int | None = None
+        try:
+            clock = ctypes.c_int()
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            if libc.clock_getcpuclockid(process.pid, ctypes.byref(clock)) == 0:
+                self._clock = clock.value
+        except (OSError, AttributeError):  # no such C function here: psutil's ticks
+            pass
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the subprocess has used so far (all its threads)."""
+        if self._clock is not None:
+            return time.clock_gettime(self._clock)
         times = self._ps.cpu_times()
         return times.user + times.system
 
