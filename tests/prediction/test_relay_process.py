@@ -1,6 +1,7 @@
 """The outbox relay in a process of its own (``mlpair relay``): PredictionService with
 ``relay_in_process`` off only records, and relay processes over one PostgreSQL ledger deliver each
-decision to the CRM exactly once, through several relays, a SIGTERM mid-backlog and a restart.
+decision to the CRM exactly once, through several relays, a SIGTERM mid-backlog and a restart
+(and over a SQLite ledger, on its machine).
 
 Each relay is a real ``mlpair relay`` subprocess, started and ended by its PID."""
 
@@ -244,7 +245,7 @@ async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while
     try:
         async with relay_process(through_proxy, postgres, health_interval_ms="200",
                                  ledger_timeout_ms="500") as (relay, address, metrics_url):
-            assert await health_of(address, "liveness") == SERVING
+            assert await health_of(address, "liveness") == await health_of(address, "relay") == SERVING
             assert await health_of(address, "ledger") == await health_of(address, "crm") == SERVING
             samples = await scrape(metrics_url)
             assert samples["prediction_outbox_depth"] == 0
@@ -256,7 +257,7 @@ async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while
                 return await health_of(address, "") == NOT_SERVING
 
             await eventually(unready, timeout_s=10)
-            assert await health_of(address, "ledger") == NOT_SERVING
+            assert await health_of(address, "ledger") == await health_of(address, "relay") == NOT_SERVING
             assert await health_of(address, "liveness") == SERVING  # not restarted for a ledger outage
             await proxy.restore()
 
@@ -267,3 +268,25 @@ async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while
             assert await sigterm(relay) == 0
     finally:
         await proxy.close()
+
+
+async def test_two_relay_processes_over_a_sqlite_ledger_on_one_machine_deliver_each_decision_once(tmp_path):
+    """A SQLite ledger's relays claim leases in short write transactions, so relay processes on
+    the ledger's machine share its backlog as its serving workers do."""
+    ledger_url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}"
+    crm_url = f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
+    await migrate(ledger_url, crm_url)
+    settings = dict(relay_batch_size="20", ledger_synchronous="NORMAL")
+    async with relay_process(ledger_url, crm_url, **settings) as (a, _, a_metrics), \
+            relay_process(ledger_url, crm_url, **settings) as (b, _, b_metrics):
+        ids = await record_backlog(ledger_url, 1000, "sqlite")
+
+        async def delivered() -> bool:
+            return await backlog(ledger_url) == 0
+
+        await eventually(delivered, timeout_s=30)
+        assert await exactly_once(crm_url, ids) == (1000, 1000, 1000)
+        by_a, by_b = await scrape(a_metrics), await scrape(b_metrics)
+        assert by_a["prediction_outbox_delivered_total"] + by_b["prediction_outbox_delivered_total"] == 1000
+        assert by_a["prediction_outbox_already_in_crm_total"] == by_b["prediction_outbox_already_in_crm_total"] == 0
+        assert await sigterm(a) == 0 and await sigterm(b) == 0
