@@ -15,7 +15,7 @@ docs/performance.md) is no longer paid by the process that serves requests.
   only for processes on its machine, as its serving workers are: claims are leases
   (``LEASE_S``, :mod:`mlpair.prediction.crm.ledger_sqlite`) taken in short write transactions.
 * **Health** (``grpc.health.v1`` on ``relay_port``, for Kubernetes probes): ``liveness`` SERVING
-  while the process runs; readiness (``""``) SERVING while the ledger answers, NOT_SERVING for
+  while the process runs; readiness (``""`` and ``relay``) SERVING while the ledger answers, NOT_SERVING for
   good once it stops; status names ``ledger`` and ``crm`` for dashboards (the CRM being down only
   leaves decisions waiting in the ledger, so it never makes the relay unready).
 * **Metrics** on ``relay_metrics_port``: the relay's ``prediction_outbox_delivered_total``,
@@ -46,6 +46,8 @@ from mlpair.rpc.server import bind_port
 logger = logging.getLogger(__name__)
 
 DEPENDENCIES = ("ledger", "crm")
+RELAY = "relay"
+"""Health name of the relay's readiness (besides ``""``), for the readiness probe."""
 
 
 class RelayHealth(Health):
@@ -53,7 +55,7 @@ class RelayHealth(Health):
     dependency (see the module docstring), checked in the background."""
 
     def __init__(self) -> None:
-        super().__init__([])
+        super().__init__([RELAY])
         self.status: dict[str, bool] = {}
         self._task: asyncio.Task | None = None
 
