@@ -112,7 +112,7 @@ def relay(args: argparse.Namespace) -> int:
     configure_logging("prediction", settings.log_level, settings.log_format)
     try:
         if settings.relay_port:
-            check_port_free(settings.host, settings.relay_port)  # at once, before any database work
+            check_port_free(settings.host, settings.relay_port, "relay port")  # at once, before any database work
         if settings.relay_metrics_port:
             from prometheus_client import start_http_server
 
