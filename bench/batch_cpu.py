@@ -19,18 +19,33 @@ but still by about ±10%: compare interleaved runs. The collector is tuned as ``
 it (``--no-gc-tuning`` to skip). ``--profile FILE`` writes a cProfile of the event loop thread
 for one extra pass.
 
+``--relay-process`` measures the other deployment: this process records with the relay off
+(``relay_in_process=False``) and a ``mlpair relay`` subprocess delivers. Each pass then reports
+this process's CPU per row (``cpu_us_per_row``: deciding, recording and polling the backlog until
+it is empty) and, separately, the subprocess's (``relay_process_cpu_us_per_row``: its user +
+system CPU time across the same pass, its idle polls of the ledger included; see
+:class:`RelayProcess` for the clock). In
+``--stages`` mode the relay subprocess is paused (SIGSTOP) while the pass decides, then resumed,
+and the "relay" line is its CPU delivering that pass.
+
     .venv/bin/python bench/batch_cpu.py --calls 40 --repeats 3
+    .venv/bin/python bench/batch_cpu.py --calls 40 --repeats 3 --relay-process
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
@@ -225,7 +240,77 @@ class _Context:
         return 30.0
 
 
-async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
+class RelayProcess:
+    """A ``mlpair relay`` subprocess over the bench's ledger and CRM, and its CPU time.
+
+    The CPU time is the process's CPU-time clock (``clock_getcpuclockid``, nanoseconds, every
+    thread) where the C library has one, else psutil's user + system times, counted in clock ticks
+    of 10 ms: 2 µs per row on a pass of 5,000 rows, too coarse for the --stages line.
+    """
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        import ctypes
+        import ctypes.util
+
+        import psutil
+
+        self.process = process
+        self._ps = psutil.Process(process.pid)
+        self._clock: int | None = None
+        try:
+            clock = ctypes.c_int()
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            if libc.clock_getcpuclockid(process.pid, ctypes.byref(clock)) == 0:
+                self._clock = clock.value
+        except (OSError, AttributeError):  # no such C function here: psutil's ticks
+            pass
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the subprocess has used so far (all its threads)."""
+        if self._clock is not None:
+            return time.clock_gettime(self._clock)
+        times = self._ps.cpu_times()
+        return times.user + times.system
+
+    def pause(self) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def relay_process(crm_url: str, ledger_url: str) -> Iterator[RelayProcess]:
+    """``mlpair relay`` until ready (its health port SERVING), stopped by SIGTERM (by its PID) on the way out.
+
+    Raises:
+        RuntimeError: it exited or was not ready within 60 s.
+    """
+    from mlpair.client.health import wait_until_serving
+
+    port = harness.free_port()
+    env = {**os.environ, "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_CRM_URL": crm_url,
+           "PREDICTION_LEDGER_SYNCHRONOUS": "NORMAL", "PREDICTION_HOST": "127.0.0.1",
+           "PREDICTION_RELAY_PORT": str(port), "PREDICTION_RELAY_METRICS_PORT": "0", "PREDICTION_LOG_LEVEL": "WARNING"}
+    process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "relay"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    try:
+        if not wait_until_serving(f"127.0.0.1:{port}", 60, lambda: process.poll() is None):
+            raise RuntimeError(f"mlpair relay was not ready: {process.stderr.read().decode()[-2000:]}")
+        yield RelayProcess(process)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)  # in case a --stages pass left it paused
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(10)
+        process.stderr.close()
+
+
+async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: RelayProcess | None = None) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.collector import tune_collector
     from mlpair.prediction import server
@@ -237,7 +322,8 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     entry = harness.trained_model(root)
     settings = PredictionSettings(
         model_repository=root, config_dir=harness.CONFIG_DIR, model_name=harness.MODEL, crm_url=crm_url,
-        ledger_url=ledger_url, ledger_synchronous="NORMAL", cache_backend=args.cache)
+        ledger_url=ledger_url, ledger_synchronous="NORMAL", cache_backend=args.cache,
+        relay_in_process=relay is None)
     predictor = server.build_predictor(settings)
     fake = FakeInference(entry.preprocessing.n_features)
     predictor.scorer.client = predictor.scorer.coalescer.client = predictor.inference = fake
@@ -300,16 +386,21 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
     if not args.no_gc_tuning:
         tune_collector()  # as serve() does once the service is up (the payloads with it)
     check_replies(await drive(args.warmup_calls))
+    relay_cpu_start = relay.cpu_s() if relay else 0.0
     passes = []
     for _ in range(args.repeats):
         gc_time.reset()
+        relay_cpu0 = relay.cpu_s() if relay else 0.0
         cpu0, wall0 = time.process_time(), time.perf_counter()
         rows = await drive(args.calls)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         check_replies(rows)
         passes.append({"rows": rows, "cpu_us_per_row": round(1e6 * cpu / rows, 2), "wall_s": round(wall, 3),
                        "gc_us_per_row": round(1e6 * gc_time.seconds / rows, 2), "gc_runs": gc_time.runs})
+        if relay:
+            passes[-1]["relay_process_cpu_us_per_row"] = round(1e6 * (relay.cpu_s() - relay_cpu0) / rows, 2)
     gc_time.close()
+    relay_cpu_all = relay.cpu_s() - relay_cpu_start if relay else 0.0
     if args.profile:
         import cProfile
 
@@ -319,41 +410,53 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path) -> dict:
         profiler.disable()
         check_replies(rows)
         profiler.dump_stats(args.profile)
-    breakdown = await stage_breakdown(args, predictor, stages, drive) if args.stages else None
+    breakdown = await stage_breakdown(args, predictor, stages, drive, relay) if args.stages else None
     if breakdown:
         check_replies(breakdown["rows"])
     await predictor.recorder.close()
     await predictor.scorer.close()
     figures = sorted(p["cpu_us_per_row"] for p in passes)
+    relay_figures = sorted(p["relay_process_cpu_us_per_row"] for p in passes) if relay else []
     return {"bench": "batch_cpu", "rpc": args.rpc, "batch_items": args.batch_items, "concurrency": args.concurrency,
             "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
-            "ledger": ledger_url.split(":", 1)[0],
+            "ledger": ledger_url.split(":", 1)[0], "relay": "process" if relay else "in process",
             "cpu_us_per_row_median": figures[len(figures) // 2], "cpu_us_per_row_min": figures[0],
+            **({"relay_process_cpu_us_per_row_median": relay_figures[len(relay_figures) // 2],
+                "relay_process_cpu_us_per_row_all_passes": round(1e6 * relay_cpu_all / sum(p["rows"] for p in passes), 2)}
+               if relay else {}),
             "passes": passes, "infer_calls": fake.calls, **({"stages_us_per_row": breakdown} if breakdown else {})}
 
 
-async def stage_breakdown(args, predictor, stages: _StageTimer, drive) -> dict:
+async def stage_breakdown(args, predictor, stages: _StageTimer, drive, relay_process: RelayProcess | None) -> dict:
     """CPU µs per row of each stage over one more pass: one call in flight, the relay paused while
-    deciding and then timed alone delivering the pass's decisions; "rest" is what no stage covers
-    (the event loop, the servicer's glue, metrics)."""
+    deciding and then timed alone delivering the pass's decisions (with ``relay_process``, the
+    subprocess is paused by SIGSTOP and its own CPU is the relay's line); "rest" is what no stage
+    covers (the event loop, the servicer's glue, metrics)."""
     wrapped = wrap_stages(stages)
     stages.enabled = True
     relay = predictor.recorder.relay
-    await relay.stop()
+    if relay_process:
+        relay_process.pause()
+    else:
+        await relay.stop()
     concurrency, args.concurrency = args.concurrency, 1
     stages.seconds.clear()
     cpu0 = time.process_time()
     rows = await drive(args.calls, deliver=False)
     decide_cpu = time.process_time() - cpu0
-    cpu0 = time.process_time()
-    relay.start()
+    if relay_process:
+        cpu0 = relay_process.cpu_s()
+        relay_process.resume()
+    else:
+        cpu0 = time.process_time()
+        relay.start()
     if not await predictor.recorder.wait_delivered(120):
         raise RuntimeError("the relay did not deliver every decision within 120 s")
-    relay_cpu = time.process_time() - cpu0
+    relay_cpu = (relay_process.cpu_s() if relay_process else time.process_time()) - cpu0
     args.concurrency = concurrency
     table = {stage: round(1e6 * seconds / rows, 2) for stage, seconds in stages.seconds.items()}
     table["rest"] = round(1e6 * (decide_cpu - sum(stages.seconds.values())) / rows, 2)
-    table["relay (ledger → CRM)"] = round(1e6 * relay_cpu / rows, 2)
+    table["relay (ledger → CRM)" + (", relay process" if relay_process else "")] = round(1e6 * relay_cpu / rows, 2)
     table["total"] = round(1e6 * (decide_cpu + relay_cpu) / rows, 2)
     return {"rows": rows, "concurrency": 1, "wrapped": wrapped, "us_per_row": table}
 
@@ -384,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="write a cProfile of one extra pass to this file")
     parser.add_argument("--stages", action="store_true",
                         help="one extra pass, one call at a time, timing each stage (CPU µs per row)")
+    parser.add_argument("--relay-process", action="store_true",
+                        help="the relay off in this process, a `mlpair relay` subprocess delivering: its CPU per row "
+                             "reported separately")
     args = parser.parse_args(argv)
     if args.rpc == "predict" and args.batch_items != 1:
         parser.error("--rpc predict sends one applicant per call: use --batch-items 1")
@@ -393,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         crm_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/crm.sqlite"
         ledger_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/ledger.sqlite"
         migrate(crm_url, ledger_url)
-        print(json.dumps(asyncio.run(measure(args, crm_url, ledger_url, Path(tmp)))), flush=True)
+        with relay_process(crm_url, ledger_url) if args.relay_process else contextlib.nullcontext() as relay:
+            print(json.dumps(asyncio.run(measure(args, crm_url, ledger_url, Path(tmp), relay))), flush=True)
     return 0
 
 

@@ -1,5 +1,5 @@
-"""The ``mlpair`` command: train, migrate, serve inference, serve prediction, predict, attributes, demo,
-health, drift-report.
+"""The ``mlpair`` command: train, migrate, serve inference, serve prediction, relay, predict, attributes,
+demo, health, drift-report.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
 ``PREDICTION_*``); a flag wins over the environment, which wins over the default.
@@ -36,9 +36,16 @@ def _json_value(text: str) -> Any:
     return json.loads(text)
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings], prefix: str) -> None:
-    """One ``--flag`` per settings field, documented by the field's docstring."""
+def _add_settings_flags(
+    parser: argparse.ArgumentParser,
+    settings_cls: type[BaseSettings],
+    prefix: str,
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """One ``--flag`` per settings field (each of ``only``, when given), documented by the field's docstring."""
     for name, field in settings_cls.model_fields.items():
+        if only is not None and name not in only:
+            continue
         env = f"{prefix}{name.upper()}"
         flag = "--" + name.replace("_", "-")
         is_list = typing.get_origin(field.annotation) is list
@@ -120,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     prediction = roles.add_parser("prediction", help="PredictionService: decisions over gRPC")
     _add_settings_flags(prediction, PredictionSettings, "PREDICTION_")
     prediction.set_defaults(func=serving.serve_prediction)
+
+    relay = sub.add_parser(
+        "relay",
+        help="deliver the decision ledger to the CRM database in a process of its own "
+        "(beside PredictionService with PREDICTION_RELAY_IN_PROCESS=false)",
+    )
+    _add_settings_flags(relay, PredictionSettings, "PREDICTION_", only=serving.RELAY_SETTINGS)
+    relay.set_defaults(func=serving.relay)
 
     demo = sub.add_parser("demo", help="train, start both services, score every holdout applicant, summarise, stop")
     demo.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")

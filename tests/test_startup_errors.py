@@ -105,3 +105,21 @@ def test_an_unexpected_failure_is_one_line_and_exit_1_with_the_traceback_under_d
     assert debug.returncode == 1
     assert debug.stderr.count("Traceback") == 1, debug.stderr
     assert "in serve\nRuntimeError: the runtime fell over\n" in debug.stderr
+
+
+def test_mlpair_relay_refuses_a_relay_port_in_use_and_an_unmigrated_ledger_in_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = mlpair("relay", "--host", "127.0.0.1", "--relay-port", str(port), "--relay-metrics-port", "0")
+    assert out.returncode == 2, out.stderr
+    assert last_line(out) == (f"mlpair: relay: relay port {port} is in use on 127.0.0.1 (another server is bound "
+                              "to it); stop it or choose another relay_port")
+    out = mlpair("relay", "--ledger-url", f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}",
+                 "--crm-url", f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}", "--relay-port", "0",
+                 "--relay-metrics-port", "0")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "run `mlpair migrate`" in last_line(out)

@@ -1,5 +1,6 @@
 """``mlpair serve inference`` and ``mlpair serve prediction``: one serving process, or a supervisor
-of ``settings.workers`` of them (:mod:`mlpair.workers`).
+of ``settings.workers`` of them (:mod:`mlpair.workers`); ``mlpair relay``: the outbox relay in a
+process of its own (:mod:`mlpair.prediction.relay_server`).
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` / ``PREDICTION_*``); a
 flag wins over the environment, which wins over the default. A refusal the user can fix (a port in
@@ -70,6 +71,63 @@ def serve_prediction(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(PredictionSettings, args)
     return run_server("prediction", settings, _prediction, preflight=_prediction_configuration)
+
+
+# What `mlpair relay` reads of PredictionSettings (its flags; the other PREDICTION_* variables are
+# accepted and ignored, so the relay can share the serving container's ConfigMap).
+RELAY_SETTINGS = (
+    "host",
+    "ledger_url",
+    "ledger_timeout_ms",
+    "ledger_pool_size",
+    "ledger_statement_cache_size",
+    "ledger_synchronous",
+    "crm_url",
+    "crm_timeout_ms",
+    "crm_statement_cache_size",
+    "relay_batch_size",
+    "relay_concurrency",
+    "relay_linger_ms",
+    "relay_backoff_max_ms",
+    "relay_poll_ms",
+    "relay_port",
+    "relay_metrics_port",
+    "health_interval_ms",
+    "shutdown_grace_s",
+    "log_level",
+    "log_format",
+)
+
+
+def relay(args: argparse.Namespace) -> int:
+    """``mlpair relay``: delivers the decision ledger to the CRM database until SIGTERM; the exit
+    code (0 after a clean stop, 2 for a refusal the user can fix, 1 for any other failure)."""
+    from mlpair.cli import _fail
+    from mlpair.logs import configure_logging
+    from mlpair.prediction.settings import PredictionSettings
+    from mlpair.startup import StartupError
+    from mlpair.workers import check_port_free, port_error
+
+    settings = settings_from_args(PredictionSettings, args)
+    configure_logging("prediction", settings.log_level, settings.log_format)
+    try:
+        if settings.relay_port:
+            check_port_free(settings.host, settings.relay_port, "relay port")  # at once, before any database work
+        if settings.relay_metrics_port:
+            from prometheus_client import start_http_server
+
+            try:
+                start_http_server(settings.relay_metrics_port, addr=settings.host)
+            except OSError as exc:
+                raise port_error(settings.host, settings.relay_metrics_port, exc, "relay metrics port") from exc
+        from mlpair.prediction.relay_server import serve
+
+        asyncio.run(serve(settings))
+    except StartupError as exc:  # the user can fix it: one line, exit 2
+        return _fail("relay", exc, 2)
+    except Exception as exc:  # noqa: BLE001  (anything else: one line, exit 1, the traceback with --debug)
+        return _fail("relay failed", exc, 1)
+    return 0
 
 
 # The servers are imported only once the port is known to be free: a refusal comes in about a

@@ -16,6 +16,12 @@
   **degraded** when it is ready while inference, CRM or cache is not; the
   ``prediction_degraded`` and ``prediction_dependency_up`` gauges say the same to Prometheus.
 
+With ``relay_in_process`` off the CRM is checked and reported all the same, though this process
+delivers nothing to it (``mlpair relay`` does, and reports its own health): ``crm`` then says
+whether the CRM database answers this pod, which shares the relay's network and credentials, so
+``prediction_degraded`` means the same thing whichever process delivers, and a CRM outage shows
+on the service's dashboards rather than only on the relay's. Readiness stays the ledger alone.
+
 A background check runs every ``health_interval_ms``: a read of the ledger table, ``SELECT 1``
 on the CRM database, a cache ping, InferenceService's own health (and the circuit breaker, which
 must not be open), and the ledger backlog gauges (the backlog is the shared ledger's: every

@@ -20,7 +20,7 @@ from mlpair.collector import tune_collector
 from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
 from mlpair.observability.calls import observe_servicer
 from mlpair.prediction import converters, metrics
-from mlpair.prediction.crm.recorder import DecisionRecorder
+from mlpair.prediction.crm.recorder import recorder_for
 from mlpair.prediction.drift import DriftMonitors, drift_config
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.health import PredictionHealth
@@ -85,20 +85,7 @@ def build_predictor(settings: PredictionSettings, *, tracer_provider=None) -> Pr
         ConfigurationError: see :func:`load_families`.
     """
     families = load_families(settings)
-    recorder = DecisionRecorder.open(
-        settings.ledger_url,
-        settings.crm_url,
-        ledger_timeout_s=settings.ledger_timeout_ms / 1000,
-        synchronous=settings.ledger_synchronous,
-        pool_size=settings.ledger_pool_size,
-        statement_cache_size=settings.ledger_statement_cache_size,
-        crm_timeout_s=settings.crm_timeout_ms / 1000,
-        crm_statement_cache_size=settings.crm_statement_cache_size,
-        batch_size=settings.relay_batch_size,
-        linger_s=settings.relay_linger_ms / 1000,
-        backoff_max_s=settings.relay_backoff_max_ms / 1000,
-        relay_concurrency=settings.relay_concurrency,
-    )
+    recorder = recorder_for(settings)
     # Observability (issue 6): CRM spans, personal fields kept out of logs, drift monitoring.
     if settings.tracing:
         recorder.instrument(tracer_provider)
@@ -166,7 +153,8 @@ def create_server(
 async def start(
     settings: PredictionSettings, *, tracer_provider=None, shared_port: bool = False
 ) -> tuple[grpc.aio.Server, int, PredictionHealth, Predictor]:
-    """Opens the decision ledger, starts the relay and the server, and reports readiness.
+    """Opens the decision ledger, starts the relay (unless ``relay_in_process`` is off) and the
+    server, and reports readiness.
 
     Raises:
         ConfigurationError: inconsistent configuration.
@@ -199,7 +187,8 @@ async def stop(
     server: grpc.aio.Server, health: PredictionHealth, predictor: Predictor, grace_s: float, accept_s: float = 0.0
 ) -> None:
     """Drains in-flight calls (:func:`mlpair.rpc.drain.drain`), delivers what it can of the ledger's
-    backlog, then closes every connection."""
+    backlog (when this process runs the relay: otherwise the ledger keeps it for ``mlpair relay``),
+    then closes every connection."""
     await health.stop_monitoring()  # first, so no check turns readiness back on
     await drain(server, health, grace_s=grace_s, accept_s=accept_s)
     await predictor.drift.stop()
@@ -211,7 +200,8 @@ async def stop(
 
 async def serve(settings: PredictionSettings, *, shared_port: bool = False) -> None:
     """Runs until SIGTERM/SIGINT, then drains; ``shared_port``: as one of a supervisor's workers, each
-    with its own ledger pool, relay, cache and breaker over the one shared ledger."""
+    with its own ledger pool, relay (unless ``relay_in_process`` is off), cache and breaker over the
+    one shared ledger."""
     # The handlers first: a SIGTERM while the ledger is opened or the families load then starts
     # the drain as soon as the server is up, instead of the default exit mid-start.
     stopped = asyncio.create_task(wait_for_termination_signal())

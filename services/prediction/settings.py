@@ -138,6 +138,16 @@ class PredictionSettings(ConnectionSettings):
     """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many."""
     relay_backoff_max_ms: int = 5000
     """Longest full-jitter wait between relay retries while the CRM database is down, in milliseconds."""
+    relay_in_process: bool = True
+    """Run the outbox relay in each serving process (each worker); false: the serving processes only record
+    decisions in the ledger and `mlpair relay`, a process of its own, delivers them (docs/deployment.md)."""
+    relay_poll_ms: PositiveInt = 100
+    """`mlpair relay` only: milliseconds between its looks at the ledger for undelivered decisions (no commit of
+    its own process wakes it), so a decision reaches the CRM at most about this much later than in-process."""
+    relay_port: int = 9003
+    """`mlpair relay` only: its grpc.health.v1 port (liveness, and readiness while the ledger answers); 0 picks a free one."""
+    relay_metrics_port: int = 9004
+    """`mlpair relay` only: its Prometheus HTTP port (the prediction_* relay and backlog metrics); 0 disables it."""
     crm_timeout_ms: int = 5000
     """Connect and statement timeout of the CRM database, in milliseconds."""
     health_interval_ms: int = 1000

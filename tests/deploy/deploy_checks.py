@@ -414,7 +414,10 @@ def selector_matches(selector: dict | None, labels: dict) -> bool:
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 # The env prefix of each service's settings class, by the app.kubernetes.io/name of its pods.
-PREFIX = {"inference": "INFERENCE", "prediction": "PREDICTION"}
+PREFIX = {"inference": "INFERENCE", "prediction": "PREDICTION", "prediction-relay": "PREDICTION"}
+# The outbox relay's pods (`mlpair relay`, base/prediction/relay.yaml): PredictionSettings, no
+# Service, no autoscaler, no model or configuration mounts.
+RELAY = "prediction-relay"
 # The model repository's volume in every pod that reads it.
 MODEL_VOLUME = "model-repository"
 
@@ -653,12 +656,15 @@ def lint_workload(workload: Obj) -> list[str]:
     native gRPC probes on the container's gRPC port and a preStop hook."""
     problems = lint_pod(workload)
     where = name_of(workload)
+    routed = app_of(workload) != RELAY  # no Service routes to the relay: no endpoints to leave
     for container in containers(workload):
-        problems.extend(_lint_serving(f"{where} container {container.get('name')}", container))
+        problems.extend(
+            _lint_serving(f"{where} container {container.get('name')}", container, routed)
+        )
     return problems
 
 
-def _lint_serving(where: str, container: Obj) -> list[str]:
+def _lint_serving(where: str, container: Obj, routed: bool = True) -> list[str]:
     problems: list[str] = []
     port = grpc_port(container)
     if port is None:
@@ -679,7 +685,7 @@ def _lint_serving(where: str, container: Obj) -> list[str]:
             problems.append(
                 f"{where}: {probe_name} does not name the service whose health it checks"
             )
-    if not (container.get("lifecycle") or {}).get("preStop"):
+    if routed and not (container.get("lifecycle") or {}).get("preStop"):
         problems.append(
             f"{where}: lifecycle.preStop missing (endpoint removal needs time before SIGTERM)"
         )

@@ -86,9 +86,18 @@ def materialise(workload: dict, objects: list[dict], root: Path, repository: Pat
         ):
             pod.writable.append(mount_path)
     for name, value in dc.settings_of(workload, objects).items():
-        pod.env[name] = _reroot(pod, name, value)
+        # the relay shares the prediction pods' ConfigMap and reads only its own settings of it
+        ignored = dc.app_of(workload) == dc.RELAY and not _relay_reads(name)
+        pod.env[name] = value if ignored else _reroot(pod, name, value)
     pod._before = _files(root)
     return pod
+
+
+def _relay_reads(name: str) -> bool:
+    """Whether `mlpair relay` reads the PREDICTION_* variable ``name``."""
+    from mlpair.commands.serve import RELAY_SETTINGS
+
+    return name.removeprefix("PREDICTION_").lower() in RELAY_SETTINGS
 
 
 def _reroot(pod: Pod, name: str, value: str) -> str:

@@ -17,6 +17,7 @@ import pytest
 HEALTH_SERVICE = {
     "inference": "mlpair.inference.v1.InferenceService",
     "prediction": "mlpair.prediction.v1.PredictionService",
+    dc.RELAY: "relay",
 }
 PREFIX = dc.PREFIX
 # gRPC paths each AuthorizationPolicy must let through to its service.
@@ -88,7 +89,7 @@ def shutdown_budget_s(workload: dict, objects: list) -> float:
     SHUTDOWN_DELIVERY_S))."""
     settings = dc.settings_of(workload, objects)
     drain_s = float(settings[f"{PREFIX[app(workload)]}_SHUTDOWN_GRACE_S"])
-    if app(workload) != "prediction":
+    if app(workload) != "prediction":  # the relay: its batches in flight within the grace
         return drain_s
     server = pytest.importorskip(
         "mlpair.prediction.server", reason="mlpair is not installed (pip install -e '.[dev]')"
@@ -105,7 +106,8 @@ def test_termination_grace_covers_prestop_drain_delivery_and_sidecar(objects: li
         where = dc.name_of(workload)
         budget_s = shutdown_budget_s(workload, objects)
         container = dc.pod_spec(workload)["containers"][0]
-        pre_stop_s = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        # the relay has no Service, so no endpoint removal to sleep through
+        pre_stop_s = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         grace_s = dc.pod_spec(workload)["terminationGracePeriodSeconds"]
         assert grace_s >= pre_stop_s + budget_s + dc.SIDECAR_DRAIN_S, where
         # A stopping server reports NOT_SERVING; liveness must not kill it before it has finished.
@@ -116,7 +118,8 @@ def test_termination_grace_covers_prestop_drain_delivery_and_sidecar(objects: li
 def test_ports_and_probes_agree_with_the_settings(objects: list) -> None:
     for workload in workloads(objects):
         settings = dc.settings_of(workload, objects)
-        prefix = PREFIX[app(workload)]
+        # `mlpair relay` serves health and metrics on ports of its own (PREDICTION_RELAY_*)
+        prefix = PREFIX[app(workload)] + ("_RELAY" if app(workload) == dc.RELAY else "")
         container = dc.pod_spec(workload)["containers"][0]
         ports = {port["name"]: port["containerPort"] for port in container["ports"]}
         assert ports["grpc"] == int(settings[f"{prefix}_PORT"])
@@ -165,14 +168,19 @@ def test_every_workload_has_one_autoscaler_and_leaves_replicas_to_it(objects: li
     # The HPA scales the workload, or the Argo Rollout that runs its pods (prod's prediction
     # track): scaling the Deployment as well would fight the Rollout.
     autoscalers = dc.of_kind(objects, "HorizontalPodAutoscaler")
-    for workload in workloads(objects):
+    for relay in workloads(objects, dc.RELAY):
+        # Two relays whatever the load: delivery is bounded by the CRM database, not their CPU.
+        assert relay["spec"]["replicas"] >= 2, dc.name_of(relay)
+        with pytest.raises(LookupError, match="found 0"):
+            dc.autoscaler_of(relay, objects)
+    for workload in [w for w in workloads(objects) if app(w) != dc.RELAY]:
         spec = dc.autoscaler_of(workload, objects)["spec"]
         # With an HPA, spec.replicas in the manifest would reset the count on every apply.
         assert "replicas" not in workload["spec"], dc.name_of(workload)
         rollout = dc.rollout_of(workload, objects)
         assert rollout is None or "replicas" not in rollout["spec"]
         assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
-    assert len(autoscalers) == len(workloads(objects))
+    assert len(autoscalers) == len(workloads(objects)) - len(workloads(objects, dc.RELAY))
 
 
 def test_production_keeps_two_pods_of_everything(rendered: dict) -> None:
@@ -390,8 +398,9 @@ def test_release_check_rejects_unmounted_and_unpinned_versions(rendered: dict) -
 def test_images_are_release_references(objects: list) -> None:
     for workload in workloads(objects):
         image = dc.pod_spec(workload)["containers"][0]["image"]
+        name = "prediction" if app(workload) == dc.RELAY else app(workload)  # the same image
         assert re.match(
-            rf"^[a-z0-9.-]+(:[0-9]+)?/.+/{app(workload)}(:[\w.-]+|@sha256:[0-9a-f]{{64}})$", image
+            rf"^[a-z0-9.-]+(:[0-9]+)?/.+/{name}(:[\w.-]+|@sha256:[0-9a-f]{{64}})$", image
         ), image
         assert not image.endswith(":latest")
 

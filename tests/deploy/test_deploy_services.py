@@ -32,6 +32,11 @@ def registered_health_names(service: str) -> set[str]:
         from mlpair.inference.server import OIP_SERVICE_NAME, SERVICE_NAME
 
         return {"", SERVICE_NAME, OIP_SERVICE_NAME}
+    if service == dc.RELAY:
+        from mlpair.prediction.relay_server import RelayHealth
+
+        relay = RelayHealth()
+        return {*relay.names, *(dep for dep in ("ledger", "crm"))}
     from mlpair.prediction.health import PredictionHealth
     from mlpair.prediction.server import SERVICE_NAME
 
@@ -43,6 +48,10 @@ def readiness_names(service: str) -> set[str]:
     """The names that mean "ready to serve" (per-dependency names mean something else)."""
     if service == "inference":
         return registered_health_names("inference")
+    if service == dc.RELAY:
+        from mlpair.prediction.relay_server import RelayHealth
+
+        return set(RelayHealth().names)
     from mlpair.prediction.server import SERVICE_NAME
 
     return {"", SERVICE_NAME}

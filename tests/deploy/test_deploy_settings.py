@@ -24,6 +24,7 @@ SERVICE_OF = {
     "inference": "inference",
     "prediction": "prediction",
     "prediction-migrate": "prediction",
+    "prediction-relay": "prediction",
 }
 
 
@@ -83,6 +84,9 @@ def test_container_commands_parse_with_the_cli(rendered: dict) -> None:
     for workload in dc.workloads(rendered["prod"]):
         service = dc.app_of(workload)
         args = parser.parse_args(dc.pod_spec(workload)["containers"][0]["args"])
+        if service == dc.RELAY:
+            assert args.command == "relay"
+            continue
         assert (args.command, args.role) == ("serve", service)
     (job,) = dc.jobs(rendered["prod"])
     args = parser.parse_args(dc.pod_spec(job)["containers"][0]["args"])

@@ -247,6 +247,23 @@ async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local
         await stop(server, health, predictor, 1.0)
 
 
+@contextlib.asynccontextmanager
+async def relay_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: str):
+    """The rendered prediction-relay pod's `mlpair relay`, in this process, its probes passing."""
+    from mlpair.prediction import relay_server
+    from mlpair.prediction.settings import PredictionSettings
+
+    settings = settings_for(
+        PredictionSettings, pod, monkeypatch, host="127.0.0.1", relay_port="0", **local
+    )
+    server, port, health, recorder = await relay_server.start(settings)
+    try:
+        await assert_probes_pass(pod.workload, f"127.0.0.1:{port}")
+        yield recorder
+    finally:
+        await relay_server.stop(server, health, recorder, 1.0)
+
+
 def shadow_count(family: str, primary: str, shadow: str) -> float:
     labels = {"model": family, "primary_version": primary, "shadow_version": shadow}
     return sum(
@@ -372,6 +389,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     pods_in_order = [leaving, *(staying or [leaving])]
     (job,) = dc.jobs(objects)
     (inference,) = dc.workloads(objects, "inference")
+    (relayer,) = dc.workloads(objects, dc.RELAY)
     inference_fs = pods.materialise(inference, objects, tmp_path / "inference", release_repository)
     monkeypatch.chdir(inference_fs.root)  # a relative path would land in the pod's root
     async with inference_pod(inference_fs, monkeypatch) as (inference_target, server):
@@ -408,7 +426,19 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
             # The first pod decides while the CRM is unreachable: only the ledger holds them.
             crm_down = f"postgresql+asyncpg://{databases.serving_role}@127.0.0.1:{free_port()}/crm"
             pod_local = {**local, "crm_url": crm_down} if index == 0 else local
-            async with prediction_pod(pod, monkeypatch, **pod_local) as (target, predictor):
+            # The prediction pods only record (PREDICTION_RELAY_IN_PROCESS=false): the rendered
+            # relay pod delivers, here once the CRM is back.
+            relay = pods.materialise(relayer, objects, tmp_path / f"relay-{index}", release_repository)
+            async with contextlib.AsyncExitStack() as stack:
+                if index > 0:
+                    await stack.enter_async_context(
+                        relay_pod(relay, monkeypatch, ledger_url=local["ledger_url"], crm_url=local["crm_url"])
+                    )
+                    monkeypatch.chdir(pod.root)
+                target, predictor = await stack.enter_async_context(
+                    prediction_pod(pod, monkeypatch, **pod_local)
+                )
+                assert predictor.recorder.relay is None
                 await assert_probes_pass(workload, target)
                 for family, record in records.items():
                     request_id = f"{redis_prefix}{name}-{family}"

@@ -1,6 +1,7 @@
 """The relay: delivers the decision ledger's undelivered rows to the CRM database.
 
-Every replica runs one. Each round claims a batch (:meth:`DecisionLedger.claim`: no two relays
+Every replica runs one in its serving process, or, with ``relay_in_process`` off, ``mlpair relay``
+runs it in a process of its own (:mod:`mlpair.prediction.relay_server`). Each round claims a batch (:meth:`DecisionLedger.claim`: no two relays
 hold the same row), delivers it in one CRM transaction (``INSERT … ON CONFLICT DO NOTHING``) and
 marks it delivered. While full batches keep coming (a backlog), it claims up to ``concurrency``
 batches at once where the ledger allows it (PostgreSQL: ``SKIP LOCKED`` claims never overlap),
@@ -69,8 +70,10 @@ class LedgerRelay:
         self._failing = "ledger"  # which database the current delivery attempt failed at
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._claiming = True  # False once stop_claiming() asks for no new claims
 
     def start(self) -> None:
+        self._claiming = True
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-relay")
 
     def backoff_s(self, failures: int) -> float:
@@ -86,6 +89,23 @@ class LedgerRelay:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    async def stop_claiming(self, grace_s: float) -> bool:
+        """Claims nothing more and lets the batches in flight finish for up to ``grace_s`` seconds
+        (each then commits its delivery and its mark together), then stops; a batch still in flight
+        after that is cancelled, its claim released undelivered for the next relay (a CRM insert
+        that had committed is skipped on redelivery: ``ON CONFLICT DO NOTHING``).
+
+        Returns:
+            True when the relay stopped within ``grace_s`` without cancelling a batch.
+        """
+        self._claiming = False
+        if self._task is None:
+            return True
+        self.ledger.committed.set()  # end a wait for the next commit or poll now
+        done, _ = await asyncio.wait([self._task], timeout=grace_s)
+        await self.stop()
+        return bool(done)
 
     async def wait_delivered(self, timeout_s: float) -> bool:
         """Waits until nothing on record is undelivered (whichever replica delivers it); False on timeout."""
@@ -110,16 +130,17 @@ class LedgerRelay:
 
     async def _run(self) -> None:
         failures = 0
-        while True:
+        while self._claiming:
             try:  # asyncio.timeout, not wait_for, which can swallow stop()'s cancellation (gh-86296)
                 async with asyncio.timeout(self.poll_s):
                     await self.ledger.committed.wait()
-                await asyncio.sleep(self.linger_s)
+                if self._claiming:
+                    await asyncio.sleep(self.linger_s)
             except TimeoutError:
                 pass
             self.ledger.committed.clear()
             width = 1  # batches claimed at once: more only while full batches keep coming
-            while True:
+            while self._claiming:
                 self._failing = "ledger"  # until the CRM write itself fails (_write)
                 try:
                     delivered = await self._deliver_batches(width)
@@ -129,7 +150,7 @@ class LedgerRelay:
                     failures += 1
                     self._record_failure(exc, failures, self._failing)
                     width = 1
-                    await asyncio.sleep(self.backoff_s(failures))
+                    await self._sleep_unless_stopping(self.backoff_s(failures))
                     continue
                 if failures:
                     logger.warning("CRM delivery works again after %d failed attempt(s)", failures)
@@ -138,6 +159,16 @@ class LedgerRelay:
                     break
                 width = self.concurrency
             self._idle.set()
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        """Sleeps ``seconds``, or less once :meth:`stop_claiming` wakes the relay (``committed``)."""
+        try:
+            async with asyncio.timeout(seconds):
+                while self._claiming:
+                    self.ledger.committed.clear()
+                    await self.ledger.committed.wait()
+        except TimeoutError:
+            pass
 
     async def _deliver_batches(self, width: int) -> int:
         """``width`` batches claimed and delivered at once; how many decisions they claimed.

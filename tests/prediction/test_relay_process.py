@@ -1,0 +1,292 @@
+"""The outbox relay in a process of its own (``mlpair relay``): PredictionService with
+``relay_in_process`` off only records, and relay processes over one PostgreSQL ledger deliver each
+decision to the CRM exactly once, through several relays, a SIGTERM mid-backlog and a restart
+(and over a SQLite ledger, on its machine).
+
+Each relay is a real ``mlpair relay`` subprocess, started and ended by its PID."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+
+import pytest
+from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, make_url, select
+
+from bench.pair import scratch_postgres
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import to_attributes
+from mlpair.prediction.crm.admin import migrate
+from mlpair.prediction.crm.ledger import open_ledger
+from mlpair.prediction.crm.models import DecisionRecord
+from mlpair.prediction.crm.store import CrmStore
+from tests.fault_support import TcpProxy, eventually, free_port, health_of, prediction_service, prediction_settings
+from tests.prediction.test_ledger import SLOW_MACHINE_S, crm_rows, decision
+from tests.support import POSTGRES_HOST, POSTGRES_PORT, REPO_ROOT, require_service
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fresh_postgres():
+    """A fresh PostgreSQL database (a sync fixture: creating it runs its own short event loop)."""
+    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
+    with scratch_postgres(prefix="mlpair_relayproc") as url:
+        yield url
+
+
+@pytest.fixture
+async def postgres(fresh_postgres):
+    """The fresh database, migrated: the ledger (schema ``prediction``) and the CRM in one."""
+    await migrate(fresh_postgres, fresh_postgres)
+    return fresh_postgres
+
+
+@contextlib.asynccontextmanager
+async def relay_process(ledger_url: str, crm_url: str, **settings: str):
+    """A ``mlpair relay`` subprocess until its health port reports ready; yields (process, health
+    address, metrics URL). Killed by its PID on the way out if it is still running."""
+    port, metrics_port = free_port(), free_port()
+    env = {**os.environ, "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_CRM_URL": crm_url,
+           "PREDICTION_HOST": "127.0.0.1", "PREDICTION_RELAY_PORT": str(port),
+           "PREDICTION_RELAY_METRICS_PORT": str(metrics_port), "PREDICTION_RELAY_POLL_MS": "50",
+           "PREDICTION_LOG_LEVEL": "WARNING", **{f"PREDICTION_{k.upper()}": v for k, v in settings.items()}}
+    process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "relay"], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    address = f"127.0.0.1:{port}"
+    try:
+        async def ready() -> bool:
+            if process.poll() is not None:
+                pytest.fail(f"mlpair relay exited with {process.returncode}: {process.stderr.read().decode()[-2000:]}")
+            with contextlib.suppress(Exception):
+                return await health_of(address, "") == SERVING
+            return False
+
+        await eventually(ready, timeout_s=30)
+        yield process, address, f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        await asyncio.to_thread(process.wait, 10)
+        process.stderr.close()
+
+
+async def sigterm(process: subprocess.Popen, timeout_s: float = 15) -> int:
+    """SIGTERM to ``process`` by its PID; its exit code (fails if it runs on past ``timeout_s``)."""
+    os.kill(process.pid, signal.SIGTERM)
+    return await asyncio.to_thread(process.wait, timeout_s)
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """The relay's unlabelled samples, by name."""
+    def read() -> str:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.read().decode()
+
+    return {s.name: s.value for family in text_string_to_metric_families(await asyncio.to_thread(read))
+            for s in family.samples if not s.labels}
+
+
+async def crm_total(crm_url: str) -> int:
+    """Every row of the CRM's decisions table (the database is this test's alone)."""
+    crm = CrmStore(crm_url, timeout_s=5)
+    try:
+        async with crm.engine.connect() as conn:
+            return (await conn.execute(select(func.count()).select_from(DecisionRecord))).scalar_one()
+    finally:
+        await crm.close()
+
+
+async def exactly_once(crm_url: str, ids: list[str]) -> tuple[int, int, int]:
+    """(rows of these request ids, distinct ones, rows in the whole CRM table)."""
+    crm = CrmStore(crm_url, timeout_s=5)
+    try:
+        total, distinct = await crm_rows(crm, ids)
+    finally:
+        await crm.close()
+    return total, distinct, await crm_total(crm_url)
+
+
+@contextlib.asynccontextmanager
+async def ledger_of(url: str):
+    ledger = open_ledger(url, timeout_s=SLOW_MACHINE_S)
+    await ledger.open()
+    try:
+        yield ledger
+    finally:
+        await ledger.close()
+
+
+async def record_backlog(url: str, n: int, prefix: str) -> list[str]:
+    """``n`` undelivered decisions committed to the ledger, as serving processes leave them."""
+    ids = [f"{prefix}-{uuid.uuid4()}" for _ in range(n)]
+    async with ledger_of(url) as ledger:
+        outcomes = await ledger.record_many([decision(i) for i in ids], ["fp"] * n)
+        assert not any(isinstance(o, BaseException) for o in outcomes)
+    return ids
+
+
+async def backlog(url: str) -> int:
+    async with ledger_of(url) as ledger:
+        return (await ledger.backlog())[0]
+
+
+async def test_a_service_without_its_relay_only_records_and_a_relay_process_delivers_each_decision_once(
+        postgres, model_repository, inference_server, credit_holdout, tmp_path):
+    settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=postgres,
+                                   crm_url=postgres, relay_in_process=False)
+    records = credit_holdout.records
+    batch_ids = [f"batch-{uuid.uuid4()}" for _ in range(300)]
+    single_ids = [f"single-{uuid.uuid4()}" for _ in range(20)]
+    async with prediction_service(settings) as (stub, predictor, _, _):
+        assert predictor.recorder.relay is None
+        for start in range(0, len(batch_ids), 100):
+            reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+                pb.PredictRequest(request_id=rid, entity_id="e", attributes=to_attributes(records[k % len(records)]))
+                for k, rid in enumerate(batch_ids[start:start + 100], start)]), timeout=20)
+            assert all(r.WhichOneof("outcome") == "prediction" for r in reply.results)
+        for k, rid in enumerate(single_ids):
+            await stub.Predict(pb.PredictRequest(request_id=rid, entity_id="e",
+                                                 attributes=to_attributes(records[k])), timeout=10)
+        await asyncio.sleep(0.5)  # ten times the linger an in-process relay would wait before delivering
+        assert (await predictor.recorder.ledger.backlog())[0] == 320
+        assert await crm_total(postgres) == 0
+        # the drain's delivery waits for no relay: the rows stay in the ledger
+        assert not await predictor.recorder.wait_delivered(0.2)
+    ids = batch_ids + single_ids
+    assert await backlog(postgres) == 320
+
+    async with relay_process(postgres, postgres) as (relay, _, metrics_url):
+        async def delivered() -> bool:
+            return await backlog(postgres) == 0
+
+        await eventually(delivered, timeout_s=20)
+        assert await exactly_once(postgres, ids) == (320, 320, 320)
+        samples = await scrape(metrics_url)
+        assert samples["prediction_outbox_delivered_total"] == 320
+        assert samples["prediction_outbox_already_in_crm_total"] == 0
+        assert await sigterm(relay) == 0
+
+
+async def test_a_service_without_its_relay_stops_at_once_leaving_its_backlog_in_the_ledger(
+        postgres, model_repository, inference_server, credit_holdout, tmp_path):
+    """SIGTERM's delivery step (up to 5 s of the grace with a relay in process) is skipped: the
+    process stops while every decision it made is still undelivered."""
+    from mlpair.prediction.server import stop
+    from tests.support import start_prediction
+
+    settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=postgres,
+                                   crm_url=postgres, relay_in_process=False)
+    server, _, health, predictor = await start_prediction(settings)
+    try:
+        await predictor.recorder.record_many([decision(f"stop-{i}") for i in range(10)], ["fp"] * 10)
+    finally:
+        async with asyncio.timeout(3):  # well under SHUTDOWN_DELIVERY_S: no wait for a delivery
+            await stop(server, health, predictor, grace_s=10)
+    assert await backlog(postgres) == 10 and await crm_total(postgres) == 0
+
+
+async def test_two_relay_processes_over_one_backlog_deliver_each_decision_exactly_once(postgres):
+    settings = dict(relay_batch_size="20", ledger_pool_size="6")  # three claims at once per relay
+    async with relay_process(postgres, postgres, **settings) as (a, _, a_metrics), \
+            relay_process(postgres, postgres, **settings) as (b, _, b_metrics):
+        ids = await record_backlog(postgres, 3000, "two")  # both relays are up and polling
+
+        async def delivered() -> bool:
+            return await backlog(postgres) == 0
+
+        await eventually(delivered, timeout_s=30)
+        assert await exactly_once(postgres, ids) == (3000, 3000, 3000)
+        by_a, by_b = await scrape(a_metrics), await scrape(b_metrics)
+        assert by_a["prediction_outbox_delivered_total"] + by_b["prediction_outbox_delivered_total"] == 3000
+        assert by_a["prediction_outbox_already_in_crm_total"] == by_b["prediction_outbox_already_in_crm_total"] == 0
+        assert by_a["prediction_outbox_delivered_total"] > 0 and by_b["prediction_outbox_delivered_total"] > 0
+        assert await sigterm(a) == 0 and await sigterm(b) == 0
+
+
+async def test_a_relay_stopped_mid_backlog_exits_0_and_the_next_relay_delivers_the_rest_once(postgres):
+    ids = await record_backlog(postgres, 10_000, "sigterm")
+    async with relay_process(postgres, postgres, relay_batch_size="10", relay_linger_ms="0") as (first, _, _):
+        async def started() -> bool:
+            return await crm_total(postgres) > 0
+
+        await eventually(started, timeout_s=20, interval_s=0.02)
+        assert await sigterm(first, timeout_s=10) == 0  # its batches in flight finish, then it exits
+    left = await backlog(postgres)
+    assert 0 < left < 10_000  # stopped mid-backlog
+    assert await exactly_once(postgres, ids) == (10_000 - left, 10_000 - left, 10_000 - left)
+
+    async with relay_process(postgres, postgres) as (second, _, metrics_url):
+        async def delivered() -> bool:
+            return await backlog(postgres) == 0
+
+        await eventually(delivered, timeout_s=30)
+        assert await exactly_once(postgres, ids) == (10_000, 10_000, 10_000)
+        samples = await scrape(metrics_url)
+        assert samples["prediction_outbox_delivered_total"] == left  # none had reached the CRM before
+        assert samples["prediction_outbox_already_in_crm_total"] == 0
+        assert await sigterm(second) == 0
+
+
+async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while_the_ledger_is_away(postgres):
+    target = make_url(postgres)
+    proxy = TcpProxy(target.host, target.port)
+    await proxy.start()
+    through_proxy = target.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    try:
+        async with relay_process(through_proxy, postgres, health_interval_ms="200",
+                                 ledger_timeout_ms="500") as (relay, address, metrics_url):
+            assert await health_of(address, "liveness") == await health_of(address, "relay") == SERVING
+            assert await health_of(address, "ledger") == await health_of(address, "crm") == SERVING
+            samples = await scrape(metrics_url)
+            assert samples["prediction_outbox_depth"] == 0
+            assert "prediction_relay_failures_total" in samples
+
+            await proxy.cut()
+
+            async def unready() -> bool:
+                return await health_of(address, "") == NOT_SERVING
+
+            await eventually(unready, timeout_s=10)
+            assert await health_of(address, "ledger") == await health_of(address, "relay") == NOT_SERVING
+            assert await health_of(address, "liveness") == SERVING  # not restarted for a ledger outage
+            await proxy.restore()
+
+            async def ready() -> bool:
+                return await health_of(address, "") == SERVING
+
+            await eventually(ready, timeout_s=10)
+            assert await sigterm(relay) == 0
+    finally:
+        await proxy.close()
+
+
+async def test_two_relay_processes_over_a_sqlite_ledger_on_one_machine_deliver_each_decision_once(tmp_path):
+    """A SQLite ledger's relays claim leases in short write transactions, so relay processes on
+    the ledger's machine share its backlog as its serving workers do."""
+    ledger_url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}"
+    crm_url = f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
+    await migrate(ledger_url, crm_url)
+    settings = dict(relay_batch_size="20", ledger_synchronous="NORMAL")
+    async with relay_process(ledger_url, crm_url, **settings) as (a, _, a_metrics), \
+            relay_process(ledger_url, crm_url, **settings) as (b, _, b_metrics):
+        ids = await record_backlog(ledger_url, 1000, "sqlite")
+
+        async def delivered() -> bool:
+            return await backlog(ledger_url) == 0
+
+        await eventually(delivered, timeout_s=30)
+        assert await exactly_once(crm_url, ids) == (1000, 1000, 1000)
+        by_a, by_b = await scrape(a_metrics), await scrape(b_metrics)
+        assert by_a["prediction_outbox_delivered_total"] + by_b["prediction_outbox_delivered_total"] == 1000
+        assert by_a["prediction_outbox_already_in_crm_total"] == by_b["prediction_outbox_already_in_crm_total"] == 0
+        assert await sigterm(a) == 0 and await sigterm(b) == 0
