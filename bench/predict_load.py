@@ -53,6 +53,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -246,16 +247,20 @@ def run(args) -> int:
             p = harness.pair(workdir / ledger, root, crm_url=crm, ledger_url=ledger_url,
                              prediction_env={"PREDICTION_METRICS_PORT": str(metrics_port),
                                              "PREDICTION_WORKERS": str(workers),
+                                             **({"PREDICTION_RELAY_IN_PROCESS": "false"} if args.relay_processes else {}),
                                              **dict(e.split("=", 1) for e in args.env)},
                              prediction_replicas=args.prediction_replicas)
             metrics_ports = [int(r.env["PREDICTION_METRICS_PORT"]) for r in p.predictions]
             # several connections per replica: the kernel spreads connections, not calls, over its workers
             replicas = [r.address for r in p.predictions] * args.channels
-            with harness.running(p):
+            with harness.running(p), relay_processes(p, args.relay_processes) as relays:
+                metrics_ports += [int(r.env["PREDICTION_RELAY_METRICS_PORT"]) for r in relays]
                 emit({"phase": "started", "ledger": ledger, "workers": workers, "prediction_replicas": len(p.predictions),
-                      "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
+                      "relay_processes": len(relays), "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
                 cpu = {"inference": p.inference.cpu_seconds,
                        "prediction": lambda: sum(r.cpu_seconds() for r in p.predictions)}
+                if relays:
+                    cpu["relay"] = lambda: sum(r.cpu_seconds() for r in relays)
                 phases = []
                 levels = [1, *args.concurrency]
                 first = ledger == args.ledgers[0] and workers == args.workers[0]
@@ -469,6 +474,29 @@ def chain_agreement(p: harness.Pair, chain, workload, pb, to_attributes, chain_p
 
 
 @contextlib.contextmanager
+def relay_processes(p: harness.Pair, n: int) -> Iterator[list[harness.Service]]:
+    """``n`` ``mlpair relay`` processes (the outbox relay in processes of its own) over the pair's
+    ledger and CRM, with the serving processes' ``PREDICTION_*`` settings and ports of their own,
+    each SERVING on its health port; stopped by PID on exit."""
+    relays: list[harness.Service] = []
+    try:
+        for i in range(n):
+            relay = harness.Service("relay", dict(p.prediction.env), harness.free_port(),
+                                    p.workdir / f"relay-{i + 1}.log")
+            relay.env.update({"PREDICTION_RELAY_PORT": str(relay.port),
+                              "PREDICTION_RELAY_METRICS_PORT": str(harness.free_port())})
+            with open(relay.log_path, "a") as log:
+                relay.process = subprocess.Popen([sys.executable, "-P", "-m", "mlpair.cli", "relay"],
+                                                 env={**os.environ, **relay.env}, stdout=log, stderr=subprocess.STDOUT)
+            relays.append(relay)
+            relay.wait_serving(60.0)
+        yield relays
+    finally:
+        for relay in relays:
+            relay.terminate(30.0)
+
+
+@contextlib.contextmanager
 def null_prediction(workdir: Path) -> Iterator[harness.Service]:
     """``bench/null_prediction.py`` (a do-nothing PredictionService) as a process on a free
     loopback port, SERVING; stopped by PID on exit."""
@@ -619,6 +647,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chain-venvs", default="var/bench/venvs",
                         help="where the KServe virtualenv is (made there on first use, as `make bench` does)")
     parser.add_argument("--env", action="append", default=[], help="extra PREDICTION_*=value for PredictionService")
+    parser.add_argument("--relay-processes", type=int, default=0,
+                        help="deliver with this many `mlpair relay` processes (the serving processes' relay off; "
+                             "their CPU reported as cpu_s_relay); 0 = the relay in the serving processes")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="PredictionService workers per replica, one run each (the first also runs Infer, "
                              "BatchPredict, A/B; the others Predict only)")
