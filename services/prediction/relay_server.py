@@ -113,8 +113,10 @@ class RelayHealth(Health):
 
 
 def build_recorder(settings: PredictionSettings) -> DecisionRecorder:
-    """The ledger, the CRM and a relay that polls every ``relay_poll_ms`` (no I/O yet)."""
-    return recorder_for(settings, relay=True, relay_poll_s=settings.relay_poll_ms / 1000)
+    """The ledger, the CRM and a relay that polls every ``relay_poll_ms`` (no I/O yet); nothing
+    commits here, so the relay claims up to ``relay_concurrency`` batches with all the ledger pool
+    but one connection (3 with the default pool of 4)."""
+    return recorder_for(settings, relay=True, relay_poll_s=settings.relay_poll_ms / 1000, relay_only=True)
 
 
 async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, RelayHealth, DecisionRecorder]:

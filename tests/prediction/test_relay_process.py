@@ -290,3 +290,18 @@ async def test_two_relay_processes_over_a_sqlite_ledger_on_one_machine_deliver_e
         assert by_a["prediction_outbox_delivered_total"] + by_b["prediction_outbox_delivered_total"] == 1000
         assert by_a["prediction_outbox_already_in_crm_total"] == by_b["prediction_outbox_already_in_crm_total"] == 0
         assert await sigterm(a) == 0 and await sigterm(b) == 0
+
+
+def test_a_relay_process_claims_with_the_connections_a_server_keeps_for_commits():
+    """Nothing commits in ``mlpair relay``: with the default ledger pool of 4 its relay claims three
+    batches at once (one connection kept for health's reads) where a serving process's relay, next to
+    its three commit connections, claims one. No I/O: the pools are only built."""
+    from mlpair.prediction.crm.recorder import recorder_for
+    from mlpair.prediction.relay_server import build_recorder
+    from mlpair.prediction.settings import PredictionSettings
+
+    settings = PredictionSettings(ledger_url="postgresql+asyncpg://nobody@127.0.0.1:9/none",
+                                  crm_url="postgresql+asyncpg://nobody@127.0.0.1:9/none")
+    assert (settings.ledger_pool_size, settings.relay_concurrency) == (4, 3)
+    assert build_recorder(settings).relay.concurrency == 3
+    assert recorder_for(settings, relay=True).relay.concurrency == 1

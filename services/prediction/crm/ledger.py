@@ -294,7 +294,13 @@ class _Caller:
 
 
 def open_ledger(
-    url: str, *, timeout_s: float = 2.0, synchronous: str = "FULL", pool_size: int = 4, statement_cache_size: int = 100
+    url: str,
+    *,
+    timeout_s: float = 2.0,
+    synchronous: str = "FULL",
+    pool_size: int = 4,
+    statement_cache_size: int = 100,
+    relay_only: bool = False,
 ) -> DecisionLedger:
     """The ledger at ``url`` (no I/O yet): ``postgresql+asyncpg://…`` for replicas, or
     ``sqlite+aiosqlite:///path`` for one machine.
@@ -306,6 +312,8 @@ def open_ledger(
         pool_size: PostgreSQL only: most connections of this process.
         statement_cache_size: PostgreSQL only: asyncpg's prepared statements per connection
             (0 behind PgBouncer in transaction mode).
+        relay_only: PostgreSQL only: this process only delivers (``mlpair relay``): no connection is
+            kept for commits, so the relay may claim with all but one (kept for health's reads).
 
     Raises:
         ValueError: neither a PostgreSQL nor a SQLite URL.
@@ -313,7 +321,13 @@ def open_ledger(
     if url.startswith("postgresql"):
         from mlpair.prediction.crm.ledger_postgres import PostgresLedger
 
-        return PostgresLedger(url, timeout_s=timeout_s, pool_size=pool_size, statement_cache_size=statement_cache_size)
+        return PostgresLedger(
+            url,
+            timeout_s=timeout_s,
+            pool_size=pool_size,
+            statement_cache_size=statement_cache_size,
+            relay_only=relay_only,
+        )
     if url.startswith("sqlite"):
         from mlpair.prediction.crm.ledger_sqlite import SqliteLedger
 

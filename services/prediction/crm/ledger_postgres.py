@@ -146,7 +146,13 @@ class PostgresLedger(ledger.DecisionLedger):
     bulk_rows = 8  # a BatchPredict's decisions go in one statement of their own
 
     def __init__(
-        self, url: str, *, timeout_s: float = 2.0, pool_size: int = 8, statement_cache_size: int = 100
+        self,
+        url: str,
+        *,
+        timeout_s: float = 2.0,
+        pool_size: int = 8,
+        statement_cache_size: int = 100,
+        relay_only: bool = False,
     ) -> None:
         super().__init__()
         self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -154,8 +160,10 @@ class PostgresLedger(ledger.DecisionLedger):
         self.pool_size = pool_size
         self.statement_cache_size = statement_cache_size
         # SKIP LOCKED: concurrent claims take disjoint rows. Each holds a connection for its whole
-        # delivery, so the relay may take only what the commits leave of the pool.
-        self.relay_claims = max(1, pool_size - self.commit_concurrency)
+        # delivery, so the relay may take only what the commits leave of the pool; in a process that
+        # only delivers (relay_only: mlpair relay) nothing commits, and one connection is kept for
+        # health's reads.
+        self.relay_claims = max(1, pool_size - (1 if relay_only else self.commit_concurrency))
         self._pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:

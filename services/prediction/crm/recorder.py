@@ -77,17 +77,20 @@ class DecisionRecorder:
         relay_concurrency: int = 3,
         relay_poll_s: float = 1.0,
         relay_in_process: bool = True,
+        relay_only: bool = False,
     ) -> DecisionRecorder:
         """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments and
         :func:`~mlpair.prediction.crm.store.make_engine` for ``crm_statement_cache_size``;
         ``relay_poll_s`` is the relay's ``poll_s`` (:class:`LedgerRelay`); ``relay_in_process`` False
-        builds no relay (``mlpair relay`` delivers)."""
+        builds no relay (``mlpair relay`` delivers); ``relay_only``: this process only delivers
+        (``mlpair relay``), so the relay's claims may use the ledger connections commits would keep."""
         ledger = open_ledger(
             ledger_url,
             timeout_s=ledger_timeout_s,
             synchronous=synchronous,
             pool_size=pool_size,
             statement_cache_size=statement_cache_size,
+            relay_only=relay_only,
         )
         crm = CrmStore(crm_url, timeout_s=crm_timeout_s, statement_cache_size=crm_statement_cache_size)
         relay = LedgerRelay(
@@ -175,13 +178,14 @@ class DecisionRecorder:
 
 
 def recorder_for(
-    settings: PredictionSettings, *, relay_poll_s: float = 1.0, relay: bool | None = None
+    settings: PredictionSettings, *, relay_poll_s: float = 1.0, relay: bool | None = None, relay_only: bool = False
 ) -> DecisionRecorder:
     """:meth:`DecisionRecorder.open` with the ledger, CRM and relay settings of ``settings`` (no I/O yet).
 
     Args:
         relay_poll_s: the relay's longest sleep between looks at the ledger, in seconds.
         relay: whether to build a relay; None = as ``settings.relay_in_process`` says.
+        relay_only: the process only delivers (``mlpair relay``): see :meth:`DecisionRecorder.open`.
     """
     return DecisionRecorder.open(
         settings.ledger_url,
@@ -198,4 +202,5 @@ def recorder_for(
         relay_concurrency=settings.relay_concurrency,
         relay_poll_s=relay_poll_s,
         relay_in_process=settings.relay_in_process if relay is None else relay,
+        relay_only=relay_only,
     )
