@@ -41,7 +41,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -100,13 +99,22 @@ def cache_keys(target: ModelTarget, rows: np.ndarray) -> list[str]:
     return [prefix + blake2b(raw[i : i + width], digest_size=16).hexdigest() for i in range(0, len(raw), width)]
 
 
-@dataclass(frozen=True, eq=False)
 class _Answer:
     """A flight's Infer result: logits ``[len(keys), n_classes] float32`` in its keys' order."""
 
-    logits: np.ndarray
-    version: str
-    row_of: dict[str, int]  # key → its row of ``logits``
+    __slots__ = ("logits", "version", "keys", "_row_of")
+
+    def __init__(self, logits: np.ndarray, version: str, keys: list[str]) -> None:
+        self.logits, self.version, self.keys = logits, version, keys
+        self._row_of: dict[str, int] | None = None
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        """Key → its row of ``logits``; made on first use (a call whose rows are all its own,
+        in order, never needs it)."""
+        if self._row_of is None:
+            self._row_of = {key: i for i, key in enumerate(self.keys)}
+        return self._row_of
 
 
 class _Flight:
@@ -211,13 +219,14 @@ class CachedInference:
         for result, n in (("hit", hits), ("coalesced", coalesced), ("miss", len(leading))):
             if n:  # counted once per call, not per row
                 metrics.labelled(metrics.CACHE_REQUESTS, model_name, result).inc(n)
-        first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
 
         def lead(lead_keys: list[str]) -> _Flight:
-            return self._start_flight(
-                lead_keys,
-                functools.partial(self.coalescer.infer, target, rows[[first_row[key] for key in lead_keys]], deadline),
-            )
+            if lead_keys == keys:  # every row distinct and led here: the matrix as it is
+                lead_rows = rows
+            else:
+                first_row = {key: i for i, key in reversed(list(enumerate(keys)))}
+                lead_rows = rows[[first_row[key] for key in lead_keys]]
+            return self._start_flight(lead_keys, functools.partial(self.coalescer.infer, target, lead_rows, deadline))
 
         if leading:
             flight = lead(leading)
@@ -281,7 +290,7 @@ class CachedInference:
             flight.outcome.set_exception(exc)
             self._unregister(flight)
             return
-        flight.outcome.set_result(_Answer(logits, version, {key: i for i, key in enumerate(flight.keys)}))
+        flight.outcome.set_result(_Answer(logits, version, flight.keys))
         finite = np.isfinite(logits).all(axis=1).tolist()
         try:  # a row without usable output (NaN, see InferenceClient) is never cached
             await self.cache.put_many(
@@ -344,7 +353,7 @@ def _scored_rows(
     n = len(keys)
     if n and not results and len(inferred) == n:  # the common case: one call answered every row, in order
         only = next(iter(inferred.values()))
-        if only.logits.shape == (n, width) and list(only.row_of) == keys:
+        if only.logits.shape == (n, width) and only.keys == keys:
             logits = np.array(only.logits, dtype=np.float32)  # a copy, as the block copy below makes
             return ScoredRows(logits, [Source.INFERENCE] * n, [only.version] * n, [0] * n, [""] * n)
     logits = np.full((len(keys), width), np.nan, dtype=np.float32)
