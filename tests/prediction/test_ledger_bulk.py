@@ -77,6 +77,18 @@ async def test_a_batch_with_repeats_and_replays_records_exactly_one_row_per_new_
     assert await recorder.crm.count() == 330
 
 
+async def test_a_batch_that_cannot_be_packed_is_recorded_from_its_columns_with_the_same_outcomes(recorder):
+    """A value holding the packing's separator (no id the API admits: it refuses control characters)
+    sends the batch as arrays; new ids are recorded once and an id on record already is a replay."""
+    assert not isinstance((await recorder.record_many(columns(["sep-old"]), ["fp"]))[0], LedgerUnavailable)
+    ids = ["sep\x1fnew", "sep-old", *(f"sep-{i}" for i in range(10))]
+    batch = columns(ids)
+    outcomes = await recorder.record_many(batch, batch.fingerprints)
+    assert [o.replayed for o in outcomes] == [False, True, *[False] * 10]
+    assert outcomes[0].decision == batch[0] and outcomes[1].decision.request_id == "sep-old"
+    assert await ledger_rows(recorder.ledger) == 12
+
+
 async def test_concurrent_bulk_batches_of_the_same_request_ids_record_one_decision_each(recorder):
     ids = [f"race-{i}" for i in range(200)]
     a, b = columns(ids, decision="APPROVE"), columns(list(reversed(ids)), decision="DECLINE")

@@ -65,14 +65,17 @@ CLAIM = (
     "FOR UPDATE SKIP LOCKED"
 )
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
-# The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by PostgreSQL.
+# The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by
+# PostgreSQL. It answers with the request ids it did not insert (on record already): none, one empty
+# result, in the usual case, instead of a row per decision inserted (0.3 µs of client CPU per row).
 _NAMES = ", ".join(f"c{k}" for k in range(len(ledger.DECISION_COLUMNS)))
 INSERT_PACKED = (
-    f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
+    f"WITH inserted AS (INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
     + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
     + " FROM unnest("
     + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
-    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id) "
+    + f"SELECT r FROM unnest({packed.unpacked(1)}) AS r WHERE r NOT IN (SELECT request_id FROM inserted)"
 )
 # A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
 # The rows are marked delivered by the same statement, inside the claim's transaction: it commits
@@ -262,21 +265,24 @@ class PostgresLedger(ledger.DecisionLedger):
 
     async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
         arrays = ledger_arrays(batch, rows)
-        parameters: Sequence[object]  # packed text columns, or the columns as they are
         try:
-            statement, parameters = INSERT_PACKED, _packed(arrays)
+            texts: list[str] | None = _packed(arrays)
         except packed.Unpackable:
-            statement, parameters = INSERT, arrays
+            texts = None
         async with self._connection() as conn:  # one self-committing statement, as in _commit
-            inserted = {r[0] for r in await conn.fetch(statement, *parameters)}
-            if len(inserted) == len(rows):
+            if texts is not None:  # answers with the request ids already on record
+                on_record = {r[0] for r in await conn.fetch(INSERT_PACKED, *texts)}
+            else:  # the columns as they are; answers with the request ids inserted
+                inserted = {r[0] for r in await conn.fetch(INSERT, *arrays)}
+                on_record = {rid for rid in arrays[0] if rid not in inserted}
+            if not on_record:
                 return {}
             held = {}
-            for row in await conn.fetch(SELECT_RECORDED, [rid for rid in arrays[0] if rid not in inserted]):
+            for row in await conn.fetch(SELECT_RECORDED, list(on_record)):
                 recorded = ledger.on_record(row, _same)
                 held[recorded.decision.request_id] = recorded
         ids = batch.request_id
-        return {i: held[ids[i]] for i in rows if ids[i] not in inserted}
+        return {i: held[ids[i]] for i in rows if ids[i] in on_record}
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
