@@ -35,6 +35,7 @@ DRIFT_ALERTS = {"PredictionFeatureDrift", "PredictionScoreDrift", "PredictionDri
                 "PredictionFleetFeatureDrift", "PredictionFleetScoreDrift"}
 # Alerts on a cause or a pattern rather than a budget: each holds for a while before it fires.
 OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklogLarge", "PredictionRelayFailing",
+                     "PredictionDecisionsNotDelivered",
                      "PredictionCircuitOpen", "PredictionStaleCacheRatio", "PredictionThresholdProbing",
                      "PredictionShadowDisagreement"}
 

@@ -55,7 +55,7 @@ def _e(alert: str, **labels: str) -> Expect:
 CANARY = [_e("PredictionShadowDisagreement", primary_version="3", shadow_version="1")]
 INFERENCE_KILLED = [_e("PredictionFallbackBudgetBurn", window="1h"), _e("PredictionCircuitOpen", dependency="inference"),
                     _e("PredictionStaleCacheRatio", model=MODEL)]
-CRM_DRIFT_LATENCY = [_e("PredictionRelayFailing"), _e("PredictionDecisionBacklogStale"),
+CRM_DRIFT_LATENCY = [_e("PredictionRelayFailing"), _e("PredictionDecisionsNotDelivered"), _e("PredictionDecisionBacklogStale"),
                      _e("PredictionDecisionBacklogLarge"), _e("PredictionCrmWriteBudgetBurn", window="1h"),
                      _e("PredictionFeatureDrift", feature="Income"), _e("PredictionScoreDrift", model=MODEL),
                      _e("PredictionFleetFeatureDrift", feature="Income"), _e("PredictionFleetScoreDrift", model=MODEL),
