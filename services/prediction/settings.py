@@ -132,8 +132,9 @@ class PredictionSettings(ConnectionSettings):
     """Most decisions the relay delivers to the CRM in one transaction."""
     relay_concurrency: int = 3
     """Most batches the relay claims and delivers at once while a backlog lasts (PostgreSQL ledger only). Each
-    holds a ledger connection for its delivery, so the relay takes at most ledger_pool_size minus the 3 kept for
-    commits: one with the default pool of 4, three with 6 (docs/performance.md, "The relay")."""
+    holds a ledger connection for its delivery, so a serving process's relay takes at most ledger_pool_size minus
+    the 3 kept for commits (one with the default pool of 4, three with 6), and `mlpair relay`, where nothing
+    commits, all but one (three with 4) (docs/performance.md, "The relay")."""
     relay_linger_ms: int = 50
     """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many."""
     relay_backoff_max_ms: int = 5000
