@@ -77,6 +77,7 @@ def serve_prediction(args: argparse.Namespace) -> int:
 # accepted and ignored, so the relay can share the serving container's ConfigMap).
 RELAY_SETTINGS = (
     "host",
+    "models",
     "ledger_url",
     "ledger_timeout_ms",
     "ledger_pool_size",

@@ -130,6 +130,9 @@ async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Rel
         SchemaNotReady: the ledger or the CRM database has not been migrated (``mlpair migrate``).
     """
     recorder = build_recorder(settings)
+    for model in settings.models:  # at zero from the start, as serving processes declare them: a
+        for outcome in ("ok", "error"):  # restarted relay's first failed write then shows in rate()
+            metrics.labelled(metrics.CRM_WRITES, model, outcome)
     health = RelayHealth()
     server = grpc.aio.server()
     health.add_to(server)

@@ -86,14 +86,18 @@ async def sigterm(process: subprocess.Popen, timeout_s: float = 15) -> int:
     return await asyncio.to_thread(process.wait, timeout_s)
 
 
-async def scrape(url: str) -> dict[str, float]:
-    """The relay's unlabelled samples, by name."""
+async def scrape(url: str, labelled: str | None = None) -> dict:
+    """The relay's unlabelled samples, by name; or, given ``labelled``, that sample's series by
+    their (model, outcome) labels."""
     def read() -> str:
         with urllib.request.urlopen(url, timeout=5) as reply:
             return reply.read().decode()
 
-    return {s.name: s.value for family in text_string_to_metric_families(await asyncio.to_thread(read))
-            for s in family.samples if not s.labels}
+    families = text_string_to_metric_families(await asyncio.to_thread(read))
+    if labelled:
+        return {(s.labels["model"], s.labels["outcome"]): s.value for family in families
+                for s in family.samples if s.name == labelled}
+    return {s.name: s.value for family in families for s in family.samples if not s.labels}
 
 
 async def crm_total(crm_url: str) -> int:
@@ -243,13 +247,16 @@ async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while
     await proxy.start()
     through_proxy = target.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     try:
-        async with relay_process(through_proxy, postgres, health_interval_ms="200",
-                                 ledger_timeout_ms="500") as (relay, address, metrics_url):
+        async with relay_process(through_proxy, postgres, health_interval_ms="200", ledger_timeout_ms="500",
+                                 models='["credit-risk", "churn"]') as (relay, address, metrics_url):
             assert await health_of(address, "liveness") == await health_of(address, "relay") == SERVING
             assert await health_of(address, "ledger") == await health_of(address, "crm") == SERVING
             samples = await scrape(metrics_url)
             assert samples["prediction_outbox_depth"] == 0
             assert "prediction_relay_failures_total" in samples
+            # the CRM write SLO's series exist at zero before any delivery (rate() then sees a first failure)
+            writes = await scrape(metrics_url, labelled="prediction_crm_writes_total")
+            assert writes == {(m, o): 0.0 for m in ("credit-risk", "churn") for o in ("ok", "error")}
 
             await proxy.cut()
 
