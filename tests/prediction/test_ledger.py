@@ -105,6 +105,18 @@ async def test_c39_a_retried_request_id_gets_the_decision_recorded_first(ledger)
     assert (await ledger.backlog())[0] == 1
 
 
+async def test_the_backlog_age_is_the_oldest_undelivered_decision_s_and_its_count_every_one(ledger):
+    """What the backlog gauges show: every undelivered decision counted, and the age of the oldest
+    (the one the relays claim next), not of the newest."""
+    assert await ledger.backlog() == (0, 0.0)
+    await record(ledger, decision("age-1"))
+    await asyncio.sleep(0.5)
+    for i in range(2, 6):
+        await record(ledger, decision(f"age-{i}"))
+    count, age_s = await ledger.backlog()
+    assert count == 5 and 0.5 <= age_s < 0.5 + SLOW_MACHINE_S
+
+
 async def test_c40_two_ledger_clients_on_one_database_make_one_decision_per_request_id(databases):
     """Two replicas' ledgers, concurrent first calls with the same 50 ids: each id has one winner,
     and both replicas answer with it."""

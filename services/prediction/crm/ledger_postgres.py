@@ -91,6 +91,10 @@ CLAIM_PACKED = (
     )
     + " FROM claimed"
 )
+BACKLOG = (
+    f"SELECT (SELECT count(*) FROM {TABLE} WHERE delivered_at IS NULL), COALESCE((SELECT "
+    f"extract(epoch FROM now() - recorded_at) FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT 1), 0)"
+)
 IMPORT = (
     f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
     f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING"
@@ -222,11 +226,12 @@ class PostgresLedger(ledger.DecisionLedger):
             yield n, columns
 
     async def backlog(self) -> tuple[int, float]:
+        """Undelivered decisions and the age of the one the relays claim next (the lowest ``seq``,
+        found through the undelivered index without reading the rest: ``min(recorded_at)`` read
+        every undelivered row, so on a large backlog the query ran past its timeout and the
+        gauges stopped at their last value)."""
         async with self._connection() as conn:
-            count, age_s = await conn.fetchrow(
-                f"SELECT count(*), COALESCE(extract(epoch FROM now() - min(recorded_at)), 0) FROM {TABLE} "
-                "WHERE delivered_at IS NULL"
-            )
+            count, age_s = await conn.fetchrow(BACKLOG)
         return int(count), float(age_s)
 
     async def probe(self) -> bool:
