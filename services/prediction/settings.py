@@ -66,7 +66,8 @@ class PredictionSettings(ConnectionSettings):
     ledger pool, relay and caches; 0 = one per CPU of the container's limit (cgroup cpu.max or CFS quota,
     else the CPUs available)."""
     shutdown_grace_s: float = 20.0
-    """Seconds in-flight requests get to finish after SIGTERM before the server exits."""
+    """Seconds in-flight requests get to finish after SIGTERM before the server exits (`mlpair relay`: its
+    batches in flight)."""
     shutdown_accept_ms: int = 500
     """Milliseconds calls are still accepted after SIGTERM (health already NOT_SERVING), so calls sent just before it are served, not cancelled."""
     log_level: str = "INFO"
@@ -136,7 +137,8 @@ class PredictionSettings(ConnectionSettings):
     the 3 kept for commits (one with the default pool of 4, three with 6), and `mlpair relay`, where nothing
     commits, all but one (three with 4) (docs/performance.md, "The relay")."""
     relay_linger_ms: int = 50
-    """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many."""
+    """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many (a
+    serving process's relay only: `mlpair relay` sees no commits and looks every relay_poll_ms)."""
     relay_backoff_max_ms: int = 5000
     """Longest full-jitter wait between relay retries while the CRM database is down, in milliseconds."""
     relay_in_process: bool = True
@@ -152,7 +154,8 @@ class PredictionSettings(ConnectionSettings):
     crm_timeout_ms: int = 5000
     """Connect and statement timeout of the CRM database, in milliseconds."""
     health_interval_ms: int = 1000
-    """Milliseconds between checks of the ledger, CRM, cache and InferenceService for health."""
+    """Milliseconds between checks of the ledger, CRM, cache and InferenceService for health (`mlpair relay`:
+    the ledger and the CRM)."""
 
     # -- Observability (issue 6) ----------------------------------------------------------------
     tracing: bool = True
