@@ -436,8 +436,8 @@ def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
     request_ids = ["r1", "", "é" * 64, "x" * 128, "日本語-id", *(f"r{i}" for i in range(2000))]
     expected = [str(uuid.uuid5(_DECISION_NAMESPACE, request_id)) for request_id in request_ids]
     assert [decision_id_for(request_id) for request_id in request_ids] == expected
-    # a batch's ids, written at once from eight ids on: the same, at every batch size around that
-    for n in (0, 1, 7, 8, 9, 64, len(request_ids)):
+    # a batch's ids, written at once from 32 ids on: the same, at every batch size around that
+    for n in (0, 1, 8, 31, 32, 33, 64, len(request_ids)):
         assert decision_ids_for(request_ids[:n]) == expected[:n]
 
 
