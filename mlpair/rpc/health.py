@@ -15,14 +15,17 @@ Health names on both services:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlpair.rpc.drain import DrainGate
+
+logger = logging.getLogger(__name__)
 
 LIVENESS = "liveness"
 """Health name of liveness: SERVING while the process serves at all (see the module docstring)."""
@@ -97,6 +100,7 @@ class Health:
         """The supervisor's workers this process is one of (None when it serves alone)."""
         self._wanted = False  # this process's own readiness, whatever the other workers'
         self._waiting: asyncio.Task | None = None
+        self._monitoring: asyncio.Task | None = None  # the checks :meth:`monitor` runs
 
     async def set_serving(self, serving: bool, parts: Mapping[str, bool] | None = None) -> None:
         """Sets every readiness name to ``serving``, and each further readiness name of ``parts``
@@ -145,6 +149,27 @@ class Health:
     def add_to(self, server: grpc.aio.Server) -> None:
         """Registers the health service on ``server``."""
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    def monitor(self, check: Callable[[], Awaitable[object]], interval_s: float, name: str) -> None:
+        """Runs ``check`` every ``interval_s`` seconds in a background task named ``name`` until
+        :meth:`stop_monitoring`; a check that raises is logged and the next one runs."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await check()
+                except Exception:
+                    logger.exception("health check failed")
+
+        self._monitoring = asyncio.get_running_loop().create_task(loop(), name=name)
+
+    async def stop_monitoring(self) -> None:
+        """Stops the background checks (before draining, so nothing flips readiness back on)."""
+        if self._monitoring is not None:
+            self._monitoring.cancel()
+            await asyncio.gather(self._monitoring, return_exceptions=True)
+            self._monitoring = None
 
 
 class WorkerReadiness:

@@ -43,57 +43,46 @@ logger = logging.getLogger(__name__)
 DEPENDENCIES = ("inference", "crm", "cache", "ledger")
 
 
-class PredictionHealth(Health):
-    """``grpc.health.v1`` for PredictionService: the one health helper (:class:`~mlpair.rpc.health.Health`)
-    with readiness from the ledger and a status name per dependency, checked in the background.
+async def bounded(check: Callable[[], Awaitable[object]], timeout_s: float) -> bool:
+    """Whether ``check()`` answered truthy within ``timeout_s`` seconds; a hung or failing check is
+    an unhealthy dependency. The check's coroutine is made here, not by the caller: a check
+    cancelled before it starts (the service stopping) leaves no coroutine that was never awaited."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return bool(await check())
+    except Exception:  # noqa: BLE001  (a hung or failing check is an unhealthy dependency)
+        return False
+
+
+async def export_backlog(ledger, timeout_s: float) -> None:
+    """The shared ledger's backlog gauges (``prediction_outbox_depth``, ``_oldest_age_seconds``),
+    read within ``timeout_s`` seconds; they keep their last value when it cannot be read."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            depth, age_s = await ledger.backlog()
+        metrics.OUTBOX_DEPTH.set(depth)
+        metrics.OUTBOX_OLDEST_AGE.set(age_s)
+    except Exception:  # noqa: BLE001  (the gauges keep their last value)
+        logger.debug("ledger backlog unavailable", exc_info=True)
+
+
+class DependencyHealth(Health):
+    """:class:`~mlpair.rpc.health.Health` with readiness from the decision ledger and a status name
+    per dependency: what PredictionService and the relay process (``mlpair relay``) publish.
 
     Args:
-        service_name: the full service name (readiness is reported under it and under "").
+        service_names: readiness names besides "".
+        dependency_names: dependency → its status name.
     """
 
-    def __init__(self, service_name: str) -> None:
-        super().__init__([service_name])
-        self.dependency_names = {dep: f"{service_name}/{dep}" for dep in DEPENDENCIES}
+    def __init__(self, service_names: list[str], dependency_names: dict[str, str]) -> None:
+        super().__init__(service_names)
+        self.dependency_names = dependency_names
         self.status: dict[str, bool] = {}
-        self._task: asyncio.Task | None = None
 
-    async def check(self, predictor, timeout_s: float) -> dict[str, bool]:
-        """Checks every dependency once and publishes readiness and per-dependency health.
-
-        Returns:
-            ``{dependency: healthy}`` for each of :data:`DEPENDENCIES`.
-        """
-        recorder, scorer = predictor.recorder, predictor.scorer
-
-        async def bounded(check: Callable[[], Awaitable[object]]) -> bool:
-            # The check's coroutine is made here, not by the caller: a check cancelled before it
-            # starts (the service stopping) leaves no coroutine that was never awaited.
-            try:
-                async with asyncio.timeout(timeout_s):
-                    return bool(await check())
-            except Exception:  # noqa: BLE001  (a hung or failing check is an unhealthy dependency)
-                return False
-
-        ledger, crm, cache, inference_ready = await asyncio.gather(
-            bounded(recorder.ledger.probe),
-            bounded(recorder.crm.ping),
-            bounded(scorer.cache.ping),
-            bounded(lambda: scorer.client.ready(timeout_s)),
-        )
-        inference = inference_ready and scorer.caller.breaker.state is not CircuitState.OPEN
-        status = {"inference": inference, "crm": crm, "cache": cache, "ledger": ledger}
-        if ledger:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    depth, age_s = await recorder.ledger.backlog()
-                metrics.OUTBOX_DEPTH.set(depth)
-                metrics.OUTBOX_OLDEST_AGE.set(age_s)
-            except Exception:
-                logger.debug("ledger backlog unavailable", exc_info=True)
-        await self._publish(status)
-        return status
-
-    async def _publish(self, status: dict[str, bool]) -> None:
+    async def publish(self, status: dict[str, bool]) -> None:
+        """Each dependency's status name and ``prediction_dependency_up`` (a change logged), then
+        readiness from ``status["ledger"]``."""
         for dep, healthy in status.items():
             if self.status.get(dep, True) != healthy:
                 (logger.info if healthy else logger.warning)(
@@ -103,24 +92,40 @@ class PredictionHealth(Health):
             await self.set_status(self.dependency_names[dep], healthy)
         self.status = dict(status)
         await self.set_serving(status["ledger"])
-        metrics.DEGRADED.set(0 if status["inference"] and status["crm"] and status["cache"] else 1)
+
+
+class PredictionHealth(DependencyHealth):
+    """``grpc.health.v1`` for PredictionService: readiness from the ledger and a status name per
+    dependency (:class:`DependencyHealth`), checked in the background.
+
+    Args:
+        service_name: the full service name (readiness is reported under it and under "").
+    """
+
+    def __init__(self, service_name: str) -> None:
+        super().__init__([service_name], {dep: f"{service_name}/{dep}" for dep in DEPENDENCIES})
+
+    async def check(self, predictor, timeout_s: float) -> dict[str, bool]:
+        """Checks every dependency once and publishes readiness and per-dependency health.
+
+        Returns:
+            ``{dependency: healthy}`` for each of :data:`DEPENDENCIES`.
+        """
+        recorder, scorer = predictor.recorder, predictor.scorer
+        ledger, crm, cache, inference_ready = await asyncio.gather(
+            bounded(recorder.ledger.probe, timeout_s),
+            bounded(recorder.crm.ping, timeout_s),
+            bounded(scorer.cache.ping, timeout_s),
+            bounded(lambda: scorer.client.ready(timeout_s), timeout_s),
+        )
+        inference = inference_ready and scorer.caller.breaker.state is not CircuitState.OPEN
+        status = {"inference": inference, "crm": crm, "cache": cache, "ledger": ledger}
+        if ledger:
+            await export_backlog(recorder.ledger, timeout_s)
+        await self.publish(status)
+        metrics.DEGRADED.set(0 if inference and crm and cache else 1)
+        return status
 
     def start_monitoring(self, predictor, interval_s: float) -> None:
         """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
-
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.check(predictor, timeout_s=interval_s)
-                except Exception:
-                    logger.exception("health check failed")
-
-        self._task = asyncio.get_running_loop().create_task(loop(), name="prediction-health")
-
-    async def stop_monitoring(self) -> None:
-        """Stops the background checks (before draining, so nothing flips readiness back on)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self.monitor(lambda: self.check(predictor, timeout_s=interval_s), interval_s, "prediction-health")

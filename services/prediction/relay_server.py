@@ -38,9 +38,9 @@ import grpc
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.recorder import DecisionRecorder, recorder_for
+from mlpair.prediction.health import DependencyHealth, bounded, export_backlog
 from mlpair.prediction.settings import PredictionSettings
 from mlpair.rpc.drain import wait_for_termination_signal
-from mlpair.rpc.health import Health
 from mlpair.rpc.server import bind_port
 
 logger = logging.getLogger(__name__)
@@ -50,66 +50,28 @@ RELAY = "relay"
 """Health name of the relay's readiness (besides ``""``), for the readiness probe."""
 
 
-class RelayHealth(Health):
+class RelayHealth(DependencyHealth):
     """``grpc.health.v1`` of the relay process: readiness from the ledger, a status name per
     dependency (see the module docstring), checked in the background."""
 
     def __init__(self) -> None:
-        super().__init__([RELAY])
-        self.status: dict[str, bool] = {}
-        self._task: asyncio.Task | None = None
+        super().__init__([RELAY], {dep: dep for dep in DEPENDENCIES})
 
     async def check(self, recorder: DecisionRecorder, timeout_s: float) -> dict[str, bool]:
         """Checks the ledger and the CRM once (each within ``timeout_s`` seconds), publishes
         readiness, the status names and the backlog gauges; returns ``{dependency: healthy}``."""
-
-        async def bounded(check) -> bool:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    return bool(await check())
-            except Exception:  # noqa: BLE001  (a hung or failing check is an unhealthy dependency)
-                return False
-
-        ledger, crm = await asyncio.gather(bounded(recorder.ledger.probe), bounded(recorder.crm.ping))
+        ledger, crm = await asyncio.gather(
+            bounded(recorder.ledger.probe, timeout_s), bounded(recorder.crm.ping, timeout_s)
+        )
         status = {"ledger": ledger, "crm": crm}
         if ledger:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    depth, age_s = await recorder.ledger.backlog()
-                metrics.OUTBOX_DEPTH.set(depth)
-                metrics.OUTBOX_OLDEST_AGE.set(age_s)
-            except Exception:  # noqa: BLE001  (the gauges keep their last value)
-                logger.debug("ledger backlog unavailable", exc_info=True)
-        for dep, healthy in status.items():
-            if self.status.get(dep, True) != healthy:
-                (logger.info if healthy else logger.warning)(
-                    "dependency %s is %s", dep, "healthy" if healthy else "DOWN"
-                )
-            metrics.DEPENDENCY_UP.labels(dep).set(1 if healthy else 0)
-            await self.set_status(dep, healthy)
-        self.status = status
-        await self.set_serving(ledger)
+            await export_backlog(recorder.ledger, timeout_s)
+        await self.publish(status)
         return status
 
     def start_monitoring(self, recorder: DecisionRecorder, interval_s: float) -> None:
         """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
-
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await self.check(recorder, timeout_s=interval_s)
-                except Exception:
-                    logger.exception("health check failed")
-
-        self._task = asyncio.get_running_loop().create_task(loop(), name="relay-health")
-
-    async def stop_monitoring(self) -> None:
-        """Stops the background checks (before the drain, so nothing turns readiness back on)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self.monitor(lambda: self.check(recorder, timeout_s=interval_s), interval_s, "relay-health")
 
 
 def build_recorder(settings: PredictionSettings) -> DecisionRecorder:
