@@ -324,8 +324,9 @@ async def crm_and_ledger(databases: Databases, request_ids: list[str]) -> tuple[
             "WHERE request_id = ANY($1::text[])",
             request_ids,
         )
-        undelivered = await conn.fetchval(
-            "SELECT count(*) FROM prediction.decision_ledger WHERE delivered_at IS NULL"
+        undelivered = await conn.fetchval(  # the outbox's, and any of a previous release
+            "SELECT (SELECT count(*) FROM prediction.decision_ledger WHERE delivered_at IS NULL) "
+            "+ (SELECT COALESCE(sum(n), 0) FROM prediction.decision_outbox)"
         )
     finally:
         await conn.close()
@@ -333,12 +334,13 @@ async def crm_and_ledger(databases: Databases, request_ids: list[str]) -> tuple[
 
 
 # Statements the service never needs: schema changes in either database, and deleting or
-# rewriting decisions (the ledger's rows are only inserted and marked delivered, the CRM's only
-# inserted).
+# rewriting decisions (the ledger's rows are only inserted, or a previous release's marked delivered,
+# the CRM's only inserted).
 NOT_THE_SERVICES_BUSINESS = (
     "CREATE TABLE prediction.scratch (i int)",
     "ALTER TABLE prediction.decision_ledger ADD COLUMN x int",
     "DELETE FROM prediction.decision_ledger",
+    "DROP TABLE prediction.decision_outbox",
     "DROP TABLE decisions",
     "UPDATE decisions SET decision = 'APPROVE'",
     "CREATE TABLE public.scratch (i int)",

@@ -34,10 +34,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, crm_row, reason_codes_from_json
@@ -97,6 +97,24 @@ def unique_new(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list
         if entry[0].request_id not in on_record:
             first.setdefault(entry[0].request_id, entry)
     return [first[k] for k in sorted(first)]
+
+
+class Claimed(list):
+    """A claim's CRM rows (a list of ``CRM_COLUMNS`` tuples) and ``more``: whether undelivered
+    decisions were left for the next claim, so a relay keeps claiming while a backlog lasts."""
+
+    def __init__(self, rows: Iterable[CrmRow] = (), *, more: bool = False) -> None:
+        super().__init__(rows)
+        self.more = more
+
+
+class PackedClaim(NamedTuple):
+    """A claim's decisions packed (``crm/packed.py``): how many, one text per CRM column in
+    ``CRM_COLUMNS`` order, and whether more were waiting."""
+
+    n: int
+    columns: list[str]
+    more: bool
 
 
 class DecisionLedger(abc.ABC):
@@ -168,10 +186,11 @@ class DecisionLedger(abc.ABC):
         """What is on record for ``request_id`` (``replayed`` True), if anything."""
 
     @abc.abstractmethod
-    def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[list[CrmRow]]:
+    def claim(self, limit: int) -> contextlib.AbstractAsyncContextManager[Claimed]:
         """Claims up to ``limit`` undelivered decisions, oldest first, that no other relay holds,
-        as the CRM rows to insert (:data:`~mlpair.prediction.crm.codecs.CRM_COLUMNS` tuples: no
-        decoding into objects on the way from one table to the other).
+        as the CRM rows to insert
+        (:data:`~mlpair.prediction.crm.codecs.CRM_COLUMNS` tuples: no decoding into objects on
+        the way from one table to the other), with whether more were waiting (``Claimed.more``).
 
         On a normal exit of the ``async with`` body the decisions are marked delivered; on an
         exception they are released, undelivered, for the next claim (of any replica).

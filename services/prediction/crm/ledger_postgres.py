@@ -9,10 +9,15 @@ the insert does nothing and the read that follows sees the winner's row, so conc
 on several replicas all return one decision. Each batch is sorted by request id, so two replicas'
 transactions take the index's locks in one order and cannot deadlock.
 
-Relays on any number of replicas claim undelivered rows with ``SELECT … FOR UPDATE SKIP LOCKED``
-inside a transaction that stays open while the batch is delivered to the CRM, then marks the rows
-delivered and commits: each row is delivered by one relay, and a relay that dies releases its
-locks with its connection (nothing waits for a lease to expire).
+The same statement adds one row to ``prediction.decision_outbox`` naming the ``seq`` of every
+decision it inserted: the relays' work list. Relays on any number of replicas claim outbox rows
+with ``SELECT … FOR UPDATE SKIP LOCKED`` and delete them, read the decisions by primary key and
+deliver them to the CRM inside that transaction, and commit once the CRM has them: each decision
+is delivered by one relay, a relay that dies releases its claim with its connection (nothing waits
+for a lease to expire), and a delivered decision costs PostgreSQL no write of its own (the per-row
+``UPDATE … SET delivered_at`` this replaced cost more than the insert: migration ``ledger_0002``).
+Rows of the previous release (``delivered_at IS NULL``) are still claimed and marked one by one,
+once the outbox is empty.
 
 Statements go straight through an asyncpg pool (no SQLAlchemy on the request path: its
 per-statement processing cost more CPU than the statement); Alembic owns the schema.
@@ -21,6 +26,7 @@ per-statement processing cost more CPU than the statement); Alembic owns the sch
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 
@@ -28,12 +34,16 @@ import asyncpg
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm import ledger, packed
-from mlpair.prediction.crm.codecs import CrmRow, ledger_arrays
+from mlpair.prediction.crm.codecs import ledger_arrays
 from mlpair.prediction.crm.migrate import SchemaNotReady
-from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
+from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE, OUTBOX_TABLE
 from mlpair.prediction.records import DecisionColumns, Recorded, StoredDecision
 
 TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
+OUTBOX = f'"{LEDGER_SCHEMA}".{OUTBOX_TABLE}'
+# delivered_at of the decisions this release records: "delivered through the outbox", so a relay of
+# the previous release (WHERE delivered_at IS NULL) leaves them alone during a rollout
+IN_OUTBOX = "'infinity'::timestamptz"
 _COLUMNS = ", ".join(ledger.DECISION_COLUMNS)
 # each column's base type: an array cast to varchar(n) would truncate, while the assignment into
 # the column refuses a value that is too long, as a row-by-row insert does
@@ -55,11 +65,42 @@ _ARRAY_TYPES = (
     "timestamptz",
 )
 _UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(_ARRAY_TYPES, start=1))
+# The commit's outbox rows, in the insert's statement (atomic with it): one per OUTBOX_CHUNK
+# decisions inserted, so several relays can claim parts of one large commit at once (a claim locks
+# whole rows); none when nothing was new.
+OUTBOX_CHUNK = 64
+_QUEUED = (
+    f"queued AS (INSERT INTO {OUTBOX} (seqs, n) SELECT array_agg(seq ORDER BY seq), count(*) FROM "
+    f"(SELECT seq, (row_number() OVER (ORDER BY seq) - 1) / {OUTBOX_CHUNK} AS chunk FROM inserted) AS c "
+    "GROUP BY chunk)"
+)
 INSERT = (
-    f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT * FROM unnest({_UNNEST}) "
-    "ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+    f"WITH inserted AS (INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, {IN_OUTBOX} FROM unnest({_UNNEST}) "
+    f"ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED} SELECT request_id FROM inserted"
 )
 SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
+# A relay's claim of $1 decisions: up to $2 of the oldest outbox rows no other relay holds, locked;
+# in order, each that fits whole within $1 deleted, and of the first that does not, its first seqs
+# taken and the rest left in it (an update of one narrow row); their decisions read by primary key.
+# Commits with the delivery.
+_TAKEN = (
+    f"WITH locked AS (SELECT id, n, seqs FROM {OUTBOX} ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED), "
+    "w AS (SELECT id, n, seqs, sum(n) OVER (ORDER BY id) - n AS before FROM locked), "
+    "cut AS (SELECT id, $1 - before AS k FROM w WHERE before < $1 AND before + n > $1), "
+    f"taken AS (DELETE FROM {OUTBOX} AS o USING w WHERE o.id = w.id AND w.before + w.n <= $1 RETURNING o.seqs), "
+    f"kept AS (UPDATE {OUTBOX} AS o SET seqs = o.seqs[cut.k + 1:], n = o.n - cut.k FROM cut WHERE o.id = cut.id "
+    "RETURNING o.id), "
+    f"claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE seq = ANY(ARRAY("
+    "SELECT unnest(seqs) FROM taken UNION ALL SELECT unnest(w.seqs[1:cut.k]) FROM w JOIN cut ON w.id = cut.id)))"
+)
+# more: the locked rows held more than the claim took, or as many were locked as asked (more behind)
+# and the outbox rows locked and their decisions, which size the next claim's $2
+_MORE = (
+    "((SELECT sum(n) FROM locked) > $1 OR (SELECT count(*) FROM locked) = $2), "
+    "(SELECT count(*) FROM locked), (SELECT COALESCE(sum(n), 0) FROM locked)"
+)
+CLAIM_OUTBOX = f"{_TAKEN} SELECT *, {_MORE} FROM claimed ORDER BY seq"
+# The previous release's rows (delivered_at IS NULL), claimed and marked one by one.
 CLAIM = (
     f"SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
     "FOR UPDATE SKIP LOCKED"
@@ -70,30 +111,39 @@ MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::b
 # result, in the usual case, instead of a row per decision inserted (0.3 µs of client CPU per row).
 _NAMES = ", ".join(f"c{k}" for k in range(len(ledger.DECISION_COLUMNS)))
 INSERT_PACKED = (
-    f"WITH inserted AS (INSERT INTO {TABLE} ({_COLUMNS}) SELECT "
+    f"WITH inserted AS (INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT "
     + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
-    + " FROM unnest("
+    + f", {IN_OUTBOX} FROM unnest("
     + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
-    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id) "
+    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED} "
     + f"SELECT r FROM unnest({packed.unpacked(1)}) AS r WHERE r NOT IN (SELECT request_id FROM inserted)"
 )
 # A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
-# The rows are marked delivered by the same statement, inside the claim's transaction: it commits
-# only once the CRM has them, and a failed delivery rolls the mark back with it.
+# The outbox rows are deleted (or the previous release's rows marked delivered) by the same statement,
+# inside the claim's transaction: it commits only once the CRM has them, and a failed delivery rolls
+# the claim back with it.
 _CLAIMED_TYPES = dict(zip(ledger.DECISION_COLUMNS, _ARRAY_TYPES))
-CLAIM_PACKED = (
-    f"WITH claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
-    "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
-    f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
+_PACKED_CLAIMED = (
     "SELECT count(*), "
     + ", ".join(
         packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in ledger.CLAIMED_COLUMNS.split(", ")
     )
     + " FROM claimed"
 )
+CLAIM_OUTBOX_PACKED = f"{_TAKEN} {_PACKED_CLAIMED.replace('count(*), ', f'count(*), {_MORE}, ', 1)}"
+CLAIM_PACKED = (
+    f"WITH claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
+    "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
+    f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
+    + _PACKED_CLAIMED.replace("count(*), ", "count(*), count(*) = $1, ", 1)
+)
+# undelivered decisions (the outbox's, and the previous release's rows) and the age of the oldest
+# of the two that the relays claim next
 BACKLOG = (
-    f"SELECT (SELECT count(*) FROM {TABLE} WHERE delivered_at IS NULL), COALESCE((SELECT "
-    f"extract(epoch FROM now() - recorded_at) FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT 1), 0)"
+    f"SELECT (SELECT count(*) FROM {TABLE} WHERE delivered_at IS NULL) + COALESCE((SELECT sum(n) FROM {OUTBOX}), 0), "
+    f"GREATEST(COALESCE((SELECT extract(epoch FROM now() - recorded_at) FROM {TABLE} WHERE delivered_at IS NULL "
+    f"ORDER BY seq LIMIT 1), 0), COALESCE((SELECT extract(epoch FROM now() - recorded_at) FROM {OUTBOX} "
+    "ORDER BY id LIMIT 1), 0))"
 )
 IMPORT = (
     f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
@@ -148,6 +198,11 @@ class PostgresLedger(ledger.DecisionLedger):
     """
 
     max_commit_rows = 2048
+    # A claim locks whole outbox rows (SKIP LOCKED: other relays pass over them) and those it does
+    # not take stay locked until its commit, so it asks for as many rows as should hold its limit,
+    # judged from the decisions per row it last saw: locking 256 at once left a second relay
+    # nothing to claim while the first delivered 25 decisions.
+    most_outbox_rows_per_claim = 4096
     commit_concurrency = 3  # measured with bench/ledger_engines.py: p50 at 32 in flight 10.2 → see docs/design.md
     db_system = "postgresql"
     bulk_rows = 8  # a BatchPredict's decisions go in one statement of their own
@@ -172,6 +227,16 @@ class PostgresLedger(ledger.DecisionLedger):
         # health's reads.
         self.relay_claims = max(1, pool_size - (1 if relay_only else self.commit_concurrency))
         self._pool: asyncpg.Pool | None = None
+        self._decisions_per_outbox_row = float(OUTBOX_CHUNK)  # a full chunk, until a claim sees rows
+
+    def _outbox_rows(self, limit: int) -> int:
+        """Outbox rows a claim of ``limit`` decisions locks: enough for ``limit`` at the decisions
+        per row last seen (a claim that finds smaller rows takes less and says ``more``)."""
+        return min(self.most_outbox_rows_per_claim, math.ceil(limit / self._decisions_per_outbox_row))
+
+    def _saw(self, rows: int, decisions: int) -> None:
+        if rows:
+            self._decisions_per_outbox_row = decisions / rows
 
     async def open(self) -> None:
         """Creates the pool (connections are made on first use, so a ledger that is down now only
@@ -190,6 +255,7 @@ class PostgresLedger(ledger.DecisionLedger):
                 await conn.execute(
                     f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false"
                 )
+                await conn.execute(f"SELECT id, seqs, n, recorded_at FROM {OUTBOX} WHERE false")
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
             raise SchemaNotReady(
                 f"the decision ledger lacks the {TABLE} table or columns this release uses: run `mlpair migrate` with the same ledger URL (--ledger-url / PREDICTION_LEDGER_URL)"
@@ -209,21 +275,33 @@ class PostgresLedger(ledger.DecisionLedger):
         return None if row is None else ledger.on_record(row, _same)
 
     @contextlib.asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
+    async def claim(self, limit: int) -> AsyncIterator[ledger.Claimed]:
         async with self._connection() as conn, conn.transaction():
+            rows = await conn.fetch(CLAIM_OUTBOX, limit, self._outbox_rows(limit))
+            if rows:
+                more, locked, decisions = rows[0][-3:]
+                self._saw(locked, decisions)
+                yield ledger.Claimed([row[1:-3] for row in rows], more=more)
+                return
+            # the outbox is empty: the previous release's rows, if any, marked one by one
             rows = await conn.fetch(CLAIM, limit)
-            yield [row[1:] for row in rows]
+            yield ledger.Claimed([row[1:] for row in rows], more=len(rows) == limit)
             if rows:
                 await conn.execute(MARK_DELIVERED, [row[0] for row in rows])
 
     @contextlib.asynccontextmanager
-    async def claim_packed(self, limit: int) -> AsyncIterator[tuple[int, list[str]]]:
-        """:meth:`claim`, with the claimed decisions as (how many, one packed text per CRM column
-        in ``CRM_COLUMNS`` order: see ``crm/packed.py``); marked delivered when the body returns
-        normally (the transaction commits), released when it raises (it rolls back)."""
+    async def claim_packed(self, limit: int) -> AsyncIterator[ledger.PackedClaim]:
+        """:meth:`claim`, with the claimed decisions packed (:class:`~ledger.PackedClaim`: one
+        text per CRM column in ``CRM_COLUMNS`` order, see ``crm/packed.py``); delivered when the
+        body returns normally (the transaction commits), released when it raises (it rolls back)."""
         async with self._connection() as conn, conn.transaction():
-            n, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
-            yield n, columns
+            n, more, locked, decisions, *columns = await conn.fetchrow(
+                CLAIM_OUTBOX_PACKED, limit, self._outbox_rows(limit)
+            )
+            self._saw(locked, decisions)
+            if not n:  # the outbox is empty: the previous release's rows, if any
+                n, more, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
+            yield ledger.PackedClaim(n, columns, bool(more))
 
     async def backlog(self) -> tuple[int, float]:
         """Undelivered decisions and the age of the one the relays claim next (the lowest ``seq``,

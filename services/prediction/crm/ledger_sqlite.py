@@ -28,7 +28,6 @@ from pathlib import Path
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm import ledger
-from mlpair.prediction.crm.codecs import CrmRow
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.models import LEDGER_TABLE
 from mlpair.prediction.records import Recorded, StoredDecision
@@ -80,7 +79,7 @@ class SqliteLedger(ledger.DecisionLedger):
         return None if row is None else ledger.on_record(row, datetime.fromisoformat)
 
     @contextlib.asynccontextmanager
-    async def claim(self, limit: int) -> AsyncIterator[list[CrmRow]]:
+    async def claim(self, limit: int) -> AsyncIterator[ledger.Claimed]:
         now = time.time()
         rows = await self._run(
             self._write_returning,
@@ -92,7 +91,10 @@ class SqliteLedger(ledger.DecisionLedger):
         rows.sort(key=lambda row: row[0])  # RETURNING does not keep the subquery's order
         seqs = [row[0] for row in rows]
         try:
-            yield [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows]  # decided_at is ISO text here
+            # decided_at is ISO text here
+            yield ledger.Claimed(
+                [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows], more=len(rows) == limit
+            )
         except BaseException:
             if seqs:
                 await asyncio.shield(

@@ -31,7 +31,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE, DecisionRecord, LedgerEntry
+from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE, DecisionRecord, LedgerEntry, OutboxEntry
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 CRM_BRANCH = "crm"
@@ -99,13 +99,16 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
 
     if branch == LEDGER_BRANCH:
         schema = ledger_schema(engine)
-        table = f'"{schema}".{LEDGER_TABLE}' if schema else LEDGER_TABLE
-        columns = LedgerEntry.__table__.columns.keys()
+        tables = [(f'"{schema}".{LEDGER_TABLE}' if schema else LEDGER_TABLE, LedgerEntry.__table__.columns.keys())]
+        if schema:  # the relays' outbox is PostgreSQL's
+            tables.append((f'"{schema}".{OutboxEntry.__tablename__}', OutboxEntry.__table__.columns.keys()))
     else:
-        table, columns = DecisionRecord.__tablename__, DecisionRecord.__table__.columns.keys()
+        tables = [(DecisionRecord.__tablename__, DecisionRecord.__table__.columns.keys())]
+    table = tables[0][0]
     try:
         async with engine.connect() as conn:
-            await conn.execute(text(f"SELECT {', '.join(columns)} FROM {table} WHERE 1 = 0"))
+            for table, columns in tables:
+                await conn.execute(text(f"SELECT {', '.join(columns)} FROM {table} WHERE 1 = 0"))
     except (ProgrammingError, OperationalError) as exc:
         # a missing relation or column is a ProgrammingError on PostgreSQL, an OperationalError on SQLite;
         # an unreachable server is an OperationalError without a SQL statement's "no such" wording
@@ -124,8 +127,9 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
 
 async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> None:
     """Grants ``role`` exactly what PredictionService uses, and nothing that changes the schema:
-    on the ledger SELECT, INSERT and UPDATE (never DELETE), on the CRM SELECT and INSERT, and
-    SELECT on the version table (PostgreSQL only; SQLite has no roles).
+    on the ledger SELECT, INSERT and UPDATE (never DELETE), on its outbox SELECT, INSERT, UPDATE and
+    DELETE (a claim locks rows, takes part of one, and deletes what it delivered), on the CRM SELECT and INSERT, and SELECT on the version
+    table (PostgreSQL only; SQLite has no roles).
 
     Raises:
         ValueError: ``role`` is not a plain identifier.
@@ -139,6 +143,7 @@ async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> Non
         statements = [
             f'GRANT USAGE ON SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
             f'GRANT SELECT, INSERT, UPDATE ON "{LEDGER_SCHEMA}".{LEDGER_TABLE} TO "{role}"',
+            f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{LEDGER_SCHEMA}".{OutboxEntry.__tablename__} TO "{role}"',
             f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
             f'GRANT SELECT ON "{LEDGER_SCHEMA}".alembic_version TO "{role}"',
         ]

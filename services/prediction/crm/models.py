@@ -6,9 +6,10 @@ Two databases, two metadata objects:
 * the **CRM database** (``CrmBase``): ``decisions``, one row per request id, what the business reads;
 * the **decision ledger** (``LedgerBase``): ``decision_ledger``, PredictionService's own table,
   shared by every replica: one row per request id, written before the decision is returned, with
-  the request's fingerprint and its delivery state; the relay delivers its rows to the CRM. On
-  PostgreSQL it lives in the ``prediction`` schema (:data:`LEDGER_SCHEMA`); a SQLite ledger (the
-  embedded default) is a file of its own.
+  the request's fingerprint; the relay delivers its rows to the CRM. On PostgreSQL it lives in the
+  ``prediction`` schema (:data:`LEDGER_SCHEMA`) beside ``decision_outbox``, the relays' work list
+  (one row per group commit); a SQLite ledger (the embedded default) is a file of its own, where
+  each row carries its delivery state.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import BigInteger, DateTime, Float, Index, Integer, String, Text, func, text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 LEDGER_SCHEMA = "prediction"  # PostgreSQL schema owned by PredictionService (SQLite has none)
 LEDGER_TABLE = "decision_ledger"
+OUTBOX_TABLE = "decision_outbox"  # PostgreSQL only
 
 
 class CrmBase(DeclarativeBase):
@@ -59,6 +62,11 @@ class LedgerEntry(LedgerBase):
     (empty when unknown: a decision imported from an outbox or backfilled from the CRM).
     ``recorded_at``, ``delivered_at`` and ``lease_until`` are timestamps on PostgreSQL and Unix
     seconds on SQLite, whose ledger is read and written by plain ``sqlite3``.
+
+    ``delivered_at`` is the per-row delivery state: NULL until a relay delivers the row. On
+    PostgreSQL this release writes ``'infinity'`` instead, meaning "delivered through
+    :class:`OutboxEntry`", and only rows of the previous release (or imported) are NULL;
+    ``lease_until`` is SQLite's (a claim's expiry).
     """
 
     __tablename__ = LEDGER_TABLE
@@ -100,3 +108,16 @@ class LedgerEntry(LedgerBase):
     lease_until: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=True
     )
+
+
+class OutboxEntry(LedgerBase):
+    """The relays' work list on PostgreSQL: one row per group commit, naming the ``seq`` of each
+    decision it inserted, deleted by the relay that delivered them (``crm/ledger_postgres.py``)."""
+
+    __tablename__ = OUTBOX_TABLE
+    __table_args__ = {"schema": LEDGER_SCHEMA}
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    seqs: Mapped[list[int]] = mapped_column(postgresql.ARRAY(BigInteger), nullable=False)
+    n: Mapped[int] = mapped_column(Integer, nullable=False)  # len(seqs)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)

@@ -3,7 +3,7 @@
 Every replica runs one in its serving process, or, with ``relay_in_process`` off, ``mlpair relay``
 runs it in a process of its own (:mod:`mlpair.prediction.relay_server`). Each round claims a batch (:meth:`DecisionLedger.claim`: no two relays
 hold the same row), delivers it in one CRM transaction (``INSERT … ON CONFLICT DO NOTHING``) and
-marks it delivered. While full batches keep coming (a backlog), it claims up to ``concurrency``
+marks it delivered. While claims leave decisions waiting (a backlog), it claims up to ``concurrency``
 batches at once where the ledger allows it (PostgreSQL: ``SKIP LOCKED`` claims never overlap),
 so the two databases work on several batches in parallel instead of one round trip after
 another. While the CRM is down it retries with full-jitter exponential backoff and the rows wait
@@ -143,7 +143,7 @@ class LedgerRelay:
             while self._claiming:
                 self._failing = "ledger"  # until the CRM write itself fails (_write)
                 try:
-                    delivered = await self._deliver_batches(width)
+                    more = await self._deliver_batches(width)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001  (the CRM or the ledger is down: back off, retry)
@@ -155,7 +155,7 @@ class LedgerRelay:
                 if failures:
                     logger.warning("CRM delivery works again after %d failed attempt(s)", failures)
                 failures = 0
-                if delivered < width * self.batch_size:
+                if not more:  # the ledger had no more waiting than these claims took
                     break
                 width = self.concurrency
             self._idle.set()
@@ -170,8 +170,8 @@ class LedgerRelay:
         except TimeoutError:
             pass
 
-    async def _deliver_batches(self, width: int) -> int:
-        """``width`` batches claimed and delivered at once; how many decisions they claimed.
+    async def _deliver_batches(self, width: int) -> bool:
+        """``width`` batches claimed and delivered at once; whether more decisions were waiting.
 
         Raises:
             Exception: the first failure among them, once all have ended (the others' deliveries
@@ -183,20 +183,20 @@ class LedgerRelay:
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return sum(outcomes)  # type: ignore[arg-type]
+        return any(outcomes)
 
-    async def _deliver_batch(self) -> int:
-        """Claims one batch, delivers it and marks it delivered; returns how many it claimed.
+    async def _deliver_batch(self) -> bool:
+        """Claims one batch, delivers it and marks it delivered; returns whether more were waiting.
 
         From a PostgreSQL ledger to a PostgreSQL CRM the batch travels packed (``crm/packed.py``):
         one text per column, never one Python object per decision."""
         if getattr(self.crm, "takes_packed", False) and hasattr(self.ledger, "claim_packed"):
-            async with self.ledger.claim_packed(self.batch_size) as (n, columns):
-                await self._deliver_packed(n, columns)
-            return n
+            async with self.ledger.claim_packed(self.batch_size) as claim:
+                await self._deliver_packed(claim.n, claim.columns)
+            return claim.more
         async with self.ledger.claim(self.batch_size) as batch:
             await self._deliver(batch)
-        return len(batch)
+        return getattr(batch, "more", len(batch) >= self.batch_size)
 
     async def _deliver_packed(self, n: int, columns: list[str]) -> None:
         if n:

@@ -1,0 +1,223 @@
+"""The PostgreSQL ledger's outbox (migration ``ledger_0002``): a group commit adds one outbox row
+per 64 decisions in its own statement, a relay's claim takes exactly its limit of them, and a
+delivered decision leaves its ledger row as it was written (no second row version). During a
+rollout either release's rows are delivered once, by this release's relays; the downgrade gives
+what still waits back to the previous release's per-row work list."""
+
+from __future__ import annotations
+
+import uuid
+
+import asyncpg
+import pytest
+from alembic import command
+from prometheus_client import REGISTRY
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from bench.pair import scratch_postgres
+from mlpair.prediction.crm import ledger_postgres
+from mlpair.prediction.crm.admin import migrate
+from mlpair.prediction.crm.ledger import open_ledger
+from mlpair.prediction.crm.migrate import alembic_config, current_revision
+from mlpair.prediction.crm.models import LEDGER_SCHEMA
+from mlpair.prediction.crm.relay import LedgerRelay
+from mlpair.prediction.crm.store import CrmStore
+from tests.prediction.test_ledger import SLOW_MACHINE_S, crm_rows, decision
+from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+
+
+@pytest.fixture
+def fresh_url():
+    """A fresh PostgreSQL database (a sync fixture: creating it runs its own short event loop)."""
+    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
+    with scratch_postgres(prefix="mlpair_outbox") as url:
+        yield url
+
+
+@pytest.fixture
+async def url(fresh_url):
+    """The fresh database with the ledger and the CRM migrated into it."""
+    await migrate(fresh_url, fresh_url)
+    return fresh_url
+
+
+@pytest.fixture
+async def ledger(url):
+    ledger = open_ledger(url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S, pool_size=4)
+    await ledger.open()
+    yield ledger
+    await ledger.close()
+
+
+@pytest.fixture
+async def sql(url):
+    conn = await asyncpg.connect(url.replace("+asyncpg", ""))
+    yield conn
+    await conn.close()
+
+
+async def record(ledger, ids: list[str]) -> None:
+    outcomes = await ledger.record_many([decision(i) for i in ids], ["fp"] * len(ids))
+    assert not any(isinstance(o, BaseException) for o in outcomes)
+
+
+def new_ids(n: int, prefix: str = "ob") -> list[str]:
+    return [f"{prefix}-{uuid.uuid4()}" for _ in range(n)]
+
+
+async def in_crm(url: str, ids: list[str]) -> tuple[int, int]:
+    """(CRM rows, distinct request ids among them) for ``ids``."""
+    crm = CrmStore(url)
+    try:
+        return await crm_rows(crm, ids)
+    finally:
+        await crm.close()
+
+
+async def versions(sql) -> dict[str, tuple]:
+    """Each ledger row's physical version (ctid, xmin): an UPDATE would change both."""
+    rows = await sql.fetch("SELECT request_id, ctid::text, xmin::text FROM prediction.decision_ledger")
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+async def test_a_delivered_decision_leaves_its_ledger_row_as_written(url, ledger, sql):
+    ids = new_ids(300)
+    for k in range(0, 300, 100):  # three commits of 100: two outbox rows each (64 + 36)
+        await record(ledger, ids[k : k + 100])
+    outbox = await sql.fetch("SELECT n, seqs FROM prediction.decision_outbox ORDER BY id")
+    assert [r["n"] for r in outbox] == [64, 36] * 3
+    assert sorted(s for r in outbox for s in r["seqs"]) == sorted(
+        await sql.fetchval("SELECT array_agg(seq) FROM prediction.decision_ledger")
+    )
+    assert await sql.fetchval("SELECT count(*) FROM prediction.decision_ledger WHERE delivered_at = 'infinity'") == 300
+    assert (await ledger.backlog())[0] == 300
+    before = await versions(sql)
+
+    crm = CrmStore(url, timeout_s=5)
+    relay = LedgerRelay(ledger, crm, batch_size=50, poll_s=0.05, linger_s=0, concurrency=2)
+    skipped = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
+    relay.start()
+    try:
+        assert await relay.wait_delivered(SLOW_MACHINE_S)
+    finally:
+        await relay.stop(drain_timeout_s=1)
+        await crm.close()
+    assert relay.delivered == 300
+    assert (REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0) == skipped
+    assert await in_crm(url, ids) == (300, 300)
+    assert await sql.fetchval("SELECT count(*) FROM prediction.decision_outbox") == 0
+    assert await versions(sql) == before  # no row version written by the delivery
+    assert await ledger.backlog() == (0, 0.0)
+
+
+async def test_claims_take_exactly_their_limit_and_two_at_once_take_different_decisions(ledger):
+    ids = new_ids(100)
+    await record(ledger, ids)  # one commit: outbox rows of 64 and 36
+    async with ledger.claim(25) as first, ledger.claim(25) as second:
+        assert (len(first), len(second)) == (25, 25) and first.more and second.more
+        taken = [row[1] for row in first] + [row[1] for row in second]
+        assert len(set(taken)) == 50
+        # oldest first: in seq order, which within a commit is request-id order (ledger_postgres)
+        assert [row[1] for row in first] == sorted(ids)[:25]
+    assert (await ledger.backlog())[0] == 50
+    async with ledger.claim(100) as rest:
+        assert len(rest) == 50 and not rest.more
+        assert sorted(taken + [row[1] for row in rest]) == sorted(ids)
+    async with ledger.claim_packed(100) as empty:
+        assert (empty.n, empty.more) == (0, False)
+
+
+async def test_a_failed_delivery_gives_the_claim_back_whole(ledger):
+    ids = new_ids(100)
+    await record(ledger, ids)
+    with pytest.raises(ConnectionError):
+        async with ledger.claim_packed(30) as claim:
+            assert claim.n == 30
+            raise ConnectionError("the CRM went away")
+    assert (await ledger.backlog())[0] == 100
+    async with ledger.claim(30) as again:
+        assert [row[1] for row in again] == sorted(ids)[:30]
+
+
+async def test_during_a_rollout_either_release_s_decisions_are_delivered_exactly_once(url, ledger, sql):
+    old = new_ids(40, "previous-release")
+    await ledger.import_decisions([decision(i) for i in old], delivered=False)  # delivered_at IS NULL
+    new = new_ids(60, "this-release")
+    await record(ledger, new)
+    # a relay of the previous release claims WHERE delivered_at IS NULL: never this release's rows
+    async with sql.transaction():
+        seen = {r["request_id"] for r in await sql.fetch(ledger_postgres.CLAIM, 1000)}
+    assert seen == set(old)
+    assert (await ledger.backlog())[0] == 100
+
+    crm = CrmStore(url, timeout_s=5)
+    relay = LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0)
+    skipped = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
+    relay.start()
+    try:
+        assert await relay.wait_delivered(SLOW_MACHINE_S)
+    finally:
+        await relay.stop(drain_timeout_s=1)
+        await crm.close()
+    assert relay.delivered == 100
+    assert (REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0) == skipped
+    assert await in_crm(url, old + new) == (100, 100)
+    marks = dict(await sql.fetch("SELECT request_id, delivered_at FROM prediction.decision_ledger"))
+    assert all(marks[i] is not None and marks[i].year < 9999 for i in old)  # marked one by one
+
+
+async def downgrade_ledger(url: str, revision: str) -> None:
+    engine = create_async_engine(url)
+
+    def run(connection) -> None:
+        config = alembic_config(LEDGER_SCHEMA)
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(run)
+    finally:
+        await engine.dispose()
+
+
+async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_relay(url, ledger, sql):
+    ids = new_ids(100)
+    await record(ledger, ids)
+    async with ledger.claim(40) as delivered:
+        assert [row[1] for row in delivered] == sorted(ids)[:40]
+    await ledger.close()  # the previous release's pods replace this release's
+
+    await downgrade_ledger(url, "ledger_0001")
+    engine = create_async_engine(url)
+    try:
+        assert await current_revision(engine, "ledger") == "ledger_0001"
+    finally:
+        await engine.dispose()
+    assert await sql.fetchval("SELECT to_regclass('prediction.decision_outbox')") is None
+    marks = dict(await sql.fetch("SELECT request_id, delivered_at FROM prediction.decision_ledger"))
+    waiting = sorted(ids)[40:]
+    assert {i for i in ids if marks[i] is None} == set(waiting)  # the per-row work list
+    assert all(marks[i].year < 9999 for i in sorted(ids)[:40])  # delivered: a real time, never 'infinity'
+    async with sql.transaction():  # what the previous release's relay claims
+        assert [r["request_id"] for r in await sql.fetch(ledger_postgres.CLAIM, 1000)] == waiting
+
+    await migrate(url, url)  # and forward again
+    engine = create_async_engine(url)
+    try:
+        assert await current_revision(engine, "ledger") == "ledger_0002"
+    finally:
+        await engine.dispose()
+
+
+async def test_many_small_commits_are_claimed_in_one_claim(ledger):
+    """Commits of one decision each (single Predicts under light load): a claim sizes how many
+    outbox rows it locks by what it saw, so the second claim takes its whole limit."""
+    ids = new_ids(120)
+    for i in ids:  # one at a time: concurrent calls would share a group commit
+        await record(ledger, [i])
+    async with ledger.claim_packed(50) as first:  # sized for rows of 64: locks one, takes one
+        assert first.n == 1 and first.more
+    async with ledger.claim_packed(50) as second:  # sized for rows of 1 now: locks 50
+        assert second.n == 50 and second.more
+    assert (await ledger.backlog())[0] == 69
