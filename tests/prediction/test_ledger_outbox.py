@@ -221,3 +221,40 @@ async def test_many_small_commits_are_claimed_in_one_claim(ledger):
     async with ledger.claim_packed(50) as second:  # sized for rows of 1 now: locks 50
         assert second.n == 50 and second.more
     assert (await ledger.backlog())[0] == 69
+
+
+async def ledger_scans(ledger, sql) -> int:
+    """Sequential scans of the ledger table so far, the ledger's own connection's included (its
+    pending statistics flushed first: PostgreSQL ≥ 15)."""
+    async with ledger._connection() as conn:
+        await conn.execute("SELECT pg_stat_force_next_flush()")
+        await conn.execute("SELECT 1")  # idle in between: the flush happens
+    await sql.execute("SELECT pg_stat_clear_snapshot()")
+    return await sql.fetchval("SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'prediction.decision_ledger'::regclass")
+
+
+async def test_a_claim_reads_a_grown_ledger_by_index_not_by_a_plan_made_while_it_was_small(url, sql):
+    """The claim's statement, prepared and run while the ledger was empty, later read 2,000
+    decisions out of a 200,000-row ledger by a sequential scan (3–5 s a claim): the generic plan.
+    Claims are planned for each execution (``CUSTOM_PLANS``)."""
+    await sql.execute("ALTER TABLE prediction.decision_ledger SET (autovacuum_enabled = false)")  # no re-plan by ANALYZE
+    ledger = open_ledger(url, timeout_s=SLOW_MACHINE_S, pool_size=1)  # one connection: its prepared statements
+    await ledger.open()
+    try:
+        for _ in range(8):  # past the five executions after which PostgreSQL may keep a generic plan
+            await record(ledger, new_ids(2))
+            async with ledger.claim_packed(2048) as claim:  # a relay's usual limit
+                assert claim.n == 2
+        await sql.execute(
+            "INSERT INTO prediction.decision_ledger (request_id, decision_id, entity_id, model_name, model_version, "
+            "feature_schema_version, policy_version, probability, decision, reason_codes, served_from, cache_age_ms, "
+            "degraded_reason, decided_at, delivered_at) SELECT 'grown-' || i, 'd', 'e', 'credit-risk', '1', 'v', 'p', "
+            "0.5, 'APPROVE', '[]', 'inference', 0, '', now(), 'infinity' FROM generate_series(1, 30000) AS i"
+        )
+        await record(ledger, new_ids(64))
+        before = await ledger_scans(ledger, sql)
+        async with ledger.claim_packed(2048) as claim:
+            assert claim.n == 64
+        assert await ledger_scans(ledger, sql) == before  # 1 with the generic plan (checked)
+    finally:
+        await ledger.close()

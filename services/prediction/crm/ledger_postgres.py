@@ -99,6 +99,11 @@ _MORE = (
     "((SELECT sum(n) FROM locked) > $1 OR (SELECT count(*) FROM locked) = $2), "
     "(SELECT count(*) FROM locked), (SELECT COALESCE(sum(n), 0) FROM locked)"
 )
+# A claim's statements are planned for each execution, with the tables' sizes of the moment: a
+# prepared statement's generic plan, made while the ledger was small (a fresh database, the first
+# claims), read the decisions by a sequential scan of the whole ledger once it had grown (3–5 s per
+# claim at 200,000 rows, measured). SET LOCAL ends with the claim's transaction.
+CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
 CLAIM_OUTBOX = f"{_TAKEN} SELECT *, {_MORE} FROM claimed ORDER BY seq"
 # The previous release's rows (delivered_at IS NULL), claimed and marked one by one.
 CLAIM = (
@@ -277,6 +282,7 @@ class PostgresLedger(ledger.DecisionLedger):
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ledger.Claimed]:
         async with self._connection() as conn, conn.transaction():
+            await conn.execute(CUSTOM_PLANS)
             rows = await conn.fetch(CLAIM_OUTBOX, limit, self._outbox_rows(limit))
             if rows:
                 more, locked, decisions = rows[0][-3:]
@@ -295,6 +301,7 @@ class PostgresLedger(ledger.DecisionLedger):
         text per CRM column in ``CRM_COLUMNS`` order, see ``crm/packed.py``); delivered when the
         body returns normally (the transaction commits), released when it raises (it rolls back)."""
         async with self._connection() as conn, conn.transaction():
+            await conn.execute(CUSTOM_PLANS)
             n, more, locked, decisions, *columns = await conn.fetchrow(
                 CLAIM_OUTBOX_PACKED, limit, self._outbox_rows(limit)
             )
