@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add every CRM decision the ledger lacks (once, when moving to the shared ledger)",
     )
+    migrate.add_argument(
+        "--hand-back-outbox",
+        action="store_true",
+        help="before running a release older than ledger_0002 (a rollback, once its pods replaced this "
+        "release's): give the decisions waiting in the ledger's outbox back to the per-row work list "
+        "that release's relays claim",
+    )
     migrate.set_defaults(func=models.migrate)
 
     serve = sub.add_parser("serve", help="run one of the two services")

@@ -79,6 +79,7 @@ def migrate(args: argparse.Namespace) -> int:
                 serving_role=args.serving_role,
                 import_outboxes=[Path(p) for p in args.import_outbox or []],
                 backfill_from_crm=args.backfill_from_crm,
+                hand_back_outbox=args.hand_back_outbox,
             )
         )
     except (ValueError, FileNotFoundError) as exc:
@@ -97,5 +98,6 @@ def migrate(args: argparse.Namespace) -> int:
         + (f"; serving role {report.granted_to} granted" if report.granted_to else "")
         + (f"; {report.imported_from_outboxes} decision(s) imported from outboxes" if args.import_outbox else "")
         + (f"; {report.backfilled_from_crm} decision(s) backfilled from the CRM" if args.backfill_from_crm else "")
+        + (f"; {report.handed_back} decision(s) handed back from the outbox" if args.hand_back_outbox else "")
     )
     return 0

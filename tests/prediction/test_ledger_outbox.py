@@ -6,6 +6,8 @@ what still waits back to the previous release's per-row work list."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import uuid
 
 import asyncpg
@@ -23,6 +25,7 @@ from mlpair.prediction.crm.models import LEDGER_SCHEMA
 from mlpair.prediction.crm.relay import LedgerRelay
 from mlpair.prediction.crm.store import CrmStore
 from tests.prediction.test_ledger import SLOW_MACHINE_S, crm_rows, decision
+from tests.fault_support import eventually
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 
 
@@ -258,3 +261,44 @@ async def test_a_claim_reads_a_grown_ledger_by_index_not_by_a_plan_made_while_it
         assert await ledger_scans(ledger, sql) == before  # 1 with the generic plan (checked)
     finally:
         await ledger.close()
+
+
+# The last commit before ledger_0002: its relay claims WHERE delivered_at IS NULL and marks rows.
+LEDGER_0001_RELEASE = "7a8ab131a000126eb54c329c999308e782a8d1f1"
+
+
+async def test_the_previous_release_s_relay_delivers_its_rows_and_after_the_hand_back_this_release_s(url, ledger, tmp_path):
+    """Expand/contract with the previous release's own code (its ``mlpair relay``): during the
+    rollout it delivers the rows its release recorded and leaves this release's alone; after a
+    rollback, ``mlpair migrate --hand-back-outbox`` gives it what waited in the outbox, and every
+    decision is in the CRM exactly once."""
+    from bench.pair import previous_release
+    from tests.prediction.test_migrate import mlpair_cli
+    from tests.prediction.test_relay_process import relay_process
+
+    if (release := previous_release(tmp_path / "previous", LEDGER_0001_RELEASE)) is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"git history with {LEDGER_0001_RELEASE} is needed to run the previous release's relay")
+        pytest.skip(f"no git history with {LEDGER_0001_RELEASE} (a clone with history runs this test)")
+    old = new_ids(30, "previous-release")
+    await ledger.import_decisions([decision(i) for i in old], delivered=False)  # as its writers leave them
+    new = new_ids(50, "this-release")
+    await record(ledger, new)
+    async with relay_process(url, url, pythonpath=release / "package", relay_batch_size="20"):
+        async def delivered_old() -> bool:
+            return await in_crm(url, old) == (30, 30)
+
+        await eventually(delivered_old, timeout_s=SLOW_MACHINE_S)
+        await asyncio.sleep(0.5)  # ten polls more: still none of this release's
+        assert await in_crm(url, new) == (0, 0)
+
+        done = mlpair_cli("migrate", "--ledger-url", url, "--crm-url", url, "--hand-back-outbox")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().endswith("; 50 decision(s) handed back from the outbox")
+
+        async def delivered_new() -> bool:
+            return await in_crm(url, new) == (50, 50)
+
+        await eventually(delivered_new, timeout_s=SLOW_MACHINE_S)
+    assert await in_crm(url, old + new) == (80, 80)
+    assert await ledger.backlog() == (0, 0.0)

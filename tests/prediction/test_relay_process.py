@@ -15,6 +15,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
@@ -52,15 +53,19 @@ async def postgres(fresh_postgres):
 
 
 @contextlib.asynccontextmanager
-async def relay_process(ledger_url: str, crm_url: str, **settings: str):
+async def relay_process(ledger_url: str, crm_url: str, *, pythonpath: Path | None = None, **settings: str):
     """A ``mlpair relay`` subprocess until its health port reports ready; yields (process, health
-    address, metrics URL). Killed by its PID on the way out if it is still running."""
+    address, metrics URL). Killed by its PID on the way out if it is still running. With
+    ``pythonpath``, the ``mlpair`` package there runs (another release's code)."""
     port, metrics_port = free_port(), free_port()
     env = {**os.environ, "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_CRM_URL": crm_url,
            "PREDICTION_HOST": "127.0.0.1", "PREDICTION_RELAY_PORT": str(port),
            "PREDICTION_RELAY_METRICS_PORT": str(metrics_port), "PREDICTION_RELAY_POLL_MS": "50",
            "PREDICTION_LOG_LEVEL": "WARNING", **{f"PREDICTION_{k.upper()}": v for k, v in settings.items()}}
-    process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "relay"], cwd=REPO_ROOT, env=env,
+    flags = []
+    if pythonpath is not None:  # -P: the repository's own mlpair (the working directory) not first
+        env["PYTHONPATH"], flags = str(pythonpath), ["-P"]
+    process = subprocess.Popen([sys.executable, *flags, "-m", "mlpair.cli", "relay"], cwd=REPO_ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"
     try:

@@ -33,6 +33,7 @@ class MigrationReport:
     granted_to: str | None = None
     imported_from_outboxes: int = 0
     backfilled_from_crm: int = 0
+    handed_back: int = 0
 
 
 async def migrate(
@@ -42,6 +43,7 @@ async def migrate(
     serving_role: str | None = None,
     import_outboxes: Sequence[Path] = (),
     backfill_from_crm: bool = False,
+    hand_back_outbox: bool = False,
 ) -> MigrationReport:
     """Upgrades both databases (idempotent), grants ``serving_role``, and imports old decisions.
 
@@ -53,6 +55,10 @@ async def migrate(
             them is added to the ledger (undelivered ones stay undelivered, for the relay).
         backfill_from_crm: add every CRM decision the ledger lacks, as delivered, so a retry of a
             request id decided before the ledger existed returns that decision.
+        hand_back_outbox: give the decisions waiting in the PostgreSQL ledger's outbox back to the
+            per-row work list (``delivered_at IS NULL``) that a release before ``ledger_0002``
+            claims: a rollback's last step, once no pod of this release runs
+            (docs/deployment.md, "Expand and contract").
 
     Raises:
         sqlalchemy.exc.SQLAlchemyError, OSError: a database is unreachable or refused a change.
@@ -70,7 +76,7 @@ async def migrate(
             report.revisions[branch] = await current_revision(engine, branch) or ""
         finally:
             await engine.dispose()
-    if import_outboxes or backfill_from_crm:
+    if import_outboxes or backfill_from_crm or hand_back_outbox:
         ledger = open_ledger(ledger_url)
         await ledger.open()
         try:
@@ -78,6 +84,8 @@ async def migrate(
                 report.imported_from_outboxes += await _import_outbox(ledger, path)
             if backfill_from_crm:
                 report.backfilled_from_crm = await _backfill(ledger, crm_url)
+            if hand_back_outbox:
+                report.handed_back = await ledger.hand_back_outbox()
         finally:
             await ledger.close()
     return report

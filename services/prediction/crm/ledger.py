@@ -196,6 +196,11 @@ class DecisionLedger(abc.ABC):
         exception they are released, undelivered, for the next claim (of any replica).
         """
 
+    async def hand_back_outbox(self) -> int:
+        """Gives the decisions waiting in an outbox back to the per-row work list; how many. Only
+        the PostgreSQL ledger has an outbox: nothing to do here."""
+        return 0
+
     @abc.abstractmethod
     async def backlog(self) -> tuple[int, float]:
         """Undelivered decisions and the age in seconds of the oldest (0 when none)."""

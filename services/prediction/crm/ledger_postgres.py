@@ -150,6 +150,15 @@ BACKLOG = (
     f"ORDER BY seq LIMIT 1), 0), COALESCE((SELECT extract(epoch FROM now() - recorded_at) FROM {OUTBOX} "
     "ORDER BY id LIMIT 1), 0))"
 )
+# A rollback's last step (mlpair migrate --hand-back-outbox): the outbox's decisions back to the
+# per-row work list of a release before ledger_0002: the rows up to $1 (the last when it started, so
+# a pod still recording cannot keep it going), 100 a statement. FOR UPDATE waits for a claim in
+# flight and then skips what it delivered, so nothing delivered is handed back.
+HAND_BACK = (
+    f"WITH handed AS (DELETE FROM {OUTBOX} WHERE id IN (SELECT id FROM {OUTBOX} WHERE id <= $1 ORDER BY id "
+    "LIMIT 100 FOR UPDATE) "
+    f"RETURNING seqs) UPDATE {TABLE} SET delivered_at = NULL WHERE seq IN (SELECT unnest(seqs) FROM handed)"
+)
 IMPORT = (
     f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
     f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING"
@@ -328,6 +337,17 @@ class PostgresLedger(ledger.DecisionLedger):
             return False
         self.reachable = True
         return True
+
+    async def hand_back_outbox(self) -> int:
+        handed = 0
+        async with self._connection() as conn:
+            last = await conn.fetchval(f"SELECT max(id) FROM {OUTBOX}")
+            while last is not None and await conn.fetchval(
+                f"SELECT EXISTS (SELECT FROM {OUTBOX} WHERE id <= $1)", last
+            ):
+                status = await conn.execute(HAND_BACK, last)
+                handed += int(status.rsplit(" ", 1)[-1])
+        return handed
 
     async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
         rows = [ledger.row_values(d, "", _same) for d in map(ledger.complete, decisions)]
