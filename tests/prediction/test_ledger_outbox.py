@@ -22,6 +22,7 @@ from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.migrate import alembic_config, current_revision
 from mlpair.prediction.crm.models import LEDGER_SCHEMA
+from mlpair.prediction.crm.packed import SEP
 from mlpair.prediction.crm.relay import LedgerRelay
 from mlpair.prediction.crm.store import CrmStore
 from tests.prediction.test_ledger import SLOW_MACHINE_S, crm_rows, decision
@@ -201,7 +202,7 @@ async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_rel
     marks = dict(await sql.fetch("SELECT request_id, delivered_at FROM prediction.decision_ledger"))
     waiting = sorted(ids)[40:]
     assert {i for i in ids if marks[i] is None} == set(waiting)  # the per-row work list
-    assert all(marks[i].year < 9999 for i in sorted(ids)[:40])  # delivered: a real time, never 'infinity'
+    assert all(marks[i] is not None for i in sorted(ids)[:40])  # delivered, to the previous release too
     async with sql.transaction():  # what the previous release's relay claims
         assert [r["request_id"] for r in await sql.fetch(ledger_postgres.CLAIM, 1000)] == waiting
 
@@ -213,17 +214,24 @@ async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_rel
         await engine.dispose()
 
 
-async def test_many_small_commits_are_claimed_in_one_claim(ledger):
+async def test_a_claim_after_small_commits_locks_a_bounded_number_of_rows(ledger):
     """Commits of one decision each (single Predicts under light load): a claim sizes how many
-    outbox rows it locks by what it saw, so the second claim takes its whole limit."""
+    outbox rows it locks by what it saw, but never counting on fewer than 16 decisions a row, so
+    rows of 64 arriving next cannot be locked 64 × the claim's limit at a time."""
     ids = new_ids(120)
     for i in ids:  # one at a time: concurrent calls would share a group commit
         await record(ledger, [i])
     async with ledger.claim_packed(50) as first:  # sized for rows of 64: locks one, takes one
         assert first.n == 1 and first.more
-    async with ledger.claim_packed(50) as second:  # sized for rows of 1 now: locks 50
-        assert second.n == 50 and second.more
-    assert (await ledger.backlog())[0] == 69
+    async with ledger.claim_packed(50) as second:  # rows of 1 seen: sized for 16 a row, locks 4
+        assert second.n == 4 and second.more
+    await record(ledger, new_ids(640))  # ten rows of 64 behind the 115 small ones
+    for _ in range(40):  # each claim locks at most ceil(500 / 16) = 32 rows
+        async with ledger.claim_packed(500) as claim:
+            assert claim.n <= 500
+            if not claim.more:
+                break
+    assert (await ledger.backlog())[0] == 0
 
 
 async def ledger_scans(ledger, sql) -> int:
@@ -302,3 +310,44 @@ async def test_the_previous_release_s_relay_delivers_its_rows_and_after_the_hand
         await eventually(delivered_new, timeout_s=SLOW_MACHINE_S)
     assert await in_crm(url, old + new) == (80, 80)
     assert await ledger.backlog() == (0, 0.0)
+
+
+async def test_the_previous_release_s_rows_do_not_wait_behind_a_steady_outbox(ledger):
+    """Rows the previous release recorded (or an import) are claimed before the outbox's, so a
+    steady stream of commits cannot keep them waiting; one claim carries both, in one packed batch."""
+    old = new_ids(5, "previous-release")
+    await ledger.import_decisions([decision(i) for i in old], delivered=False)
+    new = new_ids(100)
+    await record(ledger, new)
+    async with ledger.claim_packed(50) as claim:
+        assert (claim.n, claim.more) == (50, True)
+        taken = claim.columns[1].split(SEP)[1:]  # CRM_COLUMNS[1]: request_id
+        assert set(taken[:5]) == set(old) and taken[5:] == sorted(new)[:45]
+        assert all(len(column.split(SEP)) == 51 for column in claim.columns)
+    await record(ledger, new_ids(10))
+    later = new_ids(3, "previous-release")
+    await ledger.import_decisions([decision(i) for i in later], delivered=False)
+    claimed = []
+    while True:  # the rows' form: the same order, until no claim says more
+        async with ledger.claim(100) as batch:
+            claimed += [row[1] for row in batch]
+        if not batch.more:
+            break
+    assert set(claimed[:3]) == set(later) and len(claimed) == len(set(claimed)) == 68
+    assert (await ledger.backlog())[0] == 0
+
+
+async def test_the_downgrade_waits_for_a_claim_in_flight_and_hands_back_only_what_it_left(url, ledger, sql):
+    ids = new_ids(100)
+    await record(ledger, ids)
+    downgrade = None
+    async with ledger.claim(30) as delivering:
+        downgrade = asyncio.create_task(downgrade_ledger(url, "ledger_0001"))
+        await asyncio.sleep(1.0)
+        assert not downgrade.done()  # it waits for the claim's transaction
+    await asyncio.wait_for(downgrade, SLOW_MACHINE_S)
+    await ledger.close()
+    marks = dict(await sql.fetch("SELECT request_id, delivered_at FROM prediction.decision_ledger"))
+    taken = {row[1] for row in delivering}
+    assert len(taken) == 30
+    assert {i for i in ids if marks[i] is None} == set(ids) - taken  # nothing delivered handed back

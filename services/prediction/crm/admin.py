@@ -23,6 +23,8 @@ from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import make_engine
 
 IMPORT_BATCH = 5000  # decisions per import transaction
+# statement timeout of the ledger's own steps here: the hand-back waits for claims in flight
+ADMIN_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -77,7 +79,7 @@ async def migrate(
         finally:
             await engine.dispose()
     if import_outboxes or backfill_from_crm or hand_back_outbox:
-        ledger = open_ledger(ledger_url)
+        ledger = open_ledger(ledger_url, timeout_s=ADMIN_TIMEOUT_S)
         await ledger.open()
         try:
             for path in import_outboxes:

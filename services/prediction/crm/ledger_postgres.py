@@ -17,7 +17,7 @@ is delivered by one relay, a relay that dies releases its claim with its connect
 for a lease to expire), and a delivered decision costs PostgreSQL no write of its own (the per-row
 ``UPDATE … SET delivered_at`` this replaced cost more than the insert: migration ``ledger_0002``).
 Rows of the previous release (``delivered_at IS NULL``) are still claimed and marked one by one,
-once the outbox is empty.
+first in each claim.
 
 Statements go straight through an asyncpg pool (no SQLAlchemy on the request path: its
 per-statement processing cost more CPU than the statement); Alembic owns the schema.
@@ -69,6 +69,7 @@ _UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(_ARRAY_TYPES, start=1))
 # decisions inserted, so several relays can claim parts of one large commit at once (a claim locks
 # whole rows); none when nothing was new.
 OUTBOX_CHUNK = 64
+MIN_DECISIONS_PER_OUTBOX_ROW = 16  # what a claim's sizing assumes at the least (_outbox_rows)
 _QUEUED = (
     f"queued AS (INSERT INTO {OUTBOX} (seqs, n) SELECT array_agg(seq ORDER BY seq), count(*) FROM "
     f"(SELECT seq, (row_number() OVER (ORDER BY seq) - 1) / {OUTBOX_CHUNK} AS chunk FROM inserted) AS c "
@@ -245,8 +246,11 @@ class PostgresLedger(ledger.DecisionLedger):
 
     def _outbox_rows(self, limit: int) -> int:
         """Outbox rows a claim of ``limit`` decisions locks: enough for ``limit`` at the decisions
-        per row last seen (a claim that finds smaller rows takes less and says ``more``)."""
-        return min(self.most_outbox_rows_per_claim, math.ceil(limit / self._decisions_per_outbox_row))
+        per row last seen, but never counting on fewer than 16 a row, so that after a run of small
+        commits one claim cannot lock 64 × its limit away from the other relays (a claim that finds
+        smaller rows takes less and says ``more``)."""
+        per_row = max(self._decisions_per_outbox_row, MIN_DECISIONS_PER_OUTBOX_ROW)
+        return min(self.most_outbox_rows_per_claim, math.ceil(limit / per_row))
 
     def _saw(self, rows: int, decisions: int) -> None:
         if rows:
@@ -290,19 +294,22 @@ class PostgresLedger(ledger.DecisionLedger):
 
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ledger.Claimed]:
+        """Claims the previous release's rows first (``delivered_at IS NULL``: none once a rollout
+        is over, and while it lasts they must not wait behind a steady outbox), then outbox rows for
+        the rest of ``limit``."""
         async with self._connection() as conn, conn.transaction():
             await conn.execute(CUSTOM_PLANS)
-            rows = await conn.fetch(CLAIM_OUTBOX, limit, self._outbox_rows(limit))
-            if rows:
-                more, locked, decisions = rows[0][-3:]
-                self._saw(locked, decisions)
-                yield ledger.Claimed([row[1:-3] for row in rows], more=more)
-                return
-            # the outbox is empty: the previous release's rows, if any, marked one by one
-            rows = await conn.fetch(CLAIM, limit)
-            yield ledger.Claimed([row[1:] for row in rows], more=len(rows) == limit)
-            if rows:
-                await conn.execute(MARK_DELIVERED, [row[0] for row in rows])
+            previous = await conn.fetch(CLAIM, limit)
+            batch = ledger.Claimed([row[1:] for row in previous], more=len(previous) == limit)
+            if len(previous) < limit:
+                rows = await conn.fetch(CLAIM_OUTBOX, limit - len(previous), self._outbox_rows(limit - len(previous)))
+                if rows:
+                    batch.more, locked, decisions = rows[0][-3:]
+                    self._saw(locked, decisions)
+                    batch.extend(row[1:-3] for row in rows)
+            yield batch
+            if previous:
+                await conn.execute(MARK_DELIVERED, [row[0] for row in previous])
 
     @contextlib.asynccontextmanager
     async def claim_packed(self, limit: int) -> AsyncIterator[ledger.PackedClaim]:
@@ -311,12 +318,16 @@ class PostgresLedger(ledger.DecisionLedger):
         body returns normally (the transaction commits), released when it raises (it rolls back)."""
         async with self._connection() as conn, conn.transaction():
             await conn.execute(CUSTOM_PLANS)
-            n, more, locked, decisions, *columns = await conn.fetchrow(
-                CLAIM_OUTBOX_PACKED, limit, self._outbox_rows(limit)
-            )
-            self._saw(locked, decisions)
-            if not n:  # the outbox is empty: the previous release's rows, if any
-                n, more, *columns = await conn.fetchrow(CLAIM_PACKED, limit)
+            n, more, *columns = await conn.fetchrow(CLAIM_PACKED, limit)  # the previous release's first
+            if n < limit:
+                rest = limit - n
+                taken, more, locked, decisions, *outbox = await conn.fetchrow(
+                    CLAIM_OUTBOX_PACKED, rest, self._outbox_rows(rest)
+                )
+                self._saw(locked, decisions)
+                if taken:  # packed texts of both, joined (each value is preceded by the separator)
+                    columns = [a + b for a, b in zip(columns, outbox)] if n else outbox
+                    n += taken
             yield ledger.PackedClaim(n, columns, bool(more))
 
     async def backlog(self) -> tuple[int, float]:

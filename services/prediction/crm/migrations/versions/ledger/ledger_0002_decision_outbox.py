@@ -14,9 +14,11 @@ transaction: 7–8 µs per decision.
 Expand/contract: this release inserts its decisions with ``delivered_at = 'infinity'`` ("tracked
 by the outbox"), so a relay of the previous release, still running during the rollout, leaves
 them alone, and this release's relays still deliver rows with ``delivered_at IS NULL`` (recorded
-by the previous release, or imported) the old way. The release after next drops ``delivered_at``,
-``lease_until`` and the undelivered index once no row is NULL. The downgrade turns the outbox back
-into per-row state, so the previous release's relays deliver what was still waiting.
+by the previous release, or imported) the old way, before the outbox's. The release after next
+drops ``delivered_at``, ``lease_until`` and the undelivered index once no row is NULL. The
+downgrade turns what still waits in the outbox back into per-row state, so the previous release's
+relays deliver it; to the previous release an ``'infinity'`` row reads as delivered, as it was.
+No pod of this release may run during a downgrade (its inserts would fail: the table is gone).
 
 SQLite ledgers (one machine, one writer) keep the per-row marks: nothing is created there.
 
@@ -50,11 +52,11 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    # what waits in the outbox goes back to the per-row work list; what was delivered through it is
-    # marked delivered at the downgrade's time (its own delivery time was not kept)
+    # Claims in flight finish first (the lock waits for them, and holds off new claims and commits
+    # until the table is gone); then what waits in the outbox goes back to the per-row work list.
+    op.execute("LOCK TABLE prediction.decision_outbox IN ACCESS EXCLUSIVE MODE")
     op.execute(
         "UPDATE prediction.decision_ledger SET delivered_at = NULL "
         "WHERE seq IN (SELECT unnest(seqs) FROM prediction.decision_outbox)"
     )
-    op.execute("UPDATE prediction.decision_ledger SET delivered_at = now() WHERE delivered_at = 'infinity'")
     op.drop_table("decision_outbox", schema="prediction")
