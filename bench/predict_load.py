@@ -632,8 +632,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--c1-seconds", type=float, default=5.0, help="measured seconds of the concurrency-1 phases")
     parser.add_argument("--batch-items", type=int, default=500, help="applicants per BatchPredict call")
     parser.add_argument("--batch-concurrency", type=int, default=4, help="BatchPredict calls in flight")
-    parser.add_argument("--batch-rows-budget-per-s", type=int, default=40_000,
-                        help="distinct rows prepared per second of the BatchPredict phase (its upper bound)")
+    parser.add_argument("--batch-rows-budget-per-s", type=int, default=60_000,
+                        help="distinct rows prepared per second of the BatchPredict phase (its upper bound: "
+                             "above issue 16's 50,000 rows/s, so the phase can show that target met)")
     parser.add_argument("--max-calls", type=int, default=100_000, help="upper bound of calls per phase")
     parser.add_argument("--ledgers", nargs="+", default=["postgresql"], choices=["postgresql", "sqlite"],
                         help="decision ledgers to run the phases with (the first also runs Infer, BatchPredict and A/B)")
