@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from bench.pair import scratch_postgres
-from mlpair.prediction.crm import ledger_postgres
+from mlpair.prediction.crm import ledger_sql
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.migrate import alembic_config, current_revision
@@ -150,7 +150,7 @@ async def test_during_a_rollout_either_release_s_decisions_are_delivered_exactly
     await record(ledger, new)
     # a relay of the previous release claims WHERE delivered_at IS NULL: never this release's rows
     async with sql.transaction():
-        seen = {r["request_id"] for r in await sql.fetch(ledger_postgres.CLAIM, 1000)}
+        seen = {r["request_id"] for r in await sql.fetch(ledger_sql.CLAIM, 1000)}
     assert seen == set(old)
     assert (await ledger.backlog())[0] == 100
 
@@ -204,7 +204,7 @@ async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_rel
     assert {i for i in ids if marks[i] is None} == set(waiting)  # the per-row work list
     assert all(marks[i] is not None for i in sorted(ids)[:40])  # delivered, to the previous release too
     async with sql.transaction():  # what the previous release's relay claims
-        assert [r["request_id"] for r in await sql.fetch(ledger_postgres.CLAIM, 1000)] == waiting
+        assert [r["request_id"] for r in await sql.fetch(ledger_sql.CLAIM, 1000)] == waiting
 
     await migrate(url, url)  # and forward again
     engine = create_async_engine(url)

@@ -19,7 +19,7 @@ for a lease to expire), and a delivered decision costs PostgreSQL no write of it
 Rows of the previous release (``delivered_at IS NULL``) are still claimed and marked one by one,
 first in each claim.
 
-Statements go straight through an asyncpg pool (no SQLAlchemy on the request path: its
+Statements (their text: ``crm/ledger_sql.py``) go straight through an asyncpg pool (no SQLAlchemy on the request path: its
 per-statement processing cost more CPU than the statement); Alembic owns the schema.
 """
 
@@ -35,135 +35,28 @@ from sqlalchemy import make_url
 
 from mlpair.prediction.crm import ledger, packed
 from mlpair.prediction.crm.codecs import ledger_arrays
+from mlpair.prediction.crm.ledger_sql import (
+    ARRAY_TYPES,
+    BACKLOG,
+    CLAIM,
+    CLAIM_OUTBOX,
+    CLAIM_OUTBOX_PACKED,
+    CLAIM_PACKED,
+    COLUMNS,
+    CUSTOM_PLANS,
+    HAND_BACK,
+    IMPORT,
+    INSERT,
+    INSERT_PACKED,
+    MARK_DELIVERED,
+    MIN_DECISIONS_PER_OUTBOX_ROW,
+    OUTBOX,
+    OUTBOX_CHUNK,
+    SELECT_RECORDED,
+    TABLE,
+)
 from mlpair.prediction.crm.migrate import SchemaNotReady
-from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE, OUTBOX_TABLE
 from mlpair.prediction.records import DecisionColumns, Recorded, StoredDecision
-
-TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
-OUTBOX = f'"{LEDGER_SCHEMA}".{OUTBOX_TABLE}'
-# delivered_at of the decisions this release records: "delivered through the outbox", so a relay of
-# the previous release (WHERE delivered_at IS NULL) leaves them alone during a rollout
-IN_OUTBOX = "'infinity'::timestamptz"
-_COLUMNS = ", ".join(ledger.DECISION_COLUMNS)
-# each column's base type: an array cast to varchar(n) would truncate, while the assignment into
-# the column refuses a value that is too long, as a row-by-row insert does
-_ARRAY_TYPES = (
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "float8",
-    "text",
-    "text",
-    "text",
-    "int4",
-    "text",
-    "timestamptz",
-)
-_UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(_ARRAY_TYPES, start=1))
-# The commit's outbox rows, in the insert's statement (atomic with it): one per OUTBOX_CHUNK
-# decisions inserted, so several relays can claim parts of one large commit at once (a claim locks
-# whole rows); none when nothing was new.
-OUTBOX_CHUNK = 64
-MIN_DECISIONS_PER_OUTBOX_ROW = 16  # what a claim's sizing assumes at the least (_outbox_rows)
-_QUEUED = (
-    f"queued AS (INSERT INTO {OUTBOX} (seqs, n) SELECT array_agg(seq ORDER BY seq), count(*) FROM "
-    f"(SELECT seq, (row_number() OVER (ORDER BY seq) - 1) / {OUTBOX_CHUNK} AS chunk FROM inserted) AS c "
-    "GROUP BY chunk)"
-)
-INSERT = (
-    f"WITH inserted AS (INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, {IN_OUTBOX} FROM unnest({_UNNEST}) "
-    f"ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED} SELECT request_id FROM inserted"
-)
-SELECT_RECORDED = f"SELECT {_COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
-# A relay's claim of $1 decisions: up to $2 of the oldest outbox rows no other relay holds, locked;
-# in order, each that fits whole within $1 deleted, and of the first that does not, its first seqs
-# taken and the rest left in it (an update of one narrow row); their decisions read by primary key.
-# Commits with the delivery.
-_TAKEN = (
-    f"WITH locked AS (SELECT id, n, seqs FROM {OUTBOX} ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED), "
-    "w AS (SELECT id, n, seqs, sum(n) OVER (ORDER BY id) - n AS before FROM locked), "
-    "cut AS (SELECT id, $1 - before AS k FROM w WHERE before < $1 AND before + n > $1), "
-    f"taken AS (DELETE FROM {OUTBOX} AS o USING w WHERE o.id = w.id AND w.before + w.n <= $1 RETURNING o.seqs), "
-    f"kept AS (UPDATE {OUTBOX} AS o SET seqs = o.seqs[cut.k + 1:], n = o.n - cut.k FROM cut WHERE o.id = cut.id "
-    "RETURNING o.id), "
-    f"claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE seq = ANY(ARRAY("
-    "SELECT unnest(seqs) FROM taken UNION ALL SELECT unnest(w.seqs[1:cut.k]) FROM w JOIN cut ON w.id = cut.id)))"
-)
-# more: the locked rows held more than the claim took, or as many were locked as asked (more behind)
-# and the outbox rows locked and their decisions, which size the next claim's $2
-_MORE = (
-    "((SELECT sum(n) FROM locked) > $1 OR (SELECT count(*) FROM locked) = $2), "
-    "(SELECT count(*) FROM locked), (SELECT COALESCE(sum(n), 0) FROM locked)"
-)
-# A claim's statements are planned for each execution, with the tables' sizes of the moment: a
-# prepared statement's generic plan, made while the ledger was small (a fresh database, the first
-# claims), read the decisions by a sequential scan of the whole ledger once it had grown (3–5 s per
-# claim at 200,000 rows, measured). SET LOCAL ends with the claim's transaction.
-CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
-CLAIM_OUTBOX = f"{_TAKEN} SELECT *, {_MORE} FROM claimed ORDER BY seq"
-# The previous release's rows (delivered_at IS NULL), claimed and marked one by one.
-CLAIM = (
-    f"SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL ORDER BY seq LIMIT $1 "
-    "FOR UPDATE SKIP LOCKED"
-)
-MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
-# The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by
-# PostgreSQL. It answers with the request ids it did not insert (on record already): none, one empty
-# result, in the usual case, instead of a row per decision inserted (0.3 µs of client CPU per row).
-_NAMES = ", ".join(f"c{k}" for k in range(len(ledger.DECISION_COLUMNS)))
-INSERT_PACKED = (
-    f"WITH inserted AS (INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT "
-    + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(_ARRAY_TYPES))
-    + f", {IN_OUTBOX} FROM unnest("
-    + ", ".join(packed.unpacked(k) for k in range(1, len(_ARRAY_TYPES) + 1))
-    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED} "
-    + f"SELECT r FROM unnest({packed.unpacked(1)}) AS r WHERE r NOT IN (SELECT request_id FROM inserted)"
-)
-# A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
-# The outbox rows are deleted (or the previous release's rows marked delivered) by the same statement,
-# inside the claim's transaction: it commits only once the CRM has them, and a failed delivery rolls
-# the claim back with it.
-_CLAIMED_TYPES = dict(zip(ledger.DECISION_COLUMNS, _ARRAY_TYPES))
-_PACKED_CLAIMED = (
-    "SELECT count(*), "
-    + ", ".join(
-        packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in ledger.CLAIMED_COLUMNS.split(", ")
-    )
-    + " FROM claimed"
-)
-CLAIM_OUTBOX_PACKED = f"{_TAKEN} {_PACKED_CLAIMED.replace('count(*), ', f'count(*), {_MORE}, ', 1)}"
-CLAIM_PACKED = (
-    f"WITH claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
-    "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
-    f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
-    + _PACKED_CLAIMED.replace("count(*), ", "count(*), count(*) = $1, ", 1)
-)
-# undelivered decisions (the outbox's, and the previous release's rows) and the age of the oldest
-# of the two that the relays claim next
-BACKLOG = (
-    f"SELECT (SELECT count(*) FROM {TABLE} WHERE delivered_at IS NULL) + COALESCE((SELECT sum(n) FROM {OUTBOX}), 0), "
-    f"GREATEST(COALESCE((SELECT extract(epoch FROM now() - recorded_at) FROM {TABLE} WHERE delivered_at IS NULL "
-    f"ORDER BY seq LIMIT 1), 0), COALESCE((SELECT extract(epoch FROM now() - recorded_at) FROM {OUTBOX} "
-    "ORDER BY id LIMIT 1), 0))"
-)
-# A rollback's last step (mlpair migrate --hand-back-outbox): the outbox's decisions back to the
-# per-row work list of a release before ledger_0002: the rows up to $1 (the last when it started, so
-# a pod still recording cannot keep it going), 100 a statement. FOR UPDATE waits for a claim in
-# flight and then skips what it delivered, so nothing delivered is handed back.
-HAND_BACK = (
-    f"WITH handed AS (DELETE FROM {OUTBOX} WHERE id IN (SELECT id FROM {OUTBOX} WHERE id <= $1 ORDER BY id "
-    "LIMIT 100 FOR UPDATE) "
-    f"RETURNING seqs) UPDATE {TABLE} SET delivered_at = NULL WHERE seq IN (SELECT unnest(seqs) FROM handed)"
-)
-IMPORT = (
-    f"INSERT INTO {TABLE} ({_COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
-    f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING"
-)
 
 
 def _same(value: datetime) -> datetime:
@@ -189,7 +82,7 @@ def _packed(arrays: list[list]) -> list[str]:
         packed.Unpackable: a value holds the separator.
     """
     texts = []
-    for values, sql_type in zip(arrays, _ARRAY_TYPES):
+    for values, sql_type in zip(arrays, ARRAY_TYPES):
         if sql_type == "float8":
             values = packed.floats(values)
         elif sql_type == "int4":
@@ -270,9 +163,7 @@ class PostgresLedger(ledger.DecisionLedger):
         )
         try:
             async with self._connection() as conn:
-                await conn.execute(
-                    f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false"
-                )
+                await conn.execute(f"SELECT {COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false")
                 await conn.execute(f"SELECT id, seqs, n, recorded_at FROM {OUTBOX} WHERE false")
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
             raise SchemaNotReady(
