@@ -58,8 +58,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     PREDICTION_MODEL_REPOSITORY=/models \
     PREDICTION_CONFIG_DIR=/etc/mlpair/config
 USER 10001:10001
-# 9001 gRPC (PredictionService, grpc.health.v1); 9002 Prometheus metrics.
-EXPOSE 9001 9002
+# 9001 gRPC (PredictionService, grpc.health.v1); 9002 Prometheus metrics. The same image runs the
+# outbox relay (`mlpair relay`): 9003 grpc.health.v1, 9004 metrics. HEALTHCHECK names the server; a
+# relay container under plain Docker sets its own:
+#   docker run --health-cmd "/opt/venv/bin/mlpair health --target 127.0.0.1:9003" … relay
+EXPOSE 9001 9002 9003 9004
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["/opt/venv/bin/mlpair", "health", "--target", "127.0.0.1:9001"]
 ENTRYPOINT ["/opt/venv/bin/mlpair"]

@@ -150,6 +150,16 @@ def test_healthcheck_uses_the_grpc_health_protocol(service: str, rendered: dict)
     assert int(config_map["data"][f"{prefix}_PORT"]) == port
 
 
+def test_the_prediction_image_exposes_the_relay_s_ports_as_its_deployment_names_them(rendered: dict) -> None:
+    # One image runs PredictionService and `mlpair relay`: the relay's health and metrics ports
+    # are declared by the image as well as by the prediction-relay Deployment.
+    final = stages(IMAGES["prediction"][0])[-1]
+    exposed = {int(p) for keyword, arguments in final if keyword == "EXPOSE" for p in arguments.split()}
+    (relay,) = [d for d in dc.of_kind(rendered["prod"], "Deployment") if d["metadata"]["name"] == "prediction-relay"]
+    ports = {p["containerPort"] for c in dc.containers(relay) for p in c.get("ports", [])}
+    assert ports == {9003, 9004} and ports <= exposed
+
+
 def image_env(dockerfile: Path) -> dict[str, str]:
     """NAME=value pairs of the final stage's ENV instructions."""
     env = {}
