@@ -78,6 +78,21 @@ async def in_crm(url: str, ids: list[str]) -> tuple[int, int]:
         await crm.close()
 
 
+async def deliver_everything(url: str, ledger, **relay_options) -> tuple[int, int]:
+    """Runs a relay until nothing is undelivered; (decisions it inserted into the CRM, decisions
+    it found there already: a second delivery)."""
+    crm = CrmStore(url, timeout_s=5)
+    relay = LedgerRelay(ledger, crm, poll_s=0.05, linger_s=0, **relay_options)
+    skipped = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
+    relay.start()
+    try:
+        assert await relay.wait_delivered(SLOW_MACHINE_S)
+    finally:
+        await relay.stop(drain_timeout_s=1)
+        await crm.close()
+    return relay.delivered, int((REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0) - skipped)
+
+
 async def versions(sql) -> dict[str, tuple]:
     """Each ledger row's physical version (ctid, xmin): an UPDATE would change both."""
     rows = await sql.fetch("SELECT request_id, ctid::text, xmin::text FROM prediction.decision_ledger")
@@ -97,17 +112,7 @@ async def test_a_delivered_decision_leaves_its_ledger_row_as_written(url, ledger
     assert (await ledger.backlog())[0] == 300
     before = await versions(sql)
 
-    crm = CrmStore(url, timeout_s=5)
-    relay = LedgerRelay(ledger, crm, batch_size=50, poll_s=0.05, linger_s=0, concurrency=2)
-    skipped = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
-    relay.start()
-    try:
-        assert await relay.wait_delivered(SLOW_MACHINE_S)
-    finally:
-        await relay.stop(drain_timeout_s=1)
-        await crm.close()
-    assert relay.delivered == 300
-    assert (REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0) == skipped
+    assert await deliver_everything(url, ledger, batch_size=50, concurrency=2) == (300, 0)
     assert await in_crm(url, ids) == (300, 300)
     assert await sql.fetchval("SELECT count(*) FROM prediction.decision_outbox") == 0
     assert await versions(sql) == before  # no row version written by the delivery
@@ -154,17 +159,7 @@ async def test_during_a_rollout_either_release_s_decisions_are_delivered_exactly
     assert seen == set(old)
     assert (await ledger.backlog())[0] == 100
 
-    crm = CrmStore(url, timeout_s=5)
-    relay = LedgerRelay(ledger, crm, batch_size=25, poll_s=0.05, linger_s=0)
-    skipped = REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0
-    relay.start()
-    try:
-        assert await relay.wait_delivered(SLOW_MACHINE_S)
-    finally:
-        await relay.stop(drain_timeout_s=1)
-        await crm.close()
-    assert relay.delivered == 100
-    assert (REGISTRY.get_sample_value("prediction_outbox_already_in_crm_total") or 0) == skipped
+    assert await deliver_everything(url, ledger, batch_size=25) == (100, 0)
     assert await in_crm(url, old + new) == (100, 100)
     marks = dict(await sql.fetch("SELECT request_id, delivered_at FROM prediction.decision_ledger"))
     assert all(marks[i] is not None and marks[i].year < 9999 for i in old)  # marked one by one

@@ -101,19 +101,22 @@ INSERT_PACKED = (
 # inside the claim's transaction: it commits only once the CRM has them, and a failed delivery rolls
 # the claim back with it.
 _CLAIMED_TYPES = dict(zip(ledger.DECISION_COLUMNS, ARRAY_TYPES))
-_PACKED_CLAIMED = (
-    "SELECT count(*), "
-    + ", ".join(
-        packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in ledger.CLAIMED_COLUMNS.split(", ")
-    )
-    + " FROM claimed"
+_PACKED_COLUMNS = ", ".join(
+    packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in ledger.CLAIMED_COLUMNS.split(", ")
 )
-CLAIM_OUTBOX_PACKED = f"{_TAKEN} {_PACKED_CLAIMED.replace('count(*), ', f'count(*), {_MORE}, ', 1)}"
+
+
+def _packed_claimed(more: str) -> str:
+    """The claimed decisions as one row: count, the ``more`` columns, one packed text per CRM column."""
+    return f"SELECT count(*), {more}, {_PACKED_COLUMNS} FROM claimed"
+
+
+CLAIM_OUTBOX_PACKED = f"{_TAKEN} {_packed_claimed(_MORE)}"
 CLAIM_PACKED = (
     f"WITH claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE delivered_at IS NULL "
     "ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED), "
     f"marked AS (UPDATE {TABLE} AS l SET delivered_at = now() FROM claimed WHERE l.seq = claimed.seq) "
-    + _PACKED_CLAIMED.replace("count(*), ", "count(*), count(*) = $1, ", 1)
+    + _packed_claimed("count(*) = $1")
 )
 # undelivered decisions (the outbox's, and the previous release's rows) and the age of the oldest
 # of the two that the relays claim next
