@@ -234,7 +234,7 @@ def _written_results(decided, timestamps: dict) -> list[bytes | None]:
     explanation (built by :func:`_fresh_response` instead)."""
     c = decided.columns
     n = len(c.request_id)
-    stamps = [_timestamp(at, timestamps) for at in c.decided_at]
+    stamps = _timestamps(c.decided_at, timestamps)
     enum = _DECISION_ENUM
     columns = [
         (_FIELD["request_id"], _STRING, c.request_id),
@@ -295,6 +295,14 @@ def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:
     if warnings or explanation is not None:
         _add_extras(response, warnings or (), explanation)
     return response
+
+
+def _timestamps(values: list, timestamps: dict) -> list[timestamp_pb2.Timestamp]:
+    """:func:`_timestamp` of each of ``values``; a column that is one datetime object throughout
+    (a call's decisions share theirs: ``list.count`` matches them by identity in C) costs one."""
+    if values and values.count(values[0]) == len(values):
+        return [_timestamp(values[0], timestamps)] * len(values)
+    return [_timestamp(at, timestamps) for at in values]
 
 
 def _timestamp(at, timestamps: dict) -> timestamp_pb2.Timestamp:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -224,15 +224,14 @@ class Predictor:
                 decided.append(d)
         if decided:
             await self._record(decided, slots)
-        requests_by_outcome: Counter[tuple[str, str]] = Counter()
-        for i, (request, outcome) in enumerate(zip(requests, slots)):
-            if callers is not None and callers[i].gone:  # as a call cancelled alone: not counted
-                continue
-            name = request.model_name or self.default_model
+        pairs: Iterable[tuple[PredictInput, Slot]] = zip(requests, slots)
+        if callers is not None:  # a caller gone is as a call cancelled alone: not counted
+            pairs = ((r, s) for (r, s), c in zip(pairs, callers) if not c.gone)
+        by_outcome = Counter((r.model_name, s.code if isinstance(s, ServiceError) else "OK") for r, s in pairs)
+        for (name, code), n in by_outcome.items():  # the names as sent, each resolved once
+            name = name or self.default_model
             label = name if name in self.families else "unknown"  # clients must not mint label values
-            requests_by_outcome[label, outcome.code if isinstance(outcome, ServiceError) else "OK"] += 1
-        for labels, n in requests_by_outcome.items():
-            metrics.labelled(metrics.REQUESTS, *labels).inc(n)
+            metrics.labelled(metrics.REQUESTS, label, code).inc(n)
         return Outcomes(slots)
 
     async def _record(self, decided: list[Decided], slots: list[Slot]) -> None:
@@ -249,22 +248,30 @@ class Predictor:
         offset = 0
         for d in decided:
             group, name = d.group, d.group.family.name
-            fresh: list[int] = []  # decided rows with model output, returned as decided now
             labels = d.columns.decision
-            for j, k in enumerate(d.rows):
-                i, index = offset + j, group.index[k]
-                if failed and i in failed:
-                    slots[index] = as_item_error(failed[i])
-                    continue
-                if replays and i in replays:
-                    slots[index] = self._replayed(replays[i], group, k, batch.fingerprints[i], decisions)
-                    continue
-                slots[index] = (d, j)
-                decisions[name, labels[j]] += 1
-                if j in d.without_model:
-                    fallbacks[name, d.without_model[j]] += 1
-                else:
-                    fresh.append(j)
+            recorded_now: Sequence[int] = range(len(d.rows))  # decided rows recorded by this call (usually all)
+            if failed or replays:
+                kept: list[int] = []
+                for j, k in enumerate(d.rows):
+                    i = offset + j
+                    if i in failed:
+                        slots[group.index[k]] = as_item_error(failed[i])
+                    elif i in replays:
+                        slots[group.index[k]] = self._replayed(replays[i], group, k, batch.fingerprints[i], decisions)
+                    else:
+                        kept.append(j)
+                recorded_now = kept
+            for j in recorded_now:
+                slots[group.index[d.rows[j]]] = (d, j)
+            counted = labels if len(recorded_now) == len(labels) else [labels[j] for j in recorded_now]
+            for label, n in Counter(counted).items():
+                decisions[name, label] += n
+            fresh = list(recorded_now)  # decided rows with model output, returned as decided now
+            if d.without_model:
+                fresh = [j for j in recorded_now if j not in d.without_model]
+                for j in recorded_now:
+                    if j in d.without_model:
+                        fallbacks[name, d.without_model[j]] += 1
             offset += len(d.rows)
             if fresh:
                 rows = [d.rows[j] for j in fresh]

@@ -50,6 +50,8 @@ def floats(values: list[float | None]) -> list[str]:
 def timestamps(values: list[datetime]) -> list[str]:
     """Timezone-aware timestamps as ISO 8601 text; each distinct one is formatted once (a call's
     decisions share theirs)."""
+    if values and values.count(values[0]) == len(values):  # one datetime throughout (a call's decisions)
+        return [values[0].isoformat()] * len(values)
     memo: dict[datetime, str] = {}
     out = []
     for v in values:

@@ -94,10 +94,12 @@ class MemoryCache:
         return len(self._entries)
 
     async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        found = list(map(self._entries.get, keys))
+        if found.count(None) == len(found):  # every key a miss (a batch of new rows): nothing to age or move
+            return [None] * len(found)
         now = self._clock()
         out: list[CachedLogits | None] = []
-        for key in keys:
-            entry = self._entries.get(key)
+        for key, entry in zip(keys, found):
             if entry is None:
                 out.append(None)
                 continue
@@ -112,11 +114,12 @@ class MemoryCache:
 
     async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
         now = self._clock()
+        entries, move_to_end = self._entries, self._entries.move_to_end
         for key, logits, version in items:
-            self._entries[key] = (logits, version, now)
-            self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            entries[key] = (logits, version, now)
+            move_to_end(key)
+        for _ in range(len(entries) - self.max_entries):
+            entries.popitem(last=False)
 
     async def ping(self) -> bool:
         return True

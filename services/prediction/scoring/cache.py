@@ -195,27 +195,30 @@ class CachedInference:
         model_name, model_version = target.name, target.version
         keys = cache_keys(target, rows)
         unique = list(dict.fromkeys(keys))
-        cached = dict(zip(unique, await self.cache.get_many(unique), strict=True))
-        for key, entry in cached.items():
-            if entry is not None and not fit_to_serve(
-                self.cache.name, entry, model_version, n_classes, self.cache.stale_ttl_s
-            ):
-                cached[key] = None  # a miss: never served, not even stale
+        entries = await self.cache.get_many(unique)
+        joined = list(map(self._flights.get, unique))  # each key's call in flight, if any
+        cached = dict(zip(unique, entries, strict=True))
         results: dict[str, Scored] = {}  # rows served from the cache, stale, or by the fallback
         inferred: dict[str, _Answer] = {}  # rows inference answered: their call's matrix
         flights: dict[int, tuple[_Flight, list[str], bool]] = {}  # id → (flight, its keys here, led by us)
         leading: list[str] = []
         hits = coalesced = 0
-        for key in unique:
-            entry = cached[key]
-            if entry is not None and entry.age_s < self.fresh_ttl_s:
-                results[key] = Scored(entry.logits, entry.model_version, Source.CACHE, int(entry.age_s * 1000))
-                hits += 1
-            elif (flight := self._flights.get(key)) is not None:
-                flights.setdefault(id(flight), (flight, [], False))[1].append(key)
-                coalesced += 1
-            else:
-                leading.append(key)
+        if entries.count(None) == joined.count(None) == len(unique):  # all misses, none in flight: no row to look at
+            leading = unique
+        else:
+            for key, entry, flight in zip(unique, entries, joined):
+                if entry is not None and not fit_to_serve(
+                    self.cache.name, entry, model_version, n_classes, self.cache.stale_ttl_s
+                ):
+                    entry = cached[key] = None  # a miss: never served, not even stale
+                if entry is not None and entry.age_s < self.fresh_ttl_s:
+                    results[key] = Scored(entry.logits, entry.model_version, Source.CACHE, int(entry.age_s * 1000))
+                    hits += 1
+                elif flight is not None:
+                    flights.setdefault(id(flight), (flight, [], False))[1].append(key)
+                    coalesced += 1
+                else:
+                    leading.append(key)
         for result, n in (("hit", hits), ("coalesced", coalesced), ("miss", len(leading))):
             if n:  # counted once per call, not per row
                 metrics.labelled(metrics.CACHE_REQUESTS, model_name, result).inc(n)
@@ -266,14 +269,12 @@ class CachedInference:
             for key in flight_keys:
                 results[key] = self._degraded(model_name, cached[key], exc.reason)
         else:
-            for key in flight_keys:
-                inferred[key] = answer
+            inferred.update(dict.fromkeys(flight_keys, answer))
         return True
 
     def _start_flight(self, keys: list[str], infer: Callable[[], Awaitable[tuple[np.ndarray, str]]]) -> _Flight:
         flight = _Flight(keys)
-        for key in keys:
-            self._flights[key] = flight
+        self._flights.update(dict.fromkeys(keys, flight))
         flight.task = asyncio.get_running_loop().create_task(self._fly(flight, infer))
         return flight
 
@@ -294,15 +295,16 @@ class CachedInference:
         finite = np.isfinite(logits).all(axis=1).tolist()
         try:  # a row without usable output (NaN, see InferenceClient) is never cached
             await self.cache.put_many(
-                [(key, logits[i].copy(), version) for i, key in enumerate(flight.keys) if finite[i]]
+                [(key, row.copy(), version) for key, row, ok in zip(flight.keys, logits, finite) if ok]
             )
         finally:
             asyncio.get_running_loop().call_later(self.linger_s, self._unregister, flight)
 
     def _unregister(self, flight: _Flight) -> None:
+        flights = self._flights
         for key in flight.keys:
-            if self._flights.get(key) is flight:
-                del self._flights[key]
+            if flights.get(key) is flight:
+                del flights[key]
 
     async def _wait(self, flight: _Flight, deadline: float | None, *, leader: bool) -> _Answer:
         """The flight's outcome. The leader's call is bounded by its own budget; a request that

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -228,6 +229,9 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
         group.margins[at] = np.where(decided, margins[rows], 0.0)
     versions = group.model_versions
     if single and sizes is None:  # one member, nothing explained: only the versions to copy
+        if isinstance(at, slice) and offsets == range(len(first)) and decided.all():  # the whole answer, in order
+            versions[at] = first.model_versions
+            return
         for k, served, ok in zip(items, own, decided.tolist()):
             if ok:
                 versions[k] = served.model_version
@@ -246,6 +250,8 @@ def _rows_at(answer: ScoredRows, offsets: Sequence[int]) -> list[Scored]:
     logits, fallback = answer.logits, Source.FALLBACK
     sources, versions, ages, reasons = answer.sources, answer.model_versions, answer.age_ms, answer.degraded_reasons
     if offsets == range(len(answer)):  # every row in order: the columns side by side
+        if fallback not in sources:  # no row without logits: each Scored made in C, not by its __new__
+            return list(map(tuple.__new__, itertools.repeat(Scored), zip(logits, versions, sources, ages, reasons)))
         return [
             Scored(None if s is fallback else row, v, s, a, r)
             for row, v, s, a, r in zip(logits, versions, sources, ages, reasons)
