@@ -3,9 +3,11 @@
 # PredictionService image for the CPU node pool.
 #
 # Slim Debian Python 3.11 base; the `prediction` extra brings SQLAlchemy, aiosqlite, asyncpg,
-# Alembic, redis and scipy (all with wheels). The build stage has a C compiler for the one
-# compiled part, mlpair._batch_items (setup.py: a BatchPredict's items read from the wire bytes);
-# the runtime stage does not, and the build fails if that part did not build. No torch and no ONNX
+# Alembic, redis and scipy (all with wheels). The build stage has a C compiler and OpenSSL's
+# headers for the compiled parts (setup.py): mlpair._batch_items (a BatchPredict's items read from
+# the wire bytes) and mlpair._digests (its fingerprints and decision ids through libcrypto, which
+# the runtime stage has as the interpreter's ssl module does); the runtime stage has no compiler,
+# and the build fails if either part did not build. No torch and no ONNX
 # Runtime: the model runs in InferenceService; the build fails if either slipped in through a
 # dependency.
 #
@@ -21,7 +23,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 # whenever the archive publishes a security update, so DL3008 is waived.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -37,7 +39,7 @@ RUN pip install --no-cache-dir '.[prediction]' \
     && for heavy in torch onnxruntime onnxruntime-gpu; do \
          if pip show "$heavy" >/dev/null 2>&1; then echo "$heavy must not ship in the prediction image" >&2; exit 1; fi; \
        done \
-    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, mlpair, mlpair._batch_items"
+    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, mlpair, mlpair._batch_items, mlpair._digests"
 
 # ---- runtime: the same base (same interpreter path), the virtualenv, a non-root user ----
 FROM ${PYTHON_IMAGE} AS runtime
