@@ -188,7 +188,9 @@ class FamilySignals:
                 self.observe(vector, score)
             return
         for child, edges, column in self._ranks:
-            _observe_buckets(child, np.searchsorted(edges, vectors[:, column].astype(np.float64), side="left"))
+            values = vectors[:, column].astype(np.float64)
+            values[np.isnan(values)] = -np.inf  # bucket 0, where bisect_left in observe() puts NaN (searchsorted: last)
+            _observe_buckets(child, np.searchsorted(edges, values, side="left"))
         for counters, columns in self._categorical:
             hot = vectors[:, list(columns)] > 0.5
             first = np.where(hot.any(axis=1), hot.argmax(axis=1), -1)  # the first set slot, as observe() breaks there

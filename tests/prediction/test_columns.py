@@ -139,6 +139,13 @@ def test_signals_count_a_batch_as_row_by_row_observations_would(credit_entry, ho
     from mlpair.prediction.policy import DecisionPolicy
 
     signals = FamilySignals(credit_entry, credit_entry, DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml"))
+    # besides the holdout: every rank edge exactly, a float32 step either side, and NaN and ±inf
+    ranks = [(np.asarray(edges, dtype=np.float32), column) for _, edges, column in signals._ranks]
+    odd = np.repeat(holdout_x[:1], len(ranks[0][0]) * 3 + 3, axis=0)
+    for edges, column in ranks:
+        odd[:, column] = np.concatenate([edges, np.nextafter(edges, np.float32(np.inf)),
+                                         np.nextafter(edges, np.float32(-np.inf)), [np.nan, np.inf, -np.inf]])
+    holdout_x = np.concatenate([holdout_x, odd])
     scores = np.random.default_rng(5).uniform(0, 1, len(holdout_x))
     before = _samples("credit-risk")
     for vector, score in zip(holdout_x, scores):
