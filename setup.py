@@ -2,8 +2,8 @@
 
 * ``mlpair._batch_items`` (``mlpair/_batch_items.c``): a BatchPredict request's items read from
   its wire bytes, and its response written from the decisions' columns.
-* ``mlpair._digests`` (``mlpair/_digests.c``): a batch's SHA-256 fingerprints and UUIDv5 decision
-  ids through OpenSSL's libcrypto (building it needs OpenSSL's headers: Debian's ``libssl-dev``).
+* ``mlpair._digests`` (``mlpair/_digests.c``): a batch's SHA-256 fingerprints, UUIDv5 decision
+  ids and inference cache keys through OpenSSL's libcrypto (building it needs OpenSSL's headers: Debian's ``libssl-dev``).
 
 Both optional: where one cannot be built (no C compiler, no OpenSSL headers, a big-endian host),
 the install still succeeds and PredictionService computes the same values in Python, with more

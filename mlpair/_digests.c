@@ -1,5 +1,5 @@
 /*
- * mlpair._digests: the hashes a BatchPredict takes per row, for the whole batch in one call,
+ * mlpair._digests: the hashes a BatchPredict takes per row (two per row, three with the cache on), for the whole batch in one call,
  * through OpenSSL's libcrypto (the library Python's hashlib uses, so the digests are the same).
  *
  *   sha256_hex(texts)        each bytes object's SHA-256 as 64 lowercase hex digits
@@ -11,6 +11,9 @@
  *                            bytes and the name's UTF-8, its first 16 bytes with byte 6's high
  *                            nibble set to 5 and byte 8's two high bits to 10. The decision ids
  *                            (mlpair.prediction.records).
+ *   row_keys(prefix, rows, width)
+ *                            each row's inference cache key: the prefix and the first 16 bytes of
+ *                            the row's SHA-256 in hex (mlpair.prediction.scoring.cache).
  *
  * What it saves is hashlib's cost around each digest, not the digest: a hash object made and
  * freed per row, and the hex text built from its result. Measured on 500 rows of this machine
@@ -21,6 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <openssl/evp.h>
+#include <string.h>
 
 static const char HEX[] = "0123456789abcdef";
 
@@ -142,9 +146,64 @@ static PyObject *uuid5_ids(PyObject *Py_UNUSED(module), PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(row_keys_doc,
+             "row_keys(prefix: str, rows: bytes-like, width: int) -> list[str]\n\n"
+             "For each ``width``-byte row of ``rows`` in order: ``prefix`` followed by the first 16 bytes of\n"
+             "the row's SHA-256 as 32 lowercase hex digits (prefix + hashlib.sha256(row).hexdigest()[:32]).\n"
+             "The inference cache's keys (mlpair.prediction.scoring.cache). Raises ValueError when width is\n"
+             "not positive or does not divide the length of rows.");
+
+static PyObject *row_keys(PyObject *Py_UNUSED(module), PyObject *args) {
+    const char *prefix;
+    Py_ssize_t prefix_size, width;
+    Py_buffer rows;
+    if (!PyArg_ParseTuple(args, "s#y*n:row_keys", &prefix, &prefix_size, &rows, &width)) return NULL;
+    if (width <= 0 || rows.len % width != 0) {
+        PyBuffer_Release(&rows);
+        PyErr_SetString(PyExc_ValueError, "row_keys: width must be positive and divide the rows' length");
+        return NULL;
+    }
+    Py_ssize_t n = rows.len / width;
+    PyObject *out = PyList_New(n);
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    char *key = PyMem_Malloc((size_t)prefix_size + 32);
+    if (out == NULL || ctx == NULL || key == NULL) {
+        PyMem_Free(key);
+        PyBuffer_Release(&rows);
+        if (key == NULL) PyErr_NoMemory();
+        return openssl_failed(ctx, out);
+    }
+    memcpy(key, prefix, (size_t)prefix_size);
+    unsigned char raw[EVP_MAX_MD_SIZE];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const void *part = (const char *)rows.buf + i * width;
+        size_t size = (size_t)width;
+        unsigned int length = 0;
+        PyObject *item = NULL;
+        if (digest(ctx, sha256_md, &part, &size, 1, raw, &length)) {
+            for (int b = 0; b < 16; b++) {
+                key[prefix_size + 2 * b] = HEX[raw[b] >> 4];
+                key[prefix_size + 2 * b + 1] = HEX[raw[b] & 0x0F];
+            }
+            item = PyUnicode_FromStringAndSize(key, prefix_size + 32); /* the prefix's UTF-8, then ASCII */
+        }
+        if (item == NULL) {
+            PyMem_Free(key);
+            PyBuffer_Release(&rows);
+            return openssl_failed(ctx, out);
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    PyMem_Free(key);
+    PyBuffer_Release(&rows);
+    EVP_MD_CTX_free(ctx);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"sha256_hex", sha256_hex, METH_O, sha256_hex_doc},
     {"uuid5_ids", uuid5_ids, METH_VARARGS, uuid5_ids_doc},
+    {"row_keys", row_keys, METH_VARARGS, row_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-"""``mlpair._digests``: a batch's SHA-256 fingerprints and UUIDv5 decision ids through OpenSSL,
+"""``mlpair._digests``: a batch's SHA-256 fingerprints, UUIDv5 decision ids and cache keys through OpenSSL,
 the same values as ``hashlib`` and ``uuid`` give, and the same outcomes where it is not built."""
 
 from __future__ import annotations
@@ -7,12 +7,15 @@ import hashlib
 import os
 import uuid
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlpair.contracts.target import ModelTarget
 from mlpair.prediction import idempotency, records
 from mlpair.prediction.records import decision_id_for, decision_ids_for
+from mlpair.prediction.scoring import cache
 
 try:
     from mlpair import _digests
@@ -30,6 +33,7 @@ def test_the_compiled_digests_are_built_and_in_use_where_ci_runs() -> None:
     assert _digests is not None
     assert idempotency._sha256_hex is _digests.sha256_hex
     assert records._uuid5_ids is _digests.uuid5_ids
+    assert cache._row_keys is _digests.row_keys
 
 
 @needs_digests
@@ -87,3 +91,34 @@ def test_fingerprints_of_a_batch_are_the_same_without_the_compiled_digests(monke
     assert idempotency.request_fingerprints("credit-risk", entity_ids, rows) == expected
     monkeypatch.setattr(idempotency, "_sha256_hex", None)
     assert idempotency.request_fingerprints("credit-risk", entity_ids, rows) == expected
+
+
+@needs_digests
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=480), st.sampled_from([1, 4, 8, 120]), st.text(max_size=30))
+def test_row_keys_are_the_prefix_and_each_rows_sha256(data, width, prefix) -> None:
+    """Any prefix (non-ASCII too) and any row width: ``prefix + sha256(row).hexdigest()[:32]``."""
+    data = data[: len(data) - len(data) % width]
+    expected = [prefix + hashlib.sha256(data[i : i + width]).hexdigest()[:32] for i in range(0, len(data), width)]
+    assert _digests.row_keys(prefix, data, width) == expected
+
+
+@needs_digests
+def test_row_keys_refuse_a_width_that_does_not_cut_the_rows() -> None:
+    for width in (0, -4, 7):
+        with pytest.raises(ValueError):
+            _digests.row_keys("p|", bytes(120), width)
+
+
+def test_cache_keys_of_a_batch_are_each_rows_own_both_ways(monkeypatch) -> None:
+    """The batch's keys through OpenSSL and through hashlib (not built) are each row's
+    :func:`cache.cache_key`; rows differing in one bit or in the target get other keys."""
+    rows = np.random.default_rng(3).normal(size=(64, 30)).astype(np.float32)
+    rows[1] = np.nextafter(rows[0], np.float32(2))
+    target = ModelTarget("credit-risk", "1", "credit-risk/v1")
+    expected = [cache.cache_key(target, row) for row in rows]
+    assert len(set(expected)) == len(rows)
+    assert cache.cache_keys(target, rows) == expected
+    monkeypatch.setattr(cache, "_row_keys", None)
+    assert cache.cache_keys(target, rows) == expected
+    assert not set(expected) & set(cache.cache_keys(ModelTarget("credit-risk", "2", "credit-risk/v1"), rows))

@@ -4,9 +4,9 @@ What is cached is what InferenceService returns for one guarded feature row: its
 ``[n_classes] float32`` and the model version that served them. Calibration and the decision
 policy run again on every request, so a policy change applies at once.
 
-* **Key** = model name, pinned model version, feature schema version and a BLAKE2b hash of the
-  guarded float32 feature row (:func:`cache_key`): a model or schema switch can never serve the
-  old model's entries, fresh or stale.
+* **Key** = model name, pinned model version, feature schema version and a hash of the guarded
+  float32 feature row (the first 128 bits of its SHA-256, :func:`cache_key`): a model or schema
+  switch can never serve the old model's entries, fresh or stale.
 * **Windows.** An entry younger than ``fresh_ttl_s`` is served without calling inference
   (``from_cache``). Older entries, up to ``stale_ttl_s``, are used only when inference is
   unavailable, times out or its circuit is open: they are served with ``stale``, their age and
@@ -74,12 +74,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-KEY_LAYOUT = "v2"  # bumped with the stored value's layout: releases never read each other's entries
+# bumped with the key's or the stored value's layout: releases never read each other's entries
+# (v3: the row's hash is SHA-256's first 128 bits, which mlpair._digests computes for a batch in C)
+KEY_LAYOUT = "v3"
+
+try:  # the compiled digests (setup.py): a batch's keys in one call, through OpenSSL
+    from mlpair._digests import row_keys as _row_keys
+except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_digests.py)
+    _row_keys = None
 
 
 def cache_key(target: ModelTarget, row: np.ndarray) -> str:
     """The cache key of one guarded feature row ``[n_features] float32`` scored by ``target``."""
-    digest = hashlib.blake2b(np.ascontiguousarray(row, dtype="<f4").tobytes(), digest_size=16).hexdigest()
+    digest = hashlib.sha256(np.ascontiguousarray(row, dtype="<f4").tobytes()).hexdigest()[:32]
     return _key_prefix(target) + digest
 
 
@@ -89,14 +96,17 @@ def _key_prefix(target: ModelTarget) -> str:
 
 def cache_keys(target: ModelTarget, rows: np.ndarray) -> list[str]:
     """:func:`cache_key` of each row of ``rows`` ``[batch, n_features] float32``: the matrix's
-    bytes taken once and sliced per row, the key's prefix written once (0.7 µs per row against
-    1.2 for a call per row, measured on 500 rows of 30 features)."""
+    bytes taken once, the key's prefix written once, and every row hashed by ``row_keys`` in
+    ``mlpair/_digests.c`` where it is built (0.20 µs per row against 0.47 for BLAKE2b through
+    ``hashlib``, measured on 500 rows of 30 features), else sliced and hashed here."""
     data = np.ascontiguousarray(rows, dtype="<f4")
     if data.ndim != 2 or not data.shape[1]:
         return [cache_key(target, row) for row in rows]
-    prefix = _key_prefix(target)
-    raw, width, blake2b = data.tobytes(), data.shape[1] * 4, hashlib.blake2b
-    return [prefix + blake2b(raw[i : i + width], digest_size=16).hexdigest() for i in range(0, len(raw), width)]
+    prefix, raw, width = _key_prefix(target), data.tobytes(), data.shape[1] * 4
+    if _row_keys is not None:
+        return _row_keys(prefix, raw, width)
+    sha256 = hashlib.sha256
+    return [prefix + sha256(raw[i : i + width]).hexdigest()[:32] for i in range(0, len(raw), width)]
 
 
 class _Answer:
