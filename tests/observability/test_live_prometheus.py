@@ -53,6 +53,12 @@ def _e(alert: str, **labels: str) -> Expect:
 
 
 CANARY = [_e("PredictionShadowDisagreement", primary_version="3", shadow_version="1")]
+# The under-trained canary (version 3) puts a quarter of its calibration-split scores at 0.222–0.228,
+# at the lower edge of threshold 0.25's band [0.23, 0.25) (its share in the band 8.3 %, version 1's
+# 1.6 %; measured 2026-12-03): on the test copy's 2.5 s windows its decisions may pile up just under
+# the threshold as a prober's would, and the rule may say so (it fired once in a CI run). Allowed
+# while the canaries run only.
+CANARY_MAY = [_e("PredictionThresholdProbing", threshold="0.25")]
 INFERENCE_KILLED = [_e("PredictionFallbackBudgetBurn", window="1h"), _e("PredictionCircuitOpen", dependency="inference"),
                     _e("PredictionStaleCacheRatio", model=MODEL)]
 CRM_DRIFT_LATENCY = [_e("PredictionRelayFailing"), _e("PredictionDecisionsNotDelivered"), _e("PredictionDecisionBacklogStale"),
@@ -153,7 +159,9 @@ async def _run(s: Scenario, holdout, probes: list[dict], objects: list[dict]) ->
         traffic.weights = {"stable-a": 1, "stable-b": 1}
         await asyncio.gather(*(asyncio.to_thread(fleet.predictions[n].terminate, 20) for n in ("good", "bad")))
 
-    await s.phase(PhaseRecord("canary", CANARY, []), canaries_on, retire_canaries)
+    await s.phase(PhaseRecord("canary", CANARY, CANARY_MAY), canaries_on, retire_canaries)
+    for expect in CANARY_MAY:  # the canaries are gone: a violation again
+        s.allowed.remove(expect)
 
     async def kill() -> None:
         traffic.source = traffic.repeat_or_fresh
