@@ -41,6 +41,14 @@ static int digest(EVP_MD_CTX *ctx, const EVP_MD *md, const void *const *parts, c
     return EVP_DigestFinal_ex(ctx, out, size);
 }
 
+/* `n` bytes as 2n lowercase hex digits at `out`. */
+static void to_hex(char *out, const unsigned char *raw, unsigned int n) {
+    for (unsigned int b = 0; b < n; b++) {
+        out[2 * b] = HEX[raw[b] >> 4];
+        out[2 * b + 1] = HEX[raw[b] & 0x0F];
+    }
+}
+
 static PyObject *openssl_failed(EVP_MD_CTX *ctx, PyObject *out) {
     EVP_MD_CTX_free(ctx);
     Py_XDECREF(out);
@@ -62,7 +70,6 @@ static PyObject *sha256_hex(PyObject *Py_UNUSED(module), PyObject *texts) {
     PyObject *out = PyList_New(n);
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     if (out == NULL || ctx == NULL) return openssl_failed(ctx, out);
-    const EVP_MD *md = sha256_md;
     unsigned char raw[EVP_MAX_MD_SIZE];
     char hex[2 * EVP_MAX_MD_SIZE];
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -79,11 +86,8 @@ static PyObject *sha256_hex(PyObject *Py_UNUSED(module), PyObject *texts) {
         const void *part = PyBytes_AS_STRING(text);
         size_t size = (size_t)PyBytes_GET_SIZE(text);
         unsigned int length = 0;
-        if (!digest(ctx, md, &part, &size, 1, raw, &length)) return openssl_failed(ctx, out);
-        for (unsigned int b = 0; b < length; b++) {
-            hex[2 * b] = HEX[raw[b] >> 4];
-            hex[2 * b + 1] = HEX[raw[b] & 0x0F];
-        }
+        if (!digest(ctx, sha256_md, &part, &size, 1, raw, &length)) return openssl_failed(ctx, out);
+        to_hex(hex, raw, length);
         PyObject *item = PyUnicode_FromStringAndSize(hex, 2 * (Py_ssize_t)length);
         if (item == NULL) return openssl_failed(ctx, out);
         PyList_SET_ITEM(out, i, item);
@@ -109,41 +113,43 @@ static PyObject *uuid5_ids(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_ssize_t n = PyList_GET_SIZE(names);
     PyObject *out = PyList_New(n);
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    if (out == NULL || ctx == NULL) {
-        PyBuffer_Release(&namespace);
-        return openssl_failed(ctx, out);
-    }
-    const EVP_MD *md = sha1_md;
+    if (out == NULL || ctx == NULL) goto failed;
+    static const unsigned int groups[] = {4, 2, 2, 2, 6}; /* bytes between the dashes: 8-4-4-4-12 digits */
     unsigned char raw[EVP_MAX_MD_SIZE];
     char text[36];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name = PyList_GET_ITEM(names, i);
         if (!PyUnicode_Check(name)) {
             PyErr_Format(PyExc_TypeError, "uuid5_ids: name %zd is %.80s, not str", i, Py_TYPE(name)->tp_name);
-            break;
+            goto failed;
         }
         Py_ssize_t utf8_size;
         const char *utf8 = PyUnicode_AsUTF8AndSize(name, &utf8_size);
-        if (utf8 == NULL) break; /* a lone surrogate: str.encode() would raise UnicodeEncodeError too */
+        if (utf8 == NULL) goto failed; /* a lone surrogate: str.encode() would raise UnicodeEncodeError too */
         const void *parts[2] = {namespace.buf, utf8};
         size_t sizes[2] = {16, (size_t)utf8_size};
         unsigned int length = 0;
-        if (!digest(ctx, md, parts, sizes, 2, raw, &length) || length < 16) break;
+        if (!digest(ctx, sha1_md, parts, sizes, 2, raw, &length) || length < 16) goto failed;
         raw[6] = (unsigned char)((raw[6] & 0x0F) | 0x50);
         raw[8] = (unsigned char)((raw[8] & 0x3F) | 0x80);
-        for (int b = 0, at = 0; b < 16; b++) {
-            if (b == 4 || b == 6 || b == 8 || b == 10) text[at++] = '-';
-            text[at++] = HEX[raw[b] >> 4];
-            text[at++] = HEX[raw[b] & 0x0F];
+        char *at = text;
+        const unsigned char *from = raw;
+        for (int g = 0; g < 5; g++) {
+            if (g) *at++ = '-';
+            to_hex(at, from, groups[g]);
+            at += 2 * groups[g];
+            from += groups[g];
         }
         PyObject *item = PyUnicode_FromStringAndSize(text, 36);
-        if (item == NULL) break;
+        if (item == NULL) goto failed;
         PyList_SET_ITEM(out, i, item);
     }
     PyBuffer_Release(&namespace);
-    if (PyErr_Occurred() || (n && PyList_GET_ITEM(out, n - 1) == NULL)) return openssl_failed(ctx, out);
     EVP_MD_CTX_free(ctx);
     return out;
+failed:
+    PyBuffer_Release(&namespace);
+    return openssl_failed(ctx, out);
 }
 
 PyDoc_STRVAR(row_keys_doc,
@@ -167,37 +173,28 @@ static PyObject *row_keys(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *out = PyList_New(n);
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     char *key = PyMem_Malloc((size_t)prefix_size + 32);
-    if (out == NULL || ctx == NULL || key == NULL) {
-        PyMem_Free(key);
-        PyBuffer_Release(&rows);
-        if (key == NULL) PyErr_NoMemory();
-        return openssl_failed(ctx, out);
-    }
+    if (key == NULL) PyErr_NoMemory();
+    if (out == NULL || ctx == NULL || key == NULL) goto failed;
     memcpy(key, prefix, (size_t)prefix_size);
     unsigned char raw[EVP_MAX_MD_SIZE];
     for (Py_ssize_t i = 0; i < n; i++) {
         const void *part = (const char *)rows.buf + i * width;
         size_t size = (size_t)width;
         unsigned int length = 0;
-        PyObject *item = NULL;
-        if (digest(ctx, sha256_md, &part, &size, 1, raw, &length)) {
-            for (int b = 0; b < 16; b++) {
-                key[prefix_size + 2 * b] = HEX[raw[b] >> 4];
-                key[prefix_size + 2 * b + 1] = HEX[raw[b] & 0x0F];
-            }
-            item = PyUnicode_FromStringAndSize(key, prefix_size + 32); /* the prefix's UTF-8, then ASCII */
-        }
-        if (item == NULL) {
-            PyMem_Free(key);
-            PyBuffer_Release(&rows);
-            return openssl_failed(ctx, out);
-        }
+        if (!digest(ctx, sha256_md, &part, &size, 1, raw, &length) || length < 16) goto failed;
+        to_hex(key + prefix_size, raw, 16);
+        PyObject *item = PyUnicode_FromStringAndSize(key, prefix_size + 32); /* the prefix's UTF-8, then ASCII */
+        if (item == NULL) goto failed;
         PyList_SET_ITEM(out, i, item);
     }
     PyMem_Free(key);
     PyBuffer_Release(&rows);
     EVP_MD_CTX_free(ctx);
     return out;
+failed:
+    PyMem_Free(key);
+    PyBuffer_Release(&rows);
+    return openssl_failed(ctx, out);
 }
 
 static PyMethodDef methods[] = {
@@ -209,8 +206,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "mlpair._digests",
-    "A batch's SHA-256 hex digests and UUIDv5 ids through OpenSSL's libcrypto (see mlpair/_digests.c).", -1,
-    methods,
+    "A batch's SHA-256 hex digests, UUIDv5 ids and cache keys through OpenSSL's libcrypto (see mlpair/_digests.c).",
+    -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__digests(void) {

@@ -268,10 +268,12 @@ class Predictor:
                 decisions[name, label] += n
             fresh = list(recorded_now)  # decided rows with model output, returned as decided now
             if d.without_model:
-                fresh = [j for j in recorded_now if j not in d.without_model]
+                fresh = []
                 for j in recorded_now:
                     if j in d.without_model:
                         fallbacks[name, d.without_model[j]] += 1
+                    else:
+                        fresh.append(j)
             offset += len(d.rows)
             if fresh:
                 rows = [d.rows[j] for j in fresh]

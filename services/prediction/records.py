@@ -52,7 +52,8 @@ def decision_ids_for(request_ids: Sequence[str]) -> list[str]:
     """:func:`decision_id_for` of each request id, in order.
 
     By ``uuid5_ids`` in ``mlpair/_digests.c`` where it is built (0.19 µs per id on 500, against
-    0.59 for the NumPy path below, measured on this project's 2-core machine kind); otherwise from 32 ids on only the SHA-1 digests are taken per id; the version and variant bits and
+    0.59 for the NumPy path below, measured on this project's 2-core machine kind). Otherwise,
+    from 32 ids on, only the SHA-1 digests are taken per id; the version and variant bits and
     the hex text with its dashes are written for the whole batch at once (NumPy), then cut into
     ids (0.35 against 0.7 µs per id on 500; below 32 ids NumPy's per-call cost makes it slower:
     24 against 11 µs for 8 ids, 28.5 against 40 for 32). The same bytes as RFC 4122 §4.3: the
