@@ -3,7 +3,7 @@
 # PredictionService image for the CPU node pool.
 #
 # Slim Debian Python 3.11 base; the `prediction` extra brings SQLAlchemy, aiosqlite, asyncpg,
-# Alembic, redis and scipy (all with wheels). The build stage has a C compiler and OpenSSL's
+# Alembic, redis, scipy and uvloop (all with wheels). The build stage has a C compiler and OpenSSL's
 # headers for the compiled parts (setup.py): mlpair._batch_items (a BatchPredict's items read from
 # the wire bytes) and mlpair._digests (its fingerprints and decision ids through libcrypto, which
 # the runtime stage has as the interpreter's ssl module does); the runtime stage has no compiler,
@@ -39,7 +39,7 @@ RUN pip install --no-cache-dir '.[prediction]' \
     && for heavy in torch onnxruntime onnxruntime-gpu; do \
          if pip show "$heavy" >/dev/null 2>&1; then echo "$heavy must not ship in the prediction image" >&2; exit 1; fi; \
        done \
-    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, mlpair, mlpair._batch_items, mlpair._digests"
+    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, uvloop, mlpair, mlpair._batch_items, mlpair._digests"
 
 # ---- runtime: the same base (same interpreter path), the virtualenv, a non-root user ----
 FROM ${PYTHON_IMAGE} AS runtime

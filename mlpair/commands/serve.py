@@ -34,6 +34,28 @@ class Serve(Protocol[Settings_contra]):
     def __call__(self, settings: Settings_contra, *, shared_port: bool = False) -> Coroutine[Any, Any, None]: ...
 
 
+def run_loop(main: Coroutine[Any, Any, None], event_loop: str) -> None:
+    """Runs ``main`` to its end on a new event loop of the kind ``event_loop`` names: ``uvloop``
+    (``uvloop.run``) or ``asyncio`` (``asyncio.run``); the loop is closed afterwards either way.
+
+    Raises:
+        StartupError: ``uvloop`` is asked for and not installed (the ``prediction`` extra has it).
+    """
+    if event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError as exc:
+            main.close()  # never awaited: no "coroutine was never awaited" warning
+            from mlpair.startup import StartupError
+
+            raise StartupError(
+                "event_loop is uvloop but uvloop is not installed: pip install uvloop, or set event_loop to asyncio"
+            ) from exc
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 def settings_from_args(settings_cls: type[S], args: argparse.Namespace) -> S:
     """The settings from flags, then the environment, then defaults.
 
@@ -77,6 +99,7 @@ def serve_prediction(args: argparse.Namespace) -> int:
 # accepted and ignored, so the relay can share the serving container's ConfigMap).
 RELAY_SETTINGS = (
     "host",
+    "event_loop",
     "models",
     "ledger_url",
     "ledger_timeout_ms",
@@ -123,7 +146,7 @@ def relay(args: argparse.Namespace) -> int:
                 raise port_error(settings.host, settings.relay_metrics_port, exc, "relay metrics port") from exc
         from mlpair.prediction.relay_server import serve
 
-        asyncio.run(serve(settings))
+        run_loop(serve(settings), settings.event_loop)
     except StartupError as exc:  # the user can fix it: one line, exit 2
         return _fail("relay", exc, 2)
     except Exception as exc:  # noqa: BLE001  (anything else: one line, exit 1, the traceback with --debug)
@@ -229,7 +252,7 @@ def serve_process(layer: str, settings: Settings, serve: Serve[Settings], *, sha
                 start_http_server(settings.metrics_port, addr=settings.host)
             except OSError as exc:
                 raise port_error(settings.host, settings.metrics_port, exc, "metrics port") from exc
-        asyncio.run(serve(settings, shared_port=shared_port))
+        run_loop(serve(settings, shared_port=shared_port), settings.event_loop)
     except StartupError as exc:  # the user can fix it: one line, exit 2
         return _fail(f"{layer} service", exc, 2)
     except Exception as exc:  # noqa: BLE001  (anything else: one line, exit 1, the traceback with --debug)

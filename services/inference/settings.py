@@ -41,6 +41,11 @@ class InferenceSettings(ConnectionSettings):
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    """The asyncio event loop of each process: the standard library's or uvloop (libuv). uvloop rounds
+    timers to whole milliseconds, so the batcher's sub-millisecond waits (max_queue_delay_ms) become
+    0 or 1 ms; measured no faster here on single-row OIP calls (docs/performance.md, "uvloop under
+    PredictionService")."""
     tracing: bool = True
     """OpenTelemetry spans with W3C trace context and per-call log context on every RPC (about
     0.1 ms of CPU per call, docs/observability.md); off only where that matters more than traces."""

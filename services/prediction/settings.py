@@ -74,6 +74,11 @@ class PredictionSettings(ConnectionSettings):
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    """The asyncio event loop of each process (`mlpair relay` too): uvloop (libuv) or the standard
+    library's. uvloop spends less CPU on the loop's own work per call (docs/performance.md, "uvloop
+    under PredictionService"); it rounds timers to whole milliseconds, which this service's delays
+    (merge and coalesce waits, backoffs: 1 ms and more) allow."""
 
     # Caching with a stale fallback (cache.py).
     cache_backend: Literal["memory", "redis", "off"] = "memory"
