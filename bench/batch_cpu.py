@@ -28,6 +28,9 @@ system CPU time across the same pass, its idle polls of the ledger included; see
 ``--stages`` mode the relay subprocess is paused (SIGSTOP) while the pass decides, then resumed,
 and the "relay" line is its CPU delivering that pass.
 
+``--event-loop`` picks the loop the service and the relay subprocess run on (PredictionService's
+default, else ``asyncio``): interleave both to see what the loop itself costs.
+
     .venv/bin/python bench/batch_cpu.py --calls 40 --repeats 3
     .venv/bin/python bench/batch_cpu.py --calls 40 --repeats 3 --relay-process
 """
@@ -52,6 +55,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import pair as harness  # noqa: E402
+from mlpair.commands.serve import run_loop  # noqa: E402
+from mlpair.prediction.settings import PredictionSettings  # noqa: E402
 
 
 class FakeInference:
@@ -280,8 +285,8 @@ class RelayProcess:
 
 
 @contextlib.contextmanager
-def relay_process(crm_url: str, ledger_url: str) -> Iterator[RelayProcess]:
-    """``mlpair relay`` until ready (its health port SERVING), stopped by SIGTERM (by its PID) on the way out.
+def relay_process(crm_url: str, ledger_url: str, event_loop: str) -> Iterator[RelayProcess]:
+    """``mlpair relay`` on ``event_loop`` until ready (its health port SERVING), stopped by SIGTERM (by its PID) on the way out.
 
     Raises:
         RuntimeError: it exited or was not ready within 60 s.
@@ -291,7 +296,8 @@ def relay_process(crm_url: str, ledger_url: str) -> Iterator[RelayProcess]:
     port = harness.free_port()
     env = {**os.environ, "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_CRM_URL": crm_url,
            "PREDICTION_LEDGER_SYNCHRONOUS": "NORMAL", "PREDICTION_HOST": "127.0.0.1",
-           "PREDICTION_RELAY_PORT": str(port), "PREDICTION_RELAY_METRICS_PORT": "0", "PREDICTION_LOG_LEVEL": "WARNING"}
+           "PREDICTION_RELAY_PORT": str(port), "PREDICTION_RELAY_METRICS_PORT": "0", "PREDICTION_LOG_LEVEL": "WARNING",
+           "PREDICTION_EVENT_LOOP": event_loop}
     process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "relay"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
     try:
@@ -312,9 +318,9 @@ def relay_process(crm_url: str, ledger_url: str) -> Iterator[RelayProcess]:
 
 async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: RelayProcess | None = None) -> dict:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+    from mlpair.client import to_attributes
     from mlpair.collector import tune_collector
     from mlpair.prediction import server
-    from mlpair.client import to_attributes
     from mlpair.prediction.servicer import PredictionServicer
     from mlpair.prediction.settings import PredictionSettings
 
@@ -490,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relay-process", action="store_true",
                         help="the relay off in this process, a `mlpair relay` subprocess delivering: its CPU per row "
                              "reported separately")
+    parser.add_argument("--event-loop", choices=("uvloop", "asyncio"),
+                        default=PredictionSettings.model_fields["event_loop"].default,
+                        help="the event loop the service runs on (default: PredictionService's)")
     args = parser.parse_args(argv)
     if args.rpc == "predict" and args.batch_items != 1:
         parser.error("--rpc predict sends one applicant per call: use --batch-items 1")
@@ -499,8 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         crm_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/crm.sqlite"
         ledger_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/ledger.sqlite"
         migrate(crm_url, ledger_url)
-        with relay_process(crm_url, ledger_url) if args.relay_process else contextlib.nullcontext() as relay:
-            print(json.dumps(asyncio.run(measure(args, crm_url, ledger_url, Path(tmp), relay))), flush=True)
+        with relay_process(crm_url, ledger_url, args.event_loop) if args.relay_process else contextlib.nullcontext() as relay:
+            figures: dict = {}
+
+            async def run() -> None:
+                figures.update(await measure(args, crm_url, ledger_url, Path(tmp), relay))
+
+            run_loop(run(), args.event_loop)
+            print(json.dumps({"event_loop": args.event_loop, **figures}), flush=True)
     return 0
 
 

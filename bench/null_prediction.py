@@ -12,13 +12,14 @@ product: a measuring stick (loopback only).
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.commands.serve import run_loop
+from mlpair.prediction.settings import PredictionSettings
 
 
 class NullPrediction(pb_grpc.PredictionServiceServicer):
@@ -49,4 +50,8 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--event-loop", choices=("uvloop", "asyncio"),
+                        default=PredictionSettings.model_fields["event_loop"].default,
+                        help="the event loop (default: PredictionService's, so the floor runs as the service does)")
+    arguments = parser.parse_args()
+    run_loop(main(arguments), arguments.event_loop)

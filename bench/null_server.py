@@ -10,12 +10,13 @@ machine, next to the real service. Not a product: a measuring stick (loopback on
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import grpc
 
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from mlpair.commands.serve import run_loop
+from mlpair.inference.settings import InferenceSettings
 
 
 class NullServicer(oip_grpc.GRPCInferenceServiceServicer):
@@ -53,4 +54,8 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="credit-risk")
     parser.add_argument("--n-outputs", type=int, default=2)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--event-loop", choices=("uvloop", "asyncio"),
+                        default=InferenceSettings.model_fields["event_loop"].default,
+                        help="the event loop (default: InferenceService's, so the floor runs as the service does)")
+    arguments = parser.parse_args()
+    run_loop(main(arguments), arguments.event_loop)
