@@ -38,8 +38,8 @@ def test_run_loop_runs_the_coroutine_on_the_loop_named(event_loop, loop_type):
 
 
 def test_prediction_runs_on_uvloop_and_inference_on_asyncio_by_default():
-    """PredictionService's delays are whole milliseconds, which uvloop's timers keep; the inference
-    batcher waits fractions of one (max_queue_delay_ms), which they would round."""
+    """PredictionService's delays are 1 ms and more, which uvloop's millisecond timers keep;
+    InferenceService measured no faster on uvloop (docs/performance.md)."""
     assert PredictionSettings().event_loop == "uvloop"
     assert InferenceSettings().event_loop == "asyncio"
     assert "event_loop" in RELAY_SETTINGS  # `mlpair relay --event-loop`, PREDICTION_EVENT_LOOP

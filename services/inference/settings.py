@@ -42,10 +42,10 @@ class InferenceSettings(ConnectionSettings):
     log_format: Literal["text", "json"] = "text"
     """Log line format: readable text locally, JSON lines in production."""
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
-    """The asyncio event loop of each process: the standard library's or uvloop (libuv). uvloop rounds
-    timers to whole milliseconds, so the batcher's sub-millisecond waits (max_queue_delay_ms) become
-    0 or 1 ms; measured no faster here on single-row OIP calls (docs/performance.md, "uvloop under
-    PredictionService")."""
+    """The asyncio event loop of each process: the standard library's or uvloop (libuv); uvloop measured
+    no faster on single-row OIP calls (docs/performance.md, "uvloop under PredictionService"). Both keep
+    timers in whole milliseconds: the standard loop waits until the next one at least, uvloop rounds to
+    the nearest, so on uvloop a max_queue_delay_ms under 0.5 means no wait at all."""
     tracing: bool = True
     """OpenTelemetry spans with W3C trace context and per-call log context on every RPC (about
     0.1 ms of CPU per call, docs/observability.md); off only where that matters more than traces."""

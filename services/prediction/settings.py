@@ -77,8 +77,8 @@ class PredictionSettings(ConnectionSettings):
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """The asyncio event loop of each process (`mlpair relay` too): uvloop (libuv) or the standard
     library's. uvloop spends less CPU on the loop's own work per call (docs/performance.md, "uvloop
-    under PredictionService"); it rounds timers to whole milliseconds, which this service's delays
-    (merge and coalesce waits, backoffs: 1 ms and more) allow."""
+    under PredictionService"); it rounds timers to the nearest whole millisecond, and this service's
+    delays (merge and coalesce waits, backoffs) are 1 ms and more."""
 
     # Caching with a stale fallback (cache.py).
     cache_backend: Literal["memory", "redis", "off"] = "memory"
