@@ -509,12 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         ledger_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/ledger.sqlite"
         migrate(crm_url, ledger_url)
         with relay_process(crm_url, ledger_url, args.event_loop) if args.relay_process else contextlib.nullcontext() as relay:
-            figures: dict = {}
-
-            async def run() -> None:
-                figures.update(await measure(args, crm_url, ledger_url, Path(tmp), relay))
-
-            run_loop(run(), args.event_loop)
+            figures = run_loop(measure(args, crm_url, ledger_url, Path(tmp), relay), args.event_loop)
             print(json.dumps({"event_loop": args.event_loop, **figures}), flush=True)
     return 0
 

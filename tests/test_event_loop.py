@@ -25,16 +25,14 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize(("event_loop", "loop_type"), [("uvloop", uvloop.Loop), ("asyncio", asyncio.BaseEventLoop)])
-def test_run_loop_runs_the_coroutine_on_the_loop_named(event_loop, loop_type):
-    seen = []
-
-    async def main() -> None:
-        seen.append(asyncio.get_running_loop())
+def test_run_loop_runs_the_coroutine_on_the_loop_named_and_returns_its_result(event_loop, loop_type):
+    async def main() -> asyncio.AbstractEventLoop:
         await asyncio.sleep(0.001)
+        return asyncio.get_running_loop()
 
-    run_loop(main(), event_loop)
-    assert len(seen) == 1 and isinstance(seen[0], loop_type) and seen[0].is_closed()
-    assert (event_loop == "uvloop") == isinstance(seen[0], uvloop.Loop)
+    loop = run_loop(main(), event_loop)
+    assert isinstance(loop, loop_type) and loop.is_closed()
+    assert (event_loop == "uvloop") == isinstance(loop, uvloop.Loop)
 
 
 def test_prediction_runs_on_uvloop_and_inference_on_asyncio_by_default():

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from mlpair.prediction.settings import PredictionSettings
 
 S = TypeVar("S", bound=BaseSettings)
+T = TypeVar("T")
 # the settings of one of the two services (both carry host, port, workers, logging and tracing fields)
 Settings = TypeVar("Settings", "InferenceSettings", "PredictionSettings")
 Settings_contra = TypeVar("Settings_contra", "InferenceSettings", "PredictionSettings", contravariant=True)
@@ -34,9 +35,10 @@ class Serve(Protocol[Settings_contra]):
     def __call__(self, settings: Settings_contra, *, shared_port: bool = False) -> Coroutine[Any, Any, None]: ...
 
 
-def run_loop(main: Coroutine[Any, Any, None], event_loop: str) -> None:
+def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
     """Runs ``main`` to its end on a new event loop of the kind ``event_loop`` names: ``uvloop``
-    (``uvloop.run``) or ``asyncio`` (``asyncio.run``); the loop is closed afterwards either way.
+    (``uvloop.run``) or ``asyncio`` (``asyncio.run``) and returns its result; the loop is closed
+    afterwards either way.
 
     Raises:
         StartupError: ``uvloop`` is asked for and not installed (the ``prediction`` extra has it).
@@ -51,9 +53,8 @@ def run_loop(main: Coroutine[Any, Any, None], event_loop: str) -> None:
             raise StartupError(
                 "event_loop is uvloop but uvloop is not installed: pip install uvloop, or set event_loop to asyncio"
             ) from exc
-        uvloop.run(main)
-    else:
-        asyncio.run(main)
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def settings_from_args(settings_cls: type[S], args: argparse.Namespace) -> S:
