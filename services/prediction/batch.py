@@ -119,11 +119,15 @@ def _families_at_once(
     if not ids_pass([r.entity_id for r in requests]):
         return None
     families = {}
-    for name in {r.model_name for r in requests}:
+    names = {r.model_name for r in requests}
+    for name in names:
         try:
             families[name] = resolve(name)
         except PredictionError:
             return None
+    if len(names) == 1:  # one model named throughout (the usual call): every item in order
+        family = families[names.pop()]
+        return {family.name: (family, list(range(len(requests))))}
     by_family: dict[str, tuple[ModelFamily, list[int]]] = {}
     for index, request in enumerate(requests):
         family = families[request.model_name]
@@ -164,8 +168,10 @@ def _assemble(
 ) -> Group | None:
     attributes = [r.attributes for r in requests]
     row_guards: list[RowGuards] = []  # filled by the row-wise path only
+    table = None  # the columnar path's attribute values, read once for assembly and fingerprints
     if len(requests) >= ROW_WISE_BELOW:
-        assembled = assembler.assemble(attributes)
+        table = assembler.columns(attributes)
+        assembled = assembler.assemble(attributes, table)
     else:
         assembled, row_guards = _row_wise(family, assembler, attributes)
     refused: dict[int, PredictionError] = {
@@ -202,13 +208,18 @@ def _assemble(
     name = family.name
     kept = [requests[k] for k in keep]
     renumber = {k: j for j, k in enumerate(keep)} if refused else None
+    if table is not None:  # every row's, refused ones too (rare), rather than the columns read again
+        every = request_fingerprints(name, [r.entity_id for r in requests], attributes, table)
+        fingerprints = every if not refused else [every[k] for k in keep]
+    else:
+        fingerprints = request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept])
     return Group(
         family,
         [index[k] for k in keep],
         kept,
         assembled.matrix if not refused else assembled.matrix[keep],
         guards,
-        request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept]),
+        fingerprints,
         warnings if renumber is None else {renumber[k]: w for k, w in warnings.items()},
         frozenset(j for j, r in enumerate(kept) if r.explain),
     )

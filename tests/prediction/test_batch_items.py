@@ -305,6 +305,33 @@ def test_fingerprints_of_a_batch_are_each_rows_own_both_ways(records, entity_ids
         assert idempotency.request_fingerprints(model_name, entity_ids, records) == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    records=st.lists(
+        st.dictionaries(st.sampled_from(["a", "b", "c", "é", "z"]), attribute_values_, max_size=5),
+        min_size=8,
+        max_size=12,
+    ),
+    read=st.sets(st.sampled_from(["a", "b", "c", "é", "z"])),
+)
+def test_fingerprints_of_rows_with_different_attributes_are_each_rows_own_both_ways(records, read) -> None:
+    """Rows lacking some attributes or holding others, fingerprinted from columns the caller read
+    (names sorted: a missing name written as missing, a row with another name row by row) or
+    from the first row's names, through the C texts and the fragments: each row's own."""
+    from mlpair.prediction import idempotency
+    from mlpair.prediction.columns import attribute_columns
+
+    entity_ids = [f"e{k}" for k in range(len(records))]
+    expected = [idempotency.request_fingerprint("m", e, r) for e, r in zip(entity_ids, records)]
+    table = attribute_columns(records, sorted(read))
+    assert idempotency.request_fingerprints("m", entity_ids, records, table) == expected
+    assert idempotency.request_fingerprints("m", entity_ids, records) == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(idempotency, "_canonical_texts", None)
+        assert idempotency.request_fingerprints("m", entity_ids, records, table) == expected
+        assert idempotency.request_fingerprints("m", entity_ids, records) == expected
+
+
 # ---- a batch's attribute values column by column ----
 
 
@@ -315,11 +342,16 @@ def test_fingerprints_of_a_batch_are_each_rows_own_both_ways(records, entity_ids
 )
 def test_attribute_columns_are_each_records_values_both_ways(records, names) -> None:
     """Records with names missing, extra or in any order: each column holds each record's value
-    (None where it lacks the name), through the compiled ``columns`` and the comprehension."""
+    (None where it lacks the name), and the records holding a name that is not read are listed,
+    through the compiled ``columns`` and the comprehension."""
     from mlpair.prediction import columns
 
-    names = [*names, *(records[0] if records else ())]
-    expected = [[r[name] if name in r else None for r in records] for name in names]
+    names = list(dict.fromkeys([*names, *(records[0] if records else ())]))
+    expected = columns.AttributeColumns(
+        names,
+        [[r[name] if name in r else None for r in records] for name in names],
+        [i for i, r in enumerate(records) if any(name not in names for name in r)],
+    )
     assert columns.attribute_columns(records, names) == expected
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(columns, "_columns", None)
@@ -334,7 +366,8 @@ def test_attribute_columns_of_records_that_are_not_dicts_are_read_as_mappings() 
     from mlpair.prediction.columns import _columns, attribute_columns
 
     records = [{"a": 1.0}, MappingProxyType({"a": 2.0, "b": "x"})]
-    assert attribute_columns(records, ["a", "b"]) == [[1.0, 2.0], [None, "x"]]
+    assert attribute_columns(records, ["a", "b"]).values == [[1.0, 2.0], [None, "x"]]
+    assert attribute_columns(records, ["a"]).others == [1]
     if _columns is not None:
         assert _columns(records, ["a", "b"]) is None
         with pytest.raises(TypeError):
