@@ -4,7 +4,8 @@
  * (write_rows, see its docstring below: about 6 us of a row's CPU spent building a
  * PredictResponse field by field in Python becomes well under 1 us), and each item's canonical
  * request text for its idempotency fingerprint (canonical_texts), and a batch's attribute values
- * column by column with the records that hold other attributes (columns).
+ * column by column with the records that hold other attributes (columns), and the decisions'
+ * columns as the PostgreSQL ledger's packed text parameters (pack_column).
  *
  * Reading the parsed message from Python (mlpair.prediction.converters.predict_input) looks up
  * each attribute in the map, asks its oneof which kind is set and reads that field: three calls
@@ -691,11 +692,89 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(pack_column_doc,
+"pack_column(values, order, kind) -> str | None\n\n"
+"One packed column of the ledger's bulk insert (mlpair/prediction/crm/packed.py): the values at\n"
+"``order`` (a list of positions), each as text and each preceded by the unit separator (\\x1f),\n"
+"as ``packed.pack`` writes them. ``kind`` says how a value becomes text: 't' as it is (a str),\n"
+"'f' as ``repr(float(v))`` with None as empty (float8), 'i' as ``str(v)`` (int4). None when a\n"
+"text holds the separator, or when ``order`` is empty, as ``packed.pack`` refuses both (the\n"
+"caller sends arrays instead). In Python the positions' values\n"
+"are taken, converted and joined in three passes: about 1.2 us of a row's CPU for the ledger's\n"
+"15 columns.\n\n"
+"Raises: TypeError for a 't' value that is not a str; what float(v) raises for an 'f' value;\n"
+"IndexError for a position outside ``values``.");
+
+static PyObject *pack_column(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *values, *order;
+    int kind;
+    if (!PyArg_ParseTuple(args, "O!O!C", &PyList_Type, &values, &PyList_Type, &order, &kind)) return NULL;
+    if (kind != 't' && kind != 'f' && kind != 'i') {
+        PyErr_SetString(PyExc_ValueError, "kind is 't', 'f' or 'i'");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(order), size = PyList_GET_SIZE(values);
+    PyObject *sep = PyUnicode_FromOrdinal(0x1f), *empty = PyUnicode_New(0, 0), *texts = PyList_New(n + 1);
+    if (sep == NULL || empty == NULL || texts == NULL) goto fail;
+    PyList_SET_ITEM(texts, 0, Py_NewRef(empty)); /* the leading separator: "" joined before the first */
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(order, j));
+        if (i == -1 && PyErr_Occurred()) goto fail;
+        if (i < 0 || i >= size) {
+            PyErr_SetString(PyExc_IndexError, "a position outside the column");
+            goto fail;
+        }
+        PyObject *value = PyList_GET_ITEM(values, i), *text;
+        if (kind == 't') {
+            if (!PyUnicode_Check(value)) {
+                PyErr_SetString(PyExc_TypeError, "a text column holds a value that is not a str");
+                goto fail;
+            }
+            text = Py_NewRef(value);
+        } else if (kind == 'f') {
+            if (value == Py_None) {
+                text = Py_NewRef(empty);
+            } else {
+                PyObject *number = PyNumber_Float(value); /* float(v), exactly as Python would */
+                if (number == NULL) goto fail;
+                double x = PyFloat_AS_DOUBLE(number);
+                Py_DECREF(number);
+                char *digits = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); /* float.__repr__ */
+                if (digits == NULL) goto fail;
+                text = PyUnicode_FromString(digits);
+                PyMem_Free(digits);
+            }
+        } else {
+            text = PyObject_Str(value);
+        }
+        if (text == NULL) goto fail;
+        PyList_SET_ITEM(texts, j + 1, text);
+    }
+    /* as packed.pack: the separator, then the values joined by it; no value at all is refused
+     * as it refuses it (its text, the separator alone, is also that of one empty text) */
+    PyObject *packed = n ? PyUnicode_Join(sep, texts) : Py_NewRef(Py_None);
+    if (packed != NULL && packed != Py_None && kind == 't') {
+        Py_ssize_t seps = PyUnicode_Count(packed, sep, 0, PY_SSIZE_T_MAX);
+        if (seps < 0) Py_CLEAR(packed);
+        else if (seps != n) Py_SETREF(packed, Py_NewRef(Py_None)); /* a value holds the separator */
+    }
+    Py_DECREF(sep);
+    Py_DECREF(empty);
+    Py_DECREF(texts);
+    return packed;
+fail:
+    Py_XDECREF(sep);
+    Py_XDECREF(empty);
+    Py_XDECREF(texts);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"read_items", read_items, METH_O, read_items_doc},
     {"write_rows", write_rows, METH_VARARGS, write_rows_doc},
     {"canonical_texts", canonical_texts, METH_VARARGS, canonical_texts_doc},
     {"columns", columns, METH_VARARGS, columns_doc},
+    {"pack_column", pack_column, METH_VARARGS, pack_column_doc},
     {NULL, NULL, 0, NULL},
 };
 

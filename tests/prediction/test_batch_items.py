@@ -397,3 +397,67 @@ def test_a_served_batch_is_read_from_its_bytes_and_anything_else_goes_to_the_str
     assert read(data[:-3]) is _UNDECODABLE
     assert isinstance(server.handlers["Predict"].request_deserializer(pb.PredictRequest().SerializeToString()),
                       pb.PredictRequest)  # only the method given a reader has one
+
+
+# ---- the ledger's packed columns ----
+
+packable = {
+    "text": st.lists(awkward_texts, max_size=12),
+    "float8": st.lists(st.one_of(st.none(), st.floats(), st.integers(-(2**60), 2**60)), max_size=12),
+    "int4": st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), sql_type=st.sampled_from(sorted(packable)))
+def test_a_packed_column_is_the_same_text_both_ways(data, sql_type) -> None:
+    """The values at any positions (repeated, out of order, none) of a text, float8 (None and
+    ints among floats, NaN, infinities, -0.0) or int4 column pack to the same text through the
+    compiled ``pack_column`` and the comprehensions, and a text holding the separator is refused
+    both ways; what is packed splits back into each value's own text."""
+    from mlpair.prediction.crm import packed
+
+    values = data.draw(packable[sql_type])
+    order = data.draw(st.lists(st.integers(0, len(values) - 1), max_size=15)) if values else []
+    expected = {
+        "text": lambda v: v,
+        "float8": lambda v: "" if v is None else repr(float(v)),
+        "int4": str,
+    }[sql_type]
+
+    def both_ways():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(packed, "_pack_column", None)
+            try:
+                fallback = packed.pack_column(values, order, sql_type)
+            except packed.Unpackable:
+                fallback = packed.Unpackable
+        try:
+            compiled = packed.pack_column(values, order, sql_type)
+        except packed.Unpackable:
+            compiled = packed.Unpackable
+        return compiled, fallback
+
+    compiled, fallback = both_ways()
+    assert compiled == fallback
+    taken = [expected(values[i]) for i in order]
+    if any(packed.SEP in t for t in taken) or not order:  # no value: refused, as its text would be one ""'s
+        assert compiled is packed.Unpackable
+    else:
+        assert compiled.split(packed.SEP)[1:] == taken
+
+
+def test_a_packed_column_refuses_what_the_comprehension_refuses() -> None:
+    """A text column holding a number, a float8 value float() refuses and a position outside the
+    column raise the same errors through the compiled part and the comprehensions."""
+    from mlpair.prediction.crm import packed
+
+    for compiled in (packed._pack_column, None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(packed, "_pack_column", compiled)
+            with pytest.raises(TypeError):
+                packed.pack_column(["a", 1.0], [0, 1], "text")
+            with pytest.raises(ValueError):
+                packed.pack_column(["x"], [0], "float8")
+            with pytest.raises(IndexError):
+                packed.pack_column(["a"], [1], "text")

@@ -136,27 +136,28 @@ def crm_row(d: StoredDecision) -> CrmRow:
     )
 
 
-def ledger_arrays(batch: DecisionColumns, order: Sequence[int]) -> list[list]:
-    """The rows ``order`` of ``batch`` as the ledger's columns (``DECISION_COLUMNS``: request id,
+def ledger_columns(batch: DecisionColumns) -> list[list]:
+    """Every row of ``batch`` as the ledger's columns (``DECISION_COLUMNS``: request id,
     fingerprint, the decision's fields, reason codes as JSON), one list per column."""
-
-    def take(column: list) -> list:
-        return [column[i] for i in order]
-
     return [
-        take(batch.request_id),
-        take(batch.fingerprints),
-        take(batch.decision_id),
-        take(batch.entity_id),
-        take(batch.model_name),
-        take(batch.model_version),
-        take(batch.feature_schema_version),
-        take(batch.policy_version),
-        take(batch.probability),
-        take(batch.decision),
-        [reason_codes_json(batch.reason_codes[i]) for i in order],
-        take(batch.served_from),
-        take(batch.cache_age_ms),
-        take(batch.degraded_reason),
-        take(batch.decided_at),
+        batch.request_id,
+        batch.fingerprints,
+        batch.decision_id,
+        batch.entity_id,
+        batch.model_name,
+        batch.model_version,
+        batch.feature_schema_version,
+        batch.policy_version,
+        batch.probability,
+        batch.decision,
+        list(map(reason_codes_json, batch.reason_codes)),
+        batch.served_from,
+        batch.cache_age_ms,
+        batch.degraded_reason,
+        batch.decided_at,
     ]
+
+
+def ledger_arrays(batch: DecisionColumns, order: Sequence[int]) -> list[list]:
+    """The rows ``order`` of ``batch`` as the ledger's columns (:func:`ledger_columns`)."""
+    return [[column[i] for i in order] for column in ledger_columns(batch)]

@@ -34,7 +34,7 @@ import asyncpg
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm import ledger, packed
-from mlpair.prediction.crm.codecs import ledger_arrays
+from mlpair.prediction.crm.codecs import ledger_arrays, ledger_columns
 from mlpair.prediction.crm.ledger_sql import (
     ARRAY_TYPES,
     BACKLOG,
@@ -75,22 +75,14 @@ def _columns(rows: Sequence[tuple]) -> list[list]:
     return [list(column) for column in zip(*rows)] if rows else [[] for _ in ledger.DECISION_COLUMNS]
 
 
-def _packed(arrays: list[list]) -> list[str]:
-    """The ledger's columns (``DECISION_COLUMNS`` order) packed for :data:`INSERT_PACKED`.
+def _packed(batch: DecisionColumns, rows: list[int]) -> list[str]:
+    """The rows ``rows`` of ``batch`` as the ledger's columns (``DECISION_COLUMNS`` order), packed
+    for :data:`INSERT_PACKED`.
 
     Raises:
         packed.Unpackable: a value holds the separator.
     """
-    texts = []
-    for values, sql_type in zip(arrays, ARRAY_TYPES):
-        if sql_type == "float8":
-            values = packed.floats(values)
-        elif sql_type == "int4":
-            values = list(map(str, values))
-        elif sql_type == "timestamptz":
-            values = packed.timestamps(values)
-        texts.append(packed.pack(values))
-    return texts
+    return [packed.pack_column(values, rows, t) for values, t in zip(ledger_columns(batch), ARRAY_TYPES)]
 
 
 class PostgresLedger(ledger.DecisionLedger):
@@ -276,15 +268,15 @@ class PostgresLedger(ledger.DecisionLedger):
         return ledger.settle(entries, held)
 
     async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
-        arrays = ledger_arrays(batch, rows)
         try:
-            texts: list[str] | None = _packed(arrays)
+            texts: list[str] | None = _packed(batch, rows)
         except packed.Unpackable:
             texts = None
         async with self._connection() as conn:  # one self-committing statement, as in _commit
             if texts is not None:  # answers with the request ids already on record
                 on_record = {r[0] for r in await conn.fetch(INSERT_PACKED, *texts)}
             else:  # the columns as they are; answers with the request ids inserted
+                arrays = ledger_arrays(batch, rows)
                 inserted = {r[0] for r in await conn.fetch(INSERT, *arrays)}
                 on_record = {rid for rid in arrays[0] if rid not in inserted}
             if not on_record:
