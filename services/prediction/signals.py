@@ -120,6 +120,9 @@ class FamilySignals:
             if base and base.get("kind") == "numeric":
                 edges = self._declare_rank(feat.name, np.asarray(base["quantiles"]), train_rows)
                 self._ranks.append((metrics.labelled(metrics.DRIFT_RANK, name, feat.name), edges, column))
+        # the same edges and columns as arrays, for observe_many
+        self._rank_edges = [np.asarray(edges, dtype=np.float64) for _, edges, _ in self._ranks]
+        self._rank_columns = [column for _, _, column in self._ranks]
         names = preprocessing.feature_names
         self._categorical = []  # (one counter per one-hot slot, the slots' vector columns)
         for category_feature in preprocessing.feature_schema.categorical:
@@ -143,6 +146,7 @@ class FamilySignals:
         if score:
             edges = self._declare_rank(SCORE, np.asarray(score["quantiles"]), int(score["n"]))
             self._score = (metrics.labelled(metrics.DRIFT_RANK, name, SCORE), edges)
+            self._score_edges = np.asarray(edges, dtype=np.float64)
         self._probes = []  # (counter, band low, threshold)
         for band in policy.bands[1:]:
             t, label = band.min_probability, f"{band.min_probability:g}"
@@ -187,30 +191,38 @@ class FamilySignals:
             for vector, score in zip(vectors, scores.tolist()):
                 self.observe(vector, score)
             return
-        for child, edges, column in self._ranks:
-            values = vectors[:, column].astype(np.float64)
+        if self._ranks:  # every rank feature's buckets counted by one bincount
+            values = np.ascontiguousarray(vectors[:, self._rank_columns].T, dtype=np.float64)  # [features, rows]
             values[np.isnan(values)] = -np.inf  # bucket 0, where bisect_left in observe() puts NaN (searchsorted: last)
-            _observe_buckets(child, np.searchsorted(edges, values, side="left"))
+            buckets = np.empty(values.shape, dtype=np.intp)
+            for k, edges in enumerate(self._rank_edges):
+                buckets[k] = edges.searchsorted(values[k], side="left")
+            width = len(metrics.RANK_OBSERVED)
+            buckets += np.arange(0, width * len(buckets), width)[:, None]  # feature k's buckets at k * width
+            counts = np.bincount(buckets.ravel(), minlength=width * len(buckets)).reshape(-1, width).tolist()
+            for (child, _, _), row in zip(self._ranks, counts):
+                _observe_counts(child, row)
         for counters, columns in self._categorical:
             hot = vectors[:, list(columns)] > 0.5
             first = np.where(hot.any(axis=1), hot.argmax(axis=1), -1)  # the first set slot, as observe() breaks there
-            for slot, n in zip(*np.unique(first[first >= 0], return_counts=True)):
-                counters[slot].inc(int(n))
+            for slot, n in enumerate(np.bincount(first + 1, minlength=len(counters) + 1)[1:].tolist()):
+                if n:
+                    counters[slot].inc(n)
         if self._score is not None:
-            child, edges = self._score
-            _observe_buckets(child, np.searchsorted(edges, scores, side="left"))
+            child = self._score[0]
+            buckets = self._score_edges.searchsorted(scores, side="left")
+            _observe_counts(child, np.bincount(buckets, minlength=len(metrics.RANK_OBSERVED)).tolist())
         for child, low, high in self._probes:
             n = int(np.count_nonzero((scores >= low) & (scores < high)))
             if n:
                 child.inc(n)
 
 
-def _observe_buckets(child, buckets: np.ndarray) -> None:
-    """Observes ``metrics.RANK_OBSERVED[b]`` for each ``b`` of ``buckets`` (``[rows]`` ints in
-    0 … 19) on a rank histogram child: one increment per bucket instead of one observe per row.
+def _observe_counts(child, counts: list[int]) -> None:
+    """Observes ``metrics.RANK_OBSERVED[b]`` ``counts[b]`` times for each bucket ``b`` (0 … 19) of
+    a rank histogram child: one increment per bucket instead of one observe per row.
     ``RANK_OBSERVED[b]`` is bucket ``b``'s own upper bound (the last: above every bound), so
     each count lands in the bucket ``observe`` would choose."""
-    counts = np.bincount(buckets, minlength=len(metrics.RANK_OBSERVED)).tolist()
     child._raise_if_not_observable()
     child._sum.inc(float(np.dot(counts, metrics.RANK_OBSERVED)))
     for bucket, n in zip(child._buckets, counts):
