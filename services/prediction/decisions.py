@@ -17,6 +17,7 @@ row) plus, per row, what a response carries beside the record (:class:`Extras`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +38,8 @@ INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reaso
 STALE_REASON = "STALE_CACHE_RESULT"
 _FROM_CACHE = (Source.CACHE, Source.STALE_CACHE)
 _SERVED_FROM = {s: s.value for s in Source}  # a dict look-up: cheaper than the enum's ``value`` property
+_REQUEST_ID, _ENTITY_ID = operator.attrgetter("request_id"), operator.attrgetter("entity_id")
+_DECISION, _REASON_CODES = operator.itemgetter(0), operator.itemgetter(1)  # of a Verdict
 _MEMO_LIMIT = 4096
 Verdict = tuple[str, tuple[str, ...]]  # (decision, reason codes) of a row with model output
 
@@ -105,15 +108,14 @@ def decide_columns(
         if n_uncertain := int(np.count_nonzero(route[valid] == 2)):
             metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
     found: list[Verdict | None] = [None] * n
-    for k, verdict in enumerate(verdicts.tolist()):
+    stale_cache, get = Source.STALE_CACHE, memo.get
+    for k, (verdict, served, guards) in enumerate(zip(verdicts.tolist(), group.served, group.guards)):
         if verdict >= 0:
-            served, codes = group.served[k], group.guards[k].reason_codes
             assert served is not None  # a row with a verdict was scored (its call did not fail)
-            stale = served.source is Source.STALE_CACHE
-            key = (verdict, stale, codes)
-            hit = memo.get(key)
+            key = (verdict, served.source is stale_cache, guards.reason_codes)
+            hit = get(key)
             if hit is None:
-                hit = _verdict(policy, verdict, stale, codes)
+                hit = _verdict(policy, *key)
                 if len(memo) < _MEMO_LIMIT:
                     memo[key] = hit
             found[k] = hit
@@ -253,19 +255,19 @@ def _records_all_scored(
     family, policy, n = group.family, group.family.policy, len(group)
     _, _, sources, age, degraded = zip(*group.served)
     requests = group.requests
-    request_ids = [r.request_id for r in requests]
+    request_ids = list(map(_REQUEST_ID, requests))  # map with a getter: no Python frame per row
     columns = DecisionColumns(
         request_ids,
         decision_ids_for(request_ids),
-        [r.entity_id for r in requests],
+        list(map(_ENTITY_ID, requests)),
         [family.name] * n,
         list(group.model_versions),
         [family.feature_version] * n,
         [policy.version] * n,
         list(probability),
-        [v[0] for v in verdicts],
-        [v[1] for v in verdicts],
-        [_SERVED_FROM[s] for s in sources],
+        list(map(_DECISION, verdicts)),
+        list(map(_REASON_CODES, verdicts)),
+        list(map(_SERVED_FROM.__getitem__, sources)),
         list(age),
         list(degraded),
         [decided_at] * n,

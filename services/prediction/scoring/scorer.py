@@ -221,7 +221,10 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
         for k, served in zip(at, own):
             group.served[k] = served
     rows = np.asarray(offsets, dtype=np.intp) if sizes is not None else slice(0, len(items))
-    fallback = np.fromiter((s.source is Source.FALLBACK for s in own), dtype=bool, count=len(own))
+    if single and offsets == range(len(first)) and Source.FALLBACK not in first.sources:  # the usual call
+        fallback = np.zeros(len(own), dtype=bool)
+    else:
+        fallback = np.fromiter((s.source is Source.FALLBACK for s in own), dtype=bool, count=len(own))
     decided = usable[rows] & ~fallback  # fallback first: a row without output is not "invalid"
     group.usable[at] = decided
     group.probabilities[:, at] = np.where(decided, probabilities[:, rows], 0.0)
