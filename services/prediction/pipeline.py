@@ -28,7 +28,9 @@ Infer call — is decided exactly as if it had been sent alone.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -72,6 +74,7 @@ if TYPE_CHECKING:  # the recorder brings SQLAlchemy: the pipeline only calls the
     from mlpair.prediction.crm.recorder import DecisionRecorder
 
 logger = logging.getLogger(__name__)
+_MODEL_NAME = operator.attrgetter("model_name")
 
 
 class Predictor:
@@ -224,10 +227,14 @@ class Predictor:
                 decided.append(d)
         if decided:
             await self._record(decided, slots)
-        pairs: Iterable[tuple[PredictInput, Slot]] = zip(requests, slots)
-        if callers is not None:  # a caller gone is as a call cancelled alone: not counted
-            pairs = ((r, s) for (r, s), c in zip(pairs, callers) if not c.gone)
-        by_outcome = Counter((r.model_name, s.code if isinstance(s, ServiceError) else "OK") for r, s in pairs)
+        by_outcome: Counter[tuple[str, str]]
+        if callers is None and list(map(type, slots)).count(tuple) == len(slots):  # every item decided
+            by_outcome = Counter(zip(map(_MODEL_NAME, requests), itertools.repeat("OK")))
+        else:
+            pairs: Iterable[tuple[PredictInput, Slot]] = zip(requests, slots)
+            if callers is not None:  # a caller gone is as a call cancelled alone: not counted
+                pairs = ((r, s) for (r, s), c in zip(pairs, callers) if not c.gone)
+            by_outcome = Counter((r.model_name, s.code if isinstance(s, ServiceError) else "OK") for r, s in pairs)
         for (name, code), n in by_outcome.items():  # the names as sent, each resolved once
             name = name or self.default_model
             label = name if name in self.families else "unknown"  # clients must not mint label values
