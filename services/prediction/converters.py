@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -192,6 +193,11 @@ def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.Ba
             else:
                 results.add(**_result_fields(o))
         return response
+    first = slots[0] if slots else None
+    if isinstance(first, tuple) and _in_order(first[0], slots):  # the usual call: one group, decided in order
+        whole = _written_results(first[0], timestamps)
+        if None not in whole:
+            return Serialized(b"".join(cast(list[bytes], whole)))
     written: dict[int, list[bytes | None]] = {}  # id(decided) → each decided row's serialised result
     pieces = []
     for o in slots:
@@ -204,6 +210,17 @@ def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.Ba
         else:
             pieces.append(_one_result(**_result_fields(o)))
     return Serialized(b"".join(pieces))
+
+
+def _in_order(decided, slots: Sequence) -> bool:
+    """Whether ``slots`` are ``(decided, 0)``, ``(decided, 1)``, … : every item of the call in one
+    group (``decisions.Decided``), each decided, in request order."""
+    n = len(slots)
+    return (
+        len(decided.rows) == n
+        and decided.rows == decided.group.index == list(range(n))
+        and list(map(type, slots)).count(tuple) == n
+    )
 
 
 def _result_fields(o: PredictionResult | ServiceError | None) -> dict:
@@ -239,8 +256,8 @@ def _written_results(decided, timestamps: dict) -> list[bytes | None]:
     columns = [
         (_FIELD["request_id"], _STRING, c.request_id),
         (_FIELD["decision_id"], _STRING, c.decision_id),
-        (_FIELD["probability"], _DOUBLE, [p or 0.0 for p in c.probability]),
-        (_FIELD["decision"], _INT, [enum.get(label, pb.DECISION_UNSPECIFIED) for label in c.decision]),
+        (_FIELD["probability"], _DOUBLE, _or_zero(c.probability)),
+        (_FIELD["decision"], _INT, list(map(enum.get, c.decision, itertools.repeat(pb.DECISION_UNSPECIFIED)))),
         (_FIELD["reason_codes"], _STRINGS, c.reason_codes),
         (_FIELD["model_version"], _STRING, c.model_version),
         (_FIELD["feature_schema_version"], _STRING, c.feature_schema_version),
@@ -249,11 +266,11 @@ def _written_results(decided, timestamps: dict) -> list[bytes | None]:
         (_FIELD["decision_label"], _STRING, c.decision),
         (_FIELD["spread"], _DOUBLE, decided.spread),
         (_FIELD["calibration_method"], _STRING, decided.calibration_method),
-        (_FIELD["stale"], _BOOL, [s == "stale_cache" for s in c.served_from]),
+        (_FIELD["stale"], _BOOL, _is(c.served_from, "stale_cache")),
         (_FIELD["cache_age_ms"], _INT, c.cache_age_ms),
         (_FIELD["degraded_reason"], _STRING, c.degraded_reason),
-        (_FIELD["fallback"], _BOOL, [s == "fallback" for s in c.served_from]),
-        (_FIELD["decided_at"], _TIMESTAMP, [(t.seconds, t.nanos) for t in stamps]),
+        (_FIELD["fallback"], _BOOL, _is(c.served_from, "fallback")),
+        (_FIELD["decided_at"], _TIMESTAMP, _seconds_and_nanos(stamps)),
     ]
     columns.sort(key=lambda column: column[0])  # field order, as protobuf serialises
     rows: list[bytes | None] = _write_rows(columns, n, _WRAP)
@@ -263,6 +280,23 @@ def _written_results(decided, timestamps: dict) -> list[bytes | None]:
             if warned.get(decided.rows[j]) or j in explained:
                 rows[j] = None
     return rows
+
+
+def _or_zero(values: list[float | None]) -> list[float]:
+    """``[p or 0.0 for p in values]`` (None and -0.0 as 0.0), without a pass in Python when none is either."""
+    return [p or 0.0 for p in values] if None in values or 0.0 in values else cast(list[float], values)
+
+
+def _is(values: list[str], value: str) -> list[bool]:
+    """``[v == value for v in values]``, without a pass in Python when none is ``value``."""
+    return [v == value for v in values] if value in values else [False] * len(values)
+
+
+def _seconds_and_nanos(stamps: list[timestamp_pb2.Timestamp]) -> list[tuple[int, int]]:
+    """Each Timestamp's (seconds, nanos); one pair for a column of one Timestamp throughout."""
+    if stamps and stamps.count(stamps[0]) == len(stamps):
+        return [(stamps[0].seconds, stamps[0].nanos)] * len(stamps)
+    return [(t.seconds, t.nanos) for t in stamps]
 
 
 def _fresh_response(decided, j: int, timestamps: dict) -> pb.PredictResponse:
