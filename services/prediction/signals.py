@@ -145,8 +145,12 @@ class FamilySignals:
         self._score = None
         if score:
             edges = self._declare_rank(SCORE, np.asarray(score["quantiles"]), int(score["n"]))
-            self._score = (metrics.labelled(metrics.DRIFT_RANK, name, SCORE), edges)
-            self._score_edges = np.asarray(edges, dtype=np.float64)
+            # (histogram child, edges as a list for observe, the same as an array for observe_many)
+            self._score = (
+                metrics.labelled(metrics.DRIFT_RANK, name, SCORE),
+                edges,
+                np.asarray(edges, dtype=np.float64),
+            )
         self._probes = []  # (counter, band low, threshold)
         for band in policy.bands[1:]:
             t, label = band.min_probability, f"{band.min_probability:g}"
@@ -174,7 +178,7 @@ class FamilySignals:
                     counter.inc()
                     break
         if self._score is not None:
-            child, edges = self._score
+            child, edges, _ = self._score
             child.observe(metrics.RANK_OBSERVED[bisect.bisect_left(edges, score)])
         for child, low, high in self._probes:
             if low <= score < high:
@@ -209,8 +213,8 @@ class FamilySignals:
                 if n:
                     counters[slot].inc(n)
         if self._score is not None:
-            child = self._score[0]
-            buckets = self._score_edges.searchsorted(scores, side="left")
+            child, _, edge_array = self._score
+            buckets = edge_array.searchsorted(scores, side="left")
             _observe_counts(child, np.bincount(buckets, minlength=len(metrics.RANK_OBSERVED)).tolist())
         for child, low, high in self._probes:
             n = int(np.count_nonzero((scores >= low) & (scores < high)))
