@@ -317,6 +317,52 @@ static int reserve(Buffer *b, Py_ssize_t more) {
     return 1;
 }
 
+/* float.__repr__ of x when its shortest round-trip form has at most 15 significant digits and is
+ * written without an exponent (1e-4 <= |x| < 1e15): the whole numbers and short decimals that
+ * attributes mostly are, written in about 20 ns where CPython's dtoa takes 200-800 ns. Writes at
+ * most 24 bytes to out; returns their count, or 0 when x is not such a value (the caller then
+ * asks PyOS_double_to_string, which writes every float).
+ *
+ * Why the text is repr's: K is the most decimal places that keep |x| * 10^K below 10^15, and
+ * M = round(|x| * 10^K) (off by at most 0.19 from the real product, so this is the nearest integer
+ * when one round-trips). If M / 10^K, a correctly rounded division like strtod's reading of the
+ * decimal, gives back |x|, that decimal round-trips; with at most 15 significant digits it is the
+ * only one of them that does (DBL_DIG, C11 5.2.4.2.2), so M without its trailing zeros is repr's
+ * digits and K less those zeros its decimal places. repr writes such values positionally,
+ * "0.0001" to "999999999999999.0", with ".0" after a whole number. tests/prediction/
+ * test_batch_items.py compares it with repr on whole numbers, short decimals, random doubles
+ * and the edges of the range. */
+static const double POW10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,
+                               1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};
+
+static int short_float_repr(double x, char *out) {
+    double a = x < 0 ? -x : x;
+    if (!(a >= 1e-4 && a < 1e15)) return 0; /* also NaN and the infinities */
+    int k = 18;
+    while (k > 0 && a * POW10[k] >= 1e15) k--;
+    double m = (double)(uint64_t)(a * POW10[k] + 0.5);
+    if (m >= 1e15 || m / POW10[k] != a) return 0;
+    uint64_t digits = (uint64_t)m;
+    while (k > 0 && digits % 10 == 0) {
+        digits /= 10;
+        k--;
+    }
+    char reversed[24];
+    int n = 0;
+    do {
+        reversed[n++] = (char)('0' + digits % 10);
+        digits /= 10;
+    } while (digits);
+    while (n <= k) reversed[n++] = '0'; /* a leading "0" before the point, and zeros after it */
+    char *to = out;
+    if (x < 0) *to++ = '-';
+    for (int i = n - 1; i >= k; i--) *to++ = reversed[i];
+    *to++ = '.';
+    if (k == 0) *to++ = '0';
+    for (int i = k - 1; i >= 0; i--) *to++ = reversed[i];
+    return (int)(to - out);
+}
+
 static int put_varint(Buffer *b, uint64_t value) {
     if (!reserve(b, 10)) return 0;
     do {
@@ -553,6 +599,9 @@ static int put_json_value(Buffer *b, PyObject *value) {
         double x = PyFloat_AS_DOUBLE(value);
         if (x != x) return 0; /* NaN: missing */
         if (x - x != 0.0) return put_bytes(b, x > 0 ? "Infinity" : "-Infinity", x > 0 ? 8 : 9) ? 1 : -2;
+        char shortcut[24];
+        int size = short_float_repr(x, shortcut);
+        if (size) return put_bytes(b, shortcut, size) ? 1 : -2;
         char *repr = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); /* float.__repr__ */
         if (repr == NULL) return -2;
         int ok = put_bytes(b, repr, (Py_ssize_t)strlen(repr));
@@ -739,10 +788,16 @@ static PyObject *pack_column(PyObject *Py_UNUSED(module), PyObject *args) {
                 if (number == NULL) goto fail;
                 double x = PyFloat_AS_DOUBLE(number);
                 Py_DECREF(number);
-                char *digits = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); /* float.__repr__ */
-                if (digits == NULL) goto fail;
-                text = PyUnicode_FromString(digits);
-                PyMem_Free(digits);
+                char shortcut[24];
+                int size = short_float_repr(x, shortcut);
+                if (size) {
+                    text = PyUnicode_FromStringAndSize(shortcut, size);
+                } else {
+                    char *digits = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); /* float.__repr__ */
+                    if (digits == NULL) goto fail;
+                    text = PyUnicode_FromString(digits);
+                    PyMem_Free(digits);
+                }
             }
         } else {
             text = PyObject_Str(value);

@@ -461,3 +461,64 @@ def test_a_packed_column_refuses_what_the_comprehension_refuses() -> None:
                 packed.pack_column(["x"], [0], "float8")
             with pytest.raises(IndexError):
                 packed.pack_column(["a"], [1], "text")
+
+
+# ---- floats written as repr writes them ----
+
+
+def float_sweep(seed: int, n: int) -> list[float]:
+    """Floats of every form the compiled writers meet: whole numbers, short decimals at every
+    scale, random doubles and bit patterns, and the neighbours of the shortcut's range edges."""
+    import math
+    import random
+
+    r = random.Random(seed)
+    edges = [1e-4, 1e15, 1e14, 0.1, 1.0, 0.3, 999999999999999.0, 123456789012345.0, 5e-324, 1.7976931348623157e308]
+    makers = [
+        lambda: float(r.randint(-(10**15), 10**15)),
+        lambda: round(r.uniform(-1e6, 1e6), r.randrange(0, 8)),
+        lambda: r.randint(1, 10 ** r.randint(1, 15)) / 10 ** r.randint(0, 19),
+        lambda: float(f"{r.randint(1, 10**15 - 1)}e{r.randint(-22, 3)}"),
+        lambda: r.random() * 10 ** r.randint(-6, 17),
+        lambda: struct.unpack("<d", struct.pack("<Q", r.getrandbits(64)))[0],
+        lambda: math.nextafter(r.choice(edges), r.choice([0.0, math.inf])) * r.choice([1, -1]),
+        lambda: r.choice(edges) * r.choice([1, -1]),
+    ]
+    values = (r.choice(makers)() for _ in range(n))
+    return [v for v in values if math.isfinite(v)] + [0.0, -0.0, 0.1 + 0.2, 1 / 3, 9.999999999999999e-05]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_packed_floats_are_their_repr(seed) -> None:
+    """The packed float8 column writes each value as ``repr`` does, whether the compiled part's
+    shortcut for short decimals takes it or CPython's own formatting does."""
+    from mlpair.prediction.crm import packed
+
+    values = float_sweep(seed, 100_000)
+    compiled = packed.pack_column(values, list(range(len(values))), "float8")
+    assert compiled.split(packed.SEP)[1:] == [repr(v) for v in values]
+
+
+@needs_reader
+@pytest.mark.parametrize("seed", [3, 4])
+def test_canonical_floats_are_their_repr(seed) -> None:
+    """Each float in a canonical request text is the JSON encoder's, which is ``repr``."""
+    import json
+
+    from mlpair._batch_items import canonical_texts
+
+    values = float_sweep(seed, 100_000)
+    texts = canonical_texts(b'"m"', ["e"] * len(values), [b'["a",'], [values])
+    assert texts == [
+        b'["m","e",[' + (b'["a",' + json.dumps(v).encode() + b"]" if v == v else b"") + b"]]" for v in values
+    ]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(-(10**15), 10**15), st.integers(0, 20))
+def test_any_short_decimal_is_written_as_repr_writes_it(digits, places) -> None:
+    """Every decimal of at most 15 significant digits, at any place of its point."""
+    from mlpair.prediction.crm import packed
+
+    value = digits / 10**places
+    assert packed.pack_column([value], [0], "float8") == packed.SEP + repr(value)
