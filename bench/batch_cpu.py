@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
@@ -316,7 +316,11 @@ def relay_process(crm_url: str, ledger_url: str, event_loop: str) -> Iterator[Re
         process.stderr.close()
 
 
-async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: RelayProcess | None = None) -> dict:
+async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: RelayProcess | None = None,
+                  gate: Callable[[dict | None], Awaitable[bool]] | None = None) -> dict:
+    """Sets the service up, runs the passes and returns the figures. ``gate``, when given, decides
+    when each pass runs instead of ``--repeats``: it is awaited with the last pass's figures (None
+    before the first) and answers whether another pass runs (``bench/ab_lockstep.py``)."""
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.client import to_attributes
     from mlpair.collector import tune_collector
@@ -393,8 +397,8 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         tune_collector()  # as serve() does once the service is up (the payloads with it)
     check_replies(await drive(args.warmup_calls))
     relay_cpu_start = relay.cpu_s() if relay else 0.0
-    passes = []
-    for _ in range(args.repeats):
+    passes: list[dict] = []
+    while await gate(passes[-1] if passes else None) if gate else len(passes) < args.repeats:
         gc_time.reset()
         relay_cpu0 = relay.cpu_s() if relay else 0.0
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -421,7 +425,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         check_replies(breakdown["rows"])
     await predictor.recorder.close()
     await predictor.scorer.close()
-    figures = sorted(p["cpu_us_per_row"] for p in passes)
+    figures = sorted(p["cpu_us_per_row"] for p in passes) or [None]
     relay_figures = sorted(p["relay_process_cpu_us_per_row"] for p in passes) if relay else []
     return {"bench": "batch_cpu", "rpc": args.rpc, "batch_items": args.batch_items, "concurrency": args.concurrency,
             "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
@@ -429,7 +433,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
             "cpu_us_per_row_median": figures[len(figures) // 2], "cpu_us_per_row_min": figures[0],
             **({"relay_process_cpu_us_per_row_median": relay_figures[len(relay_figures) // 2],
                 "relay_process_cpu_us_per_row_all_passes": round(1e6 * relay_cpu_all / sum(p["rows"] for p in passes), 2)}
-               if relay else {}),
+               if relay and passes else {}),
             "passes": passes, "infer_calls": fake.calls, **({"stages_us_per_row": breakdown} if breakdown else {})}
 
 
@@ -475,9 +479,7 @@ def migrate(crm_url: str, ledger_url: str) -> None:
                    check=True, capture_output=True, timeout=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import logging
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-repository", default="var/models")
     parser.add_argument("--batch-items", type=int, default=500, help="applicants per BatchPredict call")
@@ -499,9 +501,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"),
                         default=PredictionSettings.model_fields["event_loop"].default,
                         help="the event loop the service runs on (default: PredictionService's)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.rpc == "predict" and args.batch_items != 1:
         parser.error("--rpc predict sends one applicant per call: use --batch-items 1")
+    return args
+
+
+def run(args: argparse.Namespace, gate: Callable[[dict | None], Awaitable[bool]] | None = None) -> dict:
+    """A throw-away ledger and CRM (PostgreSQL when up), the relay as asked, then :func:`measure`."""
+    import logging
+
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="batch-cpu-") as tmp, harness.scratch_postgres() as pg_url:
         postgres = pg_url is not None and not args.sqlite
@@ -509,8 +523,12 @@ def main(argv: list[str] | None = None) -> int:
         ledger_url = pg_url if postgres else f"sqlite+aiosqlite:///{tmp}/ledger.sqlite"
         migrate(crm_url, ledger_url)
         with relay_process(crm_url, ledger_url, args.event_loop) if args.relay_process else contextlib.nullcontext() as relay:
-            figures = run_loop(measure(args, crm_url, ledger_url, Path(tmp), relay), args.event_loop)
-            print(json.dumps({"event_loop": args.event_loop, **figures}), flush=True)
+            figures = run_loop(measure(args, crm_url, ledger_url, Path(tmp), relay, gate), args.event_loop)
+    return {"event_loop": args.event_loop, **figures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(json.dumps(run(parse_args(argv))), flush=True)
     return 0
 
 
