@@ -222,12 +222,18 @@ class PredictMerger:
         for call in batch:
             call.batch, call.task = batch, task
         self._tasks.add(task)
-        task.add_done_callback(functools.partial(self._done, len(batch)))
+        task.add_done_callback(functools.partial(self._done, batch))
 
-    def _done(self, calls: int, task: asyncio.Task) -> None:
-        """A batch is decided: the calls waiting for one to finish go now."""
+    def _done(self, batch: list[MergedCall], task: asyncio.Task) -> None:
+        """A batch is decided: the calls waiting for one to finish go now. Each call's links to
+        its batch and task are dropped: they are reference cycles (call → batch → call, and call →
+        task, whose coroutine holds the batch) that only the cyclic collector would free, with
+        every caller's request, context and outcome in them (about a fifth of what a Predict
+        allocates, found in every young collection under load)."""
         self._tasks.discard(task)
-        self._deciding -= calls
+        self._deciding -= len(batch)
+        for call in batch:
+            call.batch, call.task = [], None
         self._send_all()
 
     def _send_all(self) -> None:

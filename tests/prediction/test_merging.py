@@ -206,3 +206,40 @@ async def test_below_wait_from_calls_no_call_waits_for_company():
     release.set()
     assert await asyncio.gather(*calls) == ["c0", "c1", "c2", "c3", "c4"]
     assert batches == [["c0"], ["c1"], ["c2"], ["c3", "c4"]]
+
+
+async def test_decided_calls_leave_nothing_for_the_cyclic_collector():
+    """Once a merged batch is decided, its calls, requests and outcomes are freed by reference
+    counting: a call linked to its batch and task forms cycles that only the cyclic collector
+    frees, and under load those were a fifth of what each young collection scanned."""
+    import gc
+
+    from mlpair.prediction.merging import MergedCall, PredictMerger
+    from mlpair.prediction.outcomes import PredictInput
+
+    class Outcome:
+        pass
+
+    batches: list[int] = []
+
+    async def run(requests, callers):
+        batches.append(len(requests))
+        return [Outcome() for _ in requests]
+
+    merger = PredictMerger(run, max_calls=8, max_delay_s=10.0, deadline_window_s=0.01, scoring_bound_s=5.0,
+                           wait_from_calls=0)
+    gc.collect()
+    gc.disable()
+    try:
+        outcomes = await asyncio.gather(*(merger.decide(PredictInput(f"c{i}", "e", {})) for i in range(8)))
+        await asyncio.sleep(0)  # the batch task's done callback
+        assert batches == [8] and len(outcomes) == 8  # decided together
+        del outcomes
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable stays in gc.garbage
+        gc.collect()
+        left = sorted(type(o).__name__ for o in gc.garbage if isinstance(o, (MergedCall, PredictInput, Outcome)))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
