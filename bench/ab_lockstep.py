@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 "round": r + 1,
                 "order": order,
                 **{f"{n}_cpu_us_per_row": figures[n]["cpu_us_per_row"] for n in "AB"},
+                **{f"{n}_gc_us_per_row": figures[n]["gc_us_per_row"] for n in "AB"},
                 **{
                     f"{n}_relay_process_cpu_us_per_row": figures[n]["relay_process_cpu_us_per_row"]
                     for n in "AB"
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": len(rounds),
                 "A_cpu_us_per_row_median": statistics.median(r["A_cpu_us_per_row"] for r in rounds),
                 "B_cpu_us_per_row_median": statistics.median(r["B_cpu_us_per_row"] for r in rounds),
+                "A_gc_us_per_row_median": statistics.median(r["A_gc_us_per_row"] for r in rounds),
+                "B_gc_us_per_row_median": statistics.median(r["B_gc_us_per_row"] for r in rounds),
                 "B_over_A_median": statistics.median(ratios),
                 "B_over_A_range": [min(ratios), max(ratios)],
             }
