@@ -14,7 +14,8 @@ The A side imports the project from ``--baseline`` (a commit, checked out with `
 under ``var/bench/ab/`` and its C parts built in place, or a folder holding a checkout) through
 ``bench/ab_tree/sitecustomize.py``; the harness itself (``batch_cpu.py``'s service set-up,
 payloads and clocks) is this checkout's on both sides. Each side is its own process with its
-own database and, with ``--relay-process``, its own relay process. Other arguments are
+own database and, with ``--relay-process``, its own relay process. The worktrees stay for the
+next run; ``git worktree remove var/bench/ab/<commit>`` removes one. Other arguments are
 ``batch_cpu.py``'s (``--calls`` per pass, ``--relay-process``, ``--concurrency`` …).
 
     .venv/bin/python bench/ab_lockstep.py --baseline 6acc9ef --rounds 12 --calls 40 --relay-process
