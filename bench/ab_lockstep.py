@@ -89,14 +89,13 @@ class Side:
         self.process.stdin.flush()
         return self.answer()
 
-    def stop(self) -> dict | None:
-        """Asks the worker to tear down; its last line (the run's figures), or None if it had gone."""
+    def stop(self) -> None:
+        """Asks the worker to tear down (its database and relay) and waits for it to exit."""
         if self.process.poll() is not None:
-            return None
+            return
         try:
             self.process.stdin.write("stop\n")
             self.process.stdin.close()
-            return self.answer()
         finally:
             try:
                 self.process.wait(120)
@@ -110,17 +109,14 @@ def worker(bench_argv: list[str]) -> int:
     from bench import batch_cpu
 
     args = batch_cpu.parse_args(bench_argv)
-    loop_reader = None
 
     async def gate(last: dict | None) -> bool:
-        nonlocal loop_reader
         if last is None:  # set up: say which checkout the project was imported from
             import mlpair
 
             last = {"ready": True, "project": str(Path(mlpair.__file__).resolve().parent.parent)}
         print(json.dumps(last), flush=True)
-        loop_reader = loop_reader or asyncio.get_running_loop()
-        line = await loop_reader.run_in_executor(None, sys.stdin.readline)  # outside the pass's clock
+        line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # outside the pass's clock
         return line.strip() == "pass"
 
     print(json.dumps(batch_cpu.run(args, gate)), flush=True)

@@ -228,8 +228,8 @@ class PredictMerger:
         """A batch is decided: the calls waiting for one to finish go now. Each call's links to
         its batch and task are dropped: they are reference cycles (call → batch → call, and call →
         task, whose coroutine holds the batch) that only the cyclic collector would free, with
-        every caller's request, context and outcome in them (about a fifth of what a Predict
-        allocates, found in every young collection under load)."""
+        every caller's request, context and outcome in them (under Predict load, about a fifth of
+        what each young collection scanned)."""
         self._tasks.discard(task)
         self._deciding -= len(batch)
         for call in batch:
