@@ -16,7 +16,9 @@ under ``var/bench/ab/`` and its C parts built in place, or a folder holding a ch
 payloads and clocks) is this checkout's on both sides. Each side is its own process with its
 own database and, with ``--relay-process``, its own relay process. The worktrees stay for the
 next run; ``git worktree remove var/bench/ab/<commit>`` removes one. Other arguments are
-``batch_cpu.py``'s (``--calls`` per pass, ``--relay-process``, ``--concurrency`` …).
+``batch_cpu.py``'s (``--calls`` per pass, ``--relay-process``, ``--concurrency`` …). With a
+PostgreSQL ledger each row also gives each side's ``postgres_cpu_us_per_row``: the database
+server's CPU across that side's pass (the other side is idle then, but for its relay's polls).
 
     .venv/bin/python bench/ab_lockstep.py --baseline 6acc9ef --rounds 12 --calls 40 --relay-process
 """
@@ -33,6 +35,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# figures a pass reports only in some setups (--relay-process; a PostgreSQL ledger), shown per side
+OPTIONAL_FIGURES = ("relay_process_cpu_us_per_row", "postgres_cpu_us_per_row")
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
     sys.path.insert(0, str(ROOT))
 
@@ -148,11 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 "order": order,
                 **{f"{n}_cpu_us_per_row": figures[n]["cpu_us_per_row"] for n in "AB"},
                 **{f"{n}_gc_us_per_row": figures[n]["gc_us_per_row"] for n in "AB"},
-                **{
-                    f"{n}_relay_process_cpu_us_per_row": figures[n]["relay_process_cpu_us_per_row"]
-                    for n in "AB"
-                    if "relay_process_cpu_us_per_row" in figures[n]
-                },
+                **{f"{n}_{key}": figures[n][key] for key in OPTIONAL_FIGURES for n in "AB" if key in figures[n]},
             }
             row["B_over_A"] = round(row["B_cpu_us_per_row"] / row["A_cpu_us_per_row"], 3)
             rounds.append(row)
@@ -173,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                 "B_cpu_us_per_row_median": statistics.median(r["B_cpu_us_per_row"] for r in rounds),
                 "A_gc_us_per_row_median": statistics.median(r["A_gc_us_per_row"] for r in rounds),
                 "B_gc_us_per_row_median": statistics.median(r["B_gc_us_per_row"] for r in rounds),
+                **{
+                    f"{n}_{key}_median": statistics.median(r[f"{n}_{key}"] for r in rounds)
+                    for key in OPTIONAL_FIGURES
+                    for n in "AB"
+                    if rounds and f"{n}_{key}" in rounds[0]
+                },
                 "B_over_A_median": statistics.median(ratios),
                 "B_over_A_range": [min(ratios), max(ratios)],
             }

@@ -28,6 +28,12 @@ system CPU time across the same pass, its idle polls of the ledger included; see
 ``--stages`` mode the relay subprocess is paused (SIGSTOP) while the pass decides, then resumed,
 and the "relay" line is its CPU delivering that pass.
 
+With a PostgreSQL ledger each pass also reports ``postgres_cpu_us_per_row``: the CPU of every
+process of the local PostgreSQL server across the pass (:class:`PostgresCpu`; nothing else may
+use that server meanwhile), per row decided: what a durable decision costs the database, the
+ledger's commit, the relay's claim and the CRM's insert together. The ``--stages`` pass splits
+it into the database's CPU while deciding (the ledger's commits) and while delivering.
+
 ``--event-loop`` picks the loop the service and the relay subprocess run on (PredictionService's
 default, else ``asyncio``): interleave both to see what the loop itself costs.
 
@@ -284,6 +290,34 @@ class RelayProcess:
         os.kill(self.process.pid, signal.SIGCONT)
 
 
+class PostgresCpu:
+    """CPU seconds of the local PostgreSQL server's processes (every backend, the WAL writer, the
+    checkpointer, …: psutil's user + system times, ticks of 10 ms each), to price what a row costs
+    the database besides the service. Only meaningful with nothing else using that server; a
+    process that exits between two readings takes its CPU with it (the ledger's and the relay's
+    pooled connections stay open for the whole run)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+
+    def read(self) -> dict[int, float]:
+        """User + system CPU seconds of each PostgreSQL process, by PID."""
+        seconds = {}
+        for process in self._psutil.process_iter(["name"]):
+            if (process.info["name"] or "").startswith("postgres"):
+                with contextlib.suppress(self._psutil.Error):
+                    times = process.cpu_times()
+                    seconds[process.pid] = times.user + times.system
+        return seconds
+
+    @staticmethod
+    def between(before: dict[int, float], after: dict[int, float]) -> float:
+        """CPU seconds used between two readings by the processes alive at the second."""
+        return sum(s - before.get(pid, 0.0) for pid, s in after.items())
+
+
 @contextlib.contextmanager
 def relay_process(crm_url: str, ledger_url: str, event_loop: str) -> Iterator[RelayProcess]:
     """``mlpair relay`` on ``event_loop`` until ready (its health port SERVING), stopped by SIGTERM (by its PID) on the way out.
@@ -397,16 +431,21 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         tune_collector()  # as serve() does once the service is up (the payloads with it)
     check_replies(await drive(args.warmup_calls))
     relay_cpu_start = relay.cpu_s() if relay else 0.0
+    postgres_cpu = PostgresCpu() if ledger_url.startswith("postgresql") else None
     passes: list[dict] = []
     while await gate(passes[-1] if passes else None) if gate else len(passes) < args.repeats:
         gc_time.reset()
         relay_cpu0 = relay.cpu_s() if relay else 0.0
+        postgres0 = postgres_cpu.read() if postgres_cpu else {}
         cpu0, wall0 = time.process_time(), time.perf_counter()
         rows = await drive(args.calls)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        postgres_s = postgres_cpu.between(postgres0, postgres_cpu.read()) if postgres_cpu else None
         check_replies(rows)
         passes.append({"rows": rows, "cpu_us_per_row": round(1e6 * cpu / rows, 2), "wall_s": round(wall, 3),
                        "gc_us_per_row": round(1e6 * gc_time.seconds / rows, 2), "gc_runs": gc_time.runs})
+        if postgres_s is not None:
+            passes[-1]["postgres_cpu_us_per_row"] = round(1e6 * postgres_s / rows, 2)
         if relay:
             passes[-1]["relay_process_cpu_us_per_row"] = round(1e6 * (relay.cpu_s() - relay_cpu0) / rows, 2)
     gc_time.close()
@@ -420,13 +459,14 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         profiler.disable()
         check_replies(rows)
         profiler.dump_stats(args.profile)
-    breakdown = await stage_breakdown(args, predictor, stages, drive, relay) if args.stages else None
+    breakdown = await stage_breakdown(args, predictor, stages, drive, relay, postgres_cpu) if args.stages else None
     if breakdown:
         check_replies(breakdown["rows"])
     await predictor.recorder.close()
     await predictor.scorer.close()
     figures = sorted(p["cpu_us_per_row"] for p in passes) or [None]
     relay_figures = sorted(p["relay_process_cpu_us_per_row"] for p in passes) if relay else []
+    postgres_figures = sorted(p["postgres_cpu_us_per_row"] for p in passes if "postgres_cpu_us_per_row" in p)
     return {"bench": "batch_cpu", "rpc": args.rpc, "batch_items": args.batch_items, "concurrency": args.concurrency,
             "calls_per_pass": args.calls, "cache": args.cache, "crm": crm_url.split(":", 1)[0],
             "ledger": ledger_url.split(":", 1)[0], "relay": "process" if relay else "in process",
@@ -434,10 +474,12 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
             **({"relay_process_cpu_us_per_row_median": relay_figures[len(relay_figures) // 2],
                 "relay_process_cpu_us_per_row_all_passes": round(1e6 * relay_cpu_all / sum(p["rows"] for p in passes), 2)}
                if relay and passes else {}),
+            **({"postgres_cpu_us_per_row_median": postgres_figures[len(postgres_figures) // 2]} if postgres_figures else {}),
             "passes": passes, "infer_calls": fake.calls, **({"stages_us_per_row": breakdown} if breakdown else {})}
 
 
-async def stage_breakdown(args, predictor, stages: _StageTimer, drive, relay_process: RelayProcess | None) -> dict:
+async def stage_breakdown(args, predictor, stages: _StageTimer, drive, relay_process: RelayProcess | None,
+                          postgres_cpu: PostgresCpu | None) -> dict:
     """CPU µs per row of each stage over one more pass: one call in flight, the relay paused while
     deciding and then timed alone delivering the pass's decisions (with ``relay_process``, the
     subprocess is paused by SIGSTOP and its own CPU is the relay's line); "rest" is what no stage
@@ -451,9 +493,11 @@ async def stage_breakdown(args, predictor, stages: _StageTimer, drive, relay_pro
         await relay.stop()
     concurrency, args.concurrency = args.concurrency, 1
     stages.seconds.clear()
+    postgres0 = postgres_cpu.read() if postgres_cpu else {}
     cpu0 = time.process_time()
     rows = await drive(args.calls, deliver=False)
     decide_cpu = time.process_time() - cpu0
+    postgres1 = postgres_cpu.read() if postgres_cpu else {}
     if relay_process:
         cpu0 = relay_process.cpu_s()
         relay_process.resume()
@@ -463,11 +507,15 @@ async def stage_breakdown(args, predictor, stages: _StageTimer, drive, relay_pro
     if not await predictor.recorder.wait_delivered(120):
         raise RuntimeError("the relay did not deliver every decision within 120 s")
     relay_cpu = (relay_process.cpu_s() if relay_process else time.process_time()) - cpu0
+    postgres2 = postgres_cpu.read() if postgres_cpu else {}
     args.concurrency = concurrency
     table = {stage: round(1e6 * seconds / rows, 2) for stage, seconds in stages.seconds.items()}
     table["rest"] = round(1e6 * (decide_cpu - sum(stages.seconds.values())) / rows, 2)
     table["relay (ledger → CRM)" + (", relay process" if relay_process else "")] = round(1e6 * relay_cpu / rows, 2)
     table["total"] = round(1e6 * (decide_cpu + relay_cpu) / rows, 2)
+    if postgres_cpu:  # the database's side of the same two steps
+        table["PostgreSQL while deciding (ledger commits)"] = round(1e6 * postgres_cpu.between(postgres0, postgres1) / rows, 2)
+        table["PostgreSQL while delivering (claims, CRM writes)"] = round(1e6 * postgres_cpu.between(postgres1, postgres2) / rows, 2)
     return {"rows": rows, "concurrency": 1, "wrapped": wrapped, "us_per_row": table}
 
 
