@@ -7,8 +7,10 @@ what still waits back to the previous release's per-row work list."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import uuid
+from datetime import datetime
 
 import asyncpg
 import pytest
@@ -19,6 +21,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from bench.pair import scratch_postgres
 from mlpair.prediction.crm import ledger_sql
 from mlpair.prediction.crm.admin import migrate
+from mlpair.prediction.crm.codecs import CRM_COLUMNS
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.migrate import alembic_config, current_revision
 from mlpair.prediction.crm.models import LEDGER_SCHEMA
@@ -134,6 +137,36 @@ async def test_claims_take_exactly_their_limit_and_two_at_once_take_different_de
         assert sorted(taken + [row[1] for row in rest]) == sorted(ids)
     async with ledger.claim_packed(100) as empty:
         assert (empty.n, empty.more) == (0, False)
+
+
+async def test_a_packed_claim_s_columns_hold_each_decision_s_values_in_seq_order(ledger, sql):
+    """The packed columns are aggregated without an ORDER BY each (one sort of the claimed rows
+    below them): the k-th value of every column is the same decision's, and the decisions come
+    in seq order even when the heap holds them in another."""
+    ids = new_ids(300)
+    await ledger.record_many([dataclasses.replace(decision(rid, probability=(k + 0.5) / 300, decision=("APPROVE", "REVIEW", "DECLINE")[k % 3]),
+                                                  entity_id=f"entity-{k}", cache_age_ms=k,
+                                                  reason_codes=tuple(f"CODE_{k % 7}" for _ in range(k % 3)))
+                              for k, rid in enumerate(ids)], ["fp"] * len(ids))
+    # every other row's new version goes elsewhere in the heap: a scan in physical order is not in seq order
+    await sql.execute("UPDATE prediction.decision_ledger SET entity_id = entity_id || '' WHERE seq % 2 = 0")
+    physical = [r[0] for r in await sql.fetch("SELECT seq FROM prediction.decision_ledger ORDER BY ctid")]
+    assert physical != sorted(physical)
+    recorded = {r["request_id"]: r for r in await sql.fetch(f"SELECT seq, {', '.join(CRM_COLUMNS)} FROM prediction.decision_ledger")}
+
+    async with ledger.claim_packed(1000) as claim:
+        assert claim.n == 300
+        rows = list(zip(*(column.split(SEP)[1:] for column in claim.columns)))
+    assert len(rows) == 300
+    for row in rows:
+        values = dict(zip(CRM_COLUMNS, row))
+        on_record = recorded[values["request_id"]]
+        assert (values["decision_id"], values["entity_id"], values["decision"], values["reason_codes"]) == (
+            on_record["decision_id"], on_record["entity_id"], on_record["decision"], on_record["reason_codes"])
+        assert float(values["probability"]) == on_record["probability"]
+        assert int(values["cache_age_ms"]) == on_record["cache_age_ms"]
+        assert datetime.fromisoformat(values["decided_at"]) == on_record["decided_at"]
+    assert [recorded[row[1]]["seq"] for row in rows] == sorted(r["seq"] for r in recorded.values())
 
 
 async def test_a_failed_delivery_gives_the_claim_back_whole(ledger):

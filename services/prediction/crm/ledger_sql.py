@@ -64,7 +64,8 @@ _TAKEN = (
     f"kept AS (UPDATE {OUTBOX} AS o SET seqs = o.seqs[cut.k + 1:], n = o.n - cut.k FROM cut WHERE o.id = cut.id "
     "RETURNING o.id), "
     f"claimed AS (SELECT seq, {ledger.CLAIMED_COLUMNS} FROM {TABLE} WHERE seq = ANY(ARRAY("
-    "SELECT unnest(seqs) FROM taken UNION ALL SELECT unnest(w.seqs[1:cut.k]) FROM w JOIN cut ON w.id = cut.id)))"
+    "SELECT unnest(seqs) FROM taken UNION ALL SELECT unnest(w.seqs[1:cut.k]) FROM w JOIN cut ON w.id = cut.id)) "
+    "ORDER BY seq)"
 )
 # more: the locked rows held more than the claim took, or as many were locked as asked (more behind)
 # and the outbox rows locked and their decisions, which size the next claim's $2
@@ -99,10 +100,11 @@ INSERT_PACKED = (
 # A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
 # The outbox rows are deleted (or the previous release's rows marked delivered) by the same statement,
 # inside the claim's transaction: it commits only once the CRM has them, and a failed delivery rolls
-# the claim back with it.
+# the claim back with it. `claimed` comes sorted by seq and the aggregates take its rows as they come
+# (packed.packed_agg): one sort per claim, not one per column.
 _CLAIMED_TYPES = dict(zip(ledger.DECISION_COLUMNS, ARRAY_TYPES))
 _PACKED_COLUMNS = ", ".join(
-    packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c]), "seq") for c in ledger.CLAIMED_COLUMNS.split(", ")
+    packed.packed_agg(packed.as_text(c, _CLAIMED_TYPES[c])) for c in ledger.CLAIMED_COLUMNS.split(", ")
 )
 
 
