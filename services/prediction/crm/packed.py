@@ -107,7 +107,8 @@ def packed_agg(expression: str) -> str:
     to the same row whatever that order is; the query sorts its rows once, below the aggregates,
     for the order itself. An ``ORDER BY`` inside each aggregate would sort its input once per
     column: PostgreSQL 15 does, and a relay's claim of 14 columns spent 4.5 µs of PostgreSQL CPU
-    per decision against 2.5 with the one sort (measured, docs/performance.md)."""
+    per decision against 2.5–3.0 with the one sort (measured: docs/performance.md, "What a durable row
+    costs PostgreSQL")."""
     return f"E'\\x1f' || coalesce(string_agg({expression}, E'\\x1f'), '')"
 
 
