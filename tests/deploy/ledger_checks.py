@@ -44,6 +44,7 @@ SYNC_WAVE = "argocd.argoproj.io/sync-wave"
 # Volume kinds whose mounts Kubernetes always makes read-only.
 READ_ONLY_VOLUMES = ("configMap", "secret", "projected", "downwardAPI")
 POSTGRES_PORT = 5432
+ISTIOD_PORT = 15012  # istiod: a sidecar's xDS configuration and workload certificates
 # Labels the Deployment controller sets on its pods, usable in matchLabelKeys.
 DEPLOYMENT_POD_LABELS = ("pod-template-hash",)
 
@@ -280,6 +281,26 @@ def egress_ports(objects: list[Obj], owner: Obj) -> set[int]:
     return ports
 
 
+def egress_allowed(objects: list[Obj], owner: Obj, protocol: str, port: int) -> bool:
+    """Whether the NetworkPolicies among ``objects`` let ``owner``'s pods open ``protocol``/``port``
+    somewhere: none selecting the pod for Egress (no restriction), or one rule listing that port
+    (or no ports at all, which allows every port)."""
+    selecting = [
+        policy
+        for policy in dc.of_kind(objects, "NetworkPolicy")
+        if dc.selector_matches(policy["spec"]["podSelector"], dc.pod_labels(owner))
+        and "Egress" in policy["spec"].get("policyTypes", ())
+    ]
+    if not selecting:
+        return True
+    return any(
+        not rule.get("ports")
+        or any(p.get("protocol", "TCP") == protocol and p.get("port") == port for p in rule["ports"])
+        for policy in selecting
+        for rule in policy["spec"].get("egress", ())
+    )
+
+
 def phases(objects: list[Obj]) -> tuple[list[Obj], list[Obj]]:
     """What deploy/k8s/apply.sh applies first (-l component=migrate) and then (component!=migrate)."""
     first = [
@@ -321,6 +342,18 @@ def migrate_order_problems(objects: list[Obj]) -> list[str]:
     for obj in needed:
         if obj not in first:
             problems.append(f"{where} needs {dc.name_of(obj)}, which is applied after it")
+    # A first install has nothing else yet (no mesh-baseline): the first phase alone must let the
+    # Job's pod resolve names, fetch its sidecar's configuration and reach the databases.
+    annotations = job["spec"]["template"]["metadata"].get("annotations") or {}
+    injected = annotations.get("sidecar.istio.io/inject", "true") != "false"
+    reach = [("UDP", 53, "DNS"), ("TCP", 53, "DNS"), ("TCP", POSTGRES_PORT, "PostgreSQL")]
+    reach += [("TCP", ISTIOD_PORT, "istiod")] if injected else []
+    for protocol, port, what in reach:
+        if not egress_allowed(first, job, protocol, port):
+            problems.append(
+                f"{where}: on a first install its phase alone does not let it reach {what} "
+                f"({protocol} {port})"
+            )
     wave = int(job["metadata"].get("annotations", {}).get(SYNC_WAVE, "0"))
     for obj in first:
         annotations = obj["metadata"].get("annotations") or {}

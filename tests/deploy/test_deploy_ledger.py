@@ -332,3 +332,16 @@ def test_order_check_refuses_a_job_that_would_run_with_or_after_the_rollout(rend
             "(Jobs are immutable)"
         ),
     ]
+
+
+def test_order_check_refuses_a_first_phase_that_leaves_the_job_without_dns_or_istiod(rendered: dict) -> None:
+    # A first install applies the migration's objects alone, before mesh-baseline exists: the Job's
+    # own policy must open DNS and istiod as well as PostgreSQL, or the Job never connects.
+    objects, _, _ = variant(rendered)
+    policy = dc.by_name(objects, "NetworkPolicy", "prediction-migrate")
+    policy["spec"]["egress"] = [{"ports": [{"protocol": "TCP", "port": lc.POSTGRES_PORT}]}]
+    assert lc.migrate_order_problems(objects) == [
+        f"{JOB}: on a first install its phase alone does not let it reach DNS (UDP 53)",
+        f"{JOB}: on a first install its phase alone does not let it reach DNS (TCP 53)",
+        f"{JOB}: on a first install its phase alone does not let it reach istiod (TCP 15012)",
+    ]
