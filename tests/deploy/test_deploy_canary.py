@@ -29,8 +29,8 @@ PROD = dc.K8S_DIR / "overlays" / "prod"
 ARGO_CRD_DIR = dc.SHARED_DIR / "schemas" / "argo-rollouts"
 # What the analysis judges (the list): errors, latency, fallbacks, decision disagreement
 # and logit difference against the stable version (the shadow metrics), drift.
-ANALYSIS_METRICS = {"error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement", "logit-difference-p99",
-                    "score-drift"}
+ANALYSIS_METRICS = {"canary-scraped", "error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement",
+                    "logit-difference-p99", "score-drift"}
 
 
 @dataclass(frozen=True)

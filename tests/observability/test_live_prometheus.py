@@ -44,8 +44,9 @@ SLACK_S = 30.0  # on top of each alert's own `for` and window: a loaded 2-core C
 BASE_RATE = 40.0  # Predict calls a second
 PROBE_BURST = 1500  # near-identical applications (the field report: ~2,000 in 3 minutes), PROBE_RATE a second
 PROBE_RATE = 100.0
-ANALYSIS_METRICS = {"error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement", "logit-difference-p99",
-                    "score-drift"}
+UNSEEN_HASH = "8d6b5c7f9"  # a revision hash no scraped pod carries
+ANALYSIS_METRICS = {"canary-scraped", "error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement",
+                    "logit-difference-p99", "score-drift"}
 
 
 def _e(alert: str, **labels: str) -> Expect:
@@ -156,6 +157,10 @@ async def _run(s: Scenario, holdout, probes: list[dict], objects: list[dict]) ->
         s.analysis = {name: [ca.measure(m, s.prometheus) for m in ca.analysis_metrics(objects, {
             "canary-hash": HASHES[name], "stable-hash": HASHES["stable"], "namespace": NAMESPACE})]
             for name in ("good", "bad")}
+        # A hash no scraped pod carries: what the analysis sees of a canary where the cluster's
+        # Prometheus does not copy the pods' rollouts-pod-template-hash label.
+        s.analysis["unseen"] = [ca.measure(m, s.prometheus) for m in ca.analysis_metrics(objects, {
+            "canary-hash": UNSEEN_HASH, "stable-hash": HASHES["stable"], "namespace": NAMESPACE})]
         traffic.weights = {"stable-a": 1, "stable-b": 1}
         await asyncio.gather(*(asyncio.to_thread(fleet.predictions[n].terminate, 20) for n in ("good", "bad")))
 
@@ -355,6 +360,11 @@ def test_canary_analysis_fails_the_degraded_canary_and_passes_the_healthy_one(li
     assert set(good) == set(bad) == ANALYSIS_METRICS
     assert not any(m.failed for m in good.values()), good
     assert bad["decision-disagreement"].failed and bad["logit-difference-p99"].failed
+    # A canary the analysis cannot see is not promoted: every query finds nothing, which reads as
+    # "no breach", and canary-scraped alone fails it.
+    unseen = {m.metric: m for m in live.analysis["unseen"]}
+    assert [name for name, m in unseen.items() if m.failed] == ["canary-scraped"]
+    assert not any(m.result for m in unseen.values()), unseen
     # Every metric was measured on data, not passed for want of it (latency-p99 returns the canary's
     # p99 only where it exceeds 1.5 times the stable pods': both canaries had latency data).
     for name in ANALYSIS_METRICS - {"latency-p99"}:
