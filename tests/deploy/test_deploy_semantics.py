@@ -496,6 +496,21 @@ def test_streams_are_not_cut_by_the_mesh(objects: list) -> None:
     assert routes.index(stream) < len(routes) - 1 and not routes[-1].get("match")
 
 
+def test_outlier_detection_ejects_pods_that_stop_answering_never_for_a_status_they_answer(objects: list) -> None:
+    # Envoy counts a gRPC status as an HTTP code (UNAVAILABLE 503, DEADLINE_EXCEEDED 504, INTERNAL
+    # 500). Those the pods answer are not one pod's fault: a busy inference queue's expired
+    # deadlines, the shared ledger being away on every prediction pod. Ejecting on them shrinks a
+    # saturated pool until nothing is left; only connections that fail or time out at the sidecar
+    # (locally originated) may eject, and never more than half the pool.
+    for rule in dc.of_kind(objects, "DestinationRule"):
+        detection = rule["spec"]["trafficPolicy"]["outlierDetection"]
+        assert detection["splitExternalLocalOriginErrors"] is True, dc.name_of(rule)
+        assert 1 <= detection["consecutiveLocalOriginFailures"] <= 10, dc.name_of(rule)
+        # 0 disables; consecutive5xxErrors would count 5 when left out
+        assert detection["consecutiveGatewayErrors"] == detection["consecutive5xxErrors"] == 0, dc.name_of(rule)
+        assert detection["maxEjectionPercent"] <= 50, dc.name_of(rule)
+
+
 def test_retries_are_not_multiplied_across_layers(objects: list) -> None:
     # PredictionService retries UNAVAILABLE itself (inside its deadline budget); the mesh may add
     # at most one retry per attempt, so an outage costs inference at most 2 x its callers' load.
