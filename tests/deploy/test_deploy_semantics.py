@@ -476,13 +476,33 @@ def test_deadline_budget_is_aligned(objects: list) -> None:
         # The mesh timeout is a backstop: never shorter than the caller's deadline, so the
         # caller's DEADLINE_EXCEEDED (not a mesh 504 surfacing as UNAVAILABLE) decides.
         for route in dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]:
-            if route["name"] == "inference-stream":
-                continue  # a stream outlives any deadline: test_streams_are_not_cut_by_the_mesh
+            if route["name"] in ("inference-stream", "inference-validation"):
+                continue  # not PredictionService's calls: test_streams_*, test_bulk_validation_*
             assert dc.duration_ms(route["timeout"]) >= deadline_ms, route["name"]
             assert dc.duration_ms(route["timeout"]) < dc.PREDICTION_P95_MS
         for route in dc.by_name(objects, "VirtualService", "prediction")["spec"]["http"]:
             assert dc.duration_ms(route["timeout"]) >= dc.PREDICTION_P95_MS, route["name"]
             assert dc.duration_ms(route["timeout"]) >= deadline_ms + reserve_ms
+
+
+def test_bulk_validation_calls_are_not_cut_at_prediction_s_timeout(objects: list) -> None:
+    # The internal validation caller sends up to max_request_rows rows a ModelInfer: the 250 ms
+    # backstop meant for PredictionService's single rows would cut them (and count them against
+    # the inference error SLO). Its own route, matched by its namespace only, comes first.
+    routes = dc.by_name(objects, "VirtualService", "inference")["spec"]["http"]
+    (validation,) = [r for r in routes if r["name"] == "inference-validation"]
+    principals = [
+        principal
+        for rule in dc.by_name(objects, "AuthorizationPolicy", "inference-callers")["spec"]["rules"]
+        for source in rule.get("from", ())
+        for principal in source["source"].get("principals", ())
+    ]
+    validation_namespaces = {p.split("/ns/")[1].split("/")[0] for p in principals if p.endswith("/sa/model-validation")}
+    assert validation["match"] == [{"sourceNamespace": ns} for ns in sorted(validation_namespaces)]
+    assert "mlpair" not in validation_namespaces  # never PredictionService's calls
+    assert dc.duration_ms(validation["timeout"]) >= 10_000
+    assert validation["retries"]["retryOn"] == routes[-1]["retries"]["retryOn"]
+    assert routes.index(validation) < len(routes) - 1 and not routes[-1].get("match")
 
 
 def test_streams_are_not_cut_by_the_mesh(objects: list) -> None:
