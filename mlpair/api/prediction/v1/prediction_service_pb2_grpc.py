@@ -62,7 +62,9 @@ class PredictionServiceServicer:
 
     def BatchPredict(self, request, context):
         """Decides many items in one call. Results come in request order; each item succeeds or
-        fails on its own (a request id on record for another payload fails that item alone). The rows are packed into inference calls no larger than the inference
+        fails on its own (a request id on record for another payload fails that item alone; a request
+        id that appears again later in the same batch fails that later item INVALID_ARGUMENT, the first
+        being decided). The rows are packed into inference calls no larger than the inference
         service's max batch size. The whole call fails only when it carries too many items.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
