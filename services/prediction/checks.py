@@ -1,7 +1,7 @@
 """What PredictionService checks of a request before deciding it, and what it tells the caller.
 
-Ids (present, at most 128 characters, no control characters), attributes the feature schema
-does not know (named in the response's warnings, or refused when the service is strict), and
+Ids (present, at most 128 characters, no control or invisible formatting characters), attributes
+the feature schema does not know (named in the response's warnings, or refused when the service is strict), and
 the refusal of a request id already on record for another payload. Whatever of a client's
 input is repeated in a message is cut to ``MAX_ECHO`` characters.
 """
@@ -18,8 +18,17 @@ from mlpair.prediction.families import ModelFamily
 
 MAX_ID_LENGTH = 128
 MAX_ECHO = 64  # most characters of a client's value repeated in an error
-# C0 and C1 control characters: never part of an id, and PostgreSQL cannot store NUL in text
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Never part of an id: C0 and C1 control characters (PostgreSQL cannot store NUL in text), and the
+# invisible characters that change how text around them is shown — line and paragraph separators
+# (U+2028, U+2029: a new line in a log viewer), bidirectional controls (U+061C, U+200E, U+200F,
+# U+202A–U+202E, U+2066–U+2069: "txt.exe" shown as "exe.txt"), zero-width and other format
+# characters (U+180E, U+200B–U+200D, U+2060–U+2064, U+FEFF, U+FFF9–U+FFFB, tags U+E0000–U+E007F),
+# with which one id could pass for another in a log line or a CRM screen (Unicode Technical
+# Report #36, "Unicode Security Considerations", sections 2.4 and 3.5).
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f"
+    "\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +92,7 @@ def check_id(field: str, value: str) -> None:
     if len(value) > MAX_ID_LENGTH:
         raise InvalidRequest(f"{field} is longer than {MAX_ID_LENGTH} characters", metadata={"field": field})
     if _CONTROL.search(value):
-        raise InvalidRequest(f"{field} contains control characters", metadata={"field": field})
+        raise InvalidRequest(f"{field} contains control or invisible formatting characters", metadata={"field": field})
 
 
 def ids_pass(values: list[str]) -> bool:
