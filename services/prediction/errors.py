@@ -51,6 +51,20 @@ class InferenceTimeout(InferenceUnavailable):
     reason = "INFERENCE_TIMEOUT"
 
 
+class DeadlineTooShort(PredictionError):
+    """The caller's deadline leaves less than ``inference_min_attempt_ms`` for the Infer call once
+    the recording reserve (``crm_reserve_ms``) is kept back, and no Infer call has said the service
+    is down (the circuit is not open): no call is made, and nothing is decided or recorded.
+
+    Not :class:`InferenceUnavailable`, so no fallback: a fallback decision would say inference was
+    unavailable, which nothing showed, and would stay the request id's decision for good. The
+    caller retries with a longer deadline and the same request id.
+    """
+
+    code = "DEADLINE_EXCEEDED"
+    reason = "DEADLINE_TOO_SHORT"
+
+
 class CircuitOpen(InferenceUnavailable):
     """The circuit breaker is open after repeated inference failures; no call was made."""
 

@@ -19,7 +19,7 @@ from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.scoring.coalescer import InferenceCoalescer
 from mlpair.client import to_attributes
-from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.errors import DeadlineTooShort, InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.e2e.test_end_to_end import expected_probabilities
@@ -119,7 +119,7 @@ async def test_a_merged_call_gets_the_latest_deadline_and_spent_budgets_are_left
         far = call(merged, credit_entry, rows[3:4], deadline=now + 8.0)
         spent = call(merged, credit_entry, rows[4:8], deadline=now + 0.01)  # less than the CRM reserve
         await asyncio.gather(first, near, far)
-        with pytest.raises(InferenceTimeout):
+        with pytest.raises(DeadlineTooShort):  # the caller's deadline, not inference's fault: no fallback
             await spent
     assert forwarder.rows == [1, 3]  # the spent request's 4 rows never crossed the hop
     assert 3.0 < forwarder.deadlines[1] < 8.0  # the later deadline, less the time spent queued

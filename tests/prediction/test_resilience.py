@@ -10,7 +10,13 @@ import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from mlpair.prediction.errors import CircuitOpen, InferenceContractError, InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.errors import (
+    CircuitOpen,
+    DeadlineTooShort,
+    InferenceContractError,
+    InferenceTimeout,
+    InferenceUnavailable,
+)
 from mlpair.prediction.pipeline import PredictInput
 from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
@@ -104,9 +110,19 @@ async def test_no_attempt_or_retry_without_budget():
         calls.append(timeout)
         raise unavailable()
 
-    with pytest.raises(InferenceTimeout):
+    # The caller's own deadline, with nothing known against inference: refused, not a fallback.
+    with pytest.raises(DeadlineTooShort):
         await caller().call(down, time.monotonic() + 0.005, model="m")  # under the 10 ms reserve
     assert calls == []
+    # While the circuit is open inference is known to be down: the caller falls back, as any caller.
+    opened = caller(threshold=1)
+    with pytest.raises(InferenceUnavailable):
+        await opened.call(down, time.monotonic() + 5.0, model="m")
+    assert opened.breaker.state is CircuitState.OPEN and len(calls) == 1
+    with pytest.raises(CircuitOpen):
+        await opened.call(down, time.monotonic() + 0.005, model="m")
+    assert len(calls) == 1
+    calls.clear()
 
     class OneSecondBackoff(RetryPolicy):
         def backoff_s(self, attempt: int) -> float:
@@ -178,14 +194,35 @@ async def test_c22_no_inference_call_when_the_budget_is_already_spent(
         await migrate_for(settings)
         await predictor.recorder.start()
         try:
+            with pytest.raises(DeadlineTooShort):
+                await predictor.predict(PredictInput("c22-spent", "e", credit_holdout.records[0],
+                                                     deadline=time.monotonic() + 0.01))
+            assert await predictor.recorder.ledger.find("c22-spent") is None
+            # the same request id with time enough: the model decides it
             result = await predictor.predict(PredictInput("c22-spent", "e", credit_holdout.records[0],
-                                                          deadline=time.monotonic() + 0.01))
+                                                          deadline=time.monotonic() + 5.0))
         finally:
             await predictor.scorer.close()
             await predictor.inference.close()
             await predictor.recorder.close()
-    assert forwarder.calls == 0
-    assert result.stored.served_from == "fallback" and result.stored.degraded_reason == "INFERENCE_TIMEOUT"
+    assert forwarder.calls == 1
+    assert result.stored.served_from == "inference" and result.stored.probability is not None
+
+
+async def test_c22_a_deadline_too_short_to_score_is_refused_and_records_nothing(
+        inference_server, model_repository, credit_holdout, tmp_path):
+    # A healthy InferenceService and a caller whose deadline leaves no time to call it: a
+    # fallback decision would blame inference and stay the request id's decision for good.
+    async with inference_forwarder(inference_server) as (target, forwarder):
+        settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=500)
+        async with prediction_service(settings) as (stub, predictor, _, _):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Predict(predict("c22-tight", credit_holdout.records[0]), timeout=0.4)
+            assert refused.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "DEADLINE_TOO_SHORT" in str(refused.value.trailing_metadata())
+            assert await predictor.recorder.ledger.find("c22-tight") is None
+            reply = await stub.Predict(predict("c22-tight", credit_holdout.records[0]), timeout=5.0)
+    assert forwarder.calls == 1 and not reply.fallback and not reply.replayed and reply.probability > 0
 
 
 async def test_c22_a_caller_that_gives_up_cancels_the_inference_call_and_nothing_is_recorded(

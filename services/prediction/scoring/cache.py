@@ -46,7 +46,7 @@ import numpy as np
 
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction import metrics
-from mlpair.prediction.errors import InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.errors import DeadlineTooShort, InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.scoring.backends import (
     CachedLogits,
     LogitsCache,
@@ -268,14 +268,16 @@ class CachedInference:
         call that timed out on that request's shorter budget while this one still has budget left."""
         try:
             answer = await self._wait(flight, deadline, leader=led)
-        except InferenceUnavailable as exc:
+        except (InferenceUnavailable, DeadlineTooShort) as exc:
             budget = self.caller.budget
             if (
-                isinstance(exc, InferenceTimeout)
+                isinstance(exc, (InferenceTimeout, DeadlineTooShort))  # the leader's budget, not ours
                 and not led
                 and budget.call_timeout_s(deadline, time.monotonic()) >= budget.min_attempt_s
             ):
                 return False
+            if isinstance(exc, DeadlineTooShort):
+                raise
             for key in flight_keys:
                 results[key] = self._degraded(model_name, cached[key], exc.reason)
         else:
@@ -323,9 +325,9 @@ class CachedInference:
         try:
             if leader or deadline is None:
                 return await asyncio.shield(flight.outcome)
-            timeout = self.caller.budget.call_timeout_s(deadline, time.monotonic())
-            if timeout <= 0:
-                raise InferenceTimeout("no deadline budget left to wait for inference")
+            timeout = self.caller.budget.call_timeout_s(deadline, now := time.monotonic())
+            if timeout <= 0:  # too short to wait: the caller's deadline (or the open circuit's fallback)
+                raise self.caller.no_budget_error(deadline, now) or InferenceTimeout("no budget left to wait")
             try:
                 async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancellation (gh-86296)
                     return await asyncio.shield(flight.outcome)

@@ -28,7 +28,8 @@ A merged call runs through the :class:`~mlpair.prediction.scoring.resilience.Res
 the circuit breaker counts it as one call, retries repeat it whole, and its deadline is the
 *latest* of its callers' deadlines (the call is of use while any of them waits). Each caller
 waits only for its own budget: one whose budget runs out gets :class:`InferenceTimeout` alone
-and leaves, and one whose budget is already spent when the batch is sent is not included. So a
+and leaves, and one whose budget is too short for an attempt when it arrives or when the batch is
+sent is not included (:meth:`ResilientCaller.no_budget_error`: :class:`DeadlineTooShort`). So a
 caller with a short or expired deadline can neither shorten the others' call nor make it a
 timeout that counts against the breaker. A caller that goes away is dropped from a batch not
 yet sent; a sent call is cancelled only when every caller in it has gone.
@@ -128,9 +129,13 @@ class InferenceCoalescer:
             Logits ``[n, n_classes] float32`` (rows in order) and the model version that served them.
 
         Raises:
+            DeadlineTooShort: this caller's budget is too short for an attempt (its rows are not sent).
             InferenceTimeout, CircuitOpen, InferenceUnavailable, InferenceContractError,
             InferenceFailed: as :meth:`ResilientCaller.call` for the merged call.
         """
+        refused = self.caller.no_budget_error(deadline, time.monotonic())
+        if refused is not None:
+            raise refused
         key = target
         lane = self._lanes.get(key)
         if lane is None:
@@ -174,13 +179,13 @@ class InferenceCoalescer:
             lane.flush = None
         parts, lane.parts, lane.rows = lane.parts, [], 0
         now = time.monotonic()
-        budget = self.caller.budget
         live = []
         for part in parts:
             if part.future.done():  # its caller went away while it was queued
                 continue
-            if budget.call_timeout_s(part.deadline, now) < budget.min_attempt_s:
-                part.future.set_exception(InferenceTimeout("no deadline budget left for an inference call"))
+            refused = self.caller.no_budget_error(part.deadline, now)
+            if refused is not None:  # spent while queued: as if it had arrived so
+                part.future.set_exception(refused)
                 continue
             live.append(part)
         if not live:

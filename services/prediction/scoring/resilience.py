@@ -2,8 +2,11 @@
 
 * **Deadline budget.** A Predict call has the caller's deadline; the Infer call gets what
   remains of it minus a reserve for recording the decision (``crm_reserve_ms``), capped at
-  ``inference_timeout_ms``. With less than ``inference_min_attempt_ms`` left no call is made:
-  the request fails fast with :class:`InferenceTimeout` and the caller falls back.
+  ``inference_timeout_ms``. With less than ``inference_min_attempt_ms`` left before any attempt
+  no call is made and the request fails fast with :class:`DeadlineTooShort` (DEADLINE_EXCEEDED,
+  nothing decided or recorded: the deadline is the caller's, not a sign that inference is down),
+  or with :class:`CircuitOpen` while the circuit is open (then the caller falls back). An attempt
+  that runs out of its budget is :class:`InferenceTimeout`, and the caller falls back.
 * **Retries** only for retryable codes (UNAVAILABLE: the call reached no model), with full
   jitter — ``uniform(0, min(cap, base·2^attempt))``, AWS Architecture Blog, "Exponential
   Backoff and Jitter" (2015) — and only when the wait plus a minimal attempt still fit the
@@ -32,7 +35,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from mlpair.prediction import metrics
-from mlpair.prediction.errors import CircuitOpen, InferenceOverloaded, InferenceTimeout, InferenceUnavailable
+from mlpair.prediction.errors import (
+    CircuitOpen,
+    DeadlineTooShort,
+    InferenceOverloaded,
+    InferenceTimeout,
+    InferenceUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +162,7 @@ class DeadlineBudget:
 
     reserve_s: float = 0.02
     max_call_s: float = 1.0
-    min_attempt_s: float = 0.002
+    min_attempt_s: float = 0.005
 
     def call_timeout_s(self, deadline: float | None, now: float) -> float:
         """Seconds the next Infer attempt may take; ≤ 0 means the budget is spent.
@@ -175,6 +184,23 @@ class ResilientCaller:
         self.budget = budget
         self.retry = retry
 
+    def no_budget_error(self, deadline: float | None, now: float) -> DeadlineTooShort | CircuitOpen | None:
+        """Why no Infer attempt may start for a caller with ``deadline`` (``time.monotonic()``
+        seconds) at ``now``, or None when one may: its budget is under ``min_attempt_s`` —
+        :class:`CircuitOpen` while the circuit is open (inference is known to be down: the caller
+        falls back), else :class:`DeadlineTooShort` (the caller's deadline: nothing is decided)."""
+        left = self.budget.call_timeout_s(deadline, now)
+        if left >= self.budget.min_attempt_s:
+            return None
+        if self.breaker.state is CircuitState.OPEN:
+            return CircuitOpen("the inference circuit is open after repeated failures")
+        return DeadlineTooShort(
+            f"the call's deadline leaves {max(0.0, left) * 1000:.0f} ms for inference once "
+            f"{self.budget.reserve_s * 1000:.0f} ms are kept to record the decision, under the "
+            f"{self.budget.min_attempt_s * 1000:.0f} ms an attempt needs; nothing was decided: retry with a "
+            "longer deadline and the same request id"
+        )
+
     async def call(self, attempt: Callable[[float], Awaitable[T]], deadline: float | None, *, model: str) -> T:
         """``await attempt(timeout_s)`` until it succeeds, within ``deadline``.
 
@@ -184,7 +210,8 @@ class ResilientCaller:
             model: model family (metric label).
 
         Raises:
-            InferenceTimeout: the budget was spent before or during an attempt.
+            DeadlineTooShort: the caller's budget was too short for a first attempt (none was made).
+            InferenceTimeout: the budget ran out during an attempt, or before a retry.
             CircuitOpen: the breaker refused the call.
             InferenceUnavailable: the last attempt found the service down.
             InferenceOverloaded: the service shed the call (not retried: a retry adds load; not a breaker failure).
@@ -193,9 +220,11 @@ class ResilientCaller:
         number = 0
         while True:
             number += 1
-            timeout = self.budget.call_timeout_s(deadline, time.monotonic())
+            now = time.monotonic()
+            timeout = self.budget.call_timeout_s(deadline, now)
             if timeout < self.budget.min_attempt_s:
-                raise InferenceTimeout("no deadline budget left for an inference call")
+                error = self.no_budget_error(deadline, now) if number == 1 else None
+                raise error or InferenceTimeout("no deadline budget left for another inference attempt")
             self.breaker.acquire()
             try:
                 result = await attempt(timeout)
