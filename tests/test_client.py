@@ -5,12 +5,16 @@ tests/e2e/conftest.py). The blocking client runs in a thread: the servers share 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import socket
 import uuid
+from decimal import Decimal
+from fractions import Fraction
 
 import grpc
 import numpy as np
 import onnxruntime as ort
+import pandas as pd
 import pytest
 
 import mlpair.rpc
@@ -72,6 +76,63 @@ def test_to_attributes_maps_python_values_to_wire_values():
         "n": ("number_value", 3.0), "x": ("number_value", 2.5), "np": ("number_value", 7.0),
         "flag": ("bool_value", True), "home": ("string_value", "rent"), "none": (None, None),
         "nan": (None, None), "np_nan": (None, None), "given": ("string_value", "as given")}
+
+
+def wire(value: pb.AttributeValue) -> tuple[str | None, object]:
+    kind = value.WhichOneof("kind")
+    return kind, getattr(value, kind) if kind else None
+
+
+def test_to_attributes_sends_numpy_booleans_as_booleans_and_decimals_and_fractions_as_numbers():
+    out = to_attributes({"np_false": np.bool_(False), "np_true": np.bool_(True), "decimal": Decimal("12.5"),
+                         "decimal_inf": Decimal("-Infinity"), "fraction": Fraction(3, 4), "np_float": np.float16(2)})
+    assert {k: wire(v) for k, v in out.items()} == {
+        "np_false": ("bool_value", False), "np_true": ("bool_value", True), "decimal": ("number_value", 12.5),
+        "decimal_inf": ("number_value", float("-inf")), "fraction": ("number_value", 0.75),
+        "np_float": ("number_value", 2.0)}
+
+
+def test_to_attributes_sends_every_missing_marker_as_missing():
+    markers = {"pd_na": pd.NA, "pd_nat": pd.NaT, "np_nat": np.datetime64("NaT"), "np_td_nat": np.timedelta64("NaT"),
+               "decimal_nan": Decimal("NaN"), "decimal_snan": Decimal("sNaN"), "none": None, "nan": float("nan")}
+    assert {k: wire(v) for k, v in to_attributes(markers).items()} == {k: (None, None) for k in markers}
+
+
+UNSENDABLE = {
+    "a list": (["rent"], "list"), "a list of numbers": ([1, 2], "list"), "a tuple": (("rent",), "tuple"),
+    "a set": ({"rent"}, "set"), "a dict": ({"a": 1}, "dict"), "bytes": (b"rent", "bytes"),
+    "a complex number": (1 + 2j, "complex"), "a datetime": (datetime.datetime(2024, 1, 1), "datetime.datetime"),
+    "a date": (datetime.date(2024, 1, 1), "datetime.date"),
+    "a numpy datetime": (np.datetime64("2024-01-01"), "numpy.datetime64"),
+    "a numpy duration": (np.timedelta64(3, "D"), "numpy.timedelta64"),
+    "a pandas timestamp": (pd.Timestamp("2024-01-01"), "Timestamp"),
+    "a numpy array": (np.array([1.0]), "numpy.ndarray"), "an object": (object(), "object"),
+}
+
+
+@pytest.mark.parametrize("value, kind", UNSENDABLE.values(), ids=UNSENDABLE.keys())
+def test_to_attributes_refuses_any_other_value_naming_the_attribute_and_its_type(value, kind):
+    with pytest.raises(TypeError) as excinfo:
+        to_attributes({"Age": 30, "Home": value})
+    assert "'Home'" in str(excinfo.value) and kind in str(excinfo.value) and "Age" not in str(excinfo.value)
+
+
+async def test_both_clients_refuse_an_unsendable_attribute_before_calling_the_service():
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: a call that went out would fail UNAVAILABLE
+
+    def blocking():
+        with PredictionClient(nowhere, timeout_s=2) as client:
+            with pytest.raises(TypeError, match="'Home'"):
+                client.predict("credit-risk", "e", {"Home": ["rent"]})
+            with pytest.raises(TypeError, match="'Age'"):
+                client.batch_predict([BatchItem("credit-risk", "e", {"Age": [1, 2]})])
+
+    await asyncio.to_thread(blocking)
+    async with AsyncPredictionClient(nowhere, timeout_s=2) as client:
+        with pytest.raises(TypeError, match="'Home'"):
+            await client.explain("credit-risk", "e", {"Home": np.array(["rent"])})
+        with pytest.raises(TypeError, match="'Age'"):
+            await client.batch_predict([BatchItem("credit-risk", "e", {"Age": b"30"})])
 
 
 @pytest.mark.parametrize("family", ["credit-risk", "churn"])

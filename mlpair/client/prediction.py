@@ -5,42 +5,79 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from types import TracebackType
 from typing import Self
 
 import grpc
+import numpy as np
 from google.rpc import error_details_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
 
-# What an attribute may be given as: None (or NaN) is missing, a bool a flag, a real number (NumPy's
-# too) a number, anything else its str() (a category, or text the schema converts); an AttributeValue as is.
-Attribute = float | int | bool | str | None | pb.AttributeValue
+# What an attribute may be given as (the rules are in :func:`to_attributes`): a str, a bool, a real number
+# (NumPy's scalars and Decimal too), None or another missing marker, or an AttributeValue as is.
+Attribute = float | int | bool | str | Decimal | None | pb.AttributeValue
 
 
 def to_attributes(mapping: Mapping[str, Attribute]) -> dict[str, pb.AttributeValue]:
-    """Python values → the ``PredictRequest.attributes`` map: None and NaN → null (missing), a bool →
-    ``bool_value``, any other real number (int, float, NumPy scalars) → ``number_value``, an
-    ``AttributeValue`` as given, anything else → ``string_value`` of its ``str()``."""
-    out = {}
-    for name, value in mapping.items():
-        if isinstance(value, pb.AttributeValue):
-            out[name] = value
-        elif value is None:
-            out[name] = pb.AttributeValue()
-        elif isinstance(value, bool):
-            out[name] = pb.AttributeValue(bool_value=value)
-        elif isinstance(value, numbers.Real):
-            number = float(value)
-            out[name] = pb.AttributeValue() if math.isnan(number) else pb.AttributeValue(number_value=number)
-        else:
-            out[name] = pb.AttributeValue(string_value=str(value))
-    return out
+    """Python values by attribute name → the ``PredictRequest.attributes`` map. Nothing is guessed: a
+    value reaches the feature schema as what it is, or the call fails here.
+
+    - ``str`` (NumPy's too) → ``string_value``, as given (the schema converts it: a category, ``"42"``;
+      an empty one is missing there).
+    - ``bool`` and ``numpy.bool_`` → ``bool_value``.
+    - Any other real number (``int``, ``float``, NumPy integer and floating scalars, ``Fraction``) and
+      ``decimal.Decimal`` → ``number_value``, a float64 (rounded to the nearest, as every number on the
+      wire is); NaN, a Decimal's too, is missing; an infinity is sent as one (the schema clamps it).
+    - Missing → an empty ``AttributeValue`` (null): ``None``, NaN, ``pandas.NA``, ``pandas.NaT`` and
+      NumPy's NaT (``datetime64``/``timedelta64``). pandas is never imported here: its markers exist
+      only once the caller has imported it.
+    - An ``AttributeValue`` → as given.
+
+    Raises:
+        TypeError: a value of any other type — a list, dict, bytes, datetime, ``numpy.timedelta64``,
+            complex number… — naming the attribute and the type; before any request is built or sent.
+    """
+    return {name: _attribute(name, value) for name, value in mapping.items()}
+
+
+def _attribute(name: str, value: object) -> pb.AttributeValue:
+    """One value of :func:`to_attributes`."""
+    if isinstance(value, pb.AttributeValue):
+        return value
+    if value is None or _is_missing_marker(value):
+        return pb.AttributeValue()
+    if isinstance(value, str):
+        return pb.AttributeValue(string_value=value)
+    if isinstance(value, (bool, np.bool_)):
+        return pb.AttributeValue(bool_value=bool(value))
+    # numpy.timedelta64 registers as an integer (its count of units): a duration, not a plain number.
+    if isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, np.timedelta64):
+        if isinstance(value, Decimal) and value.is_nan():  # float() refuses a signalling NaN
+            return pb.AttributeValue()
+        number = float(value)
+        return pb.AttributeValue() if math.isnan(number) else pb.AttributeValue(number_value=number)
+    kind = type(value)
+    module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    raise TypeError(
+        f"attribute {name!r}: a {module}{kind.__qualname__} cannot be sent; give a str, a bool, a real number "
+        "or None (missing)"
+    )
+
+
+def _is_missing_marker(value: object) -> bool:
+    """pandas' NA and NaT, and NumPy's NaT (``datetime64`` or ``timedelta64``)."""
+    if isinstance(value, (np.datetime64, np.timedelta64)):
+        return bool(np.isnat(value))
+    pandas = sys.modules.get("pandas")
+    return pandas is not None and (value is pandas.NA or value is pandas.NaT)
 
 
 def predict_request(
@@ -50,7 +87,11 @@ def predict_request(
     request_id: str | None = None,
     explain: bool = False,
 ) -> pb.PredictRequest:
-    """One ``PredictRequest``; a new request id (UUID4) when ``request_id`` is None or empty."""
+    """One ``PredictRequest``; a new request id (UUID4) when ``request_id`` is None or empty.
+
+    Raises:
+        TypeError: an attribute of a type that cannot be sent (:func:`to_attributes`).
+    """
     return pb.PredictRequest(
         request_id=request_id or str(uuid.uuid4()),
         entity_id=entity_id,
@@ -168,6 +209,7 @@ class PredictionClient(_Client):
 
         Raises:
             grpc.RpcError: refused; the codes are listed on the class.
+            TypeError: an attribute of a type that cannot be sent (:func:`to_attributes`); nothing was sent.
         """
         request = predict_request(family, entity_id, attributes, request_id, explain)
         return self._stub.Predict(request, timeout=self._deadline(timeout_s))
@@ -197,6 +239,8 @@ class PredictionClient(_Client):
             grpc.RpcError: the whole call was refused: INVALID_ARGUMENT (more items than the service
                 takes at once, ``PREDICTION_MAX_BATCH_ITEMS``), UNAVAILABLE, RESOURCE_EXHAUSTED,
                 DEADLINE_EXCEEDED.
+            TypeError: an item's attribute of a type that cannot be sent (:func:`to_attributes`); nothing
+                was sent.
         """
         reply = self._stub.BatchPredict(_batch_request(items), timeout=self._deadline(timeout_s))
         return _outcomes(reply)
