@@ -17,11 +17,9 @@ def drift_report(args: argparse.Namespace) -> int:
         0 no drift, 2 drift, :data:`DRIFT_NO_VERDICT` when some model has too few decisions for a
         verdict (or none reported), 1 when the metrics endpoint cannot be read.
     """
-    import json
     import urllib.request
-    from dataclasses import asdict
 
-    from mlpair.prediction.drift_report import render, reports_from_metrics
+    from mlpair.prediction.drift_report import render, reports_from_metrics, to_json
 
     try:
         with urllib.request.urlopen(args.metrics_url, timeout=args.timeout_s) as reply:
@@ -31,7 +29,7 @@ def drift_report(args: argparse.Namespace) -> int:
         return 1
     reports = reports_from_metrics(text)
     if args.json:
-        print(json.dumps([{**asdict(r), "judged": r.judged, "drifted": r.drifted} for r in reports], indent=2))
+        print(to_json(reports))
     else:
         print(render(reports))
     if any(r.drifted for r in reports):

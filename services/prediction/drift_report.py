@@ -1,5 +1,6 @@
 """Drift reports: the verdicts of one model family's window (:class:`DriftReport`), rebuilt from a
-PredictionService's Prometheus exposition (what ``mlpair drift-report`` reads) and rendered as text.
+PredictionService's Prometheus exposition (what ``mlpair drift-report`` reads) and rendered as text
+or strict JSON.
 
 The monitor that computes them is :mod:`mlpair.prediction.drift`; the statistics are in
 :mod:`mlpair.prediction.drift_statistics`. This module imports neither (nor SciPy), so the command
@@ -8,6 +9,8 @@ line reads a report without loading the serving side.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +35,10 @@ class DriftReport:
     """All tests of one model family's window, evaluated together."""
 
     model_name: str
-    model_version: str
+    model_version: str  # empty when unknown: the gauges reports_from_metrics reads carry no version
     window_rows: int
     min_rows: int
-    alpha: float
+    alpha: float  # family-wise significance level
     corrected_alpha: float  # alpha / number of tests (Bonferroni)
     features: tuple[TestResult, ...]
     score: TestResult | None
@@ -56,14 +59,41 @@ class DriftReport:
         return bool(self.drifted_features) or bool(self.score and self.score.drifted)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, plus the ``drifted`` verdict and ``drifted_features`` (JSON-ready)."""
-        return {**asdict(self), "drifted": self.drifted, "drifted_features": self.drifted_features}
+        """Every field, plus the ``judged`` and ``drifted`` verdicts and ``drifted_features``, ready for
+        strict JSON: a non-finite number (a value the metrics lacked) is None, and ``model_version``
+        is left out when unknown (empty)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "model_version" or v}
+        verdicts = {"judged": self.judged, "drifted": self.drifted, "drifted_features": self.drifted_features}
+        return _finite_or_none({**fields, **verdicts})
+
+
+def to_json(reports: list[DriftReport]) -> str:
+    """The reports as strict JSON (RFC 8259, which has no NaN or Infinity: ``JSON.parse`` and strict
+    parsers refuse them), a list of :meth:`DriftReport.to_dict`; what ``mlpair drift-report --json``
+    prints."""
+    return json.dumps([r.to_dict() for r in reports], indent=2, allow_nan=False)
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN or infinite float, however deeply nested, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def reports_from_metrics(text: str) -> list[DriftReport]:
     """Rebuilds drift reports from a PredictionService's Prometheus exposition text (what
-    ``mlpair drift-report`` reads from its metrics port). ``alpha`` is not exported and reads
-    as NaN."""
+    ``mlpair drift-report`` reads from its metrics port).
+
+    A value whose gauge is absent reads as NaN. ``alpha`` is not exported: it is derived as
+    ``prediction_drift_corrected_alpha`` × the number of tests reported (the Bonferroni divisor the
+    monitor used: every feature test, plus the score's), rounded to 12 significant digits to undo
+    the division's float rounding. ``model_version`` is empty: no drift gauge carries a version.
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, list[Sample]] = {}
@@ -103,14 +133,16 @@ def reports_from_metrics(text: str) -> list[DriftReport]:
                 one("prediction_score_drift_detected") == 1.0,
             )
         min_rows = one("prediction_drift_min_rows")
+        corrected = one("prediction_drift_corrected_alpha")
+        alpha = float(f"{corrected * max(1, len(tests) + (score is not None)):.12g}")
         reports.append(
             DriftReport(
                 model,
                 "",
                 int(one("prediction_drift_window_rows")),
                 int(min_rows) if min_rows == min_rows else 0,
-                float("nan"),
-                one("prediction_drift_corrected_alpha"),
+                alpha,
+                corrected,
                 tuple(tests),
                 score,
             )

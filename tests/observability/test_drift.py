@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -222,3 +223,46 @@ def test_drift_report_exits_3_while_no_verdict_exists(capsys):
     finally:
         server.shutdown()
         thread.join(timeout=5)
+
+
+def test_drift_report_json_is_strict_json_with_the_derived_alpha_and_null_for_what_the_metrics_lack(capsys):
+    """``--json`` parses under a strict parser (no NaN, as JavaScript's JSON.parse): alpha is the
+    exported Bonferroni level times the tests, a gauge the exposition lacks is null, and no version
+    is made up (the drift gauges carry none)."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    registry = CollectorRegistry()
+
+    def gauge(name: str, *labels: str) -> Gauge:
+        return Gauge(name, "", ["model", *labels], registry=registry)
+
+    gauge("prediction_drift_window_rows").labels("json-model").set(500)
+    gauge("prediction_drift_min_rows").labels("json-model").set(200)
+    gauge("prediction_drift_corrected_alpha").labels("json-model").set(0.01 / 3)  # 2 features + the score
+    gauge("prediction_drift_threshold", "test").labels("json-model", "ks").set(0.15)  # no chi2 threshold
+    statistic = gauge("prediction_drift_statistic", "feature", "test")
+    statistic.labels("json-model", "Income", "ks").set(0.4)
+    statistic.labels("json-model", "Home", "chi2").set(0.01)
+    gauge("prediction_drift_p_value", "feature", "test").labels("json-model", "Income", "ks").set(1e-9)  # not Home's
+    gauge("prediction_drift_detected", "feature").labels("json-model", "Income").set(1)
+    gauge("prediction_score_drift_statistic").labels("json-model").set(0.05)
+    gauge("prediction_score_drift_p_value").labels("json-model").set(0.5)
+    gauge("prediction_score_drift_detected").labels("json-model").set(0)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        assert cli_main(["drift-report", "--metrics-url", url, "--json"]) == 2
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    (report,) = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert report["alpha"] == 0.01 and report["corrected_alpha"] == pytest.approx(0.01 / 3)
+    assert "model_version" not in report
+    assert (report["judged"], report["drifted"], report["drifted_features"]) == (True, True, ["Income"])
+    home = next(t for t in report["features"] if t["feature"] == "Home")
+    assert (home["statistic"], home["p_value"], home["threshold"], home["drifted"]) == (0.01, None, None, False)
+    assert (report["score"]["p_value"], report["score"]["threshold"]) == (0.5, 0.15)
