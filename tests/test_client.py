@@ -252,6 +252,29 @@ async def test_infer_logits_refuses_another_feature_version(inference_server, cr
     assert excinfo.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+async def test_infer_logits_of_zero_rows_are_the_servers_empty_logits_of_the_latest_version(inference_server,
+                                                                                           credit_entry, holdout_x):
+    manifest = credit_entry.manifest
+    logits, version = await asyncio.to_thread(
+        infer_logits, inference_server, "credit-risk", "", manifest.versions.feature_schema_version, holdout_x[:0])
+    assert logits.shape == (0, 2) and logits.dtype == np.float32 and version == manifest.model_version
+
+
+@pytest.mark.parametrize("model, feature_version, extra_columns, code", [
+    ("fraud", None, 0, grpc.StatusCode.NOT_FOUND),
+    ("credit-risk", "credit-risk/v999", 0, grpc.StatusCode.FAILED_PRECONDITION),
+    ("credit-risk", None, 1, grpc.StatusCode.INVALID_ARGUMENT),
+], ids=["an unknown model", "another feature version", "a column too many"])
+async def test_infer_logits_of_zero_rows_are_refused_as_any_other_rows_would_be(
+        inference_server, credit_entry, holdout_x, model, feature_version, extra_columns, code):
+    manifest = credit_entry.manifest
+    empty = np.zeros((0, holdout_x.shape[1] + extra_columns), dtype=np.float32)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        await asyncio.to_thread(infer_logits, inference_server, model, manifest.model_version,
+                                feature_version or manifest.versions.feature_schema_version, empty)
+    assert excinfo.value.code() == code
+
+
 async def test_health_of_both_services_and_of_nothing(inference_server, prediction_target):
     assert await asyncio.to_thread(check_health, inference_server) == "SERVING"
     assert await asyncio.to_thread(check_health, prediction_target) == "SERVING"

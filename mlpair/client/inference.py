@@ -26,7 +26,9 @@ def infer_logits(
     rows_per_call: int = INFER_ROWS_PER_CALL,
 ) -> tuple[np.ndarray, str]:
     """Raw logits of InferenceService for assembled feature rows (``InferenceService.Infer``), in
-    calls of at most ``rows_per_call`` rows over one channel.
+    calls of at most ``rows_per_call`` rows over one channel. Zero rows still make one call (an
+    empty ``[0, n_features]`` tensor), so the model, version, feature version and column count are
+    checked and the logits' shape is the server's, as for any other input.
 
     Args:
         model_version: the version to run; empty = the repository's latest.
@@ -37,7 +39,8 @@ def infer_logits(
         timeout_s: deadline of each call, in seconds.
 
     Returns:
-        Logits ``[rows, n_classes] float32`` and the model version that computed them.
+        Logits ``[rows, n_classes] float32`` (``[0, n_classes]`` for zero rows) and the model
+        version that computed them.
 
     Raises:
         grpc.RpcError: INVALID_ARGUMENT (wrong shape or non-finite values), NOT_FOUND (unknown model
@@ -53,7 +56,7 @@ def infer_logits(
     parts, version = [], model_version
     with open_channel(target, credentials, sizes) as channel:
         stub = inference_grpc.InferenceServiceStub(channel)
-        for start in range(0, len(x), rows_per_call):
+        for start in range(0, max(len(x), 1), rows_per_call):  # one call, with no rows, for zero rows
             chunk = x[start : start + rows_per_call]
             request = inference_pb.InferRequest(
                 model_name=model_name,
@@ -70,4 +73,4 @@ def infer_logits(
                 raise ValueError("InferenceService returned a logits tensor of the wrong byte size")
             parts.append(np.frombuffer(out.content, dtype="<f4").reshape(tuple(out.shape)))
             version = reply.model_version
-    return (np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)), version
+    return np.concatenate(parts), version
