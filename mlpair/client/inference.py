@@ -10,7 +10,10 @@ from mlpair.api.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
 from mlpair.contracts import FEATURE_VERSION_KEY
 
-INFER_ROWS_PER_CALL = 512  # well below InferenceService's default max batch size (1024 rows)
+# Rows per Infer call: well under InferenceService's default max_request_rows (8192, above which it
+# refuses a call), and a message far under the 16 MiB limit (about 100 KB at churn's 49 features);
+# the server splits each call into batches of its max_batch_size (default 128 rows) itself.
+INFER_ROWS_PER_CALL = 512
 INFER_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
