@@ -34,14 +34,17 @@ def last_line(out: subprocess.CompletedProcess) -> str:
     return lines[-1] if lines else ""
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 @pytest.mark.parametrize("role", ["inference", "prediction"])
-def test_an_empty_model_repository_says_to_run_mlpair_train(role, tmp_path):
+def test_an_empty_model_repository_says_to_run_mlpair_train(role, workers, tmp_path):
     empty = tmp_path / "models"
     empty.mkdir()
     config = ("--config-dir", str(CONFIG_DIR)) if role == "prediction" else ()
-    out = mlpair("serve", role, "--model-repository", str(empty), "--port", "0", "--metrics-port", "0", *config,
-                 cwd=tmp_path)
+    out = mlpair("serve", role, "--model-repository", str(empty), "--port", "0", "--metrics-port", "0",
+                 "--workers", workers, *config, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
+    # One line, also with 2 workers: the supervisor checks before starting them, not each worker alike.
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert last_line(out).startswith(f"mlpair: {role} service: model repository {empty} is empty: "), out.stderr
     assert f"run `mlpair train --model-repository {empty}`" in last_line(out)
     assert "Traceback" not in out.stderr

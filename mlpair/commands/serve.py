@@ -85,7 +85,7 @@ def serve_inference(args: argparse.Namespace) -> int:
     settings = settings_from_args(InferenceSettings, args)
     # the torch runtime follows execution_provider too; "auto" takes a GPU when one is visible
     on_gpu = settings.execution_provider == "cuda" or (settings.execution_provider == "auto" and gpu_visible())
-    return run_server("inference", settings, _inference, on_gpu=on_gpu)
+    return run_server("inference", settings, _inference, on_gpu=on_gpu, preflight=_inference_configuration)
 
 
 def serve_prediction(args: argparse.Namespace) -> int:
@@ -167,6 +167,14 @@ async def _prediction(settings: PredictionSettings, *, shared_port: bool = False
     from mlpair.prediction.server import serve
 
     await serve(settings, shared_port=shared_port)
+
+
+def _inference_configuration(settings: InferenceSettings) -> None:
+    """A supervisor's check before its workers start: every model to serve has a trained version
+    (a refusal every worker would print alike, printed once)."""
+    from mlpair.startup import require_trained
+
+    require_trained(settings.model_repository, settings.models_to_serve(), "INFERENCE_MODEL_REPOSITORY")
 
 
 def _prediction_configuration(settings: PredictionSettings) -> None:

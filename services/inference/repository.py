@@ -129,11 +129,7 @@ class ModelRepository:
 
     def model_names(self) -> list[str]:
         """Models to serve: the configured ones, else every folder in the repository."""
-        if self.settings.models:
-            return list(self.settings.models)
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return self.settings.models_to_serve()
 
     # -- load and unload -------------------------------------------------------------------
 

@@ -141,3 +141,13 @@ class InferenceSettings(ConnectionSettings):
         if bad:
             raise ValueError(f"preferred_batch_sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})")
         return self
+
+    def models_to_serve(self) -> list[str]:
+        """Models a server with these settings serves: ``models``, else every folder of
+        ``model_repository`` (none when it does not exist; dot folders skipped)."""
+        if self.models:
+            return list(self.models)
+        root = self.model_repository
+        if not root.is_dir():
+            return []
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
