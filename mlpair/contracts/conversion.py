@@ -25,9 +25,10 @@ CLAMPED_MIN = "CLAMPED_MIN"
 CLAMPED_MAX = "CLAMPED_MAX"
 UNKNOWN_CATEGORY = "UNKNOWN_CATEGORY"
 
-# A plain decimal: optional sign, digits with an optional fraction, optional exponent.
-# Deliberately excludes "nan", "inf", "1_000" and "1,000", which float() would partly accept.
-_DECIMAL = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+# A plain decimal: optional sign, ASCII digits with an optional fraction, optional exponent.
+# Deliberately excludes "nan", "inf", "1_000" and "1,000", which float() would partly accept, and
+# digits of other scripts ("١٢٩", full-width "１２９"), which float() reads as 129.
+_DECIMAL = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?", re.ASCII)
 _TRUE = frozenset({"true", "yes", "y", "1"})
 _FALSE = frozenset({"false", "no", "n", "0"})
 

@@ -196,7 +196,8 @@ def test_numeric_strings_are_converted_by_rule(assembler):
         assert assembler.assemble(applicant(Age=text)).vector.tobytes() == assembler.assemble(applicant(Age=30)).vector.tobytes()
 
 
-@pytest.mark.parametrize("text", ["thirty", "nan", "inf", "-Infinity", "1,000", "1_000", "0x1e", "30 years"])
+@pytest.mark.parametrize("text", ["thirty", "nan", "inf", "-Infinity", "1,000", "1_000", "0x1e", "30 years",
+                                  "\u0663\u0660", "\uff13\uff10", "\u0969\u0966"])  # 30 in Arabic-Indic, full-width, Devanagari digits
 def test_strings_that_are_not_plain_decimals_are_refused_never_null(assembler, text):
     with pytest.raises(ConversionError) as excinfo:
         assembler.assemble(applicant(Age=text))
