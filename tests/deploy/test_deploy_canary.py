@@ -181,6 +181,13 @@ def test_rollout_runs_the_stable_track_and_argo_drives_its_routes(rendered: dict
     rollout = the(objects, "Rollout")
     (workload,) = dc.workloads(objects, "prediction")
     assert dc.rollout_of(workload, objects) is rollout
+    # Both revisions run the stable track's template: Istio's metrics tell them apart only by the
+    # canonical revision Argo writes on each revision's pods (never a selector: pods are relabelled).
+    canary_strategy = rollout["spec"]["strategy"]["canary"]
+    revision = "service.istio.io/canonical-revision"
+    assert canary_strategy["canaryMetadata"]["labels"][revision] == "canary"
+    assert canary_strategy["stableMetadata"]["labels"][revision] == "stable"
+    assert revision not in rollout["spec"]["selector"]["matchLabels"]
     assert rollout["spec"]["selector"] == workload["spec"]["selector"]
     assert dc.autoscaler_of(workload, objects)["spec"]["scaleTargetRef"]["kind"] == "Rollout"
     canary = rollout["spec"]["strategy"]["canary"]
