@@ -47,6 +47,7 @@ POSTGRES_PORT = 5432
 ISTIOD_PORT = 15012  # istiod: a sidecar's xDS configuration and workload certificates
 # Labels the Deployment controller sets on its pods, usable in matchLabelKeys.
 DEPLOYMENT_POD_LABELS = ("pod-template-hash",)
+ROLLOUT_POD_LABELS = ("rollouts-pod-template-hash",)  # what Argo Rollouts sets on its pods instead
 
 
 def secret_refs(owner: Obj) -> set[str]:
@@ -150,8 +151,8 @@ def rollout_problems(workload: Obj, objects: list[Obj]) -> list[str]:
     A new pod becomes Ready before an old one stops (maxUnavailable 0 at the HPA minimum, a surge
     of at least one pod), so during a rollout and one voluntary eviction that the PDB allows at
     the same time, minReplicas - maxUnavailable(PDB) pods still serve. Topology spread keys must
-    be labels the Deployment sets (pod-template-hash), or a rollout's new pods are spread as one
-    group with the old ones.
+    be labels the pods' controller sets (pod-template-hash; rollouts-pod-template-hash under an
+    Argo Rollout), or a rollout's new pods are spread as one group with the old ones.
     """
     where = dc.name_of(workload)
     strategy = workload["spec"].get("strategy") or {}
@@ -169,12 +170,17 @@ def rollout_problems(workload: Obj, objects: list[Obj]) -> list[str]:
         )
     if _scaled(rolling.get("maxSurge", "25%"), minimum, round_up=True) < 1:
         problems.append(f"{where}: maxSurge is 0 with maxUnavailable 0: the rollout cannot start")
+    # Under an Argo Rollout (workloadRef) the pods are the Rollout's ReplicaSets', which carry its
+    # revision hash, not the Deployment controller's.
+    owner, labels = (
+        ("an Argo Rollout's", ROLLOUT_POD_LABELS)
+        if dc.rollout_of(workload, objects) is not None
+        else ("a Deployment's", DEPLOYMENT_POD_LABELS)
+    )
     for constraint in dc.pod_spec(workload).get("topologySpreadConstraints", ()):
         for key in constraint.get("matchLabelKeys", ()):
-            if key not in DEPLOYMENT_POD_LABELS:
-                problems.append(
-                    f"{where}: matchLabelKeys {key} is not a label of a Deployment's pods"
-                )
+            if key not in labels:
+                problems.append(f"{where}: matchLabelKeys {key} is not a label of {owner} pods")
     return problems
 
 

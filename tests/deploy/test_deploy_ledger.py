@@ -198,7 +198,17 @@ def test_rollout_check_refuses_a_rollout_that_dips_or_mis_spreads(rendered: dict
         "controller-revision-hash"
     ]
     assert lc.rollout_problems(stable, objects) == [
-        f"{DEPLOYMENT}: matchLabelKeys controller-revision-hash is not a label of a Deployment's pods"
+        f"{DEPLOYMENT}: matchLabelKeys controller-revision-hash is not a label of an Argo Rollout's pods"
+    ]
+    # Under the prod Rollout the Deployment controller's own hash is not on the pods either.
+    dc.pod_spec(stable)["topologySpreadConstraints"][0]["matchLabelKeys"] = ["pod-template-hash"]
+    assert lc.rollout_problems(stable, objects) == [
+        f"{DEPLOYMENT}: matchLabelKeys pod-template-hash is not a label of an Argo Rollout's pods"
+    ]
+    objects, stable, _ = variant(rendered, "dev")
+    dc.pod_spec(stable)["topologySpreadConstraints"][0]["matchLabelKeys"] = ["rollouts-pod-template-hash"]
+    assert lc.rollout_problems(stable, objects) == [
+        f"{DEPLOYMENT}: matchLabelKeys rollouts-pod-template-hash is not a label of a Deployment's pods"
     ]
 
 
