@@ -685,6 +685,11 @@ def test_inference_rate_limit_is_local_enforced_and_not_retried(objects: list) -
     ] == workloads(objects, "inference")
     (patch,) = envoy_filter["spec"]["configPatches"]
     assert patch["applyTo"] == "HTTP_FILTER" and patch["match"]["context"] == "SIDECAR_INBOUND"
+    # Right before the router: after authorization and stats (without a subFilter, INSERT_BEFORE
+    # puts it first, where refused callers would spend the bucket and refusals go uncounted).
+    connection_manager = patch["match"]["listener"]["filterChain"]["filter"]
+    assert connection_manager["subFilter"] == {"name": "envoy.filters.http.router"}
+    assert patch["patch"]["operation"] == "INSERT_BEFORE"
     value = patch["patch"]["value"]
     assert value["name"] == "envoy.filters.http.local_ratelimit"
     config = value["typed_config"]
