@@ -204,6 +204,11 @@ OUTBOX_ALREADY_IN_CRM = Counter(
     "prediction_outbox_already_in_crm_total",
     "Decisions the relay found already in the CRM (a retried transaction); not doubled.",
 )
+CRM_REFUSED = Counter(
+    "prediction_crm_refused_total",
+    "Decisions the CRM database refused for their data (a constraint, a value it cannot store); each "
+    "waits in the ledger and is retried behind the queue, while the rest are delivered.",
+)
 RELAY_FAILURES = Counter(
     "prediction_relay_failures_total", "Failed relay attempts (CRM database unreachable or refusing)."
 )

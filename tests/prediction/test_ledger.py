@@ -472,3 +472,52 @@ async def test_callers_arriving_as_a_commit_ends_are_never_left_waiting(ledger):
 
     await asyncio.wait_for(asyncio.gather(*(caller(k) for k in range(8))), timeout=60)
     assert (await ledger.backlog())[0] == 480
+
+
+async def test_a_decision_the_crm_refuses_waits_in_the_ledger_while_the_others_are_delivered(
+        databases, ledger, monkeypatch):
+    """One decision the CRM refuses for its data (a constraint the CRM added, here) holds back no
+    other: it is requeued behind the queue, counted and named by its request id, and delivered once
+    the CRM takes it; every decision ends in the CRM exactly once."""
+    from sqlalchemy import text
+
+    from mlpair.prediction.crm import ledger_sqlite
+
+    monkeypatch.setattr(ledger_sqlite, "REQUEUE_AFTER_S", 0.2)  # SQLite holds a refused decision back 30 s
+    sqlite = databases.crm_url.startswith("sqlite")
+    refuse, allow = (
+        ("CREATE TRIGGER refuse_poison BEFORE INSERT ON decisions WHEN NEW.entity_id = 'poison' "
+         "BEGIN SELECT RAISE(ABORT, 'refused'); END", "DROP TRIGGER refuse_poison")
+        if sqlite else
+        ("ALTER TABLE decisions ADD CONSTRAINT refuse_poison CHECK (entity_id <> 'poison')",
+         "ALTER TABLE decisions DROP CONSTRAINT refuse_poison")
+    )
+    crm = CrmStore(databases.crm_url, timeout_s=5)
+    async with crm.engine.begin() as conn:
+        await conn.execute(text(refuse))
+    ids = [f"refused-{uuid.uuid4()}" for _ in range(40)]
+    poison = ids[17]
+    for request_id in ids:
+        d = decision(request_id)
+        await record(ledger, dataclasses.replace(d, entity_id="poison") if request_id == poison else d)
+    refused_before = REGISTRY.get_sample_value("prediction_crm_refused_total") or 0
+    relay = LedgerRelay(ledger, crm, poll_s=0.05, linger_s=0, backoff_base_s=0.01, backoff_max_s=0.2)
+    relay.start()
+    try:
+        others = [i for i in ids if i != poison]
+
+        async def others_delivered() -> bool:
+            return await crm_rows(crm, others) == (39, 39)
+
+        await eventually(others_delivered, timeout_s=SLOW_MACHINE_S)
+        assert await crm_rows(crm, [poison]) == (0, 0)
+        assert (await ledger.backlog())[0] == 1  # it waits in the ledger, not lost
+        assert (REGISTRY.get_sample_value("prediction_crm_refused_total") or 0) > refused_before
+        async with crm.engine.begin() as conn:
+            await conn.execute(text(allow))
+        assert await relay.wait_delivered(SLOW_MACHINE_S)
+    finally:
+        await relay.stop(drain_timeout_s=1)
+    assert await crm_rows(crm, ids) == (40, 40)
+    assert (await ledger.backlog())[0] == 0
+    await crm.close()

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -99,22 +99,30 @@ def unique_new(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list
     return [first[k] for k in sorted(first)]
 
 
+Requeue = Callable[[list[str]], Awaitable[None]]
+"""Given request ids of a claim's decisions the CRM refused, keeps them undelivered for a later
+claim (after the others of the queue), while the claim delivers the rest."""
+
+
 class Claimed(list):
     """A claim's CRM rows (a list of ``CRM_COLUMNS`` tuples) and ``more``: whether undelivered
-    decisions were left for the next claim, so a relay keeps claiming while a backlog lasts."""
+    decisions were left for the next claim, so a relay keeps claiming while a backlog lasts;
+    ``requeue``: see :data:`Requeue`."""
 
-    def __init__(self, rows: Iterable[CrmRow] = (), *, more: bool = False) -> None:
+    def __init__(self, rows: Iterable[CrmRow] = (), *, more: bool = False, requeue: Requeue | None = None) -> None:
         super().__init__(rows)
         self.more = more
+        self.requeue = requeue
 
 
 class PackedClaim(NamedTuple):
     """A claim's decisions packed (``crm/packed.py``): how many, one text per CRM column in
-    ``CRM_COLUMNS`` order, and whether more were waiting."""
+    ``CRM_COLUMNS`` order, whether more were waiting, and ``requeue`` (:data:`Requeue`)."""
 
     n: int
     columns: list[str]
     more: bool
+    requeue: Requeue | None = None
 
 
 class DecisionLedger(abc.ABC):

@@ -52,6 +52,7 @@ from mlpair.prediction.crm.ledger_sql import (
     MIN_DECISIONS_PER_OUTBOX_ROW,
     OUTBOX,
     OUTBOX_CHUNK,
+    REQUEUE,
     SELECT_RECORDED,
     TABLE,
 )
@@ -183,7 +184,7 @@ class PostgresLedger(ledger.DecisionLedger):
         async with self._connection() as conn, conn.transaction():
             await conn.execute(CUSTOM_PLANS)
             previous = await conn.fetch(CLAIM, limit)
-            batch = ledger.Claimed([row[1:] for row in previous], more=len(previous) == limit)
+            batch = ledger.Claimed([row[1:] for row in previous], more=len(previous) == limit, requeue=_requeue(conn))
             if len(previous) < limit:
                 rows = await conn.fetch(CLAIM_OUTBOX, limit - len(previous), self._outbox_rows(limit - len(previous)))
                 if rows:
@@ -211,7 +212,7 @@ class PostgresLedger(ledger.DecisionLedger):
                 if taken:  # packed texts of both, joined (each value is preceded by the separator)
                     columns = [a + b for a, b in zip(columns, outbox)] if n else outbox
                     n += taken
-            yield ledger.PackedClaim(n, columns, bool(more))
+            yield ledger.PackedClaim(n, columns, bool(more), _requeue(conn))
 
     async def backlog(self) -> tuple[int, float]:
         """Undelivered decisions and the age of the one the relays claim next (the lowest ``seq``,
@@ -294,3 +295,12 @@ class PostgresLedger(ledger.DecisionLedger):
             raise RuntimeError("the ledger is not open")
         async with self._pool.acquire(timeout=self.timeout_s) as conn:
             yield conn
+
+
+def _requeue(conn: asyncpg.Connection) -> ledger.Requeue:
+    """A claim's :data:`~ledger.Requeue`, on the claim's own connection and transaction."""
+
+    async def requeue(request_ids: list[str]) -> None:
+        await conn.execute(REQUEUE, request_ids)
+
+    return requeue

@@ -85,6 +85,12 @@ CLAIM = (
     "FOR UPDATE SKIP LOCKED"
 )
 MARK_DELIVERED = f"UPDATE {TABLE} SET delivered_at = now() WHERE seq = ANY($1::bigint[])"
+# Decisions the CRM refused, back in the queue as an outbox row of their own, behind the others:
+# inside the claim's transaction, so they stay undelivered exactly when the claim commits.
+REQUEUE = (
+    f"INSERT INTO {OUTBOX} (seqs, n) SELECT array_agg(seq ORDER BY seq), count(*) FROM {TABLE} "
+    "WHERE request_id = ANY($1::text[]) HAVING count(*) > 0"
+)
 # The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by
 # PostgreSQL. It answers with the request ids it did not insert (on record already): none, one empty
 # result, in the usual case, instead of a row per decision inserted (0.3 µs of client CPU per row).

@@ -33,6 +33,8 @@ from mlpair.prediction.crm.models import LEDGER_TABLE
 from mlpair.prediction.records import Recorded, StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
+REQUEUE_AFTER_S = 30.0  # a decision the CRM refused is claimed again after this (not before the others)
+_REQUEST_ID = 1 + ledger.CLAIMED_COLUMNS.split(", ").index("request_id")  # in a claimed row (seq first)
 _COLUMNS = ", ".join(ledger.DECISION_COLUMNS)
 _SELECT = f"SELECT {_COLUMNS} FROM {LEDGER_TABLE}"
 
@@ -90,10 +92,18 @@ class SqliteLedger(ledger.DecisionLedger):
         )
         rows.sort(key=lambda row: row[0])  # RETURNING does not keep the subquery's order
         seqs = [row[0] for row in rows]
+        refused: list[int] = []  # requeued: leased until REQUEUE_AFTER_S from now, not delivered
+
+        async def requeue(request_ids: list[str]) -> None:
+            wanted = set(request_ids)
+            refused.extend(row[0] for row in rows if row[_REQUEST_ID] in wanted)
+
         try:
             # decided_at is ISO text here
             yield ledger.Claimed(
-                [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows], more=len(rows) == limit
+                [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows],
+                more=len(rows) == limit,
+                requeue=requeue,
             )
         except BaseException:
             if seqs:
@@ -105,6 +115,14 @@ class SqliteLedger(ledger.DecisionLedger):
                     )
                 )
             raise
+        if refused:
+            await self._run(
+                self._write,
+                f"UPDATE {LEDGER_TABLE} SET lease_until = ? WHERE seq IN ({_marks(refused)})",
+                (time.time() + REQUEUE_AFTER_S, *refused),
+            )
+            held_back = set(refused)
+            seqs = [seq for seq in seqs if seq not in held_back]
         if seqs:
             await self._run(
                 self._write,

@@ -9,7 +9,10 @@ so the two databases work on several batches in parallel instead of one round tr
 another. While the CRM is down it retries with full-jitter exponential backoff and the rows wait
 in the ledger, where any replica — this one after a restart, or another after a scale down —
 finds them. A CRM commit whose acknowledgement was lost is retried harmlessly: the rows
-already there are skipped, so each request id is in the CRM exactly once.
+already there are skipped, so each request id is in the CRM exactly once. A decision the CRM
+refuses for its data (a constraint or trigger of its own) holds back no other: the batch is
+halved until that decision is alone, the rest are delivered, and it is requeued in the ledger
+behind the queue (:meth:`LedgerRelay._deliver_isolating`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from mlpair.prediction import metrics
 from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow
-from mlpair.prediction.crm.ledger import DecisionLedger
+from mlpair.prediction.crm.ledger import DecisionLedger, Requeue
 from mlpair.prediction.crm.packed import SEP
 from mlpair.prediction.crm.store import CrmStore
 
@@ -189,33 +193,103 @@ class LedgerRelay:
         """Claims one batch, delivers it and marks it delivered; returns whether more were waiting.
 
         From a PostgreSQL ledger to a PostgreSQL CRM the batch travels packed (``crm/packed.py``):
-        one text per column, never one Python object per decision."""
+        one text per column, never one Python object per decision.
+
+        Raises:
+            RefusedByCrm: every decision of the claim was refused by the CRM and requeued (the
+                claim itself committed): a failure for the backoff, so a refused decision alone in
+                the queue is not retried in a tight loop.
+        """
         if getattr(self.crm, "takes_packed", False) and hasattr(self.ledger, "claim_packed"):
             async with self.ledger.claim_packed(self.batch_size) as claim:
-                await self._deliver_packed(claim.n, claim.columns)
-            return claim.more
-        async with self.ledger.claim(self.batch_size) as batch:
-            await self._deliver(batch)
-        return getattr(batch, "more", len(batch) >= self.batch_size)
+                refused = await self._deliver_packed(claim.n, claim.columns, claim.requeue)
+            n, more = claim.n, claim.more
+        else:
+            async with self.ledger.claim(self.batch_size) as batch:
+                refused = await self._deliver(batch, getattr(batch, "requeue", None))
+            n, more = len(batch), getattr(batch, "more", len(batch) >= self.batch_size)
+        if refused and refused == n:
+            raise RefusedByCrm(f"the CRM refused all {n} decision(s) of the claim; requeued")
+        return more
 
-    async def _deliver_packed(self, n: int, columns: list[str]) -> None:
-        if n:
-            await self._write(n, Counter(columns[_MODEL].split(SEP)[1:]), lambda: self.crm.deliver_packed(columns))
+    async def _deliver_packed(self, n: int, columns: list[str], requeue: Requeue | None) -> int:
+        if not n:
+            return 0
+        ids = columns[_REQUEST_ID].split(SEP)[1:]
+        models = columns[_MODEL].split(SEP)[1:]
+        values = None  # each column's values, split only if a part must be delivered alone
 
-    async def _deliver(self, rows: list[CrmRow]) -> None:
-        if rows:
-            await self._write(
-                len(rows), Counter(row[_MODEL] for row in rows), lambda: _count(self.crm.deliver_rows(rows))
+        def part(rows: range) -> Awaitable[int]:
+            nonlocal values
+            if len(rows) == n:
+                return self.crm.deliver_packed(columns)
+            values = values or [column.split(SEP)[1:] for column in columns]
+            return self.crm.deliver_packed([SEP + SEP.join(v[rows.start : rows.stop]) for v in values])
+
+        return await self._deliver_isolating(n, part, ids, models, requeue)
+
+    async def _deliver(self, rows: list[CrmRow], requeue: Requeue | None) -> int:
+        if not rows:
+            return 0
+        ids, models = [row[_REQUEST_ID] for row in rows], [row[_MODEL] for row in rows]
+        return await self._deliver_isolating(
+            len(rows), lambda part: _count(self.crm.deliver_rows(rows[part.start : part.stop])), ids, models, requeue
+        )
+
+    async def _deliver_isolating(
+        self,
+        n: int,
+        insert: Callable[[range], Awaitable[int]],
+        ids: list[str],
+        models: list[str],
+        requeue: Requeue | None,
+    ) -> int:
+        """Delivers decisions ``0..n-1`` (``insert(part)`` writes a contiguous part in one CRM
+        transaction and returns how many were new); the number the CRM refused.
+
+        A part the CRM refuses for its data (a constraint, a value it cannot store: IntegrityError,
+        DataError), never for being away, is halved and each half tried again, so the decisions it
+        does take are delivered in about 2·log2(n) transactions per refused one; a decision refused
+        alone is requeued (``requeue``), counted and logged by its request id (the database's message,
+        which may quote the row's values, is not). Without ``requeue`` (a ledger that cannot hold a
+        decision back) the refusal fails the claim, as any other failure does.
+        """
+        refused: list[str] = []
+        parts = [range(n)]
+        while parts:
+            rows = parts.pop()
+            try:
+                await self._write(len(rows), Counter(models[rows.start : rows.stop]), lambda r=rows: insert(r))
+            except Exception as exc:
+                if requeue is None or not _refused_for_its_data(exc):
+                    raise
+                if len(rows) > 1:
+                    middle = rows.start + len(rows) // 2
+                    parts += [range(middle, rows.stop), range(rows.start, middle)]
+                else:
+                    refused.append(ids[rows.start])
+        if refused and requeue is not None:  # (never without it: a refusal then raised above)
+            await requeue(refused)
+            metrics.CRM_REFUSED.inc(len(refused))
+            logger.warning(
+                "the CRM refused %d decision(s) for their data; they wait in the ledger and are retried "
+                "behind the queue: request ids %s",
+                len(refused),
+                ", ".join(refused[:MAX_NAMED]) + (" …" if len(refused) > MAX_NAMED else ""),
             )
+        return len(refused)
 
     async def _write(self, n: int, models: Counter, insert) -> None:
         """One CRM transaction of ``n`` decisions (``models``: how many per model); ``insert()``
-        returns how many were new in the CRM."""
+        returns how many were new in the CRM. A part of several decisions refused for its data is
+        not counted as failed writes: it is split, and each decision ends counted once."""
         started = time.perf_counter()
         try:
             inserted = await insert()
-        except Exception:
-            self.crm_up = False
+        except Exception as exc:
+            if n > 1 and _refused_for_its_data(exc):
+                raise
+            self.crm_up = self.crm_up if _refused_for_its_data(exc) else False
             self._failing = "CRM"
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
             _count_models(models, "error")
@@ -241,6 +315,20 @@ class LedgerRelay:
 
 
 _MODEL = CRM_COLUMNS.index("model_name")
+_REQUEST_ID = CRM_COLUMNS.index("request_id")
+MAX_NAMED = 10  # request ids named in one log line
+
+
+class RefusedByCrm(Exception):
+    """Every decision of a claim was refused by the CRM for its data, and requeued."""
+
+
+def _refused_for_its_data(exc: BaseException) -> bool:
+    """Whether the CRM refused a write for what it holds (a constraint, a value it cannot store),
+    not because it is unreachable: SQLAlchemy's IntegrityError and DataError, whatever the driver."""
+    from sqlalchemy.exc import DataError, IntegrityError
+
+    return isinstance(exc, (IntegrityError, DataError))
 
 
 async def _count(inserting) -> int:
