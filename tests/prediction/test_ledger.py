@@ -253,13 +253,13 @@ def _after_barrier(write, barrier: asyncio.Barrier):
     """A relay's ``_write`` whose first call waits at ``barrier`` (at most 10 s)."""
     first = True
 
-    async def gated(n, models, insert):
+    async def gated(n, models, insert, **options):
         nonlocal first
         if first:
             first = False
             async with asyncio.timeout(10):
                 await barrier.wait()
-        return await write(n, models, insert)
+        return await write(n, models, insert, **options)
 
     return gated
 

@@ -215,32 +215,36 @@ class LedgerRelay:
     async def _deliver_packed(self, n: int, columns: list[str], requeue: Requeue | None) -> int:
         if not n:
             return 0
-        ids = columns[_REQUEST_ID].split(SEP)[1:]
         models = columns[_MODEL].split(SEP)[1:]
-        values = None  # each column's values, split only if a part must be delivered alone
+        values: list[list[str]] = []  # each column's values, split only once the CRM refuses a part
+
+        def split() -> list[list[str]]:
+            values[:] = values or [column.split(SEP)[1:] for column in columns]
+            return values
 
         def part(rows: range) -> Awaitable[int]:
-            nonlocal values
             if len(rows) == n:
                 return self.crm.deliver_packed(columns)
-            values = values or [column.split(SEP)[1:] for column in columns]
-            return self.crm.deliver_packed([SEP + SEP.join(v[rows.start : rows.stop]) for v in values])
+            return self.crm.deliver_packed([SEP + SEP.join(v[rows.start : rows.stop]) for v in split()])
 
-        return await self._deliver_isolating(n, part, ids, models, requeue)
+        return await self._deliver_isolating(n, part, lambda i: split()[_REQUEST_ID][i], models, requeue)
 
     async def _deliver(self, rows: list[CrmRow], requeue: Requeue | None) -> int:
         if not rows:
             return 0
-        ids, models = [row[_REQUEST_ID] for row in rows], [row[_MODEL] for row in rows]
         return await self._deliver_isolating(
-            len(rows), lambda part: _count(self.crm.deliver_rows(rows[part.start : part.stop])), ids, models, requeue
+            len(rows),
+            lambda part: _count(self.crm.deliver_rows(rows[part.start : part.stop])),
+            lambda i: rows[i][_REQUEST_ID],
+            [row[_MODEL] for row in rows],
+            requeue,
         )
 
     async def _deliver_isolating(
         self,
         n: int,
         insert: Callable[[range], Awaitable[int]],
-        ids: list[str],
+        request_id: Callable[[int], str],
         models: list[str],
         requeue: Requeue | None,
     ) -> int:
@@ -259,7 +263,12 @@ class LedgerRelay:
         while parts:
             rows = parts.pop()
             try:
-                await self._write(len(rows), Counter(models[rows.start : rows.stop]), lambda r=rows: insert(r))
+                await self._write(
+                    len(rows),
+                    Counter(models[rows.start : rows.stop]),
+                    lambda r=rows: insert(r),
+                    split=requeue is not None,
+                )
             except Exception as exc:
                 if requeue is None or not _refused_for_its_data(exc):
                     raise
@@ -267,7 +276,7 @@ class LedgerRelay:
                     middle = rows.start + len(rows) // 2
                     parts += [range(middle, rows.stop), range(rows.start, middle)]
                 else:
-                    refused.append(ids[rows.start])
+                    refused.append(request_id(rows.start))
         if refused and requeue is not None:  # (never without it: a refusal then raised above)
             await requeue(refused)
             metrics.CRM_REFUSED.inc(len(refused))
@@ -279,17 +288,20 @@ class LedgerRelay:
             )
         return len(refused)
 
-    async def _write(self, n: int, models: Counter, insert) -> None:
+    async def _write(self, n: int, models: Counter, insert, *, split: bool = False) -> None:
         """One CRM transaction of ``n`` decisions (``models``: how many per model); ``insert()``
-        returns how many were new in the CRM. A part of several decisions refused for its data is
-        not counted as failed writes: it is split, and each decision ends counted once."""
+        returns how many were new in the CRM. With ``split``, a part of several decisions refused
+        for its data is not counted as failed writes: the caller halves it, and each decision ends
+        counted once. A refusal for data never marks the CRM down."""
         started = time.perf_counter()
         try:
             inserted = await insert()
         except Exception as exc:
-            if n > 1 and _refused_for_its_data(exc):
+            refused = _refused_for_its_data(exc)
+            if refused and split and n > 1:
                 raise
-            self.crm_up = self.crm_up if _refused_for_its_data(exc) else False
+            if not refused:
+                self.crm_up = False
             self._failing = "CRM"
             metrics.CRM_WRITE_DURATION.labels("error").observe(time.perf_counter() - started)
             _count_models(models, "error")
