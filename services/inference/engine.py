@@ -91,6 +91,10 @@ class InferenceEngine:
         """Set by :meth:`begin_drain`: open ModelStreamInfer streams answer what they hold and end."""
         self._poller: asyncio.Task | None = None
         self._counters: dict[tuple[str, str, str], Counter] = {}
+        self._conditions: dict[str, str] = {}
+        """Server-level readiness problems by name (e.g. device memory): any one makes the server not ready."""
+        self.device_lost: str | None = None
+        """Why the device can no longer run anything (a sticky CUDA error); liveness fails while set."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -107,8 +111,35 @@ class InferenceEngine:
             )
 
     def ready(self) -> bool:
-        """Server readiness: not stopping and every expected model serving."""
-        return not self.stopping and self.repository.all_expected_ready()
+        """Server readiness: not stopping, no server-level problem (:meth:`set_condition`) and every
+        expected model serving."""
+        return not self.stopping and not self._conditions and self.repository.all_expected_ready()
+
+    def live(self) -> bool:
+        """Liveness: False only once the device is lost for good (:meth:`mark_device_lost`)."""
+        return self.device_lost is None
+
+    async def set_condition(self, name: str, problem: str | None) -> None:
+        """Records (``problem``: why, one line) or clears (None) a server-level readiness problem
+        named ``name``; readiness is republished when it changes."""
+        if self._conditions.get(name) == problem:
+            return
+        if problem is None:
+            self._conditions.pop(name, None)
+        else:
+            self._conditions[name] = problem
+        await self._changed()
+
+    def conditions(self) -> dict[str, str]:
+        """The server-level readiness problems now, by name."""
+        return dict(self._conditions)
+
+    async def mark_device_lost(self, reason: str) -> None:
+        """The device cannot run anything again in this process (a sticky CUDA error: the context
+        is lost): liveness fails from now on, so the kubelet restarts the pod."""
+        if self.device_lost is None:
+            self.device_lost = reason
+            await self._changed()
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """Whether ``name`` (at ``version``, or any) is serving and the server is not stopping."""

@@ -163,12 +163,15 @@ async def start(
     return server.server, server.port, server.health, server.engine
 
 
-async def serve(settings: InferenceSettings, *, shared_port: bool = False) -> None:
+async def serve(
+    settings: InferenceSettings, *, shared_port: bool = False, runtime_factory: RuntimeFactory = create_runtime
+) -> None:
     """Runs until SIGTERM/SIGINT, then drains (see the module docstring); ``shared_port``: as one of a
-    supervisor's workers (each loads its own copy of every model: on a GPU, N times the device memory)."""
+    supervisor's workers (each loads its own copy of every model: on a GPU, N times the device memory);
+    ``runtime_factory``: builds each model version's runtime."""
     stopped = asyncio.create_task(wait_for_termination_signal())
     await asyncio.sleep(0)  # its handlers are installed: a signal from here on starts the drain
-    server = InferenceServer(settings, shared_port=shared_port)
+    server = InferenceServer(settings, runtime_factory, shared_port=shared_port)
     await server.start()
     load = asyncio.create_task(server.load())
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
