@@ -65,6 +65,9 @@ class Service:
     log_path: Path
     process: subprocess.Popen | None = None
     starts: int = 0
+    # what the interpreter runs after ``-P``; None = ``-m mlpair.cli serve <role>`` (a test may run
+    # a launcher of its own, e.g. tests/fault_inference.py, that serves the same way)
+    command: list[str] | None = None
 
     @property
     def address(self) -> str:
@@ -85,7 +88,8 @@ class Service:
             started = time.monotonic()
             # -P: the working directory is not put first on sys.path, so a PYTHONPATH naming another
             # release's package (the A/B phase) is what runs, not this checkout's mlpair/
-            self.process = subprocess.Popen([sys.executable, "-P", "-m", "mlpair.cli", "serve", self.role],
+            command = self.command or ["-m", "mlpair.cli", "serve", self.role]
+            self.process = subprocess.Popen([sys.executable, "-P", *command],
                                             env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
         self.starts += 1
         self.wait_serving(ready_timeout_s)

@@ -5,6 +5,8 @@
 * :class:`InferenceForwarder` — an InferenceService in front of the real one that counts
   calls, and can delay them (a slow model) or answer with a chosen status code first.
 * :func:`prediction_service` — a real PredictionService on a free port with chosen settings.
+* :func:`faulty_inference` — a real InferenceService process whose model runtimes fail on demand
+  (``tests/fault_inference.py``), switched with :func:`set_fault`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -134,3 +137,45 @@ async def eventually(check, timeout_s: float = 20.0, interval_s: float = 0.1):
             return result
         await asyncio.sleep(interval_s)
     pytest.fail(f"condition not reached within {timeout_s} s")
+
+
+FAULT_LAUNCHER = Path(__file__).resolve().parent / "fault_inference.py"
+
+
+def faulty_inference(workdir: Path, model_repository: Path, fault_file: Path, **env: str):
+    """An InferenceService process (not started) whose runtimes fail on demand: a
+    :class:`bench.pair.Service` as :func:`bench.pair.pair` builds for inference (credit-risk, one
+    process, loopback, a free port, no metrics port), run by ``tests/fault_inference.py``.
+
+    Args:
+        workdir: where its log goes (``inference-<port>.log``: several replicas may share it).
+        model_repository: the trained models.
+        fault_file: the file whose word selects the fault (see ``tests/fault_inference.py``; write it
+            with :func:`set_fault`); absent = healthy.
+        env: further variables, winning over the defaults: ``INFERENCE_*`` settings (e.g.
+            ``INFERENCE_METRICS_PORT``), ``MLPAIR_FAULT_MODELS`` (a JSON list of the models to fail).
+    """
+    import json
+    import os
+
+    from bench.pair import MODEL, REPO, Service
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    # The launcher runs by path, not as ``-m tests.fault_inference``: an installed distribution may
+    # ship a top-level ``tests`` package that would shadow this folder; PYTHONPATH still names the
+    # repository root so that this checkout's packages import first.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    values = {"INFERENCE_HOST": "127.0.0.1", "INFERENCE_PORT": str(port), "INFERENCE_METRICS_PORT": "0",
+              "INFERENCE_MODEL_REPOSITORY": str(model_repository), "INFERENCE_MODELS": json.dumps([MODEL]),
+              "INFERENCE_LOG_LEVEL": "WARNING", "INFERENCE_WORKERS": "1", "PYTHONPATH": path,
+              "MLPAIR_FAULT_FILE": str(fault_file), **env}
+    return Service("inference", values, port, workdir / f"inference-{port}.log", command=[str(FAULT_LAUNCHER)])
+
+
+def set_fault(fault_file: Path, fault: str = "") -> None:
+    """Switches the fault of the processes reading ``fault_file`` at once (written whole by a rename,
+    so a batch never reads half a word); ``""`` = healthy."""
+    temporary = fault_file.with_name(fault_file.name + ".new")
+    temporary.write_text(fault)
+    temporary.replace(fault_file)
