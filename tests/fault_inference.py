@@ -8,7 +8,8 @@ runtime is the real one (:func:`mlpair.inference.runtimes.create_runtime`) wrapp
 Fault file absent or empty: healthy. Otherwise its one word selects the fault, applied to every
 served version, or only to the models named in ``MLPAIR_FAULT_MODELS`` (a JSON list) when set:
 
-* ``error``: ``RuntimeError("CUDA error: unspecified launch failure ...")``;
+* ``error``: ``RuntimeError("CUDA error: too many resources requested for launch ...")``, a CUDA
+  error the process recovers from (``cudaErrorLaunchOutOfResources`` is not sticky);
 * ``oom``: :class:`OutOfMemoryError` (named and worded as torch's ``torch.OutOfMemoryError``);
 * ``device_lost``: ``RuntimeError("CUDA error: an illegal memory access was encountered ...")``,
   a sticky error: the CUDA context is lost;
@@ -104,7 +105,7 @@ class FaultyRuntime:
             return self._runtime.run(features)
         if fault == "error":
             raise RuntimeError(
-                "CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported "
+                "CUDA error: too many resources requested for launch\nCUDA kernel errors might be asynchronously reported "
                 "at some other API call, so the stacktrace below might be incorrect."
             )
         if fault == "oom":
