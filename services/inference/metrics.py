@@ -6,8 +6,8 @@ a client cannot create time series.
 
 With several workers (``workers`` > 1, :mod:`mlpair.workers`) the supervisor serves every worker's
 metrics summed (prometheus-client multiprocess mode); each gauge says how workers combine:
-queue depth and device memory add up (``livesum``), a model version is ready only when it is in
-every live worker (``livemin``). ``live*`` modes drop a worker that exited.
+queue depth and device memory add up (``livesum``), a model version is ready (and healthy) only
+when it is in every live worker (``livemin``). ``live*`` modes drop a worker that exited.
 """
 
 from __future__ import annotations
@@ -87,9 +87,127 @@ DEVICE_MEMORY = Gauge(
     multiprocess_mode="livesum",
 )
 
+# -- health after start (mlpair.inference.model_health): every child made when a version is
+# published, so each series exists (at 0) from then on.
+RUNTIME_FAILURES = Counter(
+    "inference_runtime_failures_total",
+    "Failed model executions after start, by cause: batches whose runtime raised (out_of_memory, device_lost, "
+    "runtime_error) or returned the wrong row count, and self-tests whose logits did not match (wrong_output).",
+    ["model", "version", "cause"],
+)
+SELF_TEST = Counter(
+    "inference_self_test_total",
+    "Known-answer self-tests of a serving model version, by result (pass, fail).",
+    ["model", "version", "result"],
+)
+SELF_TEST_DURATION = Histogram(
+    "inference_self_test_duration_seconds",
+    "Time a known-answer self-test took, its wait in the batch queue included.",
+    ["model", "version"],
+    buckets=LATENCY_BUCKETS,
+)
+MODEL_HEALTHY = Gauge(
+    "inference_model_healthy",
+    "1 while a serving model version answers (batches and self-test pass), 0 once it turned not ready after start.",
+    ["model", "version"],
+    multiprocess_mode="livemin",
+)
+
 
 def shared_across_processes() -> bool:
     """Whether this process writes its metrics for a supervisor to aggregate (prometheus-client's
     multiprocess mode, set up by :mod:`mlpair.workers`): a value computed at scrape time
     (``set_function``) cannot be read from there."""
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+# -- GPU signals (mlpair.inference.gpu_signals): sampled on a timer, never per request. Every series
+# but inference_gpu_present exists only where NVML sees a GPU, and a field the driver does not report
+# is absent, never zero. Device-wide readings are the same in every worker (livemax); this process's
+# own memory adds up across workers (livesum).
+GPU_PRESENT = Gauge(
+    "inference_gpu_present",
+    "1 when NVML sees an NVIDIA GPU for this process, 0 when there is none (or no NVML).",
+    multiprocess_mode="livemax",
+)
+GPU_UTILIZATION = Gauge(
+    "inference_gpu_utilization_ratio",
+    "Fraction of the last sample period in which a kernel ran on the device (NVML), 0-1.",
+    ["device"],
+    multiprocess_mode="livemax",
+)
+GPU_MEMORY_UTILIZATION = Gauge(
+    "inference_gpu_memory_utilization_ratio",
+    "Fraction of the last sample period in which device memory was read or written (NVML), 0-1.",
+    ["device"],
+    multiprocess_mode="livemax",
+)
+GPU_MEMORY_USED = Gauge(
+    "inference_gpu_memory_used_bytes",
+    "Device memory in use by every process (NVML).",
+    ["device"],
+    multiprocess_mode="livemax",
+)
+GPU_MEMORY_TOTAL = Gauge(
+    "inference_gpu_memory_total_bytes", "Device memory installed (NVML).", ["device"], multiprocess_mode="livemax"
+)
+GPU_PROCESS_MEMORY = Gauge(
+    "inference_gpu_process_memory_bytes",
+    "Device memory held by this serving process (NVML's compute processes, by PID).",
+    ["device"],
+    multiprocess_mode="livesum",
+)
+GPU_TEMPERATURE = Gauge(
+    "inference_gpu_temperature_celsius", "GPU core temperature (NVML).", ["device"], multiprocess_mode="livemax"
+)
+GPU_POWER = Gauge("inference_gpu_power_watts", "Board power draw (NVML).", ["device"], multiprocess_mode="livemax")
+GPU_POWER_LIMIT = Gauge(
+    "inference_gpu_power_limit_watts", "Enforced board power limit (NVML).", ["device"], multiprocess_mode="livemax"
+)
+GPU_SM_CLOCK = Gauge(
+    "inference_gpu_sm_clock_hertz",
+    "Current streaming-multiprocessor clock (NVML).",
+    ["device"],
+    multiprocess_mode="livemax",
+)
+GPU_THROTTLED = Gauge(
+    "inference_gpu_throttled",
+    "1 while NVML reports this clock-event (throttle) reason active, 0 while not; only reasons the device supports.",
+    ["device", "reason"],
+    multiprocess_mode="livemax",
+)
+GPU_ECC_UNCORRECTED = Gauge(
+    "inference_gpu_ecc_uncorrected_errors",
+    "Uncorrected ECC errors since the driver loaded (NVML, volatile counter; ECC-capable devices only).",
+    ["device"],
+    multiprocess_mode="livemax",
+)
+GPU_XID_ERRORS = Counter(
+    "inference_gpu_xid_errors",
+    "Critical Xid events NVML delivered to this process (where the driver reports them).",
+    ["device"],
+)
+GPU_TORCH_RESERVED = Gauge(
+    "inference_gpu_torch_reserved_bytes",
+    "Device memory torch's caching allocator holds (torch runtime on CUDA only).",
+    ["device"],
+    multiprocess_mode="livesum",
+)
+GPU_TORCH_ALLOCATED = Gauge(
+    "inference_gpu_torch_allocated_bytes",
+    "Device memory in live torch tensors (torch runtime on CUDA only).",
+    ["device"],
+    multiprocess_mode="livesum",
+)
+GPU_GHOST_MEMORY = Gauge(
+    "inference_gpu_ghost_memory_bytes",
+    "torch reserved minus allocated: cached, held from other processes, used by no tensor.",
+    ["device"],
+    multiprocess_mode="livesum",
+)
+GPU_GHOST_MEMORY_LIMIT = Gauge(
+    "inference_gpu_ghost_memory_limit_bytes",
+    "gpu_ghost_memory_max_bytes: ghost memory above it makes the server not ready (0 = off); beside each ghost series.",
+    ["device"],
+    multiprocess_mode="livemax",
+)

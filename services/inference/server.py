@@ -32,6 +32,7 @@ from mlpair.collector import tune_collector
 from mlpair.inference import metrics
 from mlpair.inference.engine import InferenceEngine
 from mlpair.inference.errors import DOMAIN
+from mlpair.inference.gpu_signals import GpuSignals, start_gpu_signals
 from mlpair.inference.health import publish_loading, publish_readiness
 from mlpair.inference.repository import RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
@@ -71,6 +72,8 @@ class InferenceServer:
         self.settings = settings
         self.engine = InferenceEngine(settings, runtime_factory, on_change=self._refresh_health)
         self.health = Health([SERVICE_NAME, OIP_SERVICE_NAME])
+        self.gpu: GpuSignals | None = None
+        """The GPU sampler (:mod:`mlpair.inference.gpu_signals`) once the models are loaded; None without a GPU."""
         count_failures_with("inference", lambda stage: metrics.OBSERVABILITY_ERRORS.labels(stage).inc())
 
         def observe(servicer: object, name: str) -> None:
@@ -111,6 +114,7 @@ class InferenceServer:
             ManifestError, InferenceError: a model cannot be served (nothing turns ready).
         """
         await self.engine.start()
+        self.gpu = await start_gpu_signals(self.engine, self.settings)
         set_process_model_version(
             ",".join(f"{name}:{v}" for name, versions in self.engine.repository.serving().items() for v in versions)
         )
@@ -135,12 +139,19 @@ class InferenceServer:
             refuse=self.engine.begin_drain,
             wait_idle=self.engine.wait_idle,
         )
+        await self._stop_gpu_signals()
         await self.engine.close()
 
     async def stop(self) -> None:
         """Immediate stop (tests): cancels in-flight calls."""
         await self.server.stop(0)
+        await self._stop_gpu_signals()
         await self.engine.close()
+
+    async def _stop_gpu_signals(self) -> None:
+        if self.gpu is not None:
+            await self.gpu.stop()
+            self.gpu = None
 
 
 async def start(

@@ -99,6 +99,29 @@ class InferenceSettings(ConnectionSettings):
     """A version whose warm-up batch of max_batch_size rows ran within this many ms runs its batches on
     the event-loop thread (a thread hop costs more than such a batch); 0 = always in the executor."""
 
+    # -- GPU signals (mlpair.inference.gpu_signals) -----------------------------------------
+    gpu_sample_interval_s: float = 5.0
+    """Seconds between samples of the GPUs through NVML (and of torch's CUDA allocator), in a thread,
+    never per request; 0 = no sampling. Without NVML or a GPU nothing is sampled whatever this says."""
+    gpu_ghost_memory_max_bytes: int = 4 * 2**30
+    """Bytes torch may hold reserved but unallocated ("ghost memory") on a device before the server
+    turns not ready, until it falls back under; 0 = no limit. Only the torch runtime on CUDA has it."""
+
+    # -- health after start (mlpair.inference.model_health) ----------------------------------
+    unhealthy_after_failures: int = 3
+    """Consecutive failed batches (the runtime raised, or returned the wrong row count) after which a model
+    version turns not ready; a sticky CUDA error turns it not ready (and fails liveness) at once."""
+    self_test_interval_s: float = 10.0
+    """Seconds between known-answer self-tests of a healthy model version (one batch of 8 rows through
+    its batcher); without traffic, a model that turned wrong or broken is seen within this long."""
+    self_test_retry_s: float = 1.0
+    """Seconds between self-tests of an unhealthy model version; the first passing one makes it ready again."""
+    self_test_atol: float = 1e-4
+    """Absolute tolerance of the self-test: logits match when |y - ref| <= atol + rtol * |ref|, where atol
+    also gets 4 times the spread measured at warm-up (batch size, padding, half precision)."""
+    self_test_rtol: float = 1e-3
+    """Relative tolerance of the self-test (see self_test_atol)."""
+
     # -- dynamic batching ------------------------------------------------------------------
     batching: bool = True
     """Dynamic batching on; off executes each request (or chunk) on its own."""
@@ -128,6 +151,12 @@ class InferenceSettings(ConnectionSettings):
     def _limits_are_consistent(self) -> InferenceSettings:
         if self.max_batch_size < 1 or self.max_request_rows < 1 or self.stream_max_in_flight < 1:
             raise ValueError("max_batch_size, max_request_rows and stream_max_in_flight must be at least 1")
+        if self.gpu_sample_interval_s < 0 or self.gpu_ghost_memory_max_bytes < 0:
+            raise ValueError("gpu_sample_interval_s and gpu_ghost_memory_max_bytes cannot be negative (0 = off)")
+        if self.unhealthy_after_failures < 1 or self.self_test_interval_s <= 0 or self.self_test_retry_s <= 0:
+            raise ValueError("unhealthy_after_failures must be at least 1, self_test_interval_s and self_test_retry_s above 0")
+        if self.self_test_atol < 0 or self.self_test_rtol < 0:
+            raise ValueError("self_test_atol and self_test_rtol cannot be negative")
         if self.max_request_rows > self.max_queue_rows:
             raise ValueError(
                 f"max_request_rows ({self.max_request_rows}) cannot exceed max_queue_rows "
