@@ -158,13 +158,14 @@ MODEL_OUTPUT_INVALID = Counter(
 )
 INFERENCE_ERRORS = Counter(
     "prediction_inference_errors_total",
-    "Failed Infer calls by cause: unavailable, cancelled and timeout lead to a stale result "
-    "or the fallback and count for the circuit breaker; queue_full and rate_limited "
-    "(load shed) reach the caller as RESOURCE_EXHAUSTED; the rest are failures.",
+    "Failed Infer attempts by cause: unavailable, model_unhealthy, model_failure, internal, unknown, "
+    "cancelled and timeout are inference-side faults (retried once where retryable, else a stale result "
+    "or the fallback; they count for the circuit breaker); queue_full and rate_limited (load shed) reach "
+    "the caller as RESOURCE_EXHAUSTED; the rest are failures.",
     ["model", "cause"],
 )
 INFERENCE_RETRIES = Counter(
-    "prediction_inference_retries_total", "Infer attempts retried after UNAVAILABLE.", ["model"]
+    "prediction_inference_retries_total", "Infer attempts retried after an inference-side fault.", ["model"]
 )
 CIRCUIT_STATE = Gauge(
     "prediction_circuit_state",

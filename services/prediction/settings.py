@@ -25,7 +25,11 @@ class PredictionSettings(ConnectionSettings):
     metrics_port: int = 9002
     """Prometheus HTTP port; 0 disables the exporter."""
     inference_target: str = "127.0.0.1:8001"
-    """host:port of InferenceService."""
+    """InferenceService as a gRPC target: host:port, or several replicas as dns:///name:port (a
+    headless Service) or ipv4:host:port,host:port (docs/reliability.md, "Containment")."""
+    inference_load_balancing: Literal["pick_first", "round_robin"] = "pick_first"
+    """pick_first: one connection (behind the mesh, which balances each call); round_robin: each call to
+    the next replica the target resolves to that is SERVING by gRPC client-side health checking."""
     inference_timeout_ms: int = 1000
     """Longest deadline of one Infer call, in milliseconds; the caller's remaining deadline can shorten it."""
     crm_url: str = "sqlite+aiosqlite:///var/crm.sqlite"
@@ -105,7 +109,8 @@ class PredictionSettings(ConnectionSettings):
     Above the 3.8 ms p99 of a direct Infer call at 1 in flight on loopback (docs/performance.md):
     less cannot finish even against an idle InferenceService. Raise it where the hop is longer."""
     inference_max_attempts: int = 2
-    """Infer attempts per call, the first included; only UNAVAILABLE is retried."""
+    """Infer attempts per call, the first included; only inference-side faults are retried (UNAVAILABLE,
+    a failed model batch or another INTERNAL, UNKNOWN), each attempt a new pick of a replica."""
     inference_retry_backoff_ms: int = 10
     """Base of the full-jitter exponential backoff between Infer attempts, in milliseconds."""
     inference_reconnect_backoff_max_ms: int = 1000

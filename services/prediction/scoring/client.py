@@ -9,6 +9,7 @@ at once with :class:`InferenceUnavailable`, so the caller can fall back inside i
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 
@@ -37,6 +38,16 @@ logger = logging.getLogger(__name__)
 SERVICE = "mlpair.inference.v1.InferenceService"
 RATE_LIMITED_HEADER = "x-mlpair-rate-limited"  # added by the mesh's local rate limit (deploy/istio)
 _CONTRACT = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+# InferenceService's ErrorInfo reasons (services/inference/errors.py, engine.py, health)
+MODEL_FAILURE = "MODEL_FAILURE"
+MODEL_UNHEALTHY = "MODEL_UNHEALTHY"
+NON_FINITE_OUTPUT = "NON_FINITE_OUTPUT"
+# Client-side balancing (load_balancing="round_robin"): gRPC's round_robin policy over every address
+# the target resolves to, and gRPC client-side health checking (gRFC A17): each address's
+# grpc.health.v1 Watch for this name keeps it in the rotation only while SERVING.
+_ROUND_ROBIN_CONFIG = json.dumps(
+    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE}}
+)
 # gRPC's own RESOURCE_EXHAUSTED texts for its size limits (grpc-core, chttp2 and message_size filters)
 _SIZE_TEXTS = (
     ("message_size", ("message larger than max",)),
@@ -47,18 +58,42 @@ _SIZE_TEXTS = (
 def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
     """A failed Infer call's cause (a metric label) and the error it becomes, by what it means.
 
-    Only the model being unavailable leads to a stale result or the fallback and counts against
-    the circuit breaker (:class:`InferenceUnavailable`): UNAVAILABLE (``unavailable``, the one
-    retryable cause: the call reached no model), CANCELLED by the server (``cancelled``) and
-    DEADLINE_EXCEEDED (``timeout``). RESOURCE_EXHAUSTED is load shed — InferenceService's queue is
-    full (``queue_full``), the mesh's rate limit refused the call (``rate_limited``, its reply
-    header) or another proxy did (``resource_exhausted``) — and becomes
-    :class:`InferenceOverloaded`: the callers get RESOURCE_EXHAUSTED to retry later, nothing is
-    recorded, and the breaker does not count it (the service is up) — unless gRPC's message or
-    metadata size limit refused the call (``message_size``, ``metadata_size``: a retry would meet
-    the same limit). That, INVALID_ARGUMENT (``invalid_argument``) and a model failure
-    (``model_failure``) are this side's or the model's fault: :class:`InferenceFailed` (INTERNAL),
-    never a fallback. A refused version contract is :class:`InferenceContractError`.
+    **Inference-side faults** — the replica that took the call could not answer it, and another
+    replica may — become :class:`InferenceUnavailable`: they count against the circuit breaker,
+    lead to a stale result or the fallback (REVIEW, flagged and recorded), and the retryable ones
+    are tried once more (:class:`~mlpair.prediction.scoring.resilience.ResilientCaller`; each
+    attempt is a new pick of the channel's balancer or of the mesh, so another replica):
+
+    * UNAVAILABLE (retryable): ``model_unhealthy`` when InferenceService took the model version
+      out after consecutive runtime failures (ErrorInfo reason ``MODEL_UNHEALTHY``), else
+      ``unavailable`` (no connection, a reset connection, draining, not ready: the call reached
+      no model);
+    * INTERNAL (retryable): ``model_failure`` when the model's batch failed on that replica
+      (reason ``MODEL_FAILURE``: a runtime error, CUDA error or out-of-memory), ``internal`` for
+      any other INTERNAL (an unexpected server error, a stream reset by HTTP/2 ``INTERNAL_ERROR``);
+      UNKNOWN (``unknown``: a handler raised outside the server's own errors) likewise;
+    * CANCELLED by the server (``cancelled``) and DEADLINE_EXCEEDED (``timeout``): not retried
+      (the time is spent).
+
+    Not inference-side, so never retried and never a fallback:
+
+    * RESOURCE_EXHAUSTED is load shed — InferenceService's queue is full (``queue_full``), the
+      mesh's rate limit refused the call (``rate_limited``, its reply header) or another proxy
+      did (``resource_exhausted``) — and becomes :class:`InferenceOverloaded`: the callers get
+      RESOURCE_EXHAUSTED to retry later, nothing is recorded, and the breaker does not count it
+      (the service is up) — unless gRPC's message or metadata size limit refused the call
+      (``message_size``, ``metadata_size``: a retry would meet the same limit).
+    * INVALID_ARGUMENT (``invalid_argument``: this side built a tensor the model refuses) and a
+      whole call refused for non-finite output (``non_finite_output``: reason ``MODEL_FAILURE``
+      with ErrorInfo metadata ``reason=NON_FINITE_OUTPUT``) are :class:`InferenceFailed`
+      (INTERNAL). Non-finite output is a property of these rows under this model version, the
+      same on every replica, so a retry elsewhere would only repeat it; this client asks for
+      ``per_row_errors``, under which InferenceService reports such rows one by one (each then
+      decided as invalid output, services/inference/engine.py), so a whole call refused for it
+      means a server that ignored the request's contract. Any other code is ``other``, also
+      :class:`InferenceFailed`.
+    * A refused version contract (FAILED_PRECONDITION, NOT_FOUND) is
+      :class:`InferenceContractError` (``contract``).
     """
     code = exc.code()
     info = error_info(exc)
@@ -70,7 +105,12 @@ def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
             "the inference service is unavailable; retry later", metadata={"inference_code": code.name}
         )
         error.retryable = code == grpc.StatusCode.UNAVAILABLE
-        return code.name.lower(), error
+        cause = "model_unhealthy" if reason == MODEL_UNHEALTHY else code.name.lower()
+        return cause, error
+    if code == grpc.StatusCode.INTERNAL and not (info and info.metadata.get("reason") == NON_FINITE_OUTPUT):
+        return _replica_fault("model_failure" if reason == MODEL_FAILURE else "internal", code)
+    if code == grpc.StatusCode.UNKNOWN:
+        return _replica_fault("unknown", code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         details = (exc.details() or "").lower()
         if size := next((c for c, texts in _SIZE_TEXTS if any(t in details for t in texts)), None):
@@ -87,10 +127,19 @@ def classify(exc: grpc.RpcError) -> tuple[str, PredictionError]:
             "the inference service refused the feature/model version contract; no decision was made",
             metadata={"inference_code": code.name, "inference_reason": reason},
         )
-    cause = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.INTERNAL: "model_failure"}.get(
+    cause = {grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument", grpc.StatusCode.INTERNAL: "non_finite_output"}.get(
         code, "other"
     )
     return cause, InferenceFailed("inference failed")
+
+
+def _replica_fault(cause: str, code: grpc.StatusCode) -> tuple[str, InferenceUnavailable]:
+    """An error of the replica that took the call: retryable on another, else the fallback."""
+    error = InferenceUnavailable(
+        "the inference service failed to answer; retry later", metadata={"inference_code": code.name}
+    )
+    error.retryable = True
+    return cause, error
 
 
 def _rate_limited(exc: grpc.RpcError) -> bool:
@@ -106,7 +155,15 @@ class InferenceClient:
     """Async InferenceService client over one shared channel.
 
     Args:
-        target: ``host:port`` of InferenceService.
+        target: InferenceService as a gRPC target name: ``host:port`` (one connection, as
+            gRPC's default ``pick_first`` keeps, e.g. to a Service behind the mesh, which balances
+            per call), or several replicas: ``dns:///name:port`` (every address a DNS name
+            resolves to, e.g. a headless Service) or ``ipv4:host:port,host:port,...``.
+        load_balancing: ``pick_first`` (gRPC's default) or ``round_robin``: each call goes to the
+            next replica whose ``grpc.health.v1`` status for ``mlpair.inference.v1.InferenceService``
+            is SERVING (gRPC client-side health checking, a Watch per replica), so a replica that
+            turns NOT_SERVING leaves the rotation with its next health update and comes back with
+            the one after it recovers; a retry (a new call) goes to the next replica.
         timeout_ms: deadline of a call that names none.
         max_message_bytes: gRPC message limit, both directions.
         reconnect_backoff_max_ms: longest wait between reconnection attempts after the server
@@ -131,7 +188,10 @@ class InferenceClient:
         tracer: CallTracer | None = None,
         keepalive_ms: int = 0,
         keepalive_timeout_ms: int = 5000,
+        load_balancing: str = "pick_first",
     ) -> None:
+        if load_balancing not in ("pick_first", "round_robin"):
+            raise ValueError(f"load_balancing must be pick_first or round_robin, not {load_balancing!r}")
         options = [
             *message_size_options(max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
@@ -139,6 +199,8 @@ class InferenceClient:
             ("grpc.max_reconnect_backoff_ms", reconnect_backoff_max_ms),
             *client_keepalive_options(keepalive_ms, keepalive_timeout_ms),
         ]
+        if load_balancing == "round_robin":
+            options.append(("grpc.service_config", _ROUND_ROBIN_CONFIG))
         self._channel = open_channel(target, options, credentials)
         self._tracer = tracer
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
@@ -204,7 +266,9 @@ class InferenceClient:
         return logits, response.model_version
 
     async def ready(self, timeout_s: float) -> bool:
-        """Whether InferenceService answers ``grpc.health.v1`` with SERVING within ``timeout_s``."""
+        """Whether InferenceService answers ``grpc.health.v1`` with SERVING within ``timeout_s``
+        (under ``round_robin``: whether any replica in the rotation does — a replica that is not
+        SERVING is out of it, and with none left the call fails at once)."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:

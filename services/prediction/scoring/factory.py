@@ -72,6 +72,7 @@ def build_scorer(settings: PredictionSettings, *, tracer_provider: TracerProvide
         credentials=tls,
         keepalive_ms=settings.inference_keepalive_ms,
         keepalive_timeout_ms=settings.inference_keepalive_timeout_ms,
+        load_balancing=settings.inference_load_balancing,
         tracer=CallTracer(tracer_provider) if settings.tracing else None,
     )
     caller = ResilientCaller(

@@ -7,8 +7,9 @@
   nothing decided or recorded: the deadline is the caller's, not a sign that inference is down),
   or with :class:`CircuitOpen` while the circuit is open (then the caller falls back). An attempt
   that runs out of its budget is :class:`InferenceTimeout`, and the caller falls back.
-* **Retries** only for retryable codes (UNAVAILABLE: the call reached no model), with full
-  jitter — ``uniform(0, min(cap, base·2^attempt))``, AWS Architecture Blog, "Exponential
+* **Retries** only of inference-side faults, which another replica may not have
+  (``InferenceUnavailable.retryable``, ``scoring.client.classify``: UNAVAILABLE, a failed model
+  batch or another INTERNAL, UNKNOWN), with full jitter — ``uniform(0, min(cap, base·2^attempt))``, AWS Architecture Blog, "Exponential
   Backoff and Jitter" (2015) — and only when the wait plus a minimal attempt still fit the
   budget.
 * **Circuit breaker** (Nygard, *Release It!*, 2nd ed., ch. 5): CLOSED counts consecutive
@@ -17,7 +18,8 @@
   service, and one caller sending tight deadlines must not open the circuit for all); at ``failure_threshold`` it OPENs and calls fail at once with
   :class:`CircuitOpen`; after ``open_s`` it is HALF_OPEN and lets ``half_open_probes`` calls
   through at a time — a success closes it, a failure opens it again. Answers that prove the
-  service is up (a contract refusal, a model error) count as successes for availability. Load
+  service is up (a contract refusal, an invalid tensor) count as successes for availability;
+  a replica's failed model batch counts as a failure, by cause in ``prediction_inference_errors_total``. Load
   shedding (:class:`InferenceOverloaded`: a full queue, the mesh's rate limit) counts as neither:
   a busy service is not a broken one, and opening the circuit would turn shed calls into
   fallback decisions (errors by cause: ``scoring.client.classify``).
@@ -213,7 +215,7 @@ class ResilientCaller:
             DeadlineTooShort: the caller's budget was too short for a first attempt (none was made).
             InferenceTimeout: the budget ran out during an attempt, or before a retry.
             CircuitOpen: the breaker refused the call.
-            InferenceUnavailable: the last attempt found the service down.
+            InferenceUnavailable: the last attempt found the service down or failing.
             InferenceOverloaded: the service shed the call (not retried: a retry adds load; not a breaker failure).
             InferenceContractError, InferenceFailed: the service answered with a refusal (not retried).
         """
