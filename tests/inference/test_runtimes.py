@@ -72,3 +72,18 @@ async def test_the_torch_runtime_serves_through_the_same_server(model_repository
     got = np.frombuffer(reply.raw_output_contents[0], dtype="<f4").reshape(64, 2)
     expected = OnnxRuntime(credit_entry.model_path, provider="cpu").run(x)
     assert float(np.max(np.abs(got - expected))) <= 1e-4
+
+
+def test_deterministic_torch_runtime_gives_a_row_the_same_logits_in_any_batch(credit_entry, holdout_x, tmp_path):
+    """Deterministic kernels repeat a batch, but GEMM blocking (and so the summation order)
+    follows the batch size: the torch runtime runs every batch at one padded size instead."""
+    settings = make_settings(tmp_path, runtime="torch", deterministic=True, max_batch_size=64)
+    rt = create_runtime(credit_entry, settings)
+    x = holdout_x[:200]
+    whole = rt.run(x)
+    assert whole.shape == (200, 2)
+    for size in (1, 7, 64, 150):
+        parts = np.concatenate([rt.run(x[i : i + size]) for i in range(0, len(x), size)])
+        assert parts.tobytes() == whole.tobytes(), size
+    assert rt.run(x[:0]).shape == (0, 2)
+    torch.use_deterministic_algorithms(False)  # process-wide switch; leave the rest of the suite as it was

@@ -8,9 +8,14 @@ independent, so padding never changes a real row's logits). On CPU both options 
 with a log line.
 
 Deterministic mode: ``torch.use_deterministic_algorithms(True)``, a fixed seed, cuDNN
-autotuning off, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` and one CPU thread. Its cost is the
-speed of the kernels it rules out: nothing measurable for this MLP on CPU, typically 5-30 %
-on GPUs for larger models; it is for audited deployments that must replay a decision exactly.
+autotuning off, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, one CPU thread, and every batch run at
+one fixed size (zero-padded to the largest warm-up batch size, longer batches in chunks of it).
+Deterministic kernels alone give the same logits for the same batch twice, not for the same
+row in batches of different sizes: the GEMM libraries pick a different blocking, and so a
+different summation order, per batch size (measured with ``bench/gpu_check.py``: up to 5e-7 apart
+on CPU). One fixed shape makes a row's logits independent of its batch and its batch-mates.
+Its cost is the speed of the kernels it rules out plus the padded rows; it is for audited
+deployments that must replay a decision exactly.
 """
 
 from __future__ import annotations
@@ -63,8 +68,10 @@ class TorchRuntime:
         self._module = module.half() if self._half else module
         self._graphs: dict[int, tuple] = {}
         self._graph_lock = threading.Lock()  # a graph's static buffers serve one batch at a time
+        self._fixed_rows = max(graph_batch_sizes or [1]) if deterministic else 0
+        """Deterministic mode: every batch runs at this many rows (zero-padded, chunked); 0 = as it comes."""
         if cuda_graphs and self.device.type == "cuda":
-            self._capture(graph_batch_sizes or [1])
+            self._capture([self._fixed_rows] if self._fixed_rows else graph_batch_sizes or [1])
         elif cuda_graphs:
             logger.info("cuda_graphs ignored: it needs CUDA")
         self.description = f"torch:{self.device}{':fp16' if self._half else ''}{':cudagraphs' if self._graphs else ''}"
@@ -110,6 +117,22 @@ class TorchRuntime:
 
     def run(self, features: np.ndarray) -> np.ndarray:
         """Logits for ``features`` ``[batch, n_features] float32`` (blocking; call from an executor)."""
+        if self._fixed_rows:
+            return self._run_fixed(features)
+        return self._run(features)
+
+    def _run_fixed(self, features: np.ndarray) -> np.ndarray:
+        """Deterministic mode: runs ``features`` in zero-padded chunks of exactly ``_fixed_rows`` rows."""
+        size, rows = self._fixed_rows, features.shape[0]
+        parts = []
+        for start in range(0, max(rows, 1), size):
+            chunk = features[start : start + size]
+            padded = np.zeros((size, features.shape[1]), dtype=np.float32)
+            padded[: chunk.shape[0]] = chunk
+            parts.append(self._run(padded)[: chunk.shape[0]])
+        return np.concatenate(parts)
+
+    def _run(self, features: np.ndarray) -> np.ndarray:
         torch = self._torch
         if not features.flags.writeable:
             features = features.copy()  # torch refuses to wrap read-only memory without a warning
