@@ -127,6 +127,11 @@ class Health:
             await self.servicer.set(name, SERVING if ready else NOT_SERVING)
         self._parts |= parts.keys()
 
+    async def set_live(self, live: bool) -> None:
+        """Sets ``liveness`` (:data:`LIVENESS`): False only for a process that can never serve again
+        (InferenceService: a lost CUDA device), so that the kubelet restarts it."""
+        await self.servicer.set(LIVENESS, SERVING if live else NOT_SERVING)
+
     async def set_status(self, name: str, serving: bool) -> None:
         """Sets a status name (not readiness: the drain leaves it as it is)."""
         await self.servicer.set(name, SERVING if serving else NOT_SERVING)

@@ -24,7 +24,11 @@ Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requ
 * a runtime that raises, or returns the wrong number of rows, fails every request of that
   batch with :class:`ModelFailure` (INTERNAL) — never an empty success. Each request gets its
   own rows' logits as computed; what one row's values mean (non-finite output) is judged per
-  request by the engine, so one request's bad row never reaches its batch-mates.
+  request by the engine, so one request's bad row never reaches its batch-mates;
+* each batch's outcome goes to the version's health (:mod:`mlpair.inference.model_health`): only
+  the first failure of a streak is logged (with its traceback), the rest are counted; while the
+  version is unhealthy, a batch without its self-test is answered :class:`ModelUnhealthy`
+  (UNAVAILABLE) and never run.
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mlpair.inference import metrics
 from mlpair.inference.batch_queue import Item, RowQueue
-from mlpair.inference.errors import ModelFailure, ModelNotReady, QueueFull
+from mlpair.inference.errors import ModelFailure, ModelNotReady, ModelUnhealthy, QueueFull
+from mlpair.inference.model_health import WRONG_OUTPUT
 from mlpair.inference.statistics import VersionStatistics
+
+if TYPE_CHECKING:
+    from mlpair.inference.model_health import VersionHealth
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +70,7 @@ class DynamicBatcher:
         instances: executions that may run at once (threads of the executor).
         inline: run batches on the event-loop thread instead of the executor; for models whose
             largest batch takes less time than a thread hop (one instance only).
+        health: the version's health after start, told every batch's outcome (None: not tracked).
     """
 
     def __init__(
@@ -76,8 +86,11 @@ class DynamicBatcher:
         batching: bool = True,
         instances: int = 1,
         inline: bool = False,
+        health: VersionHealth | None = None,
     ) -> None:
         self._run = run
+        self._health = health
+        self._self_tests: set[asyncio.Future] = set()  # futures of self-test items now queued or running
         self.model, self.version = model, version
         self.max_batch_size = max_batch_size
         self._delay_s = max_queue_delay_ms / 1000.0 if batching else 0.0
@@ -204,6 +217,28 @@ class DynamicBatcher:
             raise
         return np.concatenate(parts)
 
+    async def submit_self_test(self, rows: np.ndarray) -> np.ndarray:
+        """As :meth:`submit` (no deadline), for the version's known-answer self-test: its batch runs
+        even while the version is unhealthy.
+
+        Raises:
+            QueueFull, ModelFailure, ModelNotReady: as :meth:`submit`.
+        """
+        if self._closing:
+            raise ModelNotReady(f"model {self.model!r} version {self.version} is being unloaded; retry")
+        if self._queue.rows + rows.shape[0] > self._max_queue_rows:
+            raise QueueFull(f"model {self.model!r} version {self.version}: queue full")
+        item = Item(rows, asyncio.get_running_loop().create_future(), None, time.monotonic())
+        self._self_tests.add(item.future)
+        try:
+            self._enqueue(item)
+            return await item.future
+        except asyncio.CancelledError:
+            self._queue.discard(item)
+            raise
+        finally:
+            self._self_tests.discard(item.future)
+
     def _enqueue(self, item: Item) -> None:
         self._queue.push(item)
         if self._queue.rows >= self._wake_rows:
@@ -272,7 +307,11 @@ class DynamicBatcher:
     async def _execute(self, batch: list[Item]) -> None:
         """Runs one batch on the executor and scatters its logits, releasing the slot."""
         stats = self.statistics
+        health = self._health
         try:
+            if health is not None and not health.healthy and not any(i.future in self._self_tests for i in batch):
+                self._fail(batch, "", ModelUnhealthy)
+                return
             now = time.monotonic()
             for item in batch:
                 waited = now - item.enqueued
@@ -288,8 +327,9 @@ class DynamicBatcher:
                     logits = self._run(x)
                 else:
                     logits = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
-            except Exception:
-                logger.exception("runtime failed for %s version %s on %d rows", self.model, self.version, rows)
+            except Exception as exc:
+                if health is None or health.batch_failed(exc):
+                    logger.exception("runtime failed for %s version %s on %d rows", self.model, self.version, rows)
                 self._fail(batch, "the model failed to run")
                 return
             finally:
@@ -297,6 +337,9 @@ class DynamicBatcher:
                 self._m_compute.observe(ended - started)
                 stats.executed(len(batch), rows, started - began, ended - started)
             if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.shape[0] != rows:
+                if health is not None and not health.batch_failed(None, WRONG_OUTPUT):
+                    self._fail(batch, "the model returned the wrong number of rows")
+                    return
                 logger.error(
                     "%s version %s returned %s for %d rows",
                     self.model,
@@ -306,6 +349,8 @@ class DynamicBatcher:
                 )
                 self._fail(batch, "the model returned the wrong number of rows")
                 return
+            if health is not None:
+                health.batch_succeeded()
             self._scatter(batch, logits)
             stats.handed_back(len(batch), rows, time.perf_counter() - ended)
         finally:
@@ -319,9 +364,11 @@ class DynamicBatcher:
                 item.future.set_result(logits[offset : offset + item.n])
             offset += item.n
 
-    @staticmethod
-    def _fail(batch: list[Item], message: str) -> None:
-        """Fails every waiting caller of a batch with its own ModelFailure (INTERNAL)."""
+    def _fail(self, batch: list[Item], message: str, error: type[ModelFailure | ModelUnhealthy] = ModelFailure) -> None:
+        """Fails every waiting caller of a batch with its own ``error``: ModelFailure (INTERNAL), or
+        ModelUnhealthy (UNAVAILABLE) for a batch not run because the version is unhealthy."""
+        if error is ModelUnhealthy:
+            message = f"model {self.model!r} version {self.version} is not healthy; retry on another replica"
         for item in batch:
             if not item.future.done():
-                item.future.set_exception(ModelFailure(message))
+                item.future.set_exception(error(message))

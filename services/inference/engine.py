@@ -10,8 +10,10 @@ request (INTERNAL, ``MODEL_FAILURE``, naming the rows), or, when the caller aske
 ``per_row_errors``, is reported as that row's error with zero logits while the other rows are
 returned. Either way the request's batch-mates never see it, and every such row is counted.
 
-Readiness: the server is ready when it is not draining and every expected model has a
-serving (loaded, verified, warmed) version. Liveness is the process answering at all.
+Readiness: the server is ready when it is not draining, no server-level condition is set and
+every expected model has a serving (loaded, verified, warmed) version that is healthy now
+(:mod:`mlpair.inference.model_health`: no failure streak, its known-answer self-test passing).
+Liveness is the process answering at all, until a sticky CUDA error loses the device.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ class InferenceEngine:
         on_change: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
-        self.repository = ModelRepository(settings, runtime_factory, on_change=self._changed)
+        self.repository = ModelRepository(
+            settings, runtime_factory, on_change=self._changed, on_device_lost=self._runtime_lost_device
+        )
         self._on_change = on_change
         self._max_rows = settings.max_request_rows
         self.draining = False
@@ -141,8 +145,16 @@ class InferenceEngine:
             self.device_lost = reason
             await self._changed()
 
+    async def _runtime_lost_device(self, reason: str) -> None:
+        """A runtime raised a sticky CUDA error: liveness fails, and readiness with it (condition
+        ``device_lost``) whatever later self-tests say."""
+        if self.device_lost is None:
+            logger.error("device lost, liveness fails so the pod restarts: %s", reason)
+        await self.set_condition("device_lost", reason)
+        await self.mark_device_lost(reason)
+
     def model_ready(self, name: str, version: str = "") -> bool:
-        """Whether ``name`` (at ``version``, or any) is serving and the server is not stopping."""
+        """Whether ``name`` (at ``version``, or any) is serving and healthy, and the server is not stopping."""
         return not self.stopping and self.repository.is_ready(name, version)
 
     async def withdraw_readiness(self) -> None:
@@ -227,7 +239,8 @@ class InferenceEngine:
         Raises:
             Draining, ModelNotReady, ModelNotFound, FeatureVersionMismatch, InvalidInput,
             QueueFull, DeadlineExpired, ModelFailure (the whole batch failed, or a row's output
-            is non-finite and ``per_row_errors`` is off).
+            is non-finite and ``per_row_errors`` is off), ModelUnhealthy (the version is not
+            healthy after start: retry on another replica).
         """
         started = time.perf_counter()
         self._in_flight += 1
@@ -237,7 +250,7 @@ class InferenceEngine:
         try:
             if self.draining:
                 raise Draining("the server is shutting down; retry on another replica")
-            served = self.repository.get(name, version)
+            served = self.repository.route(name, version)
             check_feature_version(served.feature_version, feature_version)
             if tensor.name and tensor.name != served.input_name:
                 raise InvalidInput(f"unknown input {tensor.name!r}; model {name!r} takes {served.input_name!r}")

@@ -47,6 +47,14 @@ class ModelNotReady(InferenceError):
     reason = "MODEL_NOT_READY"
 
 
+class ModelUnhealthy(InferenceError):
+    """The model version failed batch after batch, or its known-answer self-test, after start
+    (:mod:`mlpair.inference.model_health`): not run on its runtime; retry on another replica."""
+
+    code = "UNAVAILABLE"
+    reason = "MODEL_UNHEALTHY"
+
+
 class ModelFailure(InferenceError):
     """The model itself failed or produced unusable output (never the caller's fault)."""
 

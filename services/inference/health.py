@@ -5,11 +5,16 @@ Names and their meaning (readiness, for Kubernetes readiness probes and load bal
 * ``""`` (overall), ``mlpair.inference.v1.InferenceService`` and
   ``inference.GRPCInferenceService``: SERVING when the server is ready — every expected model
   has a loaded, verified and warmed version, and the server is not draining;
-* ``<model name>`` (e.g. ``credit-risk``): SERVING when that model has a serving version.
+* ``<model name>`` (e.g. ``credit-risk``): SERVING when that model has a serving version that
+  is healthy now (:mod:`mlpair.inference.model_health`); the server's names also need every
+  expected model so, and no server-level condition (e.g. a lost device).
 
 Everything starts NOT_SERVING and turns NOT_SERVING again at once on SIGTERM, when open Watch
 streams end too. Liveness is the name ``liveness`` (:mod:`mlpair.rpc.health`): SERVING while the
 port answers, whatever the models and the drain (the OIP ``ServerLive`` RPC says the same).
+InferenceService turns ``liveness`` NOT_SERVING (and OIP ``ServerLive`` false) once, for good, when
+a runtime raises a sticky CUDA error (:meth:`InferenceEngine.mark_device_lost`): the process can
+never run a model again and the kubelet restarts it; every recoverable state leaves it SERVING.
 Both services publish through the one helper, :class:`mlpair.rpc.health.Health`.
 """
 
@@ -21,10 +26,13 @@ from mlpair.rpc.health import Health
 
 async def publish_readiness(health: Health, engine: InferenceEngine) -> None:
     """Publishes the engine's readiness: the server's on the service names, each model's on its
-    name (every expected or serving model; one that was unloaded turns NOT_SERVING)."""
+    name (every expected or serving model; one that was unloaded turns NOT_SERVING); and its
+    liveness on ``liveness`` (NOT_SERVING once the device is lost)."""
     repo = engine.repository
     models = {name: engine.model_ready(name) for name in repo.expected | set(repo.serving())}
     await health.set_serving(engine.ready(), models)
+    if not engine.live():
+        await health.set_live(False)
 
 
 async def publish_loading(health: Health, engine: InferenceEngine) -> None:

@@ -9,6 +9,10 @@ thread while the current ones keep serving; only then is it published (new reque
 versions the policy no longer wants are unpublished and their batchers finish every queued
 request before they close. A version that fails to load is marked UNAVAILABLE with a reason
 and never serves; the versions already serving stay.
+
+After start each serving version's health is tracked (:mod:`mlpair.inference.model_health`): an
+unhealthy version stays published (its self-test keeps running through its batcher) but is not
+ready and takes no request (:meth:`ModelRepository.route`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import numpy as np
 from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions, load_entry
 from mlpair.inference import metrics
 from mlpair.inference.batcher import DynamicBatcher
-from mlpair.inference.errors import InferenceError, ModelLoadFailed, ModelNotFound, ModelNotReady
+from mlpair.inference.errors import InferenceError, ModelLoadFailed, ModelNotFound, ModelNotReady, ModelUnhealthy
+from mlpair.inference.model_health import KnownAnswer, VersionHealth
 from mlpair.inference.runtimes import Runtime, create_runtime, warmup_batch_sizes
 from mlpair.inference.settings import InferenceSettings
 from mlpair.inference.versions import (
@@ -52,7 +57,10 @@ class ModelRepository:
     Args:
         settings: repository root, policy, runtime and batching settings.
         runtime_factory: builds a runtime for an entry (tests may wrap the real one).
-        on_change: awaited after every publish or retire (the server refreshes health).
+        on_change: awaited after every publish or retire and every health transition (the server
+            refreshes health).
+        on_device_lost: awaited with a one-line reason when a version's runtime raised a sticky CUDA
+            error (the engine fails liveness).
     """
 
     def __init__(
@@ -60,14 +68,18 @@ class ModelRepository:
         settings: InferenceSettings,
         runtime_factory: RuntimeFactory = create_runtime,
         on_change: Callable[[], Awaitable[None]] | None = None,
+        on_device_lost: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.root = settings.model_repository
         self.policy = VersionPolicy.parse(settings.version_policy)
         self._factory = runtime_factory
         self._on_change = on_change
+        self._on_device_lost = on_device_lost
         self._serving: dict[str, dict[str, ServedVersion]] = {}
         self._default: dict[str, ServedVersion] = {}  # name → highest serving version
+        self._route: dict[str, ServedVersion] = {}  # name → highest healthy serving version
+        self._tasks: set[asyncio.Task] = set()  # health publications under way
         self._status: dict[tuple[str, str], VersionStatus] = {}
         self._lock = asyncio.Lock()
         self.expected: set[str] = set()  # models readiness waits for
@@ -91,6 +103,22 @@ class ModelRepository:
                 return served
         return self._missing(name, version)
 
+    def route(self, name: str, version: str = "") -> ServedVersion:
+        """The version an inference request for ``name`` (``version``, empty = the highest healthy
+        one) runs on: as :meth:`get`, but only a healthy version.
+
+        Raises:
+            ModelUnhealthy: that version, or every serving version of ``name``, is unhealthy.
+            ModelNotFound, ModelNotReady: as :meth:`get`.
+        """
+        served = self._route.get(name) if not version else self._serving.get(name, {}).get(version)
+        if served is not None and served.health.healthy:
+            return served
+        if served is not None or (not version and self._serving.get(name)):
+            what = f"version {version} is not healthy" if version else "has no healthy version serving"
+            raise ModelUnhealthy(f"model {name!r} {what}; retry on another replica", metadata={"model": name})
+        return self._missing(name, version)
+
     def _missing(self, name: str, version: str) -> ServedVersion:
         versions = self._serving.get(name)
         if versions:
@@ -111,13 +139,15 @@ class ModelRepository:
         return {name: sorted(v, key=int) for name, v in self._serving.items() if v}
 
     def is_ready(self, name: str, version: str = "") -> bool:
-        """Whether ``name`` (``version``, or any version when empty) is serving."""
-        versions = self._serving.get(name, {})
-        return bool(versions) if not version else version in versions
+        """Whether ``name`` (``version``, or any version when empty) is serving and healthy."""
+        if not version:
+            return name in self._route
+        served = self._serving.get(name, {}).get(version)
+        return served is not None and served.health.healthy
 
     def all_expected_ready(self) -> bool:
-        """Whether every expected model has a serving version (and at least one model is expected)."""
-        return bool(self.expected) and all(self._serving.get(name) for name in self.expected)
+        """Whether every expected model has a healthy serving version (and at least one model is expected)."""
+        return bool(self.expected) and all(name in self._route for name in self.expected)
 
     def index(self) -> list[VersionStatus]:
         """Every version the server has tried to load, with its state, sorted."""
@@ -259,7 +289,7 @@ class ModelRepository:
         self._status[(name, version)] = status
         started = time.perf_counter()
         try:
-            entry, runtime, max_batch_ms = await asyncio.to_thread(self._open, path)
+            entry, runtime, max_batch_ms, known = await asyncio.to_thread(self._open, path)
         except Exception as exc:
             status.state = UNAVAILABLE
             status.reason = (
@@ -274,6 +304,7 @@ class ModelRepository:
         settings = self.settings
         # A model this fast costs less to run on the event loop than one executor hop per batch.
         inline = settings.execution_instances == 1 and max_batch_ms <= settings.inline_execution_max_ms
+        health = VersionHealth(name, version, settings, known, self._health_changed, self._device_lost)
         batcher = DynamicBatcher(
             runtime.run,
             model=name,
@@ -285,10 +316,12 @@ class ModelRepository:
             batching=settings.batching,
             instances=settings.execution_instances,
             inline=inline,
+            health=health,
         )
         batcher.start()
+        health.start(batcher)
         seconds = time.perf_counter() - started
-        served = ServedVersion(entry, runtime, batcher, seconds)
+        served = ServedVersion(entry, runtime, batcher, seconds, health)
         self._serving.setdefault(name, {})[version] = served
         self._refresh_default(name)
         status.state = READY
@@ -312,13 +345,14 @@ class ModelRepository:
         if self._on_change:
             await self._on_change()
 
-    def _open(self, path: Path) -> tuple[ModelEntry, Runtime, float]:
-        """Blocking: verifies the entry, starts its runtime and warms it up.
+    def _open(self, path: Path) -> tuple[ModelEntry, Runtime, float, KnownAnswer]:
+        """Blocking: verifies the entry, starts its runtime, warms it up and records its self-test.
 
         Warm-up runs zeros at batch 1, each preferred size and max_batch_size, and checks the
         output's shape and finiteness, so the first real requests pay no set-up cost. The
         max_batch_size batch runs three times; the fastest run's milliseconds are returned
-        (the first run of a size includes allocations).
+        (the first run of a size includes allocations). Then the known-answer self-test is
+        recorded (:meth:`KnownAnswer.record`).
 
         Raises:
             ManifestError, ModelLoadFailed, or what the runtime raises.
@@ -342,7 +376,9 @@ class ModelRepository:
                     f"warm-up at batch {rows} returned unusable logits "
                     f"(shape {getattr(logits, 'shape', None)}, expected {(rows, n_classes)})"
                 )
-        return entry, runtime, max_batch_ms
+        settings = self.settings
+        known = KnownAnswer.record(runtime.run, n_features, max_rows, settings.self_test_atol, settings.self_test_rtol)
+        return entry, runtime, max_batch_ms, known
 
     async def _retire(self, name: str, version: str) -> None:
         """Unpublishes a version at once, then lets its batcher finish what is queued."""
@@ -355,6 +391,7 @@ class ModelRepository:
             status.state = UNLOADING
         if self._on_change:
             await self._on_change()
+        await served.health.close()
         await served.batcher.close()
         self._status.pop((name, version), None)
         metrics.MODEL_READY.labels(name, version).set(0)
@@ -366,6 +403,30 @@ class ModelRepository:
             self._default[name] = versions[max(versions, key=int)]
         else:
             self._default.pop(name, None)
+        healthy = [v for v, served in (versions or {}).items() if served.health.healthy]
+        if healthy:
+            self._route[name] = versions[max(healthy, key=int)]  # type: ignore[index]
+        else:
+            self._route.pop(name, None)
+
+    def _health_changed(self, health: VersionHealth) -> None:
+        """A serving version turned healthy or unhealthy (on the event loop): requests are routed
+        by its new state at once; readiness is republished in a task."""
+        if self._serving.get(health.name, {}).get(health.version) is None:
+            return  # already retired
+        self._refresh_default(health.name)
+        metrics.MODEL_READY.labels(health.name, health.version).set(1 if health.healthy else 0)
+        if self._on_change:
+            self._spawn(self._on_change())
+
+    def _device_lost(self, reason: str) -> None:
+        if self._on_device_lost:
+            self._spawn(self._on_device_lost(reason))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         """Retires every version (queued requests finish first)."""

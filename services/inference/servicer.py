@@ -88,8 +88,9 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService``: the Open Inference Protocol v2 on the same engine.
 
     The feature version arrives as the ``x-feature-version`` request parameter (string) or
-    metadata key; ServerLive is true whenever the process answers; ServerReady and ModelReady
-    follow the engine's readiness (false while loading, warming up or draining).
+    metadata key; ServerLive is true whenever the process answers, until a sticky CUDA error lost
+    the device; ServerReady and ModelReady follow the engine's readiness (false while loading,
+    warming up or draining, and while a model version is unhealthy after start).
     """
 
     def __init__(self, engine: InferenceEngine) -> None:
@@ -102,7 +103,7 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             self.server_version = "unknown"
 
     async def ServerLive(self, request, context) -> oip.ServerLiveResponse:
-        return oip.ServerLiveResponse(live=True)
+        return oip.ServerLiveResponse(live=self.engine.live())
 
     async def ServerReady(self, request, context) -> oip.ServerReadyResponse:
         return oip.ServerReadyResponse(ready=self.engine.ready())

@@ -154,7 +154,9 @@ class InferenceSettings(ConnectionSettings):
         if self.gpu_sample_interval_s < 0 or self.gpu_ghost_memory_max_bytes < 0:
             raise ValueError("gpu_sample_interval_s and gpu_ghost_memory_max_bytes cannot be negative (0 = off)")
         if self.unhealthy_after_failures < 1 or self.self_test_interval_s <= 0 or self.self_test_retry_s <= 0:
-            raise ValueError("unhealthy_after_failures must be at least 1, self_test_interval_s and self_test_retry_s above 0")
+            raise ValueError(
+                "unhealthy_after_failures must be at least 1, self_test_interval_s and self_test_retry_s above 0"
+            )
         if self.self_test_atol < 0 or self.self_test_rtol < 0:
             raise ValueError("self_test_atol and self_test_rtol cannot be negative")
         if self.max_request_rows > self.max_queue_rows:

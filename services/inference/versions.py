@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.inference import metrics
 from mlpair.inference.batcher import DynamicBatcher
+from mlpair.inference.model_health import VersionHealth
 from mlpair.inference.runtimes import Runtime
 
 LOADING, READY, UNLOADING, UNAVAILABLE = "LOADING", "READY", "UNLOADING", "UNAVAILABLE"
@@ -59,12 +60,14 @@ class VersionPolicy:
 
 @dataclass
 class ServedVersion:
-    """A model version that is loaded, warmed and serving through its batcher."""
+    """A model version that is loaded, warmed and serving through its batcher; ``health`` says
+    whether it can answer now (:mod:`mlpair.inference.model_health`)."""
 
     entry: ModelEntry
     runtime: Runtime
     batcher: DynamicBatcher
     load_seconds: float
+    health: VersionHealth
     version: str = field(init=False)
     name: str = field(init=False)
 
