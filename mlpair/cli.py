@@ -1,5 +1,5 @@
 """The ``mlpair`` command: train, migrate, serve inference, serve prediction, relay, predict, attributes,
-demo, health, drift-report.
+demo, health, drift-report, check-model.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
 ``PREDICTION_*``); a flag wins over the environment, which wins over the default.
@@ -63,7 +63,7 @@ def _add_settings_flags(
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and flag; each subcommand's ``func`` is its implementation in :mod:`mlpair.commands`."""
-    from mlpair.commands import calls, models, operate
+    from mlpair.commands import calls, check_model, models, operate
     from mlpair.commands import serve as serving
     from mlpair.commands.operate import DRIFT_NO_VERDICT
     from mlpair.inference.settings import InferenceSettings
@@ -208,6 +208,24 @@ def build_parser() -> argparse.ArgumentParser:
     drift.add_argument("--json", action="store_true", help="print JSON instead of a table")
     drift.add_argument("--timeout-s", type=float, default=5.0, help="seconds to wait [default: 5]")
     drift.set_defaults(func=operate.drift_report)
+
+    check = sub.add_parser(
+        "check-model",
+        help="where ONNX Runtime would run each node of a model on a target provider, before publishing it; "
+        "exit 0 all on it, 1 some would fall back (op types listed), 2 provider not in this build",
+    )
+    check.add_argument("--provider", required=True, choices=["cuda", "cpu"], help="target execution provider")
+    check.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
+    check.add_argument("--model", default=None, help="model name [default: every model in the repository]")
+    check.add_argument("--version", default=None, help="model version [default: each model's latest]")
+    check.add_argument(
+        "--graph-optimization",
+        default="all",
+        choices=["disable", "basic", "extended", "all"],
+        help="ONNX Runtime graph optimisation, as INFERENCE_GRAPH_OPTIMIZATION: placement is of the optimised graph "
+        "[default: all]",
+    )
+    check.set_defaults(func=check_model.check_model)
     return parser
 
 
