@@ -471,7 +471,11 @@ def through_service(
     with open(log_path, "w") as log:
         started = time.monotonic()
         process = subprocess.Popen(
-            [sys.executable, "-m", "mlpair.cli", "serve", "inference"], env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "mlpair.cli", "serve", "inference"],
+            env=env,
+            cwd=workdir,  # not the checkout: its mlpair/ folder would shadow the installed package
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     result: dict = {"settings": {k: v for k, v in env.items() if k.startswith("INFERENCE_") and "PORT" not in k}}
     try:
@@ -554,6 +558,7 @@ def run(bundle: Path, out: Path, seconds: float, allow_cpu: bool, phases: set[st
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not allow_cpu:
         raise SystemExit("no CUDA device visible to torch; --allow-cpu runs the same steps on CPU (a dry run)")
+    bundle, out = bundle.resolve(), out.resolve()
     meta = json.loads((bundle / "bundle.json").read_text())
     rows = np.load(bundle / "rows.npy").astype(np.float32)
     report: dict = {"environment": environment(device), "bundle": meta, "errors": {}}
