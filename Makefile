@@ -9,7 +9,7 @@ MODEL_REPOSITORY ?= var/models
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: venv tools protos protos-baseline train demo lint test bench bench-inference bench-predict soak clean
+.PHONY: venv tools protos protos-baseline train demo lint test bench bench-inference bench-predict gpu-check soak clean
 
 venv: $(STAMP)
 
@@ -101,6 +101,13 @@ bench-inference: $(STAMP)
 # KServe in its own pinned venv under var/bench/venvs, installed on first run); JSON lines + a table.
 bench-predict: $(STAMP)
 	$(PY) bench/predict_load.py --model-repository $(MODEL_REPOSITORY)
+
+# GPU proof (not a test; needs an NVIDIA GPU and a CUDA build of torch): the torch runtime on CUDA in
+# process and through the service, fp32 / fp16 / CUDA graphs, a compute-heavy variant, parity and
+# determinism (bench/gpu_check.py; its docstring says how to run the two steps on separate machines).
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check prepare --model-repository $(MODEL_REPOSITORY) --bundle var/gpu-bundle
+	$(PY) -m bench.gpu_check run --bundle var/gpu-bundle --json var/gpu-check.json
 
 # Soak and faults (not part of `make test`, which runs its --short version): both services as
 # processes under sustained load, kill -9 of each, SIGTERM drains, a CRM outage; exits 1 on a violation.

@@ -27,6 +27,12 @@ neither the training data nor this project's torch release:
     4. determinism (``deterministic=true``): each row's logits computed at batch 1, 32 and 128,
        and twice at 128, compared bit for bit.
 
+On a GPU machine that holds neither the training data nor this project's virtualenv, copy the
+checkout and the bundle there, install the service's own dependencies (``pyproject.toml``'s base
+list) beside a CUDA build of torch, make ``mlpair`` importable as ``pyproject.toml``'s
+``package-dir`` lays it out (an editable install, or a tree of links as ``make lint`` builds), and
+run ``python -P -m bench.gpu_check run --bundle …`` from outside the checkout's own ``mlpair/``.
+
 Every figure goes to one JSON file and a Markdown table on stdout. The figures are what this
 run measured on whatever machine ran it; nothing is asserted. ``--allow-cpu`` runs the same
 steps on a machine without a GPU (the CUDA-only options are then ignored by the runtime, as
