@@ -41,6 +41,9 @@ OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklo
 # InferenceService health after start (one pod's model version out of rotation, a lost device): each holds a while.
 INFERENCE_HEALTH_ALERTS = {"InferenceModelVersionNotReady", "InferenceRuntimeFailures", "InferenceSelfTestFailing",
                            "InferenceDeviceLost"}
+# GPU signals (inference_gpu_*, GPU pods only; proven on synthetic series in promtool/gpu.test.yaml): each holds a while.
+GPU_ALERTS = {"InferenceGpuMemoryHigh", "InferenceGpuMemoryFull", "InferenceGpuGhostMemory", "InferenceGpuSaturated",
+              "InferenceGpuThrottled"}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,7 @@ def test_rules_pass_promtool_check(promtool):
 def test_alerts_fire_and_stay_quiet_as_specified_by_promtool_unit_tests(promtool):
     assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml", "operations.test.yaml",
                                                "fleet-drift.test.yaml", "probing-canary.test.yaml",
-                                               "inference-health.test.yaml"}
+                                               "inference-health.test.yaml", "gpu.test.yaml"}
     out = subprocess.run([promtool, "test", "rules", *PROMTOOL_TESTS], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -119,7 +122,7 @@ def test_each_sla_has_multi_window_burn_rate_alerts(rules):
     for rule in rules:
         if "alert" in rule:
             alerts.setdefault(rule["alert"], []).append(rule)
-    assert set(alerts) == set(BURN_RATE_ALERTS) | DRIFT_ALERTS | OPERATIONS_ALERTS | INFERENCE_HEALTH_ALERTS
+    assert set(alerts) == set(BURN_RATE_ALERTS) | DRIFT_ALERTS | OPERATIONS_ALERTS | INFERENCE_HEALTH_ALERTS | GPU_ALERTS
     for name, layer in BURN_RATE_ALERTS.items():
         windows = {r["labels"]["window"]: r for r in alerts[name]}
         assert set(windows) == {"1h", "6h", "3d"}, name
@@ -131,7 +134,7 @@ def test_each_sla_has_multi_window_burn_rate_alerts(rules):
     for name in DRIFT_ALERTS | OPERATIONS_ALERTS:
         (rule,) = alerts[name]
         assert rule["labels"]["layer"] == "prediction" and rule["for"]
-    for name in INFERENCE_HEALTH_ALERTS:
+    for name in INFERENCE_HEALTH_ALERTS | GPU_ALERTS:
         (rule,) = alerts[name]
         assert rule["labels"]["layer"] == "inference" and rule["for"]
 

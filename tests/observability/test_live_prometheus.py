@@ -7,7 +7,8 @@ it with time compressed 120 times. Faults are injected (live_scenario.py) and, t
 Prometheus's HTTP API, the tests check that each alert went pending and firing within its window
 after its fault and resolved after recovery, that no alert fired outside the phases that explain
 it, that every series the rules and dashboard panels query exists with the labels they use and
-every panel returned data, that the probing expression fires on a burst of near-identical
+every panel returned data (the GPU series excepted: on this CPU fleet they must be absent, and
+promtool/gpu.test.yaml proves their rules), that the probing expression fires on a burst of near-identical
 applications and stays false on the real holdout replay, and that the canary analysis of the
 rendered prod manifests fails the degraded canary and passes the healthy one on its first
 measurement. One run (~2 minutes on 2 cores) feeds every test of this module.
@@ -289,17 +290,33 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
     return out
 
 
+def _gpu_only(name: str) -> bool:
+    """A series only a pod whose NVML sees a GPU exports (mlpair.inference.gpu_signals); without one,
+    the pod exports inference_gpu_present 0 and none of these (never zeros)."""
+    return name.startswith("inference_gpu_") and name != "inference_gpu_present"
+
+
+def _on_gpu(live) -> bool:
+    return bool(live.prometheus.query_range("max(inference_gpu_present) == 1", live.marks["start"], live.marks["end"], 2))
+
+
 def test_every_series_the_rules_and_panels_query_exists_with_the_labels_they_use(live):
     exprs = [(r.get("alert") or r["record"], r["expr"]) for r in _rules()] + _dashboard_exprs()
     start, end = live.marks["start"], live.marks["end"]
     labels_of: dict[str, set[frozenset]] = {}
     problems = []
+    # On a fleet without a GPU the GPU series must be absent (their rules are proven by
+    # promtool/gpu.test.yaml on synthetic series); with one, they are checked like every other.
+    on_gpu = _on_gpu(live)
     for where, expr in exprs:
         for use in uses(expr):
             if use.name not in labels_of:
                 labels_of[use.name] = {frozenset(s) - {"__name__"} for s in live.prometheus.series(use.name, start, end)}
             series = labels_of[use.name]
-            if not series:
+            if _gpu_only(use.name) and not on_gpu:
+                if series:
+                    problems.append(f"{where}: {use.name} exported by a pod without a GPU")
+            elif not series:
                 problems.append(f"{where}: no series {use.name}")
             elif missing := {label for label in use.labels if not all(label in s for s in series)}:
                 problems.append(f"{where}: {use.name} lacks {sorted(missing)} on some series")
@@ -307,8 +324,10 @@ def test_every_series_the_rules_and_panels_query_exists_with_the_labels_they_use
 
 
 def test_every_dashboard_panel_query_returned_data_during_the_run(live):
+    on_gpu = _on_gpu(live)  # without a GPU, a query of GPU series alone has nothing to return
     empty = [where for where, expr in _dashboard_exprs()
-             if not live.prometheus.query_range(expr, live.marks["start"], live.marks["end"], 2)]
+             if (on_gpu or not all(_gpu_only(u.name) for u in uses(expr)))
+             and not live.prometheus.query_range(expr, live.marks["start"], live.marks["end"], 2)]
     assert empty == [], "\n".join(empty)
 
 
