@@ -127,7 +127,7 @@ def _feeds(session: Any, rows: int) -> dict[str, np.ndarray]:
     Raises:
         ValueError: an input type this check cannot make (e.g. strings).
     """
-    feeds = {}
+    feeds: dict[str, np.ndarray] = {}
     for item in session.get_inputs():
         dtype = _NUMPY_TYPES.get(item.type)
         if dtype is None:
