@@ -32,10 +32,13 @@ every worker is. Each worker marks itself ready in a folder the supervisor made,
 readiness names SERVING only once every worker has (:class:`mlpair.rpc.health.Health`); a client
 that waited for SERVING never meets a worker still loading its models.
 
-Metrics: the supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder before starting
-the workers and serves ``metrics_port`` itself with prometheus-client's
-``MultiProcessCollector``: counters and histograms are the sums over the workers (those of a
-worker that exited included), gauges follow each one's ``multiprocess_mode``.
+Metrics: the supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh, empty folder before
+starting the workers (removed when it exits) and serves ``metrics_port`` itself with
+prometheus-client's ``MultiProcessCollector``: counters and histograms are the sums over the
+workers (those of a worker that exited included), gauges follow each one's ``multiprocess_mode``.
+A file of that folder the collector cannot read (empty, truncated, not a metrics file) is left
+out of the sums and counted in ``<layer>_metrics_files_unreadable`` (:class:`TolerantCollector`),
+so one bad file does not turn every scrape into an error.
 """
 
 from __future__ import annotations
@@ -232,17 +235,72 @@ def _worker_main(run: Callable[[object], int], settings, parent_pid: int, ready_
     sys.exit(run(settings))
 
 
-def serve_metrics(host: str, port: int, folder: Path) -> None:
-    """Serves the workers' metrics, aggregated from ``folder``, on ``host:port`` (a daemon thread).
+class TolerantCollector:
+    """prometheus-client's ``MultiProcessCollector`` over ``folder``, less the files it cannot read.
+
+    prometheus-client reads every ``*.db`` file of the folder in one pass and raises on the first
+    it cannot parse (an empty file, one cut short, a key that is not its JSON), which makes every
+    scrape of the whole pod fail. Here a scrape that raises is redone file by file: each file that
+    fails alone is left out, the others are merged as usual, a warning names each such file once,
+    and the gauge ``<layer>_metrics_files_unreadable`` (files) says how many were left out of this
+    scrape (0 when all were read).
+    """
+
+    def __init__(self, layer: str, folder: Path) -> None:
+        self.layer, self.folder = layer, folder
+        self._reported: set[str] = set()
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = sorted(str(f) for f in self.folder.glob("*.db"))
+        unreadable: list[str] = []
+        try:
+            metrics = list(MultiProcessCollector.merge(files, accumulate=True))
+        except Exception:  # noqa: BLE001 - any parse failure of any file: find which, below
+            unreadable = [f for f in files if not _readable(f)]
+            readable = [f for f in files if f not in unreadable]
+            metrics = list(MultiProcessCollector.merge(readable, accumulate=True))
+        for name in sorted(set(unreadable) - self._reported):
+            logger.warning("metrics file %s cannot be read (empty or cut short); left out of /metrics", name)
+        self._reported |= set(unreadable)
+        yield from metrics
+        yield GaugeMetricFamily(
+            f"{self.layer}_metrics_files_unreadable",
+            "Files of the workers' multiprocess metrics folder this scrape could not read and left out.",
+            value=len(unreadable),
+        )
+
+
+def _readable(path: str) -> bool:
+    """True when prometheus-client reads the metrics file ``path`` whole: every entry and its JSON key
+    (a file removed since the folder was listed, as a dead worker's live gauges are, counts as read)."""
+    import json
+
+    from prometheus_client.mmap_dict import MmapedDict
+
+    try:
+        for key, _, _, _ in MmapedDict.read_all_values_from_file(path):
+            json.loads(key)
+    except FileNotFoundError:
+        return True
+    except Exception:  # noqa: BLE001 - struct, Unicode, JSON and "corrupted" errors alike
+        return False
+    return True
+
+
+def serve_metrics(host: str, port: int, folder: Path, layer: str = "mlpair") -> None:
+    """Serves the workers' metrics, aggregated from ``folder`` (:class:`TolerantCollector`), on
+    ``host:port`` (a daemon thread); ``layer`` names the unreadable-files gauge.
 
     Raises:
         StartupError: the metrics port cannot be bound.
     """
     from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(folder))
+    registry.register(TolerantCollector(layer, folder))
     try:
         start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
@@ -286,7 +344,7 @@ def supervise(
             preflight(settings)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)  # inherited by the workers
         if settings.metrics_port:
-            serve_metrics(settings.host, settings.metrics_port, folder)
+            serve_metrics(settings.host, settings.metrics_port, folder, layer)
         return _Supervisor(layer, settings, workers, run_worker, folder).run()
     finally:
         lock.release()
