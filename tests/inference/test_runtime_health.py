@@ -98,6 +98,77 @@ def test_known_answer_matches_its_own_runtime_and_refuses_a_shift_beyond_the_sta
     assert "shape" in known.mismatch(known.logits[:4])
 
 
+async def test_a_success_ends_the_failure_streak_and_only_a_streak_turns_the_version(credit_entry, holdout_x, tmp_path):
+    """The tracker on a real batcher and the real ONNX runtime behind a fault file (no process)."""
+    from mlpair.inference.batcher import DynamicBatcher
+    from mlpair.inference.errors import ModelFailure, ModelUnhealthy
+    from mlpair.inference.model_health import WRONG_OUTPUT, VersionHealth
+    from mlpair.inference.runtimes.onnx import OnnxRuntime
+    from mlpair.inference.settings import InferenceSettings
+    from tests.fault_inference import FaultFile, FaultyRuntime
+
+    fault = tmp_path / "fault"
+    runtime = FaultyRuntime(OnnxRuntime(credit_entry.model_path, provider="cpu"), FaultFile(str(fault)), True)
+    shorten = {"on": False}
+
+    def run(x):  # a runtime that may also answer one row short
+        logits = runtime.run(x)
+        return logits[:-1] if shorten["on"] else logits
+
+    settings = InferenceSettings(model_repository=tmp_path, metrics_port=0)
+    known = KnownAnswer.record(run, credit_entry.manifest.n_features, 16, 1e-4, 1e-3)
+    changes, lost = [], []
+    health = VersionHealth(MODEL, "tracker", settings, known, lambda h: changes.append(h.healthy), lost.append)
+    batcher = DynamicBatcher(
+        run,
+        model=MODEL,
+        version="tracker",
+        max_batch_size=16,
+        max_queue_delay_ms=0,
+        preferred_batch_sizes=[],
+        max_queue_rows=64,
+        inline=True,
+        health=health,
+    )
+    batcher.start()
+    x = np.ascontiguousarray(holdout_x[:2], dtype=np.float32)
+
+    async def fails(n: int) -> None:
+        for _ in range(n):
+            with pytest.raises(ModelFailure):
+                await batcher.submit(x, None)
+
+    try:
+        set_fault(fault, "error")
+        await fails(2)
+        set_fault(fault, "")
+        await batcher.submit(x, None)
+        assert health.failures == 0 and health.healthy
+        set_fault(fault, "error")
+        await fails(2)
+        assert health.healthy and changes == []  # 2 + 2 with a success between: no streak of 3
+        await fails(1)
+        assert not health.healthy and changes == [False] and health.cause == RUNTIME_ERROR
+        with pytest.raises(ModelUnhealthy):  # not run while unhealthy
+            await batcher.submit(x, None)
+        assert health.failures == 3
+        assert await health.self_test(batcher) is False and health.failures == 4
+        set_fault(fault, "")
+        assert await health.self_test(batcher) is True and health.healthy and changes == [False, True]
+        shorten["on"] = True
+        await fails(3)
+        assert not health.healthy and health.cause == WRONG_OUTPUT
+        shorten["on"] = False
+        assert await health.self_test(batcher) is True and health.healthy
+        set_fault(fault, "device_lost")
+        await fails(1)  # a sticky error: out at once, and the device reported lost
+        assert not health.healthy and health.cause == DEVICE_LOST and len(lost) == 1
+        assert "illegal memory access" in lost[0]
+    finally:
+        await health.close()
+        await batcher.close()
+
+
 # -- real processes --------------------------------------------------------------------------------------
 
 
@@ -186,12 +257,12 @@ def _self_tests(port: int, result: str) -> float:
 
 @pytest.fixture(scope="module")
 def processes(model_repository, tmp_path_factory):
-    """Two faulty InferenceService processes, started together: ``quiet`` self-tests every 30 s while
-    healthy (so every failing batch under load is a traffic batch, counted exactly), ``watchful``
-    every second (the self-test alone must catch a wrong model)."""
+    """Two faulty InferenceService processes, started together: ``quiet`` self-tests every 300 s while
+    healthy (so every failing batch under load is a traffic batch, counted exactly; its device is
+    lost last), ``watchful`` every second (the self-test alone must catch a wrong model)."""
     workdir = tmp_path_factory.mktemp("runtime-health")
     made = {}
-    for name, interval in (("quiet", "30"), ("watchful", "1")):
+    for name, interval in (("quiet", "300"), ("watchful", "1")):
         port = free_port()
         service = faulty_inference(
             workdir,
@@ -277,7 +348,7 @@ async def test_failing_runtime_is_not_ready_within_5_s_refused_meanwhile_and_rea
     assert seen["failed"] == UNHEALTHY_AFTER and seen["refused"] > 0 and seen["other"] == []
     # every failed batch counted by its cause: the traffic's and each failed self-test's (run alone)
     assert seen["counted"] == UNHEALTHY_AFTER + seen["self_test_fails"] and seen["self_test_fails"] >= 1
-    assert seen["self_test_passes"] == 1  # the one that brought it back (no periodic one within 30 s)
+    assert seen["self_test_passes"] == 1  # the one that brought it back (no periodic one within 300 s)
 
 
 async def test_wrong_logits_are_caught_by_the_self_test_alone_and_recover(processes, load_on, capsys):
@@ -300,7 +371,7 @@ async def test_wrong_logits_are_caught_by_the_self_test_alone_and_recover(proces
             f"{ready_at - cleared:.2f} s after the fault cleared"
         )
     # no request failed: wrong numbers raise nothing; once the self-test saw them, requests are refused
-    assert set(during) == {"OK", "UNAVAILABLE/MODEL_UNHEALTHY"}
+    assert set(during) <= {"OK", "UNAVAILABLE/MODEL_UNHEALTHY"} and "UNAVAILABLE/MODEL_UNHEALTHY" in during
     assert not_ready_at - switched < 1.0 + 2.0  # within the self-test interval (plus polling and a busy machine)
     assert ready_at - cleared < TARGET_S
     fails = _self_tests(port, "fail") - fails_before
@@ -309,8 +380,8 @@ async def test_wrong_logits_are_caught_by_the_self_test_alone_and_recover(proces
 
 
 async def test_sticky_cuda_error_fails_liveness_for_good(processes, load_on):
-    service, port, fault_file = processes["watchful"]
-    load = load_on("watchful")
+    service, port, fault_file = processes["quiet"]
+    load = load_on("quiet")
     await asyncio.sleep(0.3)
     switched = time.monotonic()
     set_fault(fault_file, "device_lost")
