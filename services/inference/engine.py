@@ -291,8 +291,9 @@ class InferenceEngine:
                 served.batcher.statistics.request_done(code == "OK", elapsed, rows)
                 self._count(served.name, served.version, code)
             else:
-                # Labels only take loaded names: a client must not create time series.
-                self._count(name if self.repository.is_ready(name) else "unknown", "", code)
+                # Labels only take loaded names: a client must not create time series (a served model
+                # refused as unhealthy keeps its name).
+                self._count(name if self.repository.is_serving(name) else "unknown", "", code)
 
     @staticmethod
     def _invalid_output(served: ServedVersion, logits: np.ndarray, per_row_errors: bool) -> InferResult:

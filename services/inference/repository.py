@@ -145,6 +145,10 @@ class ModelRepository:
         served = self._serving.get(name, {}).get(version)
         return served is not None and served.health.healthy
 
+    def is_serving(self, name: str) -> bool:
+        """Whether ``name`` has a published version, healthy or not."""
+        return bool(self._serving.get(name))
+
     def all_expected_ready(self) -> bool:
         """Whether every expected model has a healthy serving version (and at least one model is expected)."""
         return bool(self.expected) and all(name in self._route for name in self.expected)

@@ -251,6 +251,17 @@ def _failures(port: int, cause: str) -> float:
     return _metrics(port)[("inference_runtime_failures_total", (("cause", cause), ("model", MODEL), ("version", "1")))]
 
 
+def _unavailable(port: int) -> float:
+    """Infer calls answered UNAVAILABLE, under the model's name, every version (\"\" = refused before one ran)."""
+    return sum(
+        v
+        for (name, labels), v in _metrics(port).items()
+        if name == "inference_requests_total"
+        and dict(labels).get("model") == MODEL
+        and dict(labels).get("code") == "UNAVAILABLE"
+    )
+
+
 def _self_tests(port: int, result: str) -> float:
     return _metrics(port)[("inference_self_test_total", (("model", MODEL), ("result", result), ("version", "1")))]
 
@@ -302,7 +313,7 @@ async def _fault_under_load(processes, load_on, name: str, fault: str, cause: st
     measured times (s) and counts."""
     service, port, fault_file = processes[name]
     failures_before, fails_before = _failures(port, cause), _self_tests(port, "fail")
-    passes_before = _self_tests(port, "pass")
+    passes_before, unavailable_before = _self_tests(port, "pass"), _unavailable(port)
     load = load_on(name)
     await asyncio.sleep(0.3)
     assert load.outcomes and all(o == "OK" for _, o in load.outcomes), load.outcomes[-3:]
@@ -330,6 +341,8 @@ async def _fault_under_load(processes, load_on, name: str, fault: str, cause: st
         "counted": _failures(port, cause) - failures_before,
         "self_test_fails": _self_tests(port, "fail") - fails_before,
         "self_test_passes": _self_tests(port, "pass") - passes_before,
+        "refused_in_all": sum(o == "UNAVAILABLE/MODEL_UNHEALTHY" for _, o in load.since(switched)),
+        "unavailable_counted": _unavailable(port) - unavailable_before,
     }
 
 
@@ -348,6 +361,8 @@ async def test_failing_runtime_is_not_ready_within_5_s_refused_meanwhile_and_rea
     assert seen["failed"] == UNHEALTHY_AFTER and seen["refused"] > 0 and seen["other"] == []
     # every failed batch counted by its cause: the traffic's and each failed self-test's (run alone)
     assert seen["counted"] == UNHEALTHY_AFTER + seen["self_test_fails"] and seen["self_test_fails"] >= 1
+    # each refusal counted under the model's name (UNAVAILABLE), none lost to "unknown"
+    assert seen["unavailable_counted"] == seen["refused_in_all"]
     assert seen["self_test_passes"] == 1  # the one that brought it back (no periodic one within 300 s)
 
 
@@ -385,7 +400,8 @@ async def test_sticky_cuda_error_fails_liveness_for_good(processes, load_on):
     await asyncio.sleep(0.3)
     switched = time.monotonic()
     set_fault(fault_file, "device_lost")
-    lost_at, signals = await _until(service.address, lambda s: s["liveness"] == NOT_SERVING, 10)
+    lost_at, _ = await _until(service.address, lambda s: s["liveness"] == NOT_SERVING, 10)
+    signals = await _ready(service.address)  # read after the change, every signal (one poll reads them in turn)
     assert not signals["oip_live"] and _not_ready(signals)
     first_failure = next(t for t, o in load.since(switched) if o != "OK")
     assert lost_at - first_failure < TARGET_S
