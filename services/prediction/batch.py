@@ -43,7 +43,8 @@ class Group:
         requests: each item's request.
         vectors: the items' own rows ``[n, n_features] float32``.
         guards: what the guards did to each row.
-        fingerprints: each request's SHA-256 (:func:`~mlpair.prediction.idempotency.request_fingerprint`).
+        fingerprints: each request's SHA-256 (:func:`~mlpair.prediction.idempotency.request_fingerprint`
+            over the values as the family's schema reads them).
         warnings: row → warnings about that request (unknown attributes), for rows with any.
         explained: rows whose request asks for an explanation (each sends 1 + n_schema_features rows).
     """
@@ -209,10 +210,12 @@ def _assemble(
     kept = [requests[k] for k in keep]
     renumber = {k: j for j, k in enumerate(keep)} if refused else None
     if table is not None:  # every row's, refused ones too (rare), rather than the columns read again
-        every = request_fingerprints(name, [r.entity_id for r in requests], attributes, table)
+        every = request_fingerprints(name, [r.entity_id for r in requests], attributes, table, family.reading)
         fingerprints = every if not refused else [every[k] for k in keep]
     else:
-        fingerprints = request_fingerprints(name, [r.entity_id for r in kept], [r.attributes for r in kept])
+        fingerprints = request_fingerprints(
+            name, [r.entity_id for r in kept], [r.attributes for r in kept], reading=family.reading
+        )
     return Group(
         family,
         [index[k] for k in keep],

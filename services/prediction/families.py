@@ -18,6 +18,7 @@ from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions, 
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.calibration import Calibrator
+from mlpair.prediction.idempotency import SchemaReading
 from mlpair.prediction.policy import DecisionPolicy
 from mlpair.startup import StartupError, require_trained
 
@@ -86,6 +87,11 @@ class ModelFamily:
     @functools.cached_property
     def is_ensemble(self) -> bool:
         return len(self.members) > 1
+
+    @functools.cached_property
+    def reading(self) -> SchemaReading:
+        """How the schema reads each attribute value: what a request's fingerprint is taken over."""
+        return SchemaReading(self.schema)
 
     @functools.cached_property
     def calibration_method(self) -> str:

@@ -3,9 +3,12 @@
 A request id names one decision. A retry (same id, same payload) gets the recorded decision; the
 same id with another payload is a caller's bug — or two callers sharing ids — and is refused
 (``IDEMPOTENCY_KEY_REUSED``) instead of being answered with a decision about somebody else. The
-payload is compared through :func:`request_fingerprint`, so encodings the wire contract treats
-as equal compare equal: attribute order, and every spelling of a missing value (absent, null,
-NaN, empty string; README "Feature schema, conversion rules and guards").
+payload is compared through :func:`request_fingerprint` over the values as the family's feature
+schema reads them (:class:`SchemaReading`), so encodings the contract treats as equal compare
+equal: attribute order, every spelling of a missing value (absent, null, NaN, empty string), and
+every spelling the schema's conversion rules turn into one value (``-0.0`` and ``0.0``, ``30.0``
+and ``"30"``, ``" OWNER "`` and ``"owner"``, ``True`` and ``"yes"`` where the schema says so;
+README "Feature schema, conversion rules and guards"). Two values the rules read apart stay apart.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mlpair.contracts.conversion import ConversionProblem, missing_values, to_category, to_number
+from mlpair.contracts.schema import FeatureSchema
 from mlpair.prediction.columns import AttributeColumns, attribute_columns
 
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_NUMBER_TYPES = frozenset({float, type(None)})
+_MEMO_LIMIT = 4096  # distinct strings remembered per categorical feature (clients cannot grow it without bound)
 
 try:  # the compiled part (setup.py): the canonical texts of many rows at once
     from mlpair._batch_items import canonical_texts as _canonical_texts
@@ -30,18 +37,126 @@ except ImportError:  # pragma: no cover  (CI checks it is built: tests/predictio
     _sha256_hex = None
 
 
-def request_fingerprint(model_name: str, entity_id: str, attributes: Mapping[str, Any]) -> str:
+class SchemaReading:
+    """What one family's feature schema reads each attribute value as: the values a request's
+    fingerprint is taken over (:func:`request_fingerprint`).
+
+    The schema's conversion rules (:mod:`mlpair.contracts.conversion`), and nothing after them:
+
+    * a numeric feature's value → :func:`~mlpair.contracts.conversion.to_number`'s float (a decimal
+      string its number, a boolean feature's flag or yes/no word 1.0 or 0.0), ``-0.0`` as ``0.0``;
+    * a categorical feature's value → :func:`~mlpair.contracts.conversion.to_category`'s
+      normalised string (trimmed and lower-cased under ``trim_lower``; a flag ``"yes"``/``"no"``
+      under ``booleans = "yes_no"``; a whole number its digits under ``numbers = "integer_string"``);
+    * missing (absent, null, NaN, an empty string, a category's ``missing_values``) → None;
+    * an attribute the schema does not read, or a value no rule converts (the request is refused,
+      so never recorded) → as sent, ``-0.0`` as ``0.0``.
+
+    Guards are not applied: a sentinel is not an absent value, an out-of-range number is not its
+    bound and an unknown category is not another unknown one — each gives its own reason codes,
+    so a decision about one is not a decision about the other.
+    """
+
+    __slots__ = ("_categorical", "_memo", "_numeric")
+
+    def __init__(self, schema: FeatureSchema) -> None:
+        self._numeric = {f.name: f for f in schema.numeric}
+        self._categorical = {f.name: (f, missing_values(f)) for f in schema.categorical}
+        # per categorical feature: a string as sent → what the schema reads ("" for missing, so
+        # that a look-up's None means "not remembered"; the canonical texts leave "" out as missing)
+        self._memo: dict[str, dict[str, str]] = {f.name: {} for f in schema.categorical}
+
+    def value(self, name: str, value: Any) -> Any:
+        """One attribute's value as the schema reads it (float, str, None for missing, or as sent)."""
+        spec = self._categorical.get(name)
+        if spec is not None:
+            if type(value) is str:
+                return self._category(self._memo[name], spec, value) or None
+            try:
+                return to_category(value, *spec)
+            except ConversionProblem:
+                return value
+        feature = self._numeric.get(name)
+        if feature is not None and type(value) is not float:
+            try:
+                number = to_number(value, feature)
+            except ConversionProblem:
+                return value
+            return None if number is None else number + 0.0
+        return value + 0.0 if type(value) is float else value  # + 0.0: -0.0 → 0.0, the rest unchanged
+
+    def record(self, attributes: Mapping[str, Any]) -> dict[str, Any]:
+        """``attributes`` (name → value) with each value as :meth:`value` reads it."""
+        memo = self._memo
+        out = {}
+        for name, value in attributes.items():
+            kind = type(value)
+            if kind is float and name not in memo:  # a number read as a number: the wire's common case
+                out[name] = value + 0.0
+            elif kind is str and name in memo and (found := memo[name].get(value)) is not None:
+                out[name] = found or None
+            else:
+                out[name] = self.value(name, value)
+        return out
+
+    def columns(self, table: AttributeColumns) -> AttributeColumns:
+        """``table``'s values as :meth:`value` reads them, column by column (the same names and
+        ``others``): a column of numbers and missing values is kept as it is unless it holds a
+        zero, a column of remembered strings costs one dictionary look-up per value."""
+        values = []
+        for name, column in zip(table.names, table.values):
+            memo = self._memo.get(name)
+            if memo is not None:
+                try:
+                    read: list = list(map(memo.get, column))  # strings only are remembered: others miss
+                except TypeError:  # an unhashable value: every value read below
+                    read = [None] * len(column)
+                if None in read:
+                    spec = self._categorical[name]
+                    for i in [i for i, found in enumerate(read) if found is None]:
+                        value = column[i]
+                        if type(value) is str:
+                            read[i] = self._category(memo, spec, value)
+                        elif value is not None:
+                            read[i] = self.value(name, value)
+            elif name in self._numeric and not _NUMBER_TYPES.issuperset(map(type, column)):
+                read = [self.value(name, value) for value in column]
+            elif 0.0 in column:  # 0.0 == -0.0: a zero of either sign is written 0.0
+                read = [value + 0.0 if type(value) is float else value for value in column]
+            else:
+                read = column
+            values.append(read)
+        return AttributeColumns(table.names, values, table.others)
+
+    @staticmethod
+    def _category(memo: dict[str, str], spec: tuple, value: str) -> str:
+        """A string of a categorical feature as the schema reads it ("" for missing), remembered."""
+        found = memo.get(value)
+        if found is None:
+            found = to_category(value, *spec) or ""  # a string is always read as a category
+            if len(memo) < _MEMO_LIMIT:
+                memo[value] = found
+        return found
+
+
+def request_fingerprint(
+    model_name: str, entity_id: str, attributes: Mapping[str, Any], reading: SchemaReading | None = None
+) -> str:
     """SHA-256 (64 hex characters) of the canonical request.
 
     Args:
         model_name: the model family that decides (the resolved name, never "" for the default).
         entity_id: the business id of the entity.
         attributes: raw attribute values (float, str, bool or None).
+        reading: the family's :class:`SchemaReading`: the values are fingerprinted as the schema
+            reads them (what PredictionService does); None: as given.
 
     The canonical form is the JSON array ``[model_name, entity_id, [[name, value], …]]`` with
     attributes sorted by name and missing values left out; JSON keeps ``1.0``, ``"1"`` and
-    ``true`` apart, as the feature schema's conversion rules do.
+    ``true`` apart, so values the schema reads apart stay apart.
     """
+    if reading is not None:
+        attributes = reading.record(attributes)
     # _missing() inlined: a call per attribute cost more than the rest of the fingerprint
     present = sorted(
         [
@@ -58,6 +173,7 @@ def request_fingerprints(
     entity_ids: Sequence[str],
     records: Sequence[Mapping[str, Any]],
     columns: AttributeColumns | None = None,
+    reading: SchemaReading | None = None,
 ) -> list[str]:
     """:func:`request_fingerprint` of many requests of one family, the same hex digests.
 
@@ -65,6 +181,8 @@ def request_fingerprints(
         columns: ``records``' values column by column, names sorted
             (:meth:`~mlpair.prediction.columns.ColumnAssembler.columns`), when the caller has read
             them; else the names of the first record are read.
+        reading: the family's :class:`SchemaReading` (:meth:`SchemaReading.columns` reads the
+            columns, :meth:`SchemaReading.record` a row fingerprinted by itself); None: as given.
 
     The canonical JSON of every row holding no attribute outside the columns' names is written
     column by column (a row lacking one of them is written as the canonical form writes a
@@ -79,9 +197,11 @@ def request_fingerprints(
     (either way) a value of another type, is fingerprinted by :func:`request_fingerprint` itself.
     """
     if len(records) < 8:  # a few rows: building the fragments would cost more than it saves
-        return [request_fingerprint(model_name, e, r) for e, r in zip(entity_ids, records)]
+        return [request_fingerprint(model_name, e, r, reading) for e, r in zip(entity_ids, records)]
     if columns is None:
         columns = attribute_columns(records, sorted(records[0].keys()))
+    if reading is not None:
+        columns = reading.columns(columns)
     names, others = columns.names, columns.others
     other = set(others)
     alike = [k for k in range(len(records)) if k not in other] if others else range(len(records))
@@ -101,18 +221,20 @@ def request_fingerprints(
             else [None if t is None else sha256(t).hexdigest() for t in texts]
         )
         for k, digest in zip(alike, digests):
-            out[k] = digest if digest is not None else request_fingerprint(model_name, entity_ids[k], records[k])
+            out[k] = (
+                digest if digest is not None else request_fingerprint(model_name, entity_ids[k], records[k], reading)
+            )
     else:
         fragments = [_Fragments(name).column(column) for name, column in zip(names, values)]
         head = encode(model_name)
         for k, parts in zip(alike, zip(*fragments) if fragments else [()] * len(alike)):
             if None in parts:
-                out[k] = request_fingerprint(model_name, entity_ids[k], records[k])
+                out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
             else:
                 text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
                 out[k] = sha256(text.encode()).hexdigest()
     for k in others:
-        out[k] = request_fingerprint(model_name, entity_ids[k], records[k])
+        out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
     return out
 
 

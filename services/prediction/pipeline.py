@@ -49,6 +49,7 @@ from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, 
 from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import CallerLeft, InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
+from mlpair.prediction.idempotency import request_fingerprint
 from mlpair.prediction.merging import MergedCall, PredictMerger
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
 from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch
@@ -302,11 +303,18 @@ class Predictor:
         record: Recorded, group: Group, k: int, fingerprint: str, decisions: Counter
     ) -> PredictionResult | PredictionError:
         """The outcome of a request id that was on record already: that decision, or the refusal
-        of an id recorded for another payload."""
+        of an id recorded for another payload. A ledger row may hold the fingerprint of the values
+        as sent rather than as the schema reads them (written by a release that fingerprinted
+        spellings, e.g. during a rolling upgrade): the same values as sent are a retry too."""
         name = group.family.name
-        if record.fingerprint and record.fingerprint != fingerprint:
+        request = group.requests[k]
+        if (
+            record.fingerprint
+            and record.fingerprint != fingerprint
+            and record.fingerprint != request_fingerprint(name, request.entity_id, request.attributes)
+        ):
             metrics.labelled(metrics.IDEMPOTENCY_KEY_REUSED, name).inc()
-            return key_reused(group.requests[k].request_id)
+            return key_reused(request.request_id)
         metrics.labelled(metrics.IDEMPOTENT_REPLAYS, name).inc()
         stored = record.decision
         decisions[name, stored.decision] += 1
