@@ -66,6 +66,11 @@ demo: $(DEMO_STAMP)
 $(VENV)/bin/promtool $(VENV)/bin/prometheus: | $(STAMP)
 	bash deploy/observability/fetch-promtool.sh $@
 
+# PgBouncer (from Debian's pgbouncer package, unpacked under the venv) puts the ledger and the CRM
+# behind a real transaction-mode pooler in `make test`.
+$(VENV)/bin/pgbouncer: | $(STAMP)
+	bash tests/fetch-pgbouncer.sh $@
+
 # ruff (lint and format check) and mypy on the product packages. mypy reads the package as it
 # imports (mlpair.inference is services/inference, …), so it runs in a tree of links to the folders.
 TYPECHECK_TREE := var/typecheck
@@ -79,7 +84,7 @@ lint: $(STAMP)
 	ln -s "$$PWD/training" $(TYPECHECK_TREE)/mlpair/training
 	cd $(TYPECHECK_TREE) && "$$OLDPWD/$(VENV)/bin/mypy" --config-file "$$OLDPWD/pyproject.toml"
 
-test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus lint
+test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus $(VENV)/bin/pgbouncer lint
 	$(PY) -m pytest -q
 
 # Benchmark (not a test): InferenceService side by side with PyTriton, tritonserver + Python backend,

@@ -178,10 +178,15 @@ def _inference_configuration(settings: InferenceSettings) -> None:
 
 
 def _prediction_configuration(settings: PredictionSettings) -> None:
-    """A supervisor's check before its workers start: the families load as the settings say."""
+    """A supervisor's check before its workers start: the families load as the settings say, and
+    no pooler in front of the ledger or the CRM loses their cached prepared statements."""
+    import asyncio
+
+    from mlpair.prediction.crm.pooler import check_poolers
     from mlpair.prediction.server import load_families
 
     load_families(settings)
+    asyncio.run(check_poolers(settings))
 
 
 def run_server(

@@ -90,7 +90,12 @@ async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Rel
     Raises:
         StartupError: the health port is in use.
         SchemaNotReady: the ledger or the CRM database has not been migrated (``mlpair migrate``).
+        StartupError: the ledger or the CRM database is behind a pooler that loses the prepared
+            statements their cache keeps (:mod:`mlpair.prediction.crm.pooler`).
     """
+    from mlpair.prediction.crm.pooler import check_poolers
+
+    await check_poolers(settings)
     recorder = build_recorder(settings)
     for model in settings.models:  # at zero from the start, as serving processes declare them: a
         for outcome in ("ok", "error"):  # restarted relay's first failed write then shows in rate()

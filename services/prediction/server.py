@@ -159,7 +159,12 @@ async def start(
     Raises:
         ConfigurationError: inconsistent configuration.
         SchemaNotReady: the ledger or the CRM database has not been migrated (``mlpair migrate``).
+        StartupError: the ledger or the CRM database is behind a pooler that loses the prepared
+            statements their cache keeps (:mod:`mlpair.prediction.crm.pooler`).
     """
+    from mlpair.prediction.crm.pooler import check_poolers
+
+    await check_poolers(settings)
     predictor = build_predictor(settings, tracer_provider=tracer_provider)
     await predictor.recorder.start()
     try:
