@@ -8,11 +8,9 @@ Switching versions never drops a request: a new version is loaded, verified and 
 thread while the current ones keep serving; only then is it published (new requests pick it);
 versions the policy no longer wants are unpublished and their batchers finish every queued
 request before they close. A version that fails to load is marked UNAVAILABLE with a reason
-and never serves; the versions already serving stay.
-
-After start each serving version's health is tracked (:mod:`mlpair.inference.model_health`): an
-unhealthy version stays published (its self-test keeps running through its batcher) but is not
-ready and takes no request (:meth:`ModelRepository.route`).
+and never serves; the versions already serving stay. After start each version's health is
+tracked (:mod:`mlpair.inference.model_health`): an unhealthy version stays published (its
+self-test runs through its batcher) but is not ready and takes no request (:meth:`~ModelRepository.route`).
 """
 
 from __future__ import annotations
@@ -21,16 +19,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-import numpy as np
-
-from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions, load_entry
+from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions
 from mlpair.inference import metrics
 from mlpair.inference.batcher import DynamicBatcher
 from mlpair.inference.errors import InferenceError, ModelLoadFailed, ModelNotFound, ModelNotReady, ModelUnhealthy
-from mlpair.inference.model_health import KnownAnswer, VersionHealth
-from mlpair.inference.runtimes import Runtime, create_runtime, warmup_batch_sizes
+from mlpair.inference.model_health import VersionHealth
+from mlpair.inference.runtimes import Runtime, create_runtime
 from mlpair.inference.settings import InferenceSettings
 from mlpair.inference.versions import (
     LOADING,
@@ -41,6 +36,7 @@ from mlpair.inference.versions import (
     VersionPolicy,
     VersionStatus,
 )
+from mlpair.inference.warmup import folder_mtime, open_version
 from mlpair.startup import require_trained
 
 logger = logging.getLogger(__name__)
@@ -156,10 +152,6 @@ class ModelRepository:
     def index(self) -> list[VersionStatus]:
         """Every version the server has tried to load, with its state, sorted."""
         return sorted(self._status.values(), key=lambda s: (s.name, int(s.version)))
-
-    def served_versions(self) -> list[ServedVersion]:
-        """Every serving model version."""
-        return [served for versions in self._serving.values() for served in versions.values()]
 
     def model_names(self) -> list[str]:
         """Models to serve: the configured ones, else every folder in the repository."""
@@ -281,7 +273,7 @@ class ModelRepository:
             status = self._status.get((name, version))
             if version in serving:
                 continue
-            changed = status is not None and status.source_mtime != _mtime(self.root / name / version)
+            changed = status is not None and status.source_mtime != folder_mtime(self.root / name / version)
             if status is None or status.state != UNAVAILABLE or changed:
                 return True
         return bool(serving - set(wanted))
@@ -289,11 +281,13 @@ class ModelRepository:
     async def _load_version(self, name: str, version: str) -> None:
         """Loads, verifies and warms one version in a thread, then publishes it."""
         path = self.root / name / version
-        status = VersionStatus(name, version, LOADING, source_mtime=_mtime(path))
+        status = VersionStatus(name, version, LOADING, source_mtime=folder_mtime(path))
         self._status[(name, version)] = status
         started = time.perf_counter()
         try:
-            entry, runtime, max_batch_ms, known = await asyncio.to_thread(self._open, path)
+            entry, runtime, max_batch_ms, known = await asyncio.to_thread(
+                open_version, path, self._factory, self.settings
+            )
         except Exception as exc:
             status.state = UNAVAILABLE
             status.reason = (
@@ -349,41 +343,6 @@ class ModelRepository:
         if self._on_change:
             await self._on_change()
 
-    def _open(self, path: Path) -> tuple[ModelEntry, Runtime, float, KnownAnswer]:
-        """Blocking: verifies the entry, starts its runtime, warms it up and records its self-test.
-
-        Warm-up runs zeros at batch 1, each preferred size and max_batch_size, and checks the
-        output's shape and finiteness, so the first real requests pay no set-up cost. The
-        max_batch_size batch runs three times; the fastest run's milliseconds are returned
-        (the first run of a size includes allocations). Then the known-answer self-test is
-        recorded (:meth:`KnownAnswer.record`).
-
-        Raises:
-            ManifestError, ModelLoadFailed, or what the runtime raises.
-        """
-        entry = load_entry(path)
-        if path.parent.name != entry.manifest.model_name:
-            raise ManifestError(
-                f"{path}: folder is model {path.parent.name!r} but the manifest says {entry.manifest.model_name!r}"
-            )
-        runtime = self._factory(entry, self.settings)
-        n_features, n_classes = entry.manifest.n_features, len(entry.manifest.class_names)
-        max_rows = self.settings.max_batch_size
-        max_batch_ms = float("inf")
-        for rows in [*warmup_batch_sizes(self.settings), max_rows, max_rows]:
-            started = time.perf_counter()
-            logits = runtime.run(np.zeros((rows, n_features), dtype=np.float32))
-            if rows == max_rows:
-                max_batch_ms = min(max_batch_ms, (time.perf_counter() - started) * 1000)
-            if not isinstance(logits, np.ndarray) or logits.shape != (rows, n_classes) or not np.isfinite(logits).all():
-                raise ModelLoadFailed(
-                    f"warm-up at batch {rows} returned unusable logits "
-                    f"(shape {getattr(logits, 'shape', None)}, expected {(rows, n_classes)})"
-                )
-        settings = self.settings
-        known = KnownAnswer.record(runtime.run, n_features, max_rows, settings.self_test_atol, settings.self_test_rtol)
-        return entry, runtime, max_batch_ms, known
-
     async def _retire(self, name: str, version: str) -> None:
         """Unpublishes a version at once, then lets its batcher finish what is queued."""
         served = self._serving[name].pop(version)
@@ -438,10 +397,3 @@ class ModelRepository:
             for name in list(self._serving):
                 for version in list(self._serving.get(name, {})):
                     await self._retire(name, version)
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return max((p.stat().st_mtime for p in path.iterdir()), default=path.stat().st_mtime)
-    except OSError:
-        return 0.0
