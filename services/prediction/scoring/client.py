@@ -192,7 +192,7 @@ class InferenceClient:
     ) -> None:
         if load_balancing not in ("pick_first", "round_robin"):
             raise ValueError(f"load_balancing must be pick_first or round_robin, not {load_balancing!r}")
-        options = [
+        options: list[tuple[str, int | str]] = [
             *message_size_options(max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
             ("grpc.min_reconnect_backoff_ms", min(100, reconnect_backoff_max_ms)),
