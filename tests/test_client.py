@@ -288,3 +288,82 @@ async def test_health_of_both_services_and_of_nothing(inference_server, predicti
 
 def test_wait_until_serving_has_one_definition():
     assert mlpair.rpc.wait_until_serving is public.wait_until_serving
+
+
+# ---- C54: a number beyond the float64 range, whatever its type ----
+
+EDGE = 2**1024 - 2**970  # the least integer that rounds to infinity in float64 (half an ulp above the largest float)
+with np.errstate(over="ignore"):
+    LONG_DOUBLE_HUGE = np.longdouble("1e400") if np.finfo(np.longdouble).max > 1e400 else np.longdouble("inf")
+BEYOND = {  # name: (value, the float64 it rounds to)
+    "int 10**400": (10**400, np.inf), "int -10**400": (-(10**400), -np.inf), "int 2**1024": (2**1024, np.inf),
+    "int at the edge": (EDGE, np.inf), "int -(at the edge)": (-EDGE, -np.inf),
+    "Fraction(10**400, 1)": (Fraction(10**400, 1), np.inf), "Fraction(-10**400, 3)": (Fraction(-(10**400), 3), -np.inf),
+    "Fraction at the edge": (Fraction(EDGE), np.inf), "Decimal 1e400": (Decimal("1e400"), np.inf),
+    "Decimal at the edge": (Decimal(EDGE), np.inf), "Decimal -1e400": (Decimal("-1e400"), -np.inf),
+    "numpy long double 1e400": (LONG_DOUBLE_HUGE, np.inf), "float inf": (float("inf"), np.inf),
+    # just inside the range: the largest float64, whatever the type
+    "int under the edge": (EDGE - 1, np.finfo(np.float64).max), "Fraction under the edge": (Fraction(EDGE - 1), np.finfo(np.float64).max),
+    "Decimal under the edge": (Decimal(EDGE - 1), np.finfo(np.float64).max),
+}
+
+
+def test_c54_a_number_beyond_the_float64_range_is_sent_as_the_infinity_of_its_sign_whatever_its_type():
+    sent = {name: wire(value) for name, value in to_attributes({k: v for k, (v, _) in BEYOND.items()}).items()}
+    assert sent == {name: ("number_value", expected) for name, (_, expected) in BEYOND.items()}
+    assert len(sent) == 16
+
+
+class Unreadable(float):
+    """A real number type of a caller's own whose float() fails (not for its size)."""
+
+    def __float__(self):
+        raise ValueError("secret-value-7")
+
+
+async def test_c54_a_number_float_cannot_read_is_refused_naming_the_attribute_before_anything_is_sent():
+    with pytest.raises(TypeError) as excinfo:
+        to_attributes({"Age": 30, "Income": Unreadable(1.0)})
+    message = str(excinfo.value)
+    assert "'Income'" in message and "Unreadable" in message and "secret-value-7" not in message and "Age" not in message
+    assert excinfo.value.__cause__ is None and excinfo.value.__suppress_context__  # no traceback shows the value
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens: a call that went out would fail UNAVAILABLE
+    async with AsyncPredictionClient(nowhere, timeout_s=2) as client:
+        with pytest.raises(TypeError, match="'Income'"):
+            await client.predict("credit-risk", "e", {"Income": Unreadable(2.0)})
+
+
+async def test_c54_equal_huge_values_of_every_type_get_one_decision(prediction_target, credit_holdout):
+    """Through a real PredictionService: each huge Income is clamped to the schema's maximum (each
+    huge negative one to its minimum), so every type gives one decision; a category refuses an
+    infinity as it refuses a fraction, naming the attribute."""
+    applicant = next(r for r in credit_holdout.records if float(r["Age"]) < 90)
+
+    def decide(values: dict) -> dict:
+        out = {}
+        with PredictionClient(prediction_target) as client:
+            for name, value in values.items():
+                reply = client.predict("credit-risk", f"c54-{name}", {**applicant, "Income": value},
+                                       request_id=f"c54-{uuid.uuid4()}")
+                out[name] = (reply.decision_label, reply.probability, tuple(reply.reason_codes))
+        return out
+
+    high = {k: v for k, (v, expected) in BEYOND.items() if expected == np.inf}
+    low = {k: v for k, (v, expected) in BEYOND.items() if expected == -np.inf}
+    decided_high, decided_low = await asyncio.to_thread(decide, high), await asyncio.to_thread(decide, low)
+    [(label, probability, reasons)] = set(decided_high.values())
+    [(label_low, probability_low, reasons_low)] = set(decided_low.values())
+    assert (len(decided_high), len(decided_low)) == (9, 4)
+    assert "INCOME_CLAMPED_MAX" in reasons and "INCOME_CLAMPED_MIN" in reasons_low
+    [(at_max, p_max, _)] = (await asyncio.to_thread(decide, {"the maximum": 5000.0})).values()
+    [(at_min, p_min, _)] = (await asyncio.to_thread(decide, {"the minimum": 0.0})).values()
+    assert (label, probability, label_low, probability_low) == (at_max, p_max, at_min, p_min)
+
+    def refused(value) -> grpc.RpcError:
+        with PredictionClient(prediction_target) as client, pytest.raises(grpc.RpcError) as excinfo:
+            client.predict("credit-risk", "c54-home", {**applicant, "Home": value}, request_id=f"c54-{uuid.uuid4()}")
+        return excinfo.value
+
+    for value in (10**400, Fraction(-(10**400), 3), Decimal("1e400")):
+        error = await asyncio.to_thread(refused, value)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "Home" in error.details()

@@ -34,8 +34,12 @@ def to_attributes(mapping: Mapping[str, Attribute]) -> dict[str, pb.AttributeVal
       an empty one is missing there).
     - ``bool`` and ``numpy.bool_`` → ``bool_value``.
     - Any other real number (``int``, ``float``, NumPy integer and floating scalars, ``Fraction``) and
-      ``decimal.Decimal`` → ``number_value``, a float64 (rounded to the nearest, as every number on the
-      wire is); NaN, a Decimal's too, is missing; an infinity is sent as one (the schema clamps it).
+      ``decimal.Decimal`` → ``number_value``, a float64 rounded to the nearest, as every number on the
+      wire is (IEEE 754): a value beyond the float64 range (``10**400``, ``-2**1024``,
+      ``Fraction(10**400, 3)``, ``Decimal("1e400")``) rounds to an infinity of its sign, whatever its
+      type, and is sent as one, as ``float("inf")`` is (the schema clamps a number to its range and
+      refuses an infinity where it wants a category code or a flag, naming the attribute); NaN, a
+      Decimal's too, is missing.
     - Missing → an empty ``AttributeValue`` (null): ``None``, NaN, ``pandas.NA``, ``pandas.NaT`` and
       NumPy's NaT (``datetime64``/``timedelta64``). pandas is never imported here: its markers exist
       only once the caller has imported it.
@@ -43,7 +47,9 @@ def to_attributes(mapping: Mapping[str, Attribute]) -> dict[str, pb.AttributeVal
 
     Raises:
         TypeError: a value of any other type — a list, dict, bytes, datetime, ``numpy.timedelta64``,
-            complex number… — naming the attribute and the type; before any request is built or sent.
+            complex number… — or a number type whose ``float()`` fails for another reason than its
+            size, naming the attribute and the type (never the value); before any request is built
+            or sent.
     """
     return {name: _attribute(name, value) for name, value in mapping.items()}
 
@@ -62,14 +68,36 @@ def _attribute(name: str, value: object) -> pb.AttributeValue:
     if isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, np.timedelta64):
         if isinstance(value, Decimal) and value.is_nan():  # float() refuses a signalling NaN
             return pb.AttributeValue()
-        number = float(value)
+        number = _float(name, value)
         return pb.AttributeValue() if math.isnan(number) else pb.AttributeValue(number_value=number)
+    raise TypeError(
+        f"attribute {name!r}: a {_type_name(value)} cannot be sent; give a str, a bool, a real number or None (missing)"
+    )
+
+
+def _float(name: str, value: numbers.Real | Decimal) -> float:
+    """``value`` rounded to the nearest float64 (IEEE 754). ``int`` and ``Fraction`` raise
+    ``OverflowError`` where that rounding gives an infinity (``Decimal`` and NumPy's long double
+    return it): the infinity of the value's sign here, so equal values get one number whatever
+    their type.
+
+    Raises:
+        TypeError: ``float()`` fails for another reason (a number type of the caller's own), naming
+            the attribute and the type.
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError, ArithmeticError):  # its text may hold the value: not chained
+        raise TypeError(f"attribute {name!r}: a {_type_name(value)} cannot be read as a number") from None
+
+
+def _type_name(value: object) -> str:
+    """``numpy.datetime64``, ``list``: the module (but builtins) and the qualified name of the type."""
     kind = type(value)
     module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
-    raise TypeError(
-        f"attribute {name!r}: a {module}{kind.__qualname__} cannot be sent; give a str, a bool, a real number "
-        "or None (missing)"
-    )
+    return f"{module}{kind.__qualname__}"
 
 
 def _is_missing_marker(value: object) -> bool:
