@@ -78,6 +78,7 @@ def test_istio_folder_renders_on_its_own(rendered_istio: list) -> None:
         "PeerAuthentication",
         "AuthorizationPolicy",
         "DestinationRule",
+        "Sidecar",
         "VirtualService",
         "EnvoyFilter",
         "Telemetry",
