@@ -23,9 +23,11 @@ one line per decision (:func:`log_decision`) carries ``decision``, ``reason_code
 Per-request lines are DEBUG (or sampled at INFO with ``sample_ratio``), never unconditional
 INFO: the hop budget (docs/design.md) leaves no room for a formatted line per RPC.
 
-Every string that reaches a line passes through a :class:`~mlpair.observability.redaction.Redactor`:
+Every string that reaches a line passes through the process's
+:data:`~mlpair.observability.redaction.PROCESS_REDACTOR`, which error details share:
 schema-flagged personal fields (registered with :func:`add_personal_fields`) and patterns
-(e-mail, phone and national ID numbers) are replaced before the line is written.
+(e-mail addresses, national ID numbers, IBANs, card and phone numbers, each with its check
+characters) are replaced before the line is written.
 
 **Logging never fails a request.** A request's outcome is decided before its line is written,
 and no log line may change it: :func:`log_decision` takes every decision shape (a probability or
@@ -51,7 +53,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from mlpair.observability.redaction import Redactor
+from mlpair.observability.redaction import PROCESS_REDACTOR
 
 CONTEXT_FIELDS = ("layer", "trace_id", "span_id", "request_id", "model_version")
 _INFERENCE_FIELDS = ("inference_id", "batch_id")
@@ -64,7 +66,7 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
     *_INFERENCE_FIELDS,
 }
 
-_redactor = Redactor()
+_redactor = PROCESS_REDACTOR  # shared with error details (mlpair.errors)
 _sample_ratio = 0.0
 _process_fields: dict[str, str] = {"layer": "", "model_version": ""}
 _failure_counters: dict[str, Callable[[str], None]] = {}  # layer → counts a failure of one stage

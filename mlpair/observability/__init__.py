@@ -5,7 +5,7 @@
 - :mod:`.calls`: each RPC's SERVER span and log context (wrappers of the servicers' methods)
   and each outgoing call's CLIENT span, carrying W3C trace context and the request id across
   the pair.
-- :mod:`.redaction`: what keeps personal data out of log lines.
+- :mod:`.redaction`: what keeps personal data out of log lines and error details.
 
 Log formatting lives in :mod:`mlpair.logs`; metrics in each service's ``metrics.py``; drift
 in :mod:`mlpair.prediction.drift`. Alert rules and dashboards: ``deploy/observability/``.

@@ -1,14 +1,26 @@
-"""Personal-data redaction for log lines: schema-flagged fields and well-known patterns.
+"""Personal-data redaction for log lines and error details: schema-flagged fields and well-known patterns.
 
-Two rules, applied to every log line before it is written (see :mod:`mlpair.logs`):
+One implementation, one process-wide :data:`PROCESS_REDACTOR`, applied to every log line before
+it is written (:mod:`mlpair.logs`) and to every error a client may see, its message and its
+ErrorInfo metadata, when the error is made (:class:`mlpair.errors.ServiceError`: gRPC statuses,
+BatchPredict item errors, OIP stream errors). Two rules:
 
 1. **Schema-flagged fields.** Attributes a feature schema marks ``personal_data = true``
    (e.g. ``Income``, ``Marital`` for credit-risk) are replaced wherever the line names them:
    as a structured field (``extra={"Income": ...}``, also nested in dicts), or inside text as
    ``Income=4200``, ``Income: 4200``, ``'Income': 4200`` or ``"Income": "4200"``.
-2. **Patterns.** Values that look like e-mail addresses, phone numbers, national ID numbers
-   (US SSN, Spanish DNI/NIE, UK National Insurance number) or payment card numbers are
-   replaced in any string, whatever field carries them.
+2. **Patterns.** Values that look like one of these identifiers are replaced in any string,
+   whatever field carries them, each form whole with its check characters:
+
+   * e-mail addresses;
+   * national ID numbers: US SSN (``123-45-6789``); Spanish DNI and NIE with their check letter
+     (``12345678Z``, ``12345678-Z``, ``X1234567L``); UK National Insurance numbers with their
+     suffix letter (``AB 12 34 56 C``); 18-character resident identity numbers, whose check
+     character is a digit or ``X`` (``11010519491231002X``, also grouped 6-8-4);
+   * IBANs with their two check digits (``ES91 2100 0418 4502 0005 1332``);
+   * payment card numbers with their check digit, bare (13–19 digits) or grouped by spaces or
+     dashes (``4111 1111 1111 1111``, ``3782 822463 10005``);
+   * phone numbers, with or without a country code.
 
 Redaction replaces with a marker naming the kind (``[REDACTED:email]``), never with a hash:
 personal values such as an income have so little entropy that a hash is reversible by
@@ -18,6 +30,7 @@ phone or ID number); a redacted count in a log line is a smaller harm than a lea
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -39,11 +52,30 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], int], ...] = (
         re.compile(rf"{_NOT_AFTER}(?:\d{{8}}|[XYZxyz]\d{{7}})-?[A-HJ-NP-TV-Za-hj-np-tv-z]{_NOT_BEFORE}"),
         0,
     ),
+    # Resident identity number: 17 digits and a check character, a digit or X (ISO 7064 MOD 11-2),
+    # also written in groups of 6, 8 and 4 (area, birth date, sequence and check).
+    ("national_id", re.compile(rf"{_NOT_AFTER}\d{{6}}( ?)\d{{8}}\1\d{{3}}[\dXx]{_NOT_BEFORE}"), 0),
     # UK National Insurance number, AB 12 34 56 C.
     (
         "national_id",
         re.compile(
             rf"{_NOT_AFTER}[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z]{{2}} ?\d{{2}} ?\d{{2}} ?\d{{2}} ?[A-Da-d]{_NOT_BEFORE}"
+        ),
+        0,
+    ),
+    # IBAN: country code, two check digits, then 11–30 letters and digits, bare or in groups of 4.
+    (
+        "iban",
+        re.compile(
+            rf"{_NOT_AFTER}[A-Z]{{2}}\d{{2}}( ?)[A-Z0-9]{{4}}(?:\1[A-Z0-9]{{4}}){{1,6}}(?:\1[A-Z0-9]{{1,4}})?{_NOT_BEFORE}"
+        ),
+        0,
+    ),
+    # Payment card numbers grouped by one kind of separator: 4-4-4-4(-3), Amex's 4-6-5, Diners' 4-6-4.
+    (
+        "card",
+        re.compile(
+            rf"{_NOT_AFTER}\d{{4}}([ -])(?:\d{{4}}\1\d{{4}}\1\d{{4}}(?:\1\d{{3}})?|\d{{6}}\1\d{{4,5}}){_NOT_BEFORE}"
         ),
         0,
     ),
@@ -72,6 +104,9 @@ class Redactor:
     def __init__(self, personal_fields: Iterable[str] = ()) -> None:
         self._fields: frozenset[str] = frozenset()
         self._field_text: re.Pattern[str] | None = None
+        # :meth:`text`, remembered: error details repeat a few texts (a refusal's fixed message)
+        # many times under load; emptied whenever the fields change
+        self.cached_text = functools.lru_cache(maxsize=1024)(self.text)
         self.add_fields(personal_fields)
 
     @property
@@ -86,6 +121,7 @@ class Redactor:
             names_re = "|".join(sorted(map(re.escape, self._fields), key=len, reverse=True))
             # name=value, name: value, 'name': value, "name": value (any case of the name).
             self._field_text = re.compile(rf"""(?i)(?P<key>(?<![\w])["']?(?:{names_re})["']?\s*[:=]\s*){_VALUE}""")
+        self.cached_text.cache_clear()
 
     def text(self, value: str) -> str:
         """``value`` with every personal field value and personal-data pattern replaced."""
@@ -106,6 +142,17 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return [self.value(key, v) for v in value]
         return value
+
+
+PROCESS_REDACTOR = Redactor()
+"""The process's redactor, shared by log lines (:mod:`mlpair.logs`, whose
+:func:`~mlpair.logs.add_personal_fields` registers the schema-flagged fields here) and error
+details (:class:`mlpair.errors.ServiceError`)."""
+
+
+def redact(text: str) -> str:
+    """``text`` as :data:`PROCESS_REDACTOR` writes it (remembered for the last 1,024 texts)."""
+    return PROCESS_REDACTOR.cached_text(text)
 
 
 def _replacer(kind: str, min_digits: int):

@@ -224,3 +224,78 @@ def test_a_failing_log_line_is_counted_and_never_raised_into_the_request():
     assert counted == ["format", "decision_log"]
     [line] = [json.loads(text) for text in stream.getvalue().splitlines()]
     assert (line["decision"], line["probability"], line["request_id"]) == ("APPROVE", 0.123457, "r1")
+
+
+# ---- C60: every documented identifier form, whole with its check characters ----
+
+IDENTIFIER_FORMS = [  # (as written, the kind it is redacted as)
+    ("11010519491231002X", "national_id"), ("11010519491231002x", "national_id"),  # resident identity number
+    ("110105194912310021", "national_id"), ("110105 19491231 002X", "national_id"),
+    ("123-45-6789", "national_id"),  # US SSN (no check character)
+    ("12345678Z", "national_id"), ("12345678-z", "national_id"), ("X1234567L", "national_id"),  # DNI, NIE
+    ("AB123456C", "national_id"), ("AB 12 34 56 C", "national_id"),  # UK National Insurance number
+    ("ES9121000418450200051332", "iban"), ("ES91 2100 0418 4502 0005 1332", "iban"),
+    ("GB82 WEST 1234 5698 7654 32", "iban"), ("DE89370400440532013000", "iban"),
+    ("4111 1111 1111 1111", "card"), ("4111-1111-1111-1111", "card"), ("3782 822463 10005", "card"),  # Visa, Amex
+    ("3056 930902 5904", "card"), ("6011 0000 0000 0000 004", "card"), ("4111111111111111", "number"),
+    ("ana.garcia@example.com", "email"), ("+34 612 345 678", "phone"), ("555-123-4567", "phone"),
+]
+
+
+def test_c60_each_documented_identifier_form_is_redacted_whole_with_its_check_characters():
+    from mlpair.observability.redaction import Redactor
+
+    redacted = 0
+    for raw, kind in IDENTIFIER_FORMS:
+        for text, expected in ((raw, f"[REDACTED:{kind}]"), (f"request {raw}, refused", f"request [REDACTED:{kind}], refused"),
+                               (f"loan-{raw}", f"loan-[REDACTED:{kind}]")):
+            if kind in ("email", "phone") and text.startswith("loan-"):
+                continue  # joined to a prefix by "-": an e-mail's local part, a phone's groups
+            assert Redactor().text(text) == expected, (raw, Redactor().text(text))
+            redacted += 1
+    assert redacted == 3 * len(IDENTIFIER_FORMS) - 3 == 66
+
+
+async def test_c60_a_resident_identity_number_ending_in_x_reaches_no_log_line_and_no_error_detail(pair, credit_holdout):
+    """A request id carrying one (and a model name that is one): the log lines of both services,
+    Predict's and BatchPredict's error details and InferenceService's carry it redacted."""
+    import grpc
+    import numpy as np
+
+    from mlpair.api.inference.v1 import inference_service_pb2 as ipb
+    from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
+    from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+    from mlpair.rpc import error_info
+
+    raw, shown = "loan-11010519491231002X", "loan-[REDACTED:national_id]"
+    digits = "11010519491231002"
+    pair.clear()
+    first = await pair.stub.Predict(predict_request(raw, credit_holdout.entity_ids[7], credit_holdout.records[7]))
+    assert first.decision_id
+    lines = await pair.settled_log_lines()
+    assert {line["request_id"] for line in lines if line["layer"] == "prediction"} == {shown}
+    details = []
+    with pytest.raises(grpc.aio.AioRpcError) as reused:  # the same id with another applicant
+        await pair.stub.Predict(predict_request(raw, credit_holdout.entity_ids[8], credit_holdout.records[8]))
+    assert reused.value.code() == grpc.StatusCode.ALREADY_EXISTS and shown in reused.value.details()
+    details += [reused.value.details(), *error_info(reused.value).metadata.values()]
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await pair.stub.Predict(pb.PredictRequest(request_id="c60-2", entity_id="e", model_name="11010519491231002x"))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "[REDACTED:national_id]" in unknown.value.details()
+    details += [unknown.value.details(), *error_info(unknown.value).metadata.values()]
+    batch = await pair.stub.BatchPredict(pb.BatchPredictRequest(requests=[
+        predict_request(raw, credit_holdout.entity_ids[9], credit_holdout.records[9])]))
+    [item] = batch.results
+    assert item.WhichOneof("outcome") == "error" and shown in item.error.message
+    details.append(item.error.message)
+    x = np.zeros((1, 13), dtype="<f4")
+    async with grpc.aio.insecure_channel(pair.inference_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as inference:
+            await ipb_grpc.InferenceServiceStub(channel).Infer(ipb.InferRequest(
+                model_name="11010519491231002X", inputs=ipb.Tensor(data_type=ipb.DATA_TYPE_FP32, shape=x.shape,
+                                                                   content=x.tobytes())))
+    assert "[REDACTED:national_id]" in inference.value.details()
+    details += [inference.value.details(), *error_info(inference.value).metadata.values()]
+    assert len([d for d in details if "REDACTED:national_id" in d]) >= 5
+    text = pair.log_stream.getvalue()
+    assert digits not in text and all(digits not in d for d in details)
