@@ -1,15 +1,66 @@
 """``grpc.health.v1`` of either service from Python: :func:`check_health`, :func:`wait_until_serving`;
-see :mod:`mlpair.client`."""
+see :mod:`mlpair.client`.
+
+The protocol's two messages are built here, in a descriptor pool of this module's own, rather than
+imported from grpcio-health-checking: the client-only distribution (``clients/python``) then needs no
+such dependency, whose releases' generated code wants a newer protobuf than their metadata declares
+(1.71.2 declares protobuf 5.26.1, and its modules refuse anything older than 5.29.0), and an
+application's own ``grpc.health.v1`` modules never meet these in protobuf's default pool.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mlpair.client.channels import open_channel
+
+CHECK_METHOD = "/grpc.health.v1.Health/Check"
+SERVING_STATUSES = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")  # HealthCheckResponse.ServingStatus
+
+
+@cache
+def _messages() -> tuple[Any, Any]:
+    """``grpc.health.v1.HealthCheckRequest`` and ``HealthCheckResponse`` (grpc/health/v1/health.proto,
+    fields by number as published) as message classes of a private descriptor pool."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="mlpair/client/health.proto", package="grpc.health.v1")
+    proto.syntax = "proto3"
+    request = proto.message_type.add(name="HealthCheckRequest")
+    request.field.add(name="service", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
+    response = proto.message_type.add(name="HealthCheckResponse")
+    statuses = response.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(SERVING_STATUSES):
+        statuses.value.add(name=name, number=number)
+    response.field.add(
+        name="status",
+        number=1,
+        type=field.TYPE_ENUM,
+        label=field.LABEL_OPTIONAL,
+        type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return tuple(
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"grpc.health.v1.{name}"))
+        for name in ("HealthCheckRequest", "HealthCheckResponse")
+    )
+
+
+def _check(channel: grpc.Channel, service: str, timeout_s: float) -> str:
+    """One Check call on ``channel``: the status name (an unknown number as ``str(number)``)."""
+    request, response = _messages()
+    call = channel.unary_unary(
+        CHECK_METHOD, request_serializer=request.SerializeToString, response_deserializer=response.FromString
+    )
+    status = call(request(service=service), timeout=timeout_s).status
+    return SERVING_STATUSES[status] if 0 <= status < len(SERVING_STATUSES) else str(status)
 
 
 def check_health(
@@ -26,10 +77,7 @@ def check_health(
             ``timeout_s`` seconds), NOT_FOUND (no such ``service``).
     """
     with open_channel(target, credentials, ()) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
-        )
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        return _check(channel, service, timeout_s)
 
 
 def wait_until_serving(
@@ -45,13 +93,9 @@ def wait_until_serving(
     """
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline and alive():
             try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
+                if _check(channel, "", 1.0) == "SERVING":
                     return True
             except grpc.RpcError:
                 pass

@@ -8,7 +8,11 @@ import numpy as np
 from mlpair.api.inference.v1 import inference_service_pb2 as inference_pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as inference_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
-from mlpair.contracts import FEATURE_VERSION_KEY
+
+# The metadata key of the caller's feature schema version: mlpair.contracts.FEATURE_VERSION_KEY, which
+# the client-only distribution (clients/python) does not ship; tests/test_client_install.py keeps the
+# two equal.
+FEATURE_VERSION_KEY = "x-feature-version"
 
 # Rows per Infer call: well under InferenceService's default max_request_rows (8192, above which it
 # refuses a call), and a message far under the 16 MiB limit (about 100 KB at churn's 49 features);
