@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     drift = sub.add_parser(
         "drift-report",
         help="drift of a running PredictionService's features and scores; "
-        f"exit 0 none, 2 drift, {DRIFT_NO_VERDICT} no verdict yet "
-        "(too few decisions), 1 unreadable",
+        "exit status from the families with a verdict: 0 no drift, 2 drift in any; "
+        f"{DRIFT_NO_VERDICT} no family with a verdict yet (no traffic or too few decisions); 1 unreadable",
     )
     drift.add_argument(
         "--metrics-url",

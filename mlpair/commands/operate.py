@@ -7,15 +7,19 @@ import argparse
 import sys
 from pathlib import Path
 
-DRIFT_NO_VERDICT = 3  # `mlpair drift-report`: some model has too few decisions for a verdict yet
+DRIFT_NO_VERDICT = 3  # `mlpair drift-report`: no family has enough decisions for a verdict yet
 
 
 def drift_report(args: argparse.Namespace) -> int:
     """``mlpair drift-report``: the drift tests a PredictionService exports on its metrics port.
 
+    The exit status comes from the families with a verdict; one with no traffic, or with too few
+    decisions, is reported as such and does not hide another's verdict.
+
     Returns:
-        0 no drift, 2 drift, :data:`DRIFT_NO_VERDICT` when some model has too few decisions for a
-        verdict (or none reported), 1 when the metrics endpoint cannot be read.
+        0 when every family with a verdict has no drift, 2 when any has drift,
+        :data:`DRIFT_NO_VERDICT` when no family has a verdict (none has enough decisions, or no
+        monitor reported), 1 when the metrics endpoint cannot be read.
     """
     import urllib.request
 
@@ -32,9 +36,10 @@ def drift_report(args: argparse.Namespace) -> int:
         print(to_json(reports))
     else:
         print(render(reports))
-    if any(r.drifted for r in reports):
-        return 2
-    return DRIFT_NO_VERDICT if not reports or not all(r.judged for r in reports) else 0
+    judged = [r for r in reports if r.judged]
+    if not judged:
+        return DRIFT_NO_VERDICT
+    return 2 if any(r.drifted for r in judged) else 0
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -58,12 +58,32 @@ class DriftReport:
         """True when any feature or the score drifted."""
         return bool(self.drifted_features) or bool(self.score and self.score.drifted)
 
+    @property
+    def idle(self) -> bool:
+        """Whether the family has had no traffic: no decision in its window."""
+        return self.window_rows == 0
+
+    @property
+    def verdict(self) -> str:
+        """``"drift"``, ``"no drift"``, ``"no traffic"`` (no decision in the window) or ``"too few
+        decisions"`` (fewer than ``min_rows``): the last two are no verdict."""
+        if self.idle:
+            return "no traffic"
+        if not self.judged:
+            return "too few decisions"
+        return "drift" if self.drifted else "no drift"
+
     def to_dict(self) -> dict[str, Any]:
-        """Every field, plus the ``judged`` and ``drifted`` verdicts and ``drifted_features``, ready for
+        """Every field, plus the ``verdict``, ``judged``, ``drifted`` and ``drifted_features``, ready for
         strict JSON: a non-finite number (a value the metrics lacked) is None, and ``model_version``
         is left out when unknown (empty)."""
         fields = {k: v for k, v in asdict(self).items() if k != "model_version" or v}
-        verdicts = {"judged": self.judged, "drifted": self.drifted, "drifted_features": self.drifted_features}
+        verdicts = {
+            "verdict": self.verdict,
+            "judged": self.judged,
+            "drifted": self.drifted,
+            "drifted_features": self.drifted_features,
+        }
         return _finite_or_none({**fields, **verdicts})
 
 
@@ -163,6 +183,9 @@ def render(reports: list[DriftReport]) -> str:
     lines = []
     for r in reports:
         version = f" version {r.model_version}" if r.model_version else ""
+        if r.idle:
+            lines.append(f"{r.model_name}{version}: no verdict: no traffic (no decision in the window)")
+            continue
         if not r.judged:
             lines.append(
                 f"{r.model_name}{version}: no verdict: {r.window_rows} decisions in the window, "
@@ -182,4 +205,18 @@ def render(reports: list[DriftReport]) -> str:
                 f"  {t.feature:<{width}} {t.test:<5} {t.statistic:>7.3f} {t.threshold:>9.3f} "
                 f"{t.p_value:>10.2e}  {'DRIFT' if t.drifted else 'ok'}"
             )
-    return "\n".join(lines) if lines else "no drift monitors reported (no prediction_drift_* metrics yet)"
+    if not lines:
+        return "no drift monitors reported (no prediction_drift_* metrics yet)"
+    return "\n".join([*lines, summary(reports)])
+
+
+def summary(reports: list[DriftReport]) -> str:
+    """One line: the families with a verdict (which set the exit status of ``mlpair drift-report``),
+    those with no traffic and those with too few decisions."""
+    parts = []
+    for verdict in ("drift", "no drift", "no traffic", "too few decisions"):
+        names = [r.model_name for r in reports if r.verdict == verdict]
+        if names:
+            parts.append(f"{verdict}: {', '.join(names)}")
+    judged = sum(r.judged for r in reports)
+    return f"{judged} of {len(reports)} families with a verdict; " + "; ".join(parts)
