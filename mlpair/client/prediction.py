@@ -8,7 +8,7 @@ import numbers
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from types import TracebackType
 from typing import Self
@@ -142,11 +142,15 @@ class BatchItem:
 
 @dataclass(frozen=True)
 class ItemError:
-    """A refused ``BatchPredict`` item: the status ``Predict`` would have raised for it."""
+    """A refused ``BatchPredict`` item: the status ``Predict`` would have raised for it, with the
+    same ErrorInfo detail (``reason`` and ``metadata``; :func:`mlpair.rpc.error_info` reads it from a
+    ``Predict``'s ``grpc.RpcError``)."""
 
     code: grpc.StatusCode
     message: str
     reason: str  # the ErrorInfo reason, e.g. "UNKNOWN_ATTRIBUTE"; empty if the server sent none
+    # the ErrorInfo metadata, e.g. {"attributes": "Incme", "did_you_mean": "Incme=Income"}; empty if none
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
 
 def _batch_request(items: Sequence[BatchItem]) -> pb.BatchPredictRequest:
@@ -162,9 +166,9 @@ def _outcomes(reply: pb.BatchPredictResponse) -> list[pb.PredictResponse | ItemE
             out.append(result.prediction)
             continue
         info = error_details_pb2.ErrorInfo()
-        reason = next((info.reason for d in result.error.details if d.Unpack(info)), "")
+        found = any(d.Unpack(info) for d in result.error.details)
         code = next((c for c in grpc.StatusCode if c.value[0] == result.error.code), grpc.StatusCode.UNKNOWN)
-        out.append(ItemError(code, result.error.message, reason))
+        out.append(ItemError(code, result.error.message, info.reason, dict(info.metadata) if found else {}))
     return out
 
 

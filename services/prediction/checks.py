@@ -63,12 +63,20 @@ def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tup
 
 
 def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
-    """The refusal of a request naming attributes the schema does not know (strict setting)."""
-    shown = ", ".join(repr(n[:MAX_ECHO]) for n in names[:MAX_WARNINGS]) + (" …" if len(names) > MAX_WARNINGS else "")
+    """The refusal of a request naming attributes the schema does not know (strict setting), with
+    the hint the warning gives: each name followed by the schema's closest attribute when one is
+    close (``'Incme' (did you mean 'Income'?)``), and in metadata ``did_you_mean``: the
+    ``name=closest`` pairs, comma-separated (absent when no name is close to one)."""
+    named = [n[:MAX_ECHO] for n in names[:MAX_WARNINGS]]
+    known = family.schema.attribute_names
+    shown = ", ".join(repr(n) + _did_you_mean(n, known) for n in named) + (" …" if len(names) > MAX_WARNINGS else "")
+    metadata = {"attributes": ",".join(named)}
+    if closest := [f"{n}={_closest(n, known)}" for n in named if _closest(n, known)]:
+        metadata["did_you_mean"] = ",".join(closest)
     return UnknownAttribute(
         f"the {family.name!r} feature schema has no attribute named {shown}; this service "
         "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
-        metadata={"attributes": ",".join(n[:MAX_ECHO] for n in names[:MAX_WARNINGS])},
+        metadata=metadata,
     )
 
 
@@ -106,13 +114,19 @@ def ids_pass(values: list[str]) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
 def _did_you_mean(name: str, known: tuple[str, ...]) -> str:
-    """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name`` (difflib's ratio
-    ≥ 0.8 on lower-cased names), else ``""``. ``name`` comes from a client: callers cut it to
-    ``MAX_ECHO`` characters, so the cache holds no more than that per entry."""
+    """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name``, else ``""``."""
+    close = _closest(name, known)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+@functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
+def _closest(name: str, known: tuple[str, ...]) -> str:
+    """The known attribute closest to ``name`` (difflib's ratio ≥ 0.8 on lower-cased names), else
+    ``""``. ``name`` comes from a client: callers cut it to ``MAX_ECHO`` characters, so the cache
+    holds no more than that per entry."""
     import difflib
 
     lowered = {k.lower(): k for k in known}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.8)
-    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
+    return lowered[close[0]] if close else ""
