@@ -12,6 +12,7 @@ import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, UnknownAttribute
 from mlpair.prediction.families import ModelFamily
@@ -77,6 +78,19 @@ def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> Unkno
         f"the {family.name!r} feature schema has no attribute named {shown}; this service "
         "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
         metadata=metadata,
+    )
+
+
+def explanation_not_recorded(decided_at: datetime | None) -> RequestWarning:
+    """The warning of a replay asked to explain whose explanation cannot be given: explanations are
+    not recorded, and the recorded decision's could not be computed again (:func:`~mlpair.prediction.pipeline.replay_explanation`)."""
+    when = f" at {decided_at.isoformat()}" if decided_at is not None else ""
+    return RequestWarning(
+        "EXPLANATION_NOT_RECORDED",
+        "explain",
+        f"this request id was decided earlier{when}; explanations are not recorded, and that decision "
+        "cannot be explained again now (another model version serves, or it was made without model "
+        "output); a new request id gets a new decision with its explanation",
     )
 
 

@@ -29,7 +29,7 @@ from mlpair.prediction import metrics
 from mlpair.prediction.batch import ROW_WISE_BELOW, Group
 from mlpair.prediction.explain import Explanation, explain
 from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.records import DecisionColumns, decision_ids_for
+from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Source
 from mlpair.prediction.scoring.scorer import as_item_error
 
@@ -301,3 +301,21 @@ def _verdict(policy: DecisionPolicy, verdict: int, stale: bool, guard_codes: tup
     """(decision, reason codes) of a verdict code ``band * 3 + route`` (see ``DecisionPolicy.decide_many``)."""
     found = policy.verdict(verdict // 3, verdict % 3)
     return found.decision, (*found.reason_codes, *((STALE_REASON,) if stale else ()), *guard_codes)
+
+
+REPLAY_TOLERANCE = 1e-6  # probability units: one model's output for one row, in calls of other sizes
+
+
+def replay_explanation(stored: StoredDecision, d: Decided, j: int) -> Explanation | None:
+    """The explanation of a recorded decision, from decided row ``j`` of ``d`` (the same request
+    decided again now, with the same values as the schema reads them): the one computed now when
+    the model version that made the recorded decision made this one and the two probabilities
+    agree within ``REPLAY_TOLERANCE``; None otherwise (another model version serves now, the
+    decision was made without model output, or there is no explanation now)."""
+    explanation = d.explanations.get(j)
+    now = d.columns.probability[j]
+    if explanation is None or stored.probability is None or now is None:
+        return None
+    if stored.model_version != d.columns.model_version[j] or abs(stored.probability - now) > REPLAY_TOLERANCE:
+        return None
+    return explanation

@@ -41,8 +41,10 @@ class PredictInput(NamedTuple):
 class PredictionResult:
     """A recorded decision plus how it was served.
 
-    ``spread``, ``calibration_method`` and ``explanation`` describe a fresh decision; a
-    replayed one (a request id already on record, by any replica) carries only what was recorded.
+    ``spread`` and ``calibration_method`` describe a fresh decision; a replayed one (a request id
+    already on record, by any replica) carries only what was recorded, and, asked to explain, the
+    explanation computed now when it explains the recorded decision (the same model version, the
+    same probability), else the warning ``EXPLANATION_NOT_RECORDED``.
     """
 
     stored: StoredDecision

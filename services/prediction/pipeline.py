@@ -42,10 +42,17 @@ import numpy as np
 from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.batch import Group, prepare_items
-from mlpair.prediction.checks import MAX_ECHO, RequestWarning, key_reused
+from mlpair.prediction.batch import prepare_items
+from mlpair.prediction.checks import MAX_ECHO, RequestWarning, explanation_not_recorded, key_reused
 from mlpair.prediction.columns import ColumnAssembler
-from mlpair.prediction.decisions import FALLBACK_REASON, INVALID_OUTPUT_REASON, STALE_REASON, Decided, decide_columns
+from mlpair.prediction.decisions import (
+    FALLBACK_REASON,
+    INVALID_OUTPUT_REASON,
+    STALE_REASON,
+    Decided,
+    decide_columns,
+    replay_explanation,
+)
 from mlpair.prediction.drift import DriftMonitors
 from mlpair.prediction.errors import CallerLeft, InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
@@ -265,7 +272,7 @@ class Predictor:
                     if i in failed:
                         slots[group.index[k]] = as_item_error(failed[i])
                     elif i in replays:
-                        slots[group.index[k]] = self._replayed(replays[i], group, k, batch.fingerprints[i], decisions)
+                        slots[group.index[k]] = self._replayed(replays[i], d, j, batch.fingerprints[i], decisions)
                     else:
                         kept.append(j)
                 recorded_now = kept
@@ -300,12 +307,16 @@ class Predictor:
 
     @staticmethod
     def _replayed(
-        record: Recorded, group: Group, k: int, fingerprint: str, decisions: Counter
+        record: Recorded, d: Decided, j: int, fingerprint: str, decisions: Counter
     ) -> PredictionResult | PredictionError:
-        """The outcome of a request id that was on record already: that decision, or the refusal
-        of an id recorded for another payload. A ledger row may hold the fingerprint of the values
-        as sent rather than as the schema reads them (written by a release that fingerprinted
-        spellings, e.g. during a rolling upgrade): the same values as sent are a retry too."""
+        """The outcome of a request id that was on record already (decided row ``j`` of ``d``): that
+        decision, or the refusal of an id recorded for another payload. A ledger row may hold the
+        fingerprint of the values as sent rather than as the schema reads them (written by a
+        release that fingerprinted spellings, e.g. during a rolling upgrade): the same values as
+        sent are a retry too. Asked to explain, it carries the explanation computed now when that
+        explains the recorded decision (:func:`replay_explanation`), else the warning
+        ``EXPLANATION_NOT_RECORDED``."""
+        group, k = d.group, d.rows[j]
         name = group.family.name
         request = group.requests[k]
         if (
@@ -319,7 +330,12 @@ class Predictor:
         stored = record.decision
         decisions[name, stored.decision] += 1
         from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
-        return PredictionResult(stored, from_cache=from_cache, replayed=True, warnings=group.warnings.get(k, ()))
+        warnings, explanation = group.warnings.get(k, ()), None
+        if request.explain and (explanation := replay_explanation(stored, d, j)) is None:
+            warnings = (*warnings, explanation_not_recorded(stored.decided_at))
+        return PredictionResult(
+            stored, from_cache=from_cache, replayed=True, warnings=warnings, explanation=explanation
+        )
 
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
