@@ -18,6 +18,15 @@ import socket
 POSTGRES_HOST, POSTGRES_PORT = "127.0.0.1", 5432
 
 
+def defaulted(entry, record: dict) -> frozenset[str]:
+    """The features of ``record`` that take their default under ``entry``'s preprocessing (missing,
+    or a sentinel): what a policy's missing-data rule reads (``DecisionPolicy.decide(..., missing=)``)."""
+    from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, FeatureAssembler
+
+    guards = FeatureAssembler(entry.preprocessing).assemble(record).guards
+    return frozenset(e.feature for e in guards if e.action in (MISSING_DEFAULTED, SENTINEL_DEFAULTED))
+
+
 def require_service(name: str, host: str, port: int) -> None:
     """Skips the calling test when a local service is down; under CI=true that is a failure."""
     import pytest

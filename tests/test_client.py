@@ -28,7 +28,7 @@ from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.prediction.policy import DecisionPolicy
 from mlpair.rpc import error_info
 from tests.e2e.conftest import prediction_server
-from tests.support import CONFIG_DIR
+from tests.support import CONFIG_DIR, defaulted
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def expect_decision(reply: pb.PredictResponse, family: str, entry, record: dict)
     manifest = entry.manifest
     probability = manifest.calibration.probabilities(offline_logits(entry, [record]), manifest.positive_index)[0]
     assert reply.probability == pytest.approx(probability, abs=1e-6)
-    assert reply.decision_label == policy.decide(reply.probability).decision
-    assert reply.reason_codes[0] == policy.decide(reply.probability).reason_codes[0]
+    verdict = policy.decide(reply.probability, missing=defaulted(entry, record))  # a required attribute missing: REVIEW
+    assert reply.decision_label == verdict.decision and reply.reason_codes[0] == verdict.reason_codes[0]
     assert (reply.model_version, reply.feature_schema_version) == (manifest.model_version, f"{family}/v1")
     assert (reply.policy_version, reply.calibration_method) == (policy.version, manifest.calibration.method)
     assert reply.decision_id and not reply.fallback and not reply.stale

@@ -18,7 +18,13 @@ import numpy as np
 from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.checks import check_id, ids_pass, unknown_attribute_warnings, unknown_attributes_error
+from mlpair.prediction.checks import (
+    check_id,
+    ids_pass,
+    missing_required_error,
+    unknown_attribute_warnings,
+    unknown_attributes_error,
+)
 from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
@@ -31,6 +37,11 @@ if TYPE_CHECKING:
 
 ROW_WISE_BELOW = 8  # fewer rows than this are assembled row by row: NumPy's per-call cost would dominate
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
+
+
+def defaulted_features(guards: RowGuards) -> frozenset[str]:
+    """The schema features of a row that took their default (missing, or a sentinel)."""
+    return frozenset(e.feature for e in guards.events if e.action in DEFAULTED_ACTIONS)
 
 
 @dataclass(eq=False)
@@ -191,6 +202,12 @@ def _assemble(
             refused[k] = unknown_attributes_error(family, names)
         else:
             warnings[k] = unknown_attribute_warnings(family, names)
+    every_guards = None
+    if (rule := family.policy.missing_data) is not None and rule.action == "refuse":
+        every_guards = row_guards if assembled.actions is None else assembler.guards(assembled.actions)
+        for k, g in enumerate(every_guards):
+            if g.defaulted and k not in refused and (codes := rule.reason_codes(defaulted_features(g))):
+                refused[k] = missing_required_error(family, rule, defaulted_features(g), codes)
     keep = [k for k in range(len(requests)) if k not in refused] if refused else range(len(requests))
     for k, error in refused.items():
         outcomes[index[k]] = error
@@ -200,7 +217,7 @@ def _assemble(
         if refused:
             actions = actions[keep]
         _count_guards(family, actions)
-        guards = assembler.guards(actions)
+        guards = assembler.guards(actions) if every_guards is None else [every_guards[k] for k in keep]
     else:
         guards = [row_guards[k] for k in keep]
         for g in guards:  # the same counts as _count_guards: one per (row, feature, action)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, UnknownAttribute
+from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, MissingRequiredAttribute, UnknownAttribute
 from mlpair.prediction.families import ModelFamily
+from mlpair.prediction.policy import MissingData
 
 MAX_ID_LENGTH = 128
 MAX_ECHO = 64  # most characters of a client's value repeated in an error
@@ -78,6 +79,20 @@ def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> Unkno
         f"the {family.name!r} feature schema has no attribute named {shown}; this service "
         "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
         metadata=metadata,
+    )
+
+
+def missing_required_error(
+    family: ModelFamily, rule: MissingData, missing: Collection[str], codes: Sequence[str]
+) -> MissingRequiredAttribute:
+    """The refusal of a request lacking attributes its family's policy requires (``action = "refuse"``):
+    metadata ``attributes`` names the missing attributes the rule names (schema order) and
+    ``reason_codes`` the rule's codes the request broke (``INCOME_REQUIRED_MISSING``, a group's code)."""
+    named = [n for n in family.schema.attribute_names if n in missing and n in rule.attributes]
+    return MissingRequiredAttribute(
+        f"the {family.name!r} decision policy ({family.policy.version}) does not decide without "
+        f"{', '.join(named)}: send {'it' if len(named) == 1 else 'them'} (absent, null, empty and sentinel values are missing)",
+        metadata={"attributes": ",".join(named), "reason_codes": ",".join(codes)},
     )
 
 

@@ -5,7 +5,8 @@ For each row of a :class:`~mlpair.prediction.batch.Group` the same decision as d
 * a row with usable model output: the mean of the members' calibrated probabilities (summed in
   member order, as ``ndarray.mean`` does for fewer than eight members), the ensemble spread
   (max − min), the fraction of schema features that took their default, then the policy's band
-  and overrides (:meth:`DecisionPolicy.decide_many <mlpair.prediction.policy.DecisionPolicy.decide_many>`);
+  and overrides (:meth:`DecisionPolicy.decide_many <mlpair.prediction.policy.DecisionPolicy.decide_many>`,
+  then the missing-data rule on the attributes that took their default);
   reason codes = the verdict's, ``STALE_CACHE_RESULT`` when served stale, then each guard's once;
 * no model output (inference unavailable, no stale entry): the policy's fallback decision with
   ``INFERENCE_UNAVAILABLE`` and no probability;
@@ -26,9 +27,9 @@ from typing import cast
 import numpy as np
 
 from mlpair.prediction import metrics
-from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+from mlpair.prediction.batch import ROW_WISE_BELOW, Group, defaulted_features
 from mlpair.prediction.explain import Explanation, explain
-from mlpair.prediction.policy import DecisionPolicy
+from mlpair.prediction.policy import ROUTE_INSUFFICIENT_DATA, DecisionPolicy
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Source
 from mlpair.prediction.scoring.scorer import as_item_error
@@ -109,6 +110,7 @@ def decide_columns(
             metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
     found: list[Verdict | None] = [None] * n
     stale_cache, get = Source.STALE_CACHE, memo.get
+    requiring = policy.missing_data.decision if policy.missing_data is not None else None
     for k, (verdict, served, guards) in enumerate(zip(verdicts.tolist(), group.served, group.guards)):
         if verdict >= 0:
             assert served is not None  # a row with a verdict was scored (its call did not fail)
@@ -118,6 +120,15 @@ def decide_columns(
                 hit = _verdict(policy, *key)
                 if len(memo) < _MEMO_LIMIT:
                     memo[key] = hit
+            # a missing-data rule the row breaks: its decision, as decide() makes it (insufficient data wins)
+            if (
+                guards.defaulted
+                and requiring is not None
+                and verdict % 3 != ROUTE_INSUFFICIENT_DATA
+                and (codes := policy.missing_codes(defaulted_features(guards)))
+            ):
+                stale = (STALE_REASON,) if key[1] else ()
+                hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
             found[k] = hit
     return _records(group, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
 
@@ -148,7 +159,8 @@ def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decid
         else:
             p, s = float(group.probabilities[:, k].mean()), max(members) - min(members)
         try:
-            verdict = policy.decide(p, s, guards.defaulted / n_schema)
+            missing = defaulted_features(guards) if guards.defaulted else ()
+            verdict = policy.decide(p, s, guards.defaulted / n_schema, missing)
         except ValueError:
             errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
             continue

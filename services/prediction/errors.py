@@ -26,6 +26,14 @@ class UnknownAttribute(PredictionError):
     reason = "UNKNOWN_ATTRIBUTE"
 
 
+class MissingRequiredAttribute(PredictionError):
+    """The request lacks attributes its family's decision policy requires, and that policy refuses
+    such a request rather than sending it to review (``[missing_data] action = "refuse"``)."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "REQUIRED_ATTRIBUTE_MISSING"
+
+
 class UnknownModel(PredictionError):
     """The request names a model family this service does not serve."""
 

@@ -118,7 +118,8 @@ class ModelFamily:
             StartupError: the model repository holds no trained version of ``name`` (the
                 message says to run ``mlpair train``).
             ConfigurationError: a file is missing or invalid; the configured feature schema is
-                not the one the model was trained on (the version triple would break); or an
+                not the one the model was trained on (the version triple would break); the
+                policy's missing-data rule names an attribute the schema does not have; or an
                 ensemble member or the shadow builds its features differently from the latest.
         """
         require_trained(model_repository, [name], "PREDICTION_MODEL_REPOSITORY")
@@ -136,6 +137,13 @@ class ModelFamily:
                 f"model family {name!r}: configured feature schema {schema.version!r} differs from the one "
                 f"model version {entry.manifest.model_version} was trained on ({trained_on.version!r}); "
                 "retrain or deploy the matching schema"
+            )
+        if policy.missing_data is not None and (
+            unknown := policy.missing_data.attributes - set(schema.attribute_names)
+        ):
+            raise ConfigurationError(
+                f"model family {name!r}: policy {policy.version!r} requires attributes its feature schema "
+                f"does not have: {', '.join(sorted(unknown))}"
             )
         for other in (*members, *([shadow_entry] if shadow_entry else [])):
             if other.manifest.versions.preprocessing_hash != entry.manifest.versions.preprocessing_hash:

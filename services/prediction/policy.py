@@ -9,12 +9,15 @@ from __future__ import annotations
 import bisect
 import functools
 import tomllib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from mlpair.contracts.schema import reason_prefix
 
 # Decision labels and reason codes are stable machine-readable identifiers; 32 characters is
 # also the width of the CRM's decision column.
@@ -54,6 +57,52 @@ class InsufficientData(_Frozen):
     description: str = ""
 
 
+class AttributeGroup(_Frozen):
+    """At most ``max_missing`` of ``attributes`` may be missing for an automatic decision."""
+
+    attributes: tuple[str, ...] = Field(min_length=1)
+    max_missing: int = Field(ge=0)
+    reason_code: Code
+    description: str = ""
+
+
+class MissingData(_Frozen):
+    """Attributes a decision cannot do without, whatever the model makes of their defaults.
+
+    An attribute is missing when it took its schema default: absent, null, NaN, an empty string,
+    a category's missing spelling or one of the schema's sentinels. Each ``required`` attribute
+    missing breaks the rule with reason code ``<ATTRIBUTE>_REQUIRED_MISSING``
+    (``INCOME_REQUIRED_MISSING``); a group with more than ``max_missing`` of its attributes
+    missing breaks it with the group's ``reason_code``. ``action`` says what a broken rule does:
+    ``review`` makes ``decision`` with those codes first (before the band's); ``refuse`` refuses
+    the request (INVALID_ARGUMENT, reason ``REQUIRED_ATTRIBUTE_MISSING``), nothing decided or recorded.
+    """
+
+    action: Literal["review", "refuse"] = "review"
+    decision: Label = "REVIEW"
+    required: tuple[str, ...] = ()
+    groups: tuple[AttributeGroup, ...] = ()
+    description: str = ""
+
+    @property
+    def attributes(self) -> frozenset[str]:
+        """Every attribute the rule names."""
+        return frozenset(self.required).union(*(g.attributes for g in self.groups))
+
+    def reason_codes(self, missing: Collection[str]) -> tuple[str, ...]:
+        """The codes of what ``missing`` (names of attributes that took their default) breaks, in
+        file order: required attributes, then groups; empty when the rule holds."""
+        if not missing:
+            return ()
+        codes = [self._codes[name] for name in self.required if name in missing]
+        codes += [g.reason_code for g in self.groups if sum(a in missing for a in g.attributes) > g.max_missing]
+        return tuple(codes)
+
+    @functools.cached_property
+    def _codes(self) -> dict[str, str]:
+        return {name: f"{reason_prefix(name)}_REQUIRED_MISSING" for name in self.required}
+
+
 class Uncertainty(_Frozen):
     """Where an ensemble's members disagree too much to decide automatically.
 
@@ -90,6 +139,7 @@ class DecisionPolicy(_Frozen):
     bands: tuple[Band, ...]
     uncertainty: Uncertainty | None = None
     insufficient_data: InsufficientData | None = None
+    missing_data: MissingData | None = None
     fallback_decision: Label = "REVIEW"
     """Decision made without model output (inference unavailable and no stale cache entry), with
     reason ``INFERENCE_UNAVAILABLE``: a decision a person makes, never an automatic approval or
@@ -120,6 +170,8 @@ class DecisionPolicy(_Frozen):
             labels.append(self.uncertainty.decision)
         if self.insufficient_data:
             labels.append(self.insufficient_data.decision)
+        if self.missing_data:
+            labels.append(self.missing_data.decision)
         labels.append(self.fallback_decision)
         return tuple(dict.fromkeys(labels))
 
@@ -136,9 +188,13 @@ class DecisionPolicy(_Frozen):
             return self.bands[bisect.bisect_right(starts, probability) - 1]
         return self.bands[max(bisect.bisect_left(starts, probability) - 1, 0)]
 
-    def decide(self, probability: float, spread: float = 0.0, defaulted_fraction: float = 0.0) -> Decision:
-        """Decision for a calibrated probability, the ensemble spread (0 without an ensemble) and
-        the fraction of the schema's features that took their default (missing or sentinel).
+    def decide(
+        self, probability: float, spread: float = 0.0, defaulted_fraction: float = 0.0, missing: Collection[str] = ()
+    ) -> Decision:
+        """Decision for a calibrated probability, the ensemble spread (0 without an ensemble), the
+        fraction of the schema's features that took their default (missing or sentinel) and the
+        names of those attributes (``missing``, for :class:`MissingData`). Overrides in order:
+        insufficient data, a broken missing-data rule (``review``), ensemble disagreement.
 
         Raises:
             ValueError: probability, spread or fraction not finite or outside [0, 1].
@@ -151,9 +207,20 @@ class DecisionPolicy(_Frozen):
         scarce = self.insufficient_data
         if scarce is not None and defaulted_fraction > scarce.max_defaulted_fraction:
             return Decision(scarce.decision, (scarce.reason_code, band.reason_code), band)
-        if self.uncertainty is not None and spread > self.uncertainty.max_spread:
+        uncertain = self.uncertainty is not None and spread > self.uncertainty.max_spread
+        if (codes := self.missing_codes(missing)) and self.missing_data is not None:
+            return Decision(self.missing_data.decision, (*codes, band.reason_code), band, uncertain)
+        if self.uncertainty is not None and uncertain:
             return Decision(self.uncertainty.decision, (self.uncertainty.reason_code, band.reason_code), band, True)
         return Decision(band.decision, (band.reason_code,), band)
+
+    def missing_codes(self, missing: Collection[str]) -> tuple[str, ...]:
+        """The reason codes of the ``review`` missing-data rule ``missing`` breaks; empty when it
+        holds, the policy has none, or it refuses instead (the request never reaches a decision)."""
+        rule = self.missing_data
+        if rule is None or rule.action != "review":
+            return ()
+        return rule.reason_codes(missing)
 
     # -- many rows at once (the same verdicts as decide(), row by row) --------------------------
 

@@ -22,7 +22,7 @@ from mlpair.prediction.policy import DecisionPolicy
 from mlpair.prediction.server import build_predictor
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import crm_count, prediction_service
-from tests.support import CONFIG_DIR, migrate_for
+from tests.support import CONFIG_DIR, defaulted, migrate_for
 
 N_ENTITIES = 60
 
@@ -61,11 +61,11 @@ async def test_real_entities_are_scored_and_recorded_once(prediction, families, 
     replies = await asyncio.gather(*(stub.Predict(predict_request(f"e2e-{family}-{eid}", eid, rec, family))
                                      for eid, rec in zip(ids, records)))
     expected = expected_probabilities(entry, records)
-    for reply, eid, p in zip(replies, ids, expected):
+    for reply, eid, p, record in zip(replies, ids, expected, records):
         assert reply.request_id == f"e2e-{family}-{eid}" and reply.decision_id
         assert reply.probability == pytest.approx(p, abs=1e-6)
-        assert reply.decision_label == policy.decide(reply.probability).decision
-        assert reply.reason_codes[0] == policy.decide(reply.probability).reason_codes[0]
+        verdict = policy.decide(reply.probability, missing=defaulted(entry, record))  # a required attribute missing: REVIEW
+        assert reply.decision_label == verdict.decision and reply.reason_codes[0] == verdict.reason_codes[0]
         assert reply.model_version == entry.manifest.model_version
         assert reply.feature_schema_version == f"{family}/v1"
         assert reply.policy_version == policy.version

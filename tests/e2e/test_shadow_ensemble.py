@@ -108,8 +108,9 @@ async def test_spread_above_the_bound_routes_to_review_with_its_own_reason(all_v
     config = tmp_path / "config"
     shutil.copytree(CONFIG_DIR / "credit-risk", config / "credit-risk")
     policy_file = config / "credit-risk" / "policy.toml"
-    policy_file.write_text(policy_file.read_text().replace("max_spread = 0.15", "max_spread = 0.02")
-                           .replace('"credit-risk-policy/v3"', '"credit-risk-policy/test-tight"'))
+    text = policy_file.read_text().split("\n[missing_data]")[0]  # uncertainty alone: no missing-data rule
+    policy_file.write_text(text.replace("max_spread = 0.15", "max_spread = 0.02")
+                           .replace('"credit-risk-policy/v4"', '"credit-risk-policy/test-tight"'))
     policy = DecisionPolicy.from_toml(policy_file)
     routed0 = metric("prediction_uncertain_decisions_total", model="credit-risk")
     async with prediction_service(all_versions, ensemble_repository, tmp_path, models=["credit-risk"],

@@ -92,7 +92,7 @@ def test_without_an_uncertainty_section_spread_is_ignored():
 
 
 def test_policy_versions_are_named(policy, churn_policy):
-    assert policy.version == "credit-risk-policy/v3" and churn_policy.version == "churn-policy/v2"
+    assert policy.version == "credit-risk-policy/v4" and churn_policy.version == "churn-policy/v2"
 
 
 def test_fallback_decision_is_review_by_default_and_listed_among_decisions():
