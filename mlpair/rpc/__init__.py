@@ -10,15 +10,17 @@
 * :mod:`~mlpair.rpc.health` — ``grpc.health.v1`` with liveness beside readiness:
   :class:`Health` (the one health helper), :class:`LifecycleHealthServicer`, :data:`LIVENESS`;
   :func:`wait_until_serving` is :func:`mlpair.client.wait_until_serving`, re-exported here.
+* :mod:`~mlpair.rpc.reads` — :func:`guard_request_reads`: grpc.aio's request read made safe for
+  cancelled and expired calls (a native leak in grpcio, grpc/grpc#43360).
 * :mod:`~mlpair.rpc.drain` — the one way a server stops: :func:`drain`, :class:`DrainGate`,
   :class:`Draining`, :func:`wait_for_termination_signal`.
 * :mod:`~mlpair.rpc.server` — the one server factory, :func:`build_server` with :class:`Service`,
   and what it reads: :class:`ConnectionSettings`, :func:`server_options`,
   :func:`port_sharing_options`, :func:`bind_port`, :func:`enable_reflection`.
 
-Layers, lowest first: ``status``, ``tls``, ``channels`` and ``drain`` import nothing of this
+Layers, lowest first: ``status``, ``tls``, ``channels``, ``reads`` and ``drain`` import nothing of this
 package; ``health`` imports ``drain``; ``servicers`` imports ``drain`` and ``status``; ``server``
-imports ``channels``, ``health``, ``servicers`` and ``tls``. Nothing here imports the services or
+imports ``channels``, ``health``, ``reads``, ``servicers`` and ``tls``. Nothing here imports the services or
 :mod:`mlpair.observability` (which imports this package: tracing reaches :func:`build_server` as
 its ``observe`` hook); the package imports :mod:`mlpair.client` for :func:`wait_until_serving`
 alone, and the client imports nothing of the project but the generated :mod:`mlpair.api`. The
@@ -29,6 +31,7 @@ from mlpair.client.health import wait_until_serving  # defined with the public c
 from mlpair.rpc.channels import client_keepalive_options, message_size_options, open_channel
 from mlpair.rpc.drain import QUIET_S, DrainGate, Draining, drain, wait_for_termination_signal
 from mlpair.rpc.health import LIVENESS, NOT_SERVING, SERVING, Health, LifecycleHealthServicer
+from mlpair.rpc.reads import guard_request_reads
 from mlpair.rpc.server import (
     ConnectionSettings,
     ServerSettings,
@@ -64,6 +67,7 @@ __all__ = [
     "drain",
     "enable_reflection",
     "error_info",
+    "guard_request_reads",
     "guard_servicer",
     "message_size_options",
     "open_channel",

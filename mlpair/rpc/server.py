@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mlpair.rpc.channels import message_size_options
 from mlpair.rpc.health import Health
+from mlpair.rpc.reads import guard_request_reads
 from mlpair.rpc.servicers import add_servicer, guard_servicer
 from mlpair.rpc.tls import server_credentials
 from mlpair.startup import StartupError
@@ -43,6 +44,10 @@ class ConnectionSettings(BaseSettings):
     """Milliseconds calls in flight on an aged connection get to finish before it is closed."""
     reflection: bool = True
     """gRPC server reflection (grpcurl, grpc_cli, Postman list and call the services without .proto files)."""
+    guard_request_reads: bool = True
+    """Read requests through :func:`mlpair.rpc.reads.guard_request_reads`, so that calls cancelled or expired
+    before their request is read leave no native memory behind in grpcio (grpc/grpc#43360); off runs grpcio's
+    own read (process-wide: the last server built decides)."""
 
 
 class ServerSettings(Protocol):
@@ -60,6 +65,7 @@ class ServerSettings(Protocol):
     max_connection_age_ms: int
     max_connection_age_grace_ms: int
     reflection: bool
+    guard_request_reads: bool
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,9 @@ def build_server(
     (:func:`~mlpair.rpc.servicers.guard_servicer`, through ``health.gate``), then handed to
     ``observe`` with its service name (spans and log context wrap the guarded methods, so they see
     the status the guard chose), then registered (:func:`~mlpair.rpc.servicers.add_servicer`).
+    Requests are read through :func:`~mlpair.rpc.reads.guard_request_reads` (unless
+    ``settings.guard_request_reads`` is off), so that cancelled and expired calls leave no memory
+    behind in grpcio.
 
     Args:
         domain: the service's error domain (``ErrorInfo.domain`` of every status).
@@ -164,6 +173,7 @@ def build_server(
         StartupError: the port is in use or cannot be bound.
         ValueError, OSError: the TLS settings are inconsistent or a file cannot be read.
     """
+    guard_request_reads(settings.guard_request_reads)
     server = grpc.aio.server(
         options=[
             *message_size_options(settings.max_message_bytes),

@@ -9,6 +9,7 @@ servicer with a tolerant deserializer, so a malformed request reaches that guard
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -136,7 +137,9 @@ def _guarded(
 ) -> Callable[..., Awaitable[Any]]:
     """``inner`` with exceptions mapped to rich statuses (the one place that does the mapping),
     counted by ``gate``; once the drain closes it, held and then refused UNAVAILABLE (DRAINING).
-    ``refused`` hears of every call refused before ``inner`` ran (the handler counts its own)."""
+    ``refused`` hears of every call refused before ``inner`` ran (the handler counts its own).
+    A call whose deadline has passed by the time it is answered is sent nothing: its caller has
+    its DEADLINE_EXCEEDED already, and grpcio would leak the batch that fails to send it."""
 
     async def guarded(request: object, context: grpc.aio.ServicerContext) -> Any:
         admitted = entered = False
@@ -151,7 +154,10 @@ def _guarded(
                 raise request.error
             check_metadata(context.invocation_metadata())
             entered = True
-            return await inner(request, context)
+            response = await inner(request, context)
+            if context.time_remaining() != 0:  # seconds left, or None: no deadline
+                return response
+            status = None  # answered after its deadline
         except ServiceError as exc:
             if not entered and refused is not None:
                 refused(method, request, exc.code)
@@ -164,6 +170,11 @@ def _guarded(
         finally:
             if admitted and gate is not None:
                 gate.leave()
+        if status is None or context.time_remaining() == 0:
+            # The deadline has passed: Core ends the call DEADLINE_EXCEEDED, and a status or response
+            # sent now would fail in Core, leaking its batch in grpcio (grpc/grpc#43360, see
+            # mlpair.rpc.reads). grpc.aio ends a handler that raises CancelledError sending nothing.
+            raise asyncio.CancelledError
         await context.abort(status.code, status.details, status.trailing_metadata)
 
     return guarded
