@@ -20,8 +20,9 @@ class InferenceSettings(ConnectionSettings):
     )
 
     # -- network and process ---------------------------------------------------------------
-    host: str = "0.0.0.0"
-    """Interface the gRPC server binds to."""
+    host: str = "127.0.0.1"
+    """Interface the gRPC and metrics ports bind to: loopback, so a local run is reachable from this
+    machine only; 0.0.0.0 (every interface) where others must reach it, as the images and manifests set."""
     port: int = 8001
     """gRPC port (0 picks a free one); serves InferenceService, OIP v2 and grpc.health.v1."""
     metrics_port: int = 8002

@@ -18,8 +18,10 @@ class PredictionSettings(ConnectionSettings):
         env_prefix="PREDICTION_", extra="ignore", protected_namespaces=(), use_attribute_docstrings=True
     )
 
-    host: str = "0.0.0.0"
-    """Interface the gRPC server binds to."""
+    host: str = "127.0.0.1"
+    """Interface the gRPC and metrics ports (and `mlpair relay`'s two) bind to: loopback, so a local run
+    is reachable from this machine only; 0.0.0.0 (every interface) where others must reach it, as the
+    images and manifests set."""
     port: int = 9001
     """gRPC port (0 picks a free one)."""
     metrics_port: int = 9002
