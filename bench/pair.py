@@ -353,7 +353,8 @@ class TcpProxy:
     new ones until :meth:`restore`; :meth:`lose_reply_after` drops one connection right after
     the client sent a given message, so the server acts on it but the client never hears back;
     ``delay_s`` (settable at any time) holds every chunk that long in each direction, in order,
-    without limiting throughput: injected latency on the hop."""
+    without limiting throughput: injected latency on the hop. ``connections``, ``open`` and
+    ``peak_open`` count the connections made through it."""
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -361,7 +362,9 @@ class TcpProxy:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._lose_after: bytes | None = None
-        self.connections = 0
+        self.connections = 0  # accepted and connected upstream, since start
+        self.open = 0  # of those, still open now
+        self.peak_open = 0  # the most open at once
         self.replies_lost = 0
         self.delay_s = 0.0
 
@@ -396,6 +399,8 @@ class TcpProxy:
             writer.transport.abort()
             return
         self.connections += 1
+        self.open += 1
+        self.peak_open = max(self.peak_open, self.open)
         self._writers |= {writer, up_writer}
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_client: bool) -> None:
@@ -417,8 +422,11 @@ class TcpProxy:
             finally:
                 dst.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
-        self._writers -= {writer, up_writer}
+        try:
+            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+        finally:
+            self.open -= 1
+            self._writers -= {writer, up_writer}
 
 
 def _write_if_open(writer: asyncio.StreamWriter, data: bytes) -> None:

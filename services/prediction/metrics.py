@@ -134,7 +134,10 @@ CACHE_REQUESTS = Counter(
     ["model", "result"],
 )
 CACHE_ERRORS = Counter(
-    "prediction_cache_errors_total", "Cache backend errors, each treated as a miss.", ["backend", "operation"]
+    "prediction_cache_errors_total",
+    "Cache backend lookups and writes that failed, each treated as a miss, by reason: no_connection "
+    "(none free in the pool in time), timeout (no reply in time) or error.",
+    ["backend", "operation", "reason"],
 )
 CACHE_INVALID = Counter(
     "prediction_cache_invalid_total",

@@ -100,7 +100,15 @@ class PredictionSettings(ConnectionSettings):
     redis_key_prefix: str = "mlpair:prediction:"
     """Prefix of every Redis key this service writes."""
     redis_timeout_ms: int = 50
-    """Socket timeout of each Redis command, in milliseconds; a slower cache counts as a miss."""
+    """Longest a request waits for a Redis command, connection wait included, in milliseconds; a
+    slower cache counts as a miss (``prediction_cache_errors_total{reason}``)."""
+    redis_max_connections: int = 16
+    """Most connections to Redis each process (each worker) opens; a command that finds none free
+    within ``redis_timeout_ms`` is a miss (reason ``no_connection``), never a new connection."""
+    redis_reply_timeout_ms: int = 1000
+    """How long a connection waits for a reply its caller stopped waiting for, in milliseconds (at
+    least ``redis_timeout_ms``): a late reply is read and the connection reused, not replaced; one
+    later than this drops its connection (redis-py cannot reuse a connection with a reply in flight)."""
 
     # Deadline budget, retries and circuit breaker around InferenceService (resilience.py).
     crm_reserve_ms: int = 20

@@ -30,6 +30,8 @@ def build_cache(settings: PredictionSettings) -> LogitsCache:
             key_prefix=settings.redis_key_prefix,
             stale_ttl_s=settings.cache_stale_ttl_s,
             timeout_s=settings.redis_timeout_ms / 1000,
+            max_connections=settings.redis_max_connections,
+            reply_timeout_s=settings.redis_reply_timeout_ms / 1000,
         )
     if settings.cache_backend == "memory":
         return MemoryCache(max_entries=settings.cache_max_entries, stale_ttl_s=settings.cache_stale_ttl_s)
