@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import TracebackType
-from typing import Self
+from typing import Self, cast
 
 import grpc
 import numpy as np
@@ -88,7 +88,7 @@ def _float(name: str, value: numbers.Real | Decimal) -> float:
     try:
         return float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return math.inf if cast(float, value) > 0 else -math.inf  # Decimal and Real compare with 0 alike
     except (TypeError, ValueError, ArithmeticError):  # its text may hold the value: not chained
         raise TypeError(f"attribute {name!r}: a {_type_name(value)} cannot be read as a number") from None
 

@@ -57,8 +57,10 @@ def guard_request_reads(enabled: bool = True) -> bool:
     context_type = getattr(cygrpc, "_ServicerContext", None)
     server_call = getattr(cygrpc, "RPCState", None)
     if original is None or context_type is None or server_call is None:
-        logger.warning("grpcio's asyncio server has no _receive_message to guard: cancelled and expired "
-                       "calls may leak native memory (grpc/grpc#43360)")
+        logger.warning(
+            "grpcio's asyncio server has no _receive_message to guard: cancelled and expired "
+            "calls may leak native memory (grpc/grpc#43360)"
+        )
         return False
 
     async def receive_message(rpc_state: object, loop: asyncio.AbstractEventLoop) -> bytes | None:

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -232,7 +232,7 @@ class RedisCache:
             return []
         try:
             raw = await self._bounded(self._redis.mget([self.prefix + k for k in keys]))
-        except Exception as exc:  # a cache outage is a miss, never a failed request
+        except Exception as exc:  # noqa: BLE001 - a cache outage is a miss, never a failed request
             _cache_error(self.name, "get", exc)
             return [None] * len(keys)
         now = self._clock()
@@ -254,7 +254,7 @@ class RedisCache:
             pipe.set(self.prefix + key, value, px=ttl_ms)
         try:
             await self._bounded(_execute(pipe))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a cache outage loses the write, never the request
             _cache_error(self.name, "put", exc)
 
     async def ping(self) -> bool:
@@ -320,7 +320,7 @@ _ACQUIRED: contextvars.ContextVar[_Acquired | None] = contextvars.ContextVar("ml
 
 
 @functools.cache
-def _counted_pool() -> type:
+def _counted_pool() -> Any:
     from redis.asyncio import BlockingConnectionPool
     from redis.exceptions import ConnectionError as RedisConnectionError
 
