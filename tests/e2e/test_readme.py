@@ -1,5 +1,7 @@
-"""The README's "Call it" section as a newcomer uses it: the Python client copied verbatim, the
-grpcurl payload, ``mlpair predict``, and the attribute table generated from the trained models."""
+"""The README's "Call it" section as a newcomer uses it: the Python client and the BatchPredict example
+copied verbatim, the ``buf curl`` call run as written, the grpcurl payload, ``mlpair predict``, the
+statuses a caller can get (collected from the code), and the attribute table generated from the
+trained models."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ async def prediction_target(inference_server, model_repository, tmp_path):
 
 
 async def test_the_readme_python_client_runs_verbatim_and_gets_a_decision(prediction_target, monkeypatch, capsys):
-    snippet = code_block("python", "PredictionClient")
+    snippet = code_block("python", 'request_id="readme-1"')
     real = grpc.insecure_channel
     asked = []
 
@@ -139,3 +141,144 @@ def test_mlpair_predict_prints_no_empty_field(reply, present, absent):
         assert line in text, text
     for fragment in absent:
         assert fragment not in text, text
+
+
+# -- C67: the README starts with what mlpair is and says what callers will see ---------------------------------
+
+CALLS = ("buf curl", "grpcurl", "mlpair predict --family", "client.predict(", "client.batch_predict(")
+
+
+def callers_section() -> str:
+    """The README's "Call it" section, up to the next top-level section."""
+    return README.split("\n## Call it\n", 1)[1].split("\n## ", 1)[0]
+
+
+def caller_errors() -> list[type]:
+    """Every error class a PredictionService caller can be answered with, collected from the code:
+    PredictionService's own and those the shared server layer raises before a method runs (a
+    malformed message, unknown fields, conflicting metadata, the drain)."""
+    import inspect
+
+    import mlpair.rpc.drain
+    import mlpair.rpc.status
+    import mlpair.wire
+    from mlpair.errors import ServiceError
+    from mlpair.prediction import errors
+
+    modules = (errors, mlpair.rpc.status, mlpair.wire, mlpair.rpc.drain)
+    return [c for m in modules for c in vars(m).values()
+            if inspect.isclass(c) and issubclass(c, ServiceError) and c.__module__ == m.__name__]
+
+
+def test_c67_the_readme_says_what_mlpair_is_and_its_two_commands_before_any_call():
+    title, rest = README.split("\n", 1)
+    assert title == "# mlpair"
+    opening = rest.split("```", 1)[0]
+    assert opening.strip().startswith("mlpair "), "the first words say what mlpair is, before any code block"
+    for words in ("PredictionService", "InferenceService", "decision", "reason codes"):
+        assert words in opening, words
+    first_call = min(README.index(c) for c in CALLS if c in README)
+    assert README.index("make demo") < first_call and README.index("make test") < first_call
+    first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+    assert first_block.startswith("make demo") and "make test" in first_block
+
+
+def test_c67_every_status_and_reason_a_caller_can_get_is_in_the_callers_section():
+    from mlpair.prediction.errors import CallerLeft, InferenceUnavailable
+
+    section = callers_section()
+    errors = caller_errors()
+    assert len(errors) >= 15, errors
+    # Inference being down, slow or behind an open circuit is never an error for the caller: the
+    # decision is the fallback, with that reason as its degraded_reason (the proto's contract).
+    degraded = [c for c in errors if issubclass(c, InferenceUnavailable)]
+    assert {c.reason for c in degraded} == {"INFERENCE_UNAVAILABLE", "INFERENCE_TIMEOUT", "CIRCUIT_OPEN"}
+    for error in degraded:
+        assert f"`{error.reason}`" in section, error.reason
+    told = [c for c in errors if c not in degraded and c is not CallerLeft]  # CallerLeft: the caller has gone
+    rows = [line for line in section.splitlines() if line.startswith("| ") and line.split(" | ")[0][2:].isupper()]
+    for error in told:
+        assert any(row.startswith(f"| {error.code} |") and f"`{error.reason}`" in row for row in rows), (
+            f"{error.__name__}: {error.code} {error.reason} is not in the README's table of statuses")
+    # The statuses gRPC itself gives, without an ErrorInfo.
+    for code in ("DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+        assert any(row.startswith(f"| {code} | none |") for row in rows), code
+    # And the signals in a decision that are not errors.
+    for signal in ("fallback = true", "stale = true", "replayed = true", "`UNKNOWN_ATTRIBUTE`",
+                   "`EXPLANATION_NOT_RECORDED`", "`<FEATURE>_REQUIRED_MISSING`", "`MODEL_OUTPUT_INVALID`",
+                   "did you mean"):
+        assert signal in section, signal
+
+
+def test_c67_the_callers_section_shows_the_batch_types():
+    import dataclasses
+
+    from mlpair.client import BatchItem, ItemError
+
+    section = callers_section()
+    for message in pb.BatchPredictRequest, pb.BatchPredictResponse, pb.BatchPredictResult:
+        assert f"`{message.DESCRIPTOR.name}`" in section, message.DESCRIPTOR.name
+        for field in message.DESCRIPTOR.fields:
+            assert f"`{field.name}`" in section, (message.DESCRIPTOR.name, field.name)
+    for cls in BatchItem, ItemError:
+        assert f"`{cls.__name__}`" in section
+        for field in dataclasses.fields(cls):
+            assert f"`{field.name}`" in section, (cls.__name__, field.name)
+    assert "request_id appears more than once in this batch" in " ".join(section.split())
+
+
+def test_c67_the_first_call_from_a_shell_is_buf_curl_and_every_example_sends_a_complete_applicant():
+    from mlpair.contracts.schema import FeatureSchema
+
+    names = set(FeatureSchema.from_toml(CONFIG_DIR / "credit-risk" / "feature-schema.toml").attribute_names)
+    shell = [b for b in re.findall(r"```bash\n(.*?)```", README, re.S) if any(c in b for c in CALLS)]
+    first = next(line for line in shell[0].splitlines() if any(c in line for c in CALLS))
+    assert "buf curl" in first and shell[0].startswith("make tools\n"), "the first call uses what `make tools` installs"
+    payloads = []
+    for block in shell:
+        words = shlex.split(block.replace("\\\n", " "))
+        payloads += [words[i + 1] for i, w in enumerate(words) if w == "-d"]
+        if "mlpair predict --family" in block:
+            assert {words[i + 1].split("=")[0] for i, w in enumerate(words) if w == "--attr"} == names
+    assert len(payloads) == 2  # buf curl and grpcurl
+    for payload in payloads:
+        request = json_format.Parse(payload, pb.PredictRequest())
+        assert request.model_name == "credit-risk" and set(request.attributes) == names
+    assert README.index("buf curl") < README.index("grpcurl")
+    for block in re.findall(r"```python\n(.*?)```", README, re.S):
+        if "applicant = {" in block:
+            assert set(eval(re.search(r"applicant = (\{.*?\})\n", block, re.S).group(1))) == names
+
+
+async def test_c67_the_readme_buf_curl_call_gets_a_decision(prediction_target):
+    import os
+    import subprocess
+
+    buf = REPO_ROOT / ".tools" / "node_modules" / ".bin" / "buf"
+    if not buf.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail("buf is missing; `make tools` installs it with npm")
+        pytest.skip("buf is not installed; run `make tools`")
+    block = code_block("bash", "buf curl")
+    words = shlex.split(block.replace("\\\n", " ").split("make tools\n", 1)[1])
+    assert words[0] == ".tools/node_modules/.bin/buf" and words[-1].startswith(f"http://{DEFAULT_TARGET}/")
+    words[-1] = words[-1].replace(DEFAULT_TARGET, prediction_target)
+    out = await asyncio.to_thread(subprocess.run, words, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    reply = json_format.Parse(out.stdout, pb.PredictResponse())
+    assert reply.decision_label in {"APPROVE", "REVIEW", "DECLINE"} and not reply.fallback
+    assert not [code for code in reply.reason_codes if "MISSING" in code], "a complete applicant: nothing defaulted"
+
+
+async def test_c67_the_readme_batch_example_runs_verbatim_and_prints_what_it_says(prediction_target, monkeypatch,
+                                                                                 capsys):
+    snippet = code_block("python", "client.batch_predict(")
+    real = grpc.insecure_channel
+    monkeypatch.setattr(grpc, "insecure_channel", lambda target, *a, **k: real(prediction_target, *a, **k))
+    await asyncio.to_thread(exec, compile(snippet, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    said = [line[2:] for line in snippet.splitlines() if line.startswith("# ")]
+    assert len(printed) == len(said) == 4
+    assert re.fullmatch(r"(APPROVE|REVIEW|DECLINE) \['(LOW|ELEVATED|HIGH)_DEFAULT_RISK'\]", printed[0]), printed[0]
+    assert printed[0] == said[0], "the README shows what the trained model decides for its applicant"
+    assert printed[1:] == said[1:]

@@ -138,8 +138,8 @@ def test_c61_a_policy_requiring_an_attribute_the_schema_lacks_does_not_start(mod
 def test_c61_the_readme_examples_send_a_complete_applicant():
     readme = (REPO_ROOT / "README.md").read_text()
     names = set(FeatureSchema.from_toml(CREDIT_SCHEMA).attribute_names)
-    [python] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "PredictionClient" in b]
-    assert set(eval(re.search(r"applicant = (\{.*?\})\n", python, re.S).group(1))) == names
+    pythons = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "applicant = {" in b]
+    assert pythons and all(set(eval(re.search(r"applicant = (\{.*?\})\n", b, re.S).group(1))) == names for b in pythons)
     [shell] = [b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "mlpair predict --family" in b]
     words = shlex.split(shell.replace("\\\n", " "))
     assert {words[i + 1].split("=")[0] for i, w in enumerate(words) if w == "--attr"} == names
