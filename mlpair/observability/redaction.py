@@ -127,9 +127,7 @@ class Redactor:
         """``value`` with every personal field value and personal-data pattern replaced."""
         if self._field_text is not None:
             value = self._field_text.sub(lambda m: m.group("key") + "[REDACTED]", value)
-        for kind, pattern, min_digits in PATTERNS:
-            value = pattern.sub(_replacer(kind, min_digits), value)
-        return value
+        return identifiers(value)
 
     def value(self, key: str, value: Any) -> Any:
         """A structured field's value, redacted: whole when ``key`` is personal, else by pattern."""
@@ -153,6 +151,20 @@ details (:class:`mlpair.errors.ServiceError`)."""
 def redact(text: str) -> str:
     """``text`` as :data:`PROCESS_REDACTOR` writes it (remembered for the last 1,024 texts)."""
     return PROCESS_REDACTOR.cached_text(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def identifiers(text: str) -> str:
+    """``text`` with every documented identifier form (:data:`PATTERNS`) replaced, and nothing else.
+
+    What an error's details may hold: the service writes its messages naming attributes, never
+    their values, so only what they repeat of a caller's input (a request id, a model name, a path)
+    can be personal; the field rule of :meth:`Redactor.text` (a personal attribute's name followed
+    by ``:`` or ``=`` and a value) would blank the service's own words after ``Income:``.
+    """
+    for kind, pattern, min_digits in PATTERNS:
+        text = pattern.sub(_replacer(kind, min_digits), text)
+    return text
 
 
 def _replacer(kind: str, min_digits: int):

@@ -299,3 +299,19 @@ async def test_c60_a_resident_identity_number_ending_in_x_reaches_no_log_line_an
     assert len([d for d in details if "REDACTED:national_id" in d]) >= 5
     text = pair.log_stream.getvalue()
     assert digits not in text and all(digits not in d for d in details)
+
+
+def test_c60_an_error_naming_a_personal_attribute_keeps_its_own_words():
+    """Error details lose identifier forms only: the log rule for a personal field's value
+    (``Income: <value>``) would blank the service's own words after the attribute's name."""
+    from mlpair.errors import ServiceError
+    from mlpair.logs import add_personal_fields
+
+    add_personal_fields(["Income"])
+    error = ServiceError(
+        "Income: expected a number, got a string that is not a plain decimal (request 11010519491231002X)",
+        metadata={"attributes": "Income: expected a number"},
+    )
+    assert error.message.startswith("Income: expected a number, got a string")
+    assert "11010519491231002X" not in error.message and "[REDACTED:national_id]" in error.message
+    assert error.metadata["attributes"] == "Income: expected a number"
