@@ -14,6 +14,7 @@ overlays are held to.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -25,12 +26,22 @@ import ledger_checks as lc
 import pytest
 import yaml
 
+from tests.observability import canary_analysis as ca
+
 PROD = dc.K8S_DIR / "overlays" / "prod"
 ARGO_CRD_DIR = dc.SHARED_DIR / "schemas" / "argo-rollouts"
 # What the analysis judges (the issue's list): errors, latency, fallbacks, decision disagreement
-# and logit difference against the stable version (the shadow metrics), drift.
-ANALYSIS_METRICS = {"canary-scraped", "error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement",
-                    "logit-difference-p99", "score-drift"}
+# and logit difference against the stable version (the shadow metrics), drift; and that there is
+# something to judge: the canary is scraped and called.
+ANALYSIS_METRICS = {"canary-scraped", "canary-traffic", "error-ratio", "latency-p99", "fallback-ratio",
+                    "decision-disagreement", "logit-difference-p99", "score-drift"}
+# The comparison with the stable version: no comparison at all (a revision that shadows nothing) is
+# Inconclusive, a person decides; every other metric fails without data.
+COMPARISON_METRICS = {"decision-disagreement", "logit-difference-p99"}
+# Kinds whose metrics decide a promotion. Argo Rollouts' are checked; Flagger's (Canary,
+# MetricTemplate) judge no-data by other rules and would need a check of their own.
+ARGO_ANALYSIS_KINDS = {"AnalysisTemplate", "ClusterAnalysisTemplate"}
+FLAGGER_ANALYSIS_KINDS = {"Canary", "MetricTemplate"}
 
 
 @dataclass(frozen=True)
@@ -166,7 +177,8 @@ def test_analysis_judges_the_projects_own_metrics_and_aborts_on_one_breach(rende
     declared = {a["name"]: a for a in template["args"]}
     assert {m["name"] for m in template["metrics"]} == ANALYSIS_METRICS
     for metric in template["metrics"]:
-        assert metric["failureLimit"] == 0 and "successCondition" not in metric, metric["name"]
+        # One failed measurement aborts; a measurement passes only on its successCondition.
+        assert metric["failureLimit"] == 0 and "successCondition" in metric, metric["name"]
         query = metric["provider"]["prometheus"]["query"]
         # The canary's pods only, by the revision hash Argo passes.
         assert 'rollouts_pod_template_hash="{{args.canary-hash}}"' in query, metric["name"]
@@ -174,6 +186,70 @@ def test_analysis_judges_the_projects_own_metrics_and_aborts_on_one_breach(rende
         assert used <= set(declared), metric["name"]
         # Every argument a metric uses has a value: from the Rollout or a default here.
         assert all(name in rollout_args or "value" in declared[name] for name in used), metric["name"]
+
+
+def _analysis_templates(rendered: dict) -> list[tuple[str, dict, dict | None]]:
+    """(overlay, template, the Rollout that runs it or None) for every Argo analysis template."""
+    out = []
+    for overlay, objects in sorted(rendered.items()):
+        rollouts = dc.of_kind(objects, "Rollout")
+        for template in (o for o in objects if o["kind"] in ARGO_ANALYSIS_KINDS):
+            using = [r for r in rollouts if template["metadata"]["name"] in
+                     [t["templateName"] for t in r["spec"]["strategy"].get("canary", {}).get("analysis", {}).get(
+                         "templates", [])]]
+            out.append((overlay, template, using[0] if using else None))
+    return out
+
+
+def test_c57_no_analysis_metric_passes_an_empty_result_or_nan(rendered: dict) -> None:
+    # A ratio over a window in which the canary took no call is NaN (0/0), a query that finds no
+    # series is an empty vector: Argo passes both to the conditions as result [NaN] and []. No
+    # metric of any analysis in any overlay may call either a success (a canary nobody calls
+    # would be promoted on them), nor fail to evaluate them (result[0] of []: an Error, retried).
+    templates = _analysis_templates(rendered)
+    assert [(overlay, dc.name_of(t)) for overlay, t, _ in templates] == [("prod", "AnalysisTemplate/prediction-canary")]
+    assert not [dc.name_of(o) for objects in rendered.values() for o in objects
+                if o["kind"] in FLAGGER_ANALYSIS_KINDS and o["apiVersion"].startswith("flagger.app/")]
+    for overlay, template, rollout in templates:
+        # The pod-template hashes and the namespace as Argo would pass them: no condition reads them.
+        given = {a["name"]: f"<{a['name']}>" for a in template["spec"]["args"] if "value" not in a}
+        metrics = ca.template_metrics(template, ca.argument_values(template, rollout, given))
+        assert {m.name for m in metrics} == ANALYSIS_METRICS
+        phases = {m.name: (ca.phase_of(m, []), ca.phase_of(m, [math.nan])) for m in metrics}
+        assert phases == {name: (ca.INCONCLUSIVE,) * 2 if name in COMPARISON_METRICS else (ca.FAILED,) * 2
+                          for name in ANALYSIS_METRICS}, overlay
+        # Several values where the query sums to one: not a measurement either.
+        assert not [m.name for m in metrics if ca.phase_of(m, [0.0, 0.0]) == ca.SUCCESSFUL]
+        # And each metric does pass a number inside its bounds (0: no error, no fallback, no
+        # disagreement, no drift; the latency over its bound and the logit difference, none).
+        inside = {"canary-scraped": 1.0, "canary-traffic": float(ca.argument_values(template, rollout, given)[
+            "min-canary-rate"])}
+        assert {m.name: ca.phase_of(m, [inside.get(m.name, 0.0)]) for m in metrics} == {
+            name: ca.SUCCESSFUL for name in ANALYSIS_METRICS}
+        # One measurement that is not a success stops the Rollout: Failed aborts it, Inconclusive
+        # pauses it.
+        for m in metrics:
+            assert ca.run_phase(metrics, [ca.Measurement(m.name, [], ca.phase_of(m, []))]) in (
+                ca.FAILED, ca.INCONCLUSIVE), m.name
+
+
+def test_c57_canary_traffic_wants_the_minimum_rate_of_calls(rendered: dict) -> None:
+    (template,) = dc.of_kind(rendered["prod"], "AnalysisTemplate")
+    rollout = the(rendered["prod"], "Rollout")
+    values = ca.argument_values(template, rollout, {"canary-hash": "6c8d7f9b4", "stable-hash": "5f7c9d8b6",
+                                                    "namespace": "mlpair"})
+    metrics = {m.name: m for m in ca.template_metrics(template, values)}
+    traffic = metrics["canary-traffic"]
+    # The floor brings at least the decisions score-drift needs into its 5-minute window.
+    (decisions,) = re.findall(r">= (\d+)\s*$", metrics["score-drift"].query)
+    assert float(values["min-canary-rate"]) == 1.0 and 1.0 * 300 >= int(decisions) == 200
+    assert traffic.query.split() == ['sum(rate(prediction_requests_total{', 'namespace="mlpair",',
+                                     'rollouts_pod_template_hash="6c8d7f9b4"}[5m]))']
+    assert [ca.phase_of(traffic, [r]) for r in (0.0, 0.5, 0.99, 1.0, 40.0)] == [ca.FAILED] * 3 + [ca.SUCCESSFUL] * 2
+    # Measured first once a whole 5-minute window of the step's traffic is in, as every metric of
+    # the canary's calls.
+    delays = {m["name"]: m.get("initialDelay") for m in template["spec"]["metrics"]}
+    assert delays == {name: "2m" if name == "canary-scraped" else "5m" for name in ANALYSIS_METRICS}
 
 
 def test_rollout_runs_the_stable_track_and_argo_drives_its_routes(rendered: dict) -> None:

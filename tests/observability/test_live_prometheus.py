@@ -10,14 +10,16 @@ it, that every series the rules and dashboard panels query exists with the label
 every panel returned data (the GPU series excepted: on this CPU fleet they must be absent, and
 promtool/gpu.test.yaml proves their rules), that the probing expression fires on a burst of near-identical
 applications and stays false on the real holdout replay, and that the canary analysis of the
-rendered prod manifests fails the degraded canary and passes the healthy one on its first
-measurement. One run (~2 minutes on 2 cores) feeds every test of this module.
+rendered prod manifests fails the degraded canary, fails a canary scraped but never called and
+passes the healthy one on its first measurement. One run (~2 minutes on 2 cores) feeds every test
+of this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import time
@@ -46,8 +48,11 @@ BASE_RATE = 40.0  # Predict calls a second
 PROBE_BURST = 1500  # near-identical applications (the field report: ~2,000 in 3 minutes), PROBE_RATE a second
 PROBE_RATE = 100.0
 UNSEEN_HASH = "8d6b5c7f9"  # a revision hash no scraped pod carries
-ANALYSIS_METRICS = {"canary-scraped", "error-ratio", "latency-p99", "fallback-ratio", "decision-disagreement",
-                    "logit-difference-p99", "score-drift"}
+ANALYSIS_METRICS = {"canary-scraped", "canary-traffic", "error-ratio", "latency-p99", "fallback-ratio",
+                    "decision-disagreement", "logit-difference-p99", "score-drift"}
+# The comparison with the stable version: without one it is Inconclusive (a person decides), where
+# every other metric fails for want of data.
+COMPARISON_METRICS = {"decision-disagreement", "logit-difference-p99"}
 
 
 def _e(alert: str, **labels: str) -> Expect:
@@ -86,14 +91,14 @@ def live_postgres():
 
 
 @pytest.fixture(scope="module")
-async def live(credit_entry, credit_holdout, kubectl_binary, live_postgres, tmp_path_factory):
+async def live(credit_entry, credit_holdout, prod_objects, live_postgres, tmp_path_factory):
     """Runs the scenario once; yields it with Prometheus still up for the queries."""
     binary = prometheus_binary()
     require_service("Redis", "127.0.0.1", 6379)
     workdir = tmp_path_factory.mktemp("live")
     repository = model_repository(workdir / "models", credit_entry, CREDIT_SCHEMA)
     probes = near_threshold_applications(credit_entry, credit_holdout.records, 0.25, 0.02, PROBE_BURST)
-    objects = _render_prod(kubectl_binary)
+    objects = prod_objects
     fleet = Fleet(workdir, repository, live_postgres)
     await fleet.start()
     prometheus = PrometheusServer(binary, workdir / "prometheus", scaled_rules(TIME_FACTOR, RANGE_FLOOR_MS),
@@ -129,10 +134,17 @@ def kubectl_binary():
     return path
 
 
-def _render_prod(kubectl) -> list[dict]:
+@pytest.fixture(scope="module")
+def prod_objects(kubectl_binary) -> list[dict]:
+    """The rendered prod overlay: the AnalysisTemplate and the Rollout's analysis arguments."""
     from tests.deploy import deploy_checks as dc
 
-    return dc.render(kubectl, dc.K8S_DIR / "overlays" / "prod")
+    return dc.render(kubectl_binary, dc.K8S_DIR / "overlays" / "prod")
+
+
+def _analysis_metrics(objects: list[dict]) -> list[ca.Metric]:
+    """The metrics with their limits (the hashes do not matter to those)."""
+    return ca.analysis_metrics(objects, {"canary-hash": "-", "stable-hash": "-", "namespace": NAMESPACE})
 
 
 async def _run(s: Scenario, holdout, probes: list[dict], objects: list[dict]) -> None:
@@ -148,20 +160,33 @@ async def _run(s: Scenario, holdout, probes: list[dict], objects: list[dict]) ->
     s.replay = await demo.replay(fleet.predictions["stable-a"].address, MODEL, requests, 4, False)
     s.marks["holdout_end"] = time.time()
 
+    def measure_analysis(canary_hash: str) -> list[ca.Measurement]:
+        return [ca.measure(m, s.prometheus) for m in ca.analysis_metrics(objects, {
+            "canary-hash": canary_hash, "stable-hash": HASHES["stable"], "namespace": NAMESPACE})]
+
+    # The healthy canary so far: its pod scraped under its revision's hash (5 scrapes at least:
+    # rate() wants two samples), and never called (what a canary at 1% that no call reaches looks
+    # like to the analysis).
+    scraped = f'sum(count_over_time(up{{rollouts_pod_template_hash="{HASHES["good"]}"}}[1m])) >= 5'
+    for _ in range(60):
+        if await asyncio.to_thread(s.prometheus.query, scraped):
+            break
+        await asyncio.sleep(SCRAPE_S / 2)
+    s.analysis["idle"] = await asyncio.to_thread(measure_analysis, HASHES["good"])
+
     async def canaries_on() -> None:
-        # A third of the traffic each, for 20 s at least: the analysis's score drift wants 200 decisions.
+        # A third of the traffic each, for 30 s at least: the analysis wants 1 call a second over its
+        # 5-minute window (canary-traffic) and 200 decisions (score-drift).
         traffic.weights = {"stable-a": 1, "stable-b": 1, "good": 2, "bad": 2}
-        await asyncio.sleep(20)
+        await asyncio.sleep(30)
 
     async def retire_canaries() -> None:
         s.marks["analysis"] = time.time()
-        s.analysis = {name: [ca.measure(m, s.prometheus) for m in ca.analysis_metrics(objects, {
-            "canary-hash": HASHES[name], "stable-hash": HASHES["stable"], "namespace": NAMESPACE})]
-            for name in ("good", "bad")}
+        for name in ("good", "bad"):
+            s.analysis[name] = measure_analysis(HASHES[name])
         # A hash no scraped pod carries: what the analysis sees of a canary where the cluster's
         # Prometheus does not copy the pods' rollouts-pod-template-hash label.
-        s.analysis["unseen"] = [ca.measure(m, s.prometheus) for m in ca.analysis_metrics(objects, {
-            "canary-hash": UNSEEN_HASH, "stable-hash": HASHES["stable"], "namespace": NAMESPACE})]
+        s.analysis["unseen"] = measure_analysis(UNSEEN_HASH)
         traffic.weights = {"stable-a": 1, "stable-b": 1}
         await asyncio.gather(*(asyncio.to_thread(fleet.predictions[n].terminate, 20) for n in ("good", "bad")))
 
@@ -369,26 +394,62 @@ def test_fleet_drift_names_income_only_and_judges_the_score(live):
 # -- the canary analysis ------------------------------------------------------------------------------------
 
 
-def test_canary_analysis_fails_the_degraded_canary_and_passes_the_healthy_one(live, capsys):
+def test_canary_analysis_fails_the_degraded_canary_and_passes_the_healthy_one(live, prod_objects, capsys):
     with capsys.disabled():
         print("\ncanary analysis (the AnalysisTemplate's queries from the rendered prod overlay), first measurement:")
         for name, measurements in live.analysis.items():
             for m in measurements:
-                print(f"  {name:<5} {m.metric:<24} {m.result!s:<28} {'FAILED' if m.failed else 'passed'}")
+                print(f"  {name:<6} {m.metric:<24} {m.result!s:<28} {m.phase}")
+        for name in ("stable", "good", "bad"):
+            p99 = live.prometheus.query(f'histogram_quantile(0.99, sum by (le) (rate(prediction_request_duration_seconds_bucket'
+                                        f'{{rollouts_pod_template_hash="{HASHES[name]}"}}[5m])))', at=live.marks["analysis"])
+            print(f"  Predict p99 of {name}: {[float(s['value'][1]) for s in p99]} s")
+    metrics = _analysis_metrics(prod_objects)
     good, bad = ({m.metric: m for m in live.analysis[n]} for n in ("good", "bad"))
     assert set(good) == set(bad) == ANALYSIS_METRICS
-    assert not any(m.failed for m in good.values()), good
+    assert {name: m.phase for name, m in good.items()} == {name: ca.SUCCESSFUL for name in ANALYSIS_METRICS}
     assert bad["decision-disagreement"].failed and bad["logit-difference-p99"].failed
-    # A canary the analysis cannot see is not promoted: every query finds nothing, which reads as
-    # "no breach", and canary-scraped alone fails it.
+    assert ca.run_phase(metrics, live.analysis["bad"]) == ca.FAILED
+    # A canary the analysis cannot see is not promoted: every query finds nothing, and nothing is
+    # a success; the comparison with the stable version is inconclusive, the rest fails.
     unseen = {m.metric: m for m in live.analysis["unseen"]}
-    assert [name for name, m in unseen.items() if m.failed] == ["canary-scraped"]
+    assert {name: m.phase for name, m in unseen.items()} == {
+        name: ca.INCONCLUSIVE if name in COMPARISON_METRICS else ca.FAILED for name in ANALYSIS_METRICS}
     assert not any(m.result for m in unseen.values()), unseen
-    # Every metric was measured on data, not passed for want of it (latency-p99 returns the canary's
-    # p99 only where it exceeds 1.5 times the stable pods': both canaries had latency data).
-    for name in ANALYSIS_METRICS - {"latency-p99"}:
-        assert good[name].result and bad[name].result, name
+    assert ca.run_phase(metrics, live.analysis["unseen"]) == ca.FAILED
+    # Every metric was measured on one value, a number.
+    for name in ANALYSIS_METRICS:
+        for m in (good[name], bad[name]):
+            assert len(m.result) == 1 and not math.isnan(m.result[0]), m
     for name in ("good", "bad"):
         p99 = live.prometheus.query(f'histogram_quantile(0.99, sum by (le) (rate(prediction_request_duration_seconds_bucket'
                                     f'{{rollouts_pod_template_hash="{HASHES[name]}"}}[5m])))', at=live.marks["analysis"])
         assert p99 and float(p99[0]["value"][1]) > 0, name
+
+
+def test_c57_canary_scraped_but_never_called_is_not_promoted(live, prod_objects):
+    # The healthy canary before its first call: Prometheus scrapes its pod under the revision's hash
+    # (canary-scraped passes, as it did when the analysis promoted such a canary), its request
+    # counters are there at 0, so each ratio of its calls is 0/0 (NaN), and it has no shadow or
+    # drift series yet (no result): no measurement is a success and the analysis fails.
+    idle = {m.metric: m for m in live.analysis["idle"]}
+    assert {name: [str(v) for v in m.result] for name, m in idle.items()} == {
+        "canary-scraped": ["1.0"], "canary-traffic": ["0.0"], "error-ratio": ["nan"], "latency-p99": ["nan"],
+        "fallback-ratio": ["nan"], "decision-disagreement": [], "logit-difference-p99": [], "score-drift": []}
+    assert {name: m.phase for name, m in idle.items()} == {
+        name: ca.SUCCESSFUL if name == "canary-scraped" else ca.INCONCLUSIVE if name in COMPARISON_METRICS
+        else ca.FAILED for name in ANALYSIS_METRICS}
+    assert ca.run_phase(_analysis_metrics(prod_objects), live.analysis["idle"]) == ca.FAILED
+
+
+def test_c57_canary_with_traffic_is_measured_on_data(live, prod_objects):
+    # The same canary 30 s into its share of the load: its calls over the 5-minute window reach
+    # min-canary-rate, and every metric measured one number, so none is Failed or Inconclusive for
+    # want of data (whether each number is within its bound is the test above).
+    (template,) = [o for o in prod_objects if o["kind"] == "AnalysisTemplate"]
+    floor = float(ca.argument_values(template, None, {})["min-canary-rate"])
+    good = {m.metric: m for m in live.analysis["good"]}
+    traffic = good["canary-traffic"]
+    assert traffic.phase == ca.SUCCESSFUL and len(traffic.result) == 1 and traffic.result[0] >= floor, traffic
+    assert {name: len(m.result) == 1 and not math.isnan(m.result[0]) for name, m in good.items()} == {
+        name: True for name in ANALYSIS_METRICS}
