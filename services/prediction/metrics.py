@@ -111,7 +111,7 @@ SHADOW_LOGIT_DIFFERENCE = Histogram(
 )
 SHADOW_DECISIONS = Counter(
     "prediction_shadow_decisions_total",
-    "Shadow decisions compared with the served ones, by agreement (agree or disagree).",
+    "Shadow decisions compared with the primary's, by policy band (agree or disagree).",
     ["model", "primary_version", "shadow_version", "agreement"],
 )
 SHADOW_FAILURES = Counter(

@@ -292,11 +292,16 @@ class Predictor:
             offset += len(d.rows)
             if fresh:
                 rows = [d.rows[j] for j in fresh]
-                self.drift.observe_many(name, group.vectors[rows], group_probabilities(d, fresh))
+                probabilities = group_probabilities(d, fresh)
+                self.drift.observe_many(name, group.vectors[rows], probabilities)
                 if group.family.shadow is not None:
+                    band = group.family.policy.band  # the primary's band, before missing-data or uncertainty reviews
                     self.shadows.start(
                         group.family,
-                        [ServedRow(group.vectors[k], float(group.margins[k]), labels[j]) for j, k in zip(fresh, rows)],
+                        [
+                            ServedRow(group.vectors[k], float(group.margins[k]), band(float(p)).decision)
+                            for k, p in zip(rows, probabilities)
+                        ],
                     )
         for labels_, n in decisions.items():
             metrics.labelled(metrics.DECISIONS, *labels_).inc(n)

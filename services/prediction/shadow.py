@@ -31,7 +31,10 @@ Infer = Callable[[ModelFamily, ModelVersion, np.ndarray], Awaitable[tuple[np.nda
 
 @dataclass(frozen=True, slots=True)
 class ServedRow:
-    """What was served for one row: its features, the primary's margin and the decision."""
+    """What was served for one row: its features, the primary's margin, and the band the policy puts
+    the primary's probability in. The band, not the decision served: a review for missing data,
+    too few attributes or an uncertain ensemble is the row's doing, not the model's, and the shadow
+    comparison is of the two models under one policy."""
 
     vector: np.ndarray  # [n_features] float32
     primary_margin: float

@@ -143,3 +143,24 @@ def test_c61_the_readme_examples_send_a_complete_applicant():
     [shell] = [b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "mlpair predict --family" in b]
     words = shlex.split(shell.replace("\\\n", " "))
     assert {words[i + 1].split("=")[0] for i, w in enumerate(words) if w == "--attr"} == names
+
+
+async def test_c61_a_review_for_missing_data_is_no_disagreement_with_the_shadow(inference_server, model_repository,
+                                                                                tmp_path_factory):
+    """The shadow comparison is of two models under one policy: a row reviewed for a missing
+    required attribute is compared by the bands the two probabilities fall in, so version 1
+    shadowing itself agrees on every row, reviewed or not (the served REVIEW counted as a
+    disagreement, and a healthy canary failed its decision-disagreement bound)."""
+    from mlpair.prediction import metrics
+
+    def count(agreement: str) -> float:
+        return metrics.SHADOW_DECISIONS.labels("credit-risk", "1", "1", agreement)._value.get()
+
+    async with prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("c61s"),
+                                  models=["credit-risk"], shadows={"credit-risk": "1"}) as (stub, predictor):
+        before = count("agree"), count("disagree")
+        broken = [applicant(base, change) for change, _ in BROKEN for base in (SAFE, RISKY)]
+        replies = [await stub.Predict(request(f"c61s-{i}", a)) for i, a in enumerate([SAFE, RISKY, *broken])]
+        assert [r.decision_label for r in replies[2:]] == ["REVIEW"] * len(broken)
+        await predictor.drain_background()
+        assert (count("agree") - before[0], count("disagree") - before[1]) == (len(replies), 0)
