@@ -176,12 +176,14 @@ class Traffic:
 
     def fresh(self) -> dict:
         """A holdout applicant drawn at random (the split's order is not random: a window of
-        consecutive applicants would look drifted), its loan amount moved by a few cents so that
-        the row is new to the cache (fallbacks, not stale results, when inference is down)."""
+        consecutive applicants would look drifted), its loan amount moved by a fraction of a unit so
+        that the row is new to the cache (fallbacks, not stale results, when inference is down). The
+        moves run from -2.5 to +2.5 and round again every 5,000 rows, so that they average out
+        (moves that only grew added up to +50 before they wrapped)."""
         attributes = dict(self._random.choice(self._records))
         self._fresh_rows += 1
         if attributes.get("Amount") is not None:
-            attributes["Amount"] = float(attributes["Amount"]) + (self._fresh_rows % 5000) * 0.01
+            attributes["Amount"] = float(attributes["Amount"]) + ((self._fresh_rows % 5000) - 2500) * 0.001
         if len(self.seen) < 2000:
             self.seen.append(attributes)
         return attributes
