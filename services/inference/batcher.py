@@ -337,16 +337,14 @@ class DynamicBatcher:
                 self._m_compute.observe(ended - started)
                 stats.executed(len(batch), rows, started - began, ended - started)
             if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.shape[0] != rows:
-                if health is not None and not health.batch_failed(None, WRONG_OUTPUT):
-                    self._fail(batch, "the model returned the wrong number of rows")
-                    return
-                logger.error(
-                    "%s version %s returned %s for %d rows",
-                    self.model,
-                    self.version,
-                    getattr(logits, "shape", type(logits).__name__),
-                    rows,
-                )
+                if health is None or health.batch_failed(None, WRONG_OUTPUT):  # the first of a streak is logged
+                    logger.error(
+                        "%s version %s returned %s for %d rows",
+                        self.model,
+                        self.version,
+                        getattr(logits, "shape", type(logits).__name__),
+                        rows,
+                    )
                 self._fail(batch, "the model returned the wrong number of rows")
                 return
             if health is not None:
