@@ -154,8 +154,8 @@ class RedisCache:
     waits at most ``timeout_s`` for its command, connection wait included (``reason="timeout"``),
     but the command is not cancelled: redis-py drops a connection whose command is cancelled or
     times out, since the reply still in flight would be read as the next command's, so a Redis
-    slower than ``timeout_s`` made every command open a new connection (about 1,500 a second
-    measured for one service of 2 workers, 254–401 open for 200 concurrent calls). The command runs
+    slower than ``timeout_s`` made every command open a new connection (measured in
+    docs/reliability.md). The command runs
     on in the background until its reply is read, up to ``reply_timeout_s``, and its connection
     goes back to the pool: once the pool is warm, a slow Redis opens no connection at all; one
     slower than ``reply_timeout_s`` costs a reconnect per command, at most ``max_connections`` at a
