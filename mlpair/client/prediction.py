@@ -7,11 +7,11 @@ import math
 import numbers
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import TracebackType
-from typing import Self, cast
+from typing import Any, Self, cast
 
 import grpc
 import numpy as np
@@ -277,6 +277,23 @@ class PredictionClient(_Client):
         reply = self._stub.BatchPredict(_batch_request(items), timeout=self._deadline(timeout_s))
         return _outcomes(reply)
 
+    def predict_columns(
+        self, chunks: Iterable[Any], model_name: str = "", *, timeout_s: float | None = None
+    ) -> Iterator[Any]:
+        """Decides tables (``pyarrow.Table`` or ``RecordBatch``: ``request_id``, ``entity_id``, one
+        column per attribute) through one ``PredictColumns`` stream: one
+        :class:`~mlpair.client.tables.ChunkResult` per table, in order, as each is decided.
+
+        Raises:
+            grpc.RpcError: the stream failed: UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED
+                (``timeout_s`` bounds the whole stream; None = the client's). A chunk refused as a
+                whole or a row's own error is in its result instead.
+        """
+        from mlpair.client import tables  # pyarrow: only for the callers of this method
+
+        replies = self._stub.PredictColumns(tables.request_chunks(chunks, model_name), timeout=self._deadline(timeout_s))
+        return map(tables.chunk_result, replies)
+
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
         self._channel.close()
@@ -341,6 +358,16 @@ class AsyncPredictionClient(_Client):
         """See :meth:`PredictionClient.batch_predict`."""
         reply = await self._stub.BatchPredict(_batch_request(items), timeout=self._deadline(timeout_s))
         return _outcomes(reply)
+
+    async def predict_columns(
+        self, chunks: Iterable[Any], model_name: str = "", *, timeout_s: float | None = None
+    ) -> AsyncIterator[Any]:
+        """See :meth:`PredictionClient.predict_columns`."""
+        from mlpair.client import tables
+
+        call = self._stub.PredictColumns(tables.request_chunks(chunks, model_name), timeout=self._deadline(timeout_s))
+        async for reply in call:
+            yield tables.chunk_result(reply)
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
