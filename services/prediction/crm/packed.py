@@ -23,13 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-try:  # the compiled part (setup.py): a column's values taken, written and joined in one pass
-    from mlpair._batch_items import pack_column as _pack_column
-except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_batch_items.py)
-    _pack_column = None
-
 SEP = "\x1f"
-_KINDS = {"text": "t", "float8": "f", "int4": "i"}  # pack_column's kind of each SQL base type
 
 
 class Unpackable(ValueError):
@@ -52,19 +46,13 @@ def pack(values: list[str]) -> str:
 def pack_column(values: list, order: Sequence[int], sql_type: str) -> str:
     """The values at positions ``order`` of one column (``sql_type``: text, float8, int4 or
     timestamptz) written as text (:func:`floats`, ``str`` for int4, :func:`timestamps`) and
-    packed (:func:`pack`): by ``pack_column`` in ``mlpair/_batch_items.c`` where it is built
-    (the ledger's 15 columns of 500 decisions: about 1.2 µs per row as comprehensions), else here.
+    packed (:func:`pack`).
 
     Raises:
         Unpackable: a value holds the separator.
     """
     if sql_type == "timestamptz":  # a call's decisions share one timestamp: formatted once
         values, sql_type = timestamps(values), "text"
-    if _pack_column is not None:
-        text = _pack_column(values, order if type(order) is list else list(order), _KINDS[sql_type])
-        if text is None:
-            raise Unpackable("a value holds the unit separator")
-        return text
     taken = [values[i] for i in order]
     if sql_type == "float8":
         taken = floats(taken)
