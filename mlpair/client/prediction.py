@@ -291,7 +291,9 @@ class PredictionClient(_Client):
         """
         from mlpair.client import tables  # pyarrow: only for the callers of this method
 
-        replies = self._stub.PredictColumns(tables.request_chunks(chunks, model_name), timeout=self._deadline(timeout_s))
+        replies = self._stub.PredictColumns(
+            tables.request_chunks(chunks, model_name), timeout=self._deadline(timeout_s)
+        )
         return map(tables.chunk_result, replies)
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ DECISION_SCHEMA = pa.schema(
 )
 """One row per request row, in request order: a decision (``error_code`` null) or that row's own
 error (the decision columns null). ``probability`` is null for a decision made without one (the
-policy's fallback); ``served_from``: ``model``, ``cache``, ``stale_cache`` or ``fallback``."""
+policy's fallback); ``served_from``: ``inference``, ``cache``, ``stale_cache`` or ``fallback``."""
 
 
 def to_ipc(table: pa.Table | pa.RecordBatch) -> bytes:

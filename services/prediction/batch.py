@@ -25,7 +25,14 @@ from mlpair.prediction.checks import (
     unknown_attribute_warnings,
     unknown_attributes_error,
 )
-from mlpair.prediction.columns import ACTION_BITS, NO_GUARDS, AssembledColumns, ColumnAssembler, RowGuards
+from mlpair.prediction.columns import (
+    ACTION_BITS,
+    NO_GUARDS,
+    AssembledColumns,
+    AttributeColumns,
+    ColumnAssembler,
+    RowGuards,
+)
 from mlpair.prediction.errors import InvalidRequest, PredictionError
 from mlpair.prediction.explain import explanation_rows
 from mlpair.prediction.families import ModelFamily
@@ -119,6 +126,45 @@ def prepare_items(
     ]
 
 
+def prepare_table(
+    family: ModelFamily,
+    assembler: ColumnAssembler,
+    requests: Sequence[PredictInput],
+    table: AttributeColumns,
+    refuse_unknown: bool,
+    outcomes: list,
+) -> list[Group]:
+    """:func:`prepare_items` for a table of one family's rows whose attribute values are read
+    already (``table``: the values of ``assembler.attribute_names``, and which rows hold others):
+    the same checks, guards and fingerprints, with no per-row record read. A row whose outcome is
+    in ``outcomes`` already (refused by the caller) is left out."""
+    request_ids = [r.request_id for r in requests]
+    index = list(range(len(requests)))
+    if (
+        len(set(request_ids)) < len(request_ids)
+        or not ids_pass(request_ids)
+        or not ids_pass([r.entity_id for r in requests])
+    ):
+        found = _families_item_by_item(requests, lambda _: family, outcomes)
+        index = found[family.name][1] if found else []
+    if outcomes.count(None) < len(outcomes):
+        index = [i for i in index if outcomes[i] is None]
+    if len(index) < len(requests):
+        table = _rows_of(table, index)
+    group = _assemble(family, assembler, [requests[i] for i in index], index, refuse_unknown, outcomes, table)
+    return [group] if group is not None else []
+
+
+def _rows_of(table: AttributeColumns, index: list[int]) -> AttributeColumns:
+    """The rows ``index`` of ``table`` (``others`` renumbered)."""
+    others = set(table.others)
+    return AttributeColumns(
+        table.names,
+        [[column[i] for i in index] for column in table.values],
+        [k for k, i in enumerate(index) if i in others],
+    )
+
+
 def _families_at_once(
     requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily]
 ) -> dict[str, tuple[ModelFamily, list[int]]] | None:
@@ -177,12 +223,18 @@ def _assemble(
     index: list[int],
     refuse_unknown: bool,
     outcomes: list,
+    table: AttributeColumns | None = None,
 ) -> Group | None:
+    """The checked items of one family → their :class:`Group` (None when every one is refused);
+    ``table``: their attribute values read already (a table's chunk), else read here."""
+    if not requests:
+        return None
     attributes = [r.attributes for r in requests]
     row_guards: list[RowGuards] = []  # filled by the row-wise path only
-    table = None  # the columnar path's attribute values, read once for assembly and fingerprints
-    if len(requests) >= ROW_WISE_BELOW:
-        table = assembler.columns(attributes)
+    if table is not None:
+        assembled = assembler.assemble(attributes, table)
+    elif len(requests) >= ROW_WISE_BELOW:
+        table = assembler.columns(attributes)  # read once for assembly and fingerprints
         assembled = assembler.assemble(attributes, table)
     else:
         assembled, row_guards = _row_wise(family, assembler, attributes)

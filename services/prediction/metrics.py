@@ -86,6 +86,16 @@ COALESCED_CALL_FLIGHTS = Histogram(
 BATCH_ITEMS = Histogram(
     "prediction_batch_items", "Items per BatchPredict call.", buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000)
 )
+CHUNK_ROWS = Histogram(
+    "prediction_chunk_rows",
+    "Rows per PredictColumns chunk.",
+    buckets=(1, 10, 100, 500, 1000, 2500, 5000, 10000, 25000, 50000),
+)
+CHUNKS = Counter(
+    "prediction_chunks_total",
+    "PredictColumns chunks by model family and outcome: OK (each row then counted in prediction_requests_total), or the code that refused the chunk as a whole.",
+    ["model", "code"],
+)
 MERGED_CALLS = Histogram(
     "prediction_merged_calls",
     "Predict calls decided together in one batch (1: the call was decided alone).",

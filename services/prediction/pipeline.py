@@ -42,8 +42,8 @@ import numpy as np
 from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
-from mlpair.prediction.batch import prepare_items
-from mlpair.prediction.checks import MAX_ECHO, RequestWarning, explanation_not_recorded, key_reused
+from mlpair.prediction.batch import Group, prepare_items, prepare_table
+from mlpair.prediction.checks import MAX_ECHO, RequestWarning
 from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.decisions import (
     FALLBACK_REASON,
@@ -51,19 +51,19 @@ from mlpair.prediction.decisions import (
     STALE_REASON,
     Decided,
     decide_columns,
-    replay_explanation,
 )
 from mlpair.prediction.drift import DriftMonitors
-from mlpair.prediction.errors import CallerLeft, InvalidRequest, LedgerUnavailable, PredictionError, UnknownModel
+from mlpair.prediction.errors import CallerLeft, InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
-from mlpair.prediction.idempotency import request_fingerprint
 from mlpair.prediction.merging import MergedCall, PredictMerger
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
-from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch
+from mlpair.prediction.records import DecisionColumns
+from mlpair.prediction.replays import recorded_maps, replayed
 from mlpair.prediction.scoring.cache import CachedInference
-from mlpair.prediction.scoring.rows import ScoredRows, Source
+from mlpair.prediction.scoring.rows import ScoredRows
 from mlpair.prediction.scoring.scorer import UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
+from mlpair.prediction.tables import Chunk
 
 __all__ = [
     "ConfigurationError",
@@ -195,6 +195,28 @@ class Predictor:
         metrics.BATCH_ITEMS.observe(len(requests))
         return await self._run(requests)
 
+    async def decide_table(self, model_name: str, chunk: Chunk, deadline: float | None = None) -> Outcomes:
+        """Decides a table's chunk of one family (PredictColumns): every row as the same values
+        sent as a Predict would be, each with its own outcome, in row order (an :class:`Outcomes`).
+
+        Raises:
+            UnknownModel: ``model_name`` is not served here (nothing is decided).
+        """
+        family = self._family(model_name)
+        name = family.name
+        metrics.CHUNK_ROWS.observe(len(chunk))
+        requests = [
+            PredictInput(rid, eid, chunk.row(k), name, False, deadline)
+            for k, (rid, eid) in enumerate(zip(chunk.request_ids, chunk.entity_ids))
+        ]
+        assembler = self._columns[name]
+        slots: list[Slot] = [None] * len(requests)
+        for k, error in chunk.refusals(assembler.attribute_names).items():
+            slots[k] = error
+        table = chunk.attribute_columns(assembler.attribute_names)
+        groups = prepare_table(family, assembler, requests, table, self.refuse_unknown_attributes, slots)
+        return await self._decide(requests, groups, slots)
+
     async def drain_background(self) -> None:
         """Waits for merged Predict batches and background shadow comparisons still running
         (call before closing clients)."""
@@ -211,6 +233,17 @@ class Predictor:
         groups = prepare_items(
             requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
         )
+        return await self._decide(requests, groups, slots, callers)
+
+    async def _decide(
+        self,
+        requests: Sequence[PredictInput],
+        groups: list[Group],
+        slots: list[Slot],
+        callers: Sequence[MergedCall] | None = None,
+    ) -> Outcomes:
+        """Scores, decides and records the prepared ``groups`` of ``requests``; ``slots`` holds
+        the errors of the items refused while preparing, and gets every other item's outcome."""
         await score_groups(groups, self._infer, self.max_inference_rows, callers)
         if callers is not None:
             for group in groups:  # left while the batch was scored (its scoring cancelled): not decided or recorded
@@ -257,7 +290,7 @@ class Predictor:
         not returned. Then the per-call metrics, drift and shadow comparisons of what was decided."""
         batch = DecisionColumns.concat([d.columns for d in decided])
         recorded = await self.recorder.record_many(batch, batch.fingerprints)
-        replays, failed = _recorded_maps(recorded)
+        replays, failed = recorded_maps(recorded)
         decisions: Counter[tuple[str, str]] = Counter()
         fallbacks: Counter[tuple[str, str]] = Counter()
         offset = 0
@@ -272,7 +305,7 @@ class Predictor:
                     if i in failed:
                         slots[group.index[k]] = as_item_error(failed[i])
                     elif i in replays:
-                        slots[group.index[k]] = self._replayed(replays[i], d, j, batch.fingerprints[i], decisions)
+                        slots[group.index[k]] = replayed(replays[i], d, j, batch.fingerprints[i], decisions)
                     else:
                         kept.append(j)
                 recorded_now = kept
@@ -310,38 +343,6 @@ class Predictor:
                 metrics.labelled(metrics.MODEL_OUTPUT_INVALID, name).inc(n)
             metrics.FALLBACKS.labels(name, reason).inc(n)
 
-    @staticmethod
-    def _replayed(
-        record: Recorded, d: Decided, j: int, fingerprint: str, decisions: Counter
-    ) -> PredictionResult | PredictionError:
-        """The outcome of a request id that was on record already (decided row ``j`` of ``d``): that
-        decision, or the refusal of an id recorded for another payload. A ledger row may hold the
-        fingerprint of the values as sent rather than as the schema reads them (written by a
-        release that fingerprinted spellings, e.g. during a rolling upgrade): the same values as
-        sent are a retry too. Asked to explain, it carries the explanation computed now when that
-        explains the recorded decision (:func:`replay_explanation`), else the warning
-        ``EXPLANATION_NOT_RECORDED``."""
-        group, k = d.group, d.rows[j]
-        name = group.family.name
-        request = group.requests[k]
-        if (
-            record.fingerprint
-            and record.fingerprint != fingerprint
-            and record.fingerprint != request_fingerprint(name, request.entity_id, request.attributes)
-        ):
-            metrics.labelled(metrics.IDEMPOTENCY_KEY_REUSED, name).inc()
-            return key_reused(request.request_id)
-        metrics.labelled(metrics.IDEMPOTENT_REPLAYS, name).inc()
-        stored = record.decision
-        decisions[name, stored.decision] += 1
-        from_cache = stored.served_from in (Source.CACHE.value, Source.STALE_CACHE.value)
-        warnings, explanation = group.warnings.get(k, ()), None
-        if request.explain and (explanation := replay_explanation(stored, d, j)) is None:
-            warnings = (*warnings, explanation_not_recorded(stored.decided_at))
-        return PredictionResult(
-            stored, from_cache=from_cache, replayed=True, warnings=warnings, explanation=explanation
-        )
-
     def _family(self, model_name: str) -> ModelFamily:
         family = self.families.get(model_name or self.default_model)
         if family is None:  # the name is echoed cut short: an error never carries a client's huge input back
@@ -375,19 +376,3 @@ def group_probabilities(d: Decided, rows: list[int]) -> np.ndarray:
     """The recorded probabilities ``[len(rows)] float64`` of decided rows ``rows`` (all with model output)."""
     column = d.columns.probability
     return np.array([column[j] for j in rows], dtype=np.float64)
-
-
-def _recorded_maps(
-    recorded: Sequence[Recorded | LedgerUnavailable],
-) -> tuple[Mapping[int, Recorded], Mapping[int, BaseException]]:
-    """(row → what was on record before, row → why it is not on record) from the ledger's answer."""
-    if isinstance(recorded, RecordedBatch):
-        return recorded.replays, recorded.errors
-    replays: dict[int, Recorded] = {}
-    failed: dict[int, BaseException] = {}
-    for i, outcome in enumerate(recorded):
-        if isinstance(outcome, BaseException):
-            failed[i] = outcome
-        elif outcome.replayed:
-            replays[i] = outcome
-    return replays, failed

@@ -135,7 +135,7 @@ def create_server(
         [
             Service(
                 SERVICE_NAME,
-                PredictionServicer(predictor),
+                PredictionServicer(predictor, settings.max_chunk_rows),
                 pb_grpc.add_PredictionServiceServicer_to_server,
                 count_refused_calls(predictor),
                 serialized=("BatchPredict",),  # written column by column (converters.batch_response)

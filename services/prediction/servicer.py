@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.prediction import converters, metrics
+from mlpair.prediction import converters, metrics, tables
 from mlpair.prediction.pipeline import Predictor
 from mlpair.rpc.servicers import Serialized
 
@@ -32,8 +34,9 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
     """Thin gRPC adapter over :class:`Predictor`; errors are mapped to statuses by
     :func:`mlpair.rpc.guard_servicer`."""
 
-    def __init__(self, predictor: Predictor) -> None:
+    def __init__(self, predictor: Predictor, max_chunk_rows: int = 10_000) -> None:
         self.predictor = predictor
+        self.max_chunk_rows = max_chunk_rows
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
@@ -44,3 +47,12 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
     ) -> pb.BatchPredictResponse | Serialized:
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)
+
+    async def PredictColumns(
+        self, requests: AsyncIterator[pb.PredictColumnsRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """One response per request chunk, in order; a chunk refused as a whole is answered with
+        its error and the stream goes on (:mod:`mlpair.prediction.tables`)."""
+        deadline = converters.deadline(context)
+        async for request in requests:
+            await context.write(await tables.decide_chunk(self.predictor, request, self.max_chunk_rows, deadline))

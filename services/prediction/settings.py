@@ -61,6 +61,8 @@ class PredictionSettings(ConnectionSettings):
     """Predict calls being decided from which a new call waits (up to merge_max_delay_ms) to be decided with the calls after it; below it, calls go at once (waiting would only add latency on a lightly loaded server)."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
+    max_chunk_rows: PositiveInt = 10_000
+    """Most rows one PredictColumns chunk may carry; a larger chunk is refused as a whole (its response's error, INVALID_ARGUMENT) and the stream goes on. A chunk and its decisions must also fit in max_message_bytes."""
     unknown_attributes: Literal["warn", "refuse"] = "warn"
     """Attributes the feature schema does not know: warn (decide, and name each in the response's warnings) or refuse (INVALID_ARGUMENT, reason UNKNOWN_ATTRIBUTE)."""
     explain_top_reasons: int = 3

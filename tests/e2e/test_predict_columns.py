@@ -1,0 +1,185 @@
+"""PredictColumns against real servers and a PostgreSQL ledger and CRM: a table decided exactly as
+the same rows sent as BatchPredict items (bit-identical probabilities), per-row errors, replays and
+refusals with exact counts, chunks refused as a whole while the stream goes on."""
+
+from __future__ import annotations
+
+import math
+
+import asyncpg
+import numpy as np
+import pyarrow as pa
+import pytest
+from google.rpc import code_pb2
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import predict_request
+from mlpair.client.tables import DECISION_SCHEMA, ChunkResult, chunk_result, request_chunks, to_ipc
+from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
+from tests.e2e.conftest import prediction_service
+
+MAX_CHUNK_ROWS = 500
+
+
+@pytest.fixture(scope="module")
+async def prediction(inference_server, model_repository, tmp_path_factory, postgres_url):
+    async with prediction_service(inference_server, model_repository, tmp_path_factory.mktemp("crm"),
+                                  ledger_url=postgres_url, crm_url=postgres_url,
+                                  max_batch_items=1000, max_chunk_rows=MAX_CHUNK_ROWS) as served:
+        yield served
+
+
+def item(request_id: str, entity_id: str, attributes: dict) -> pb.PredictRequest:
+    return predict_request("credit-risk", entity_id, attributes, request_id)
+
+
+def table(ids: list[str], records: list[dict], entity_ids: list[str] | None = None) -> pa.Table:
+    """A request chunk: ``request_id``, ``entity_id`` and the records' attributes as columns."""
+    columns = {"request_id": ids, "entity_id": entity_ids or [f"e-{i}" for i in ids]}
+    names = list(dict.fromkeys(name for r in records for name in r))
+    for name in names:
+        columns[name] = [r.get(name) for r in records]
+    return pa.table(columns)
+
+
+async def decide(stub, *chunks: pa.Table | bytes, model_name: str = "credit-risk") -> list[ChunkResult]:
+    """Each chunk's result, through one PredictColumns stream (bytes are sent as they are)."""
+    def requests():
+        for n, chunk in enumerate(chunks):
+            if isinstance(chunk, bytes):
+                yield pb.PredictColumnsRequest(model_name=model_name, arrow_ipc=chunk, chunk_id=n)
+            else:
+                yield from request_chunks([chunk], model_name, first_chunk_id=n)
+
+    return [chunk_result(reply) async for reply in stub.PredictColumns(requests())]
+
+
+async def rows_on_record(postgres_url: str, prefix: str) -> tuple[int, int]:
+    """(ledger rows, CRM rows) whose request id starts with ``prefix``."""
+    conn = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        ledger = await conn.fetchval(f"SELECT count(*) FROM {LEDGER_SCHEMA}.{LEDGER_TABLE} WHERE request_id LIKE $1", prefix + "%")
+        crm = await conn.fetchval("SELECT count(*) FROM decisions WHERE request_id LIKE $1", prefix + "%")
+        return ledger, crm
+    finally:
+        await conn.close()
+
+
+def edge_records(credit_holdout) -> list[dict]:
+    """Rows that fire guards, miss values, carry an unknown category or cannot be converted."""
+    r = credit_holdout.records
+    return [
+        {**r[1], "Income": 99999999.0, "Age": None},          # clamped, missing
+        {**r[2], "Home": "castle", "Job": ""},                # unknown category, empty string
+        {**r[3], "Income": math.inf},                         # an infinity, as a Predict's number
+        {**r[4], "Income": math.nan},                         # NaN: missing
+        r[5],                                                 # sent without an entity id: this row fails
+    ]
+
+
+async def test_a_table_is_decided_as_the_same_batch_predict_items(prediction, credit_holdout, postgres_url):
+    stub, predictor = prediction
+    records = list(credit_holdout.records[:300]) + edge_records(credit_holdout)
+    ids = [f"cols-parity-{i}" for i in range(len(records))]
+    entities = [f"e{i}" for i in range(len(records) - 1)] + [None]
+    [result] = await decide(stub, table(ids, records, entities))
+    assert result.error is None
+    decisions = result.decisions
+    assert decisions.schema == DECISION_SCHEMA and decisions.num_rows == len(records)
+    assert decisions.column("request_id").to_pylist() == ids
+
+    reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+        item(f"batch-parity-{i}", e or "", r) for i, (r, e) in enumerate(zip(records, entities))]))
+    rows = decisions.to_pylist()
+    failed = 0
+    for row, single in zip(rows, reply.results):
+        if single.WhichOneof("outcome") == "error":
+            failed += 1
+            assert row["error_code"] == code_pb2.Code.Name(single.error.code)
+            assert row["decision_id"] is None and row["probability"] is None
+            continue
+        p = single.prediction
+        assert row["error_code"] is None
+        assert (row["decision"], row["probability"], row["reason_codes"], row["model_version"]) \
+            == (p.decision_label, p.probability, list(p.reason_codes), p.model_version)
+        assert row["served_from"] == "inference" and p.from_cache  # the table's rows filled the cache
+    assert failed == 1 and result.failed == 1
+    assert result.decided == len(records) - 1 and result.replayed == 0
+    assert {"APPROVE", "DECLINE", "REVIEW"} <= set(decisions.column("decision").to_pylist())
+    assert any(codes and any(c.endswith("_CLAMPED_MAX") for c in codes) for codes in decisions.column("reason_codes").to_pylist())
+    await predictor.recorder.wait_delivered(20)
+    assert await rows_on_record(postgres_url, "cols-parity-") == (len(records) - 1, len(records) - 1)
+
+
+async def test_request_ids_replay_across_chunks_and_apis_and_refuse_another_payload(prediction, credit_holdout,
+                                                                                    postgres_url):
+    stub, predictor = prediction
+    records = list(credit_holdout.records[20:120])
+    ids = [f"cols-replay-{i}" for i in range(len(records))]
+    [first] = await decide(stub, table(ids, records))
+    changed = [dict(r) for r in records]
+    for r in changed[:10]:
+        r["Income"] = (r["Income"] or 0) + 1.0
+    [again, other] = await decide(stub, table(ids, records), table(ids, changed))
+    assert (again.decided, again.replayed, again.failed) == (0, len(records), 0)
+    assert again.decisions.column("replayed").to_pylist() == [True] * len(records)
+    for name in ("decision_id", "probability", "decision", "reason_codes", "decided_at"):
+        assert again.decisions.column(name) == first.decisions.column(name)
+    assert (other.decided, other.replayed, other.failed) == (0, len(records) - 10, 10)
+    assert other.decisions.column("error_reason").to_pylist()[:10] == ["IDEMPOTENCY_KEY_REUSED"] * 10
+
+    # a BatchPredict item under a table row's request id, with its values: the table's decision
+    reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[item(ids[0], f"e-{ids[0]}", records[0])]))
+    p = reply.results[0].prediction
+    assert p.replayed and p.decision_id == first.decisions.column("decision_id")[0].as_py()
+    assert p.probability == first.decisions.column("probability")[0].as_py()
+    await predictor.recorder.wait_delivered(20)
+    assert await rows_on_record(postgres_url, "cols-replay-") == (len(records), len(records))
+
+
+async def test_bad_chunks_are_refused_whole_and_bad_rows_alone_while_the_stream_goes_on(prediction, credit_holdout,
+                                                                                         postgres_url):
+    stub, predictor = prediction
+    r = credit_holdout.records
+    good = table(["cols-bad-a0", "cols-bad-a1"], [r[30], r[31]])
+    no_entity = table(["cols-bad-b0"], [r[32]]).drop_columns(["entity_id"])
+    numeric_ids = pa.table({"request_id": [1, 2], "entity_id": ["x", "y"]})
+    oversize = table([f"cols-bad-c{i}" for i in range(MAX_CHUNK_ROWS + 1)], [r[33]] * (MAX_CHUNK_ROWS + 1))
+    stamps = table(["cols-bad-d0", "cols-bad-d1"], [r[34], r[35]]).append_column(
+        "Age_when", pa.array([None, 1_600_000_000], type=pa.timestamp("s")))
+    mistyped = table(["cols-bad-e0", "cols-bad-e1"], [r[36], r[37]])
+    mistyped = mistyped.set_column(mistyped.column_names.index("Age"), "Age",
+                                   pa.array([None, 1_600_000_000], type=pa.timestamp("s")))
+    duplicated = table(["cols-bad-f0", "cols-bad-f1", "cols-bad-f0"], [r[38], r[39], r[40]])
+    texts = table(["cols-bad-g0", "cols-bad-g1"], [{**r[41], "Age": "30"}, {**r[42], "Age": "thirty"}])
+    results = await decide(stub, good, no_entity, numeric_ids, oversize, b"not arrow", stamps, mistyped, duplicated,
+                           texts)
+    assert [x.chunk_id for x in results] == list(range(9))
+    assert results[0].decided == 2
+    for refused, metadata in zip(results[1:5], [{"column": "entity_id"}, {"column": "request_id"},
+                                                {"max_chunk_rows": str(MAX_CHUNK_ROWS)}, {"field": "arrow_ipc"}]):
+        assert refused.decisions is None and refused.error.reason == "INVALID_REQUEST"
+        assert refused.error.metadata == metadata
+    unknown = results[5]
+    assert (unknown.decided, unknown.failed) == (2, 0)        # a column the schema does not know: ignored
+    assert unknown.warnings[0][:2] == ("UNKNOWN_ATTRIBUTE", "Age_when")
+    assert (results[6].decided, results[6].failed) == (1, 1)  # a timestamp where Age is a number
+    assert "Age" in results[6].decisions.column("error_message")[1].as_py()
+    dup = results[7].decisions
+    assert dup.column("error_code").to_pylist() == [None, None, "INVALID_ARGUMENT"]
+    assert results[8].decisions.column("error_code").to_pylist() == [None, "INVALID_ARGUMENT"]  # "30" is read
+    assert "Age" in results[8].decisions.column("error_message")[1].as_py()
+    await predictor.recorder.wait_delivered(20)
+    assert await rows_on_record(postgres_url, "cols-bad-") == (8, 8)
+
+
+async def test_an_unknown_family_refuses_the_chunk(prediction, credit_holdout):
+    stub, _ = prediction
+    [result] = await decide(stub, table(["cols-fam-0"], [credit_holdout.records[0]]), model_name="fraud")
+    assert result.error is not None and result.error.reason == "UNKNOWN_MODEL"
+
+
+def test_decision_chunks_read_back_the_same():
+    chunk = pa.table({"request_id": ["a"], "entity_id": ["b"], "Income": [1.0]})
+    request = next(request_chunks([chunk], "credit-risk", 7))
+    assert request.chunk_id == 7 and request.arrow_ipc == to_ipc(chunk)
