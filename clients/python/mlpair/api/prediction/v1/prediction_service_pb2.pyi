@@ -137,3 +137,31 @@ class BatchPredictResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[BatchPredictResult]
     def __init__(self, results: _Optional[_Iterable[_Union[BatchPredictResult, _Mapping]]] = ...) -> None: ...
+
+class PredictColumnsRequest(_message.Message):
+    __slots__ = ("model_name", "arrow_ipc", "chunk_id")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    arrow_ipc: bytes
+    chunk_id: int
+    def __init__(self, model_name: _Optional[str] = ..., arrow_ipc: _Optional[bytes] = ..., chunk_id: _Optional[int] = ...) -> None: ...
+
+class PredictColumnsResponse(_message.Message):
+    __slots__ = ("chunk_id", "arrow_ipc", "error", "decided", "replayed", "failed", "warnings")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    arrow_ipc: bytes
+    error: _status_pb2.Status
+    decided: int
+    replayed: int
+    failed: int
+    warnings: _containers.RepeatedCompositeFieldContainer[RequestWarning]
+    def __init__(self, chunk_id: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., decided: _Optional[int] = ..., replayed: _Optional[int] = ..., failed: _Optional[int] = ..., warnings: _Optional[_Iterable[_Union[RequestWarning, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class PredictionServiceStub(object):
                 request_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictRequest.SerializeToString,
                 response_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictResponse.FromString,
                 _registered_method=True)
+        self.PredictColumns = channel.stream_stream(
+                '/mlpair.prediction.v1.PredictionService/PredictColumns',
+                request_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsRequest.SerializeToString,
+                response_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsResponse.FromString,
+                _registered_method=True)
 
 
 class PredictionServiceServicer(object):
@@ -76,6 +81,18 @@ class PredictionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PredictColumns(self, request_iterator, context):
+        """Decides a table, chunk by chunk: each request chunk (Arrow IPC columns) gets one response
+        chunk, in order, holding a decision or an error per row. Every row keeps Predict's promises:
+        its request id is an idempotency key (the recorded decision is replayed; another payload under
+        it fails that row ALREADY_EXISTS), a bad row fails alone, each decision is recorded in the
+        ledger exactly once and delivered to the CRM. A request id repeated inside a chunk fails the
+        later rows. A chunk refused as a whole says why in its `error`; the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PredictionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -88,6 +105,11 @@ def add_PredictionServiceServicer_to_server(servicer, server):
                     servicer.BatchPredict,
                     request_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictRequest.FromString,
                     response_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictResponse.SerializeToString,
+            ),
+            'PredictColumns': grpc.stream_stream_rpc_method_handler(
+                    servicer.PredictColumns,
+                    request_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsRequest.FromString,
+                    response_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,6 +166,33 @@ class PredictionService(object):
             '/mlpair.prediction.v1.PredictionService/BatchPredict',
             mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictRequest.SerializeToString,
             mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.BatchPredictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PredictColumns(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mlpair.prediction.v1.PredictionService/PredictColumns',
+            mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsRequest.SerializeToString,
+            mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsResponse.FromString,
             options,
             channel_credentials,
             insecure,
