@@ -8,8 +8,8 @@ a tolerant deserializer; the health service; server reflection; TLS or plaintext
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,18 +78,12 @@ class Service:
         add_to_server: the generated ``add_<Service>Servicer_to_server`` function.
         refused: told of each call refused before its method ran
             (:func:`~mlpair.rpc.servicers.guard_servicer`), or None.
-        serialized: methods that may answer with a :class:`~mlpair.rpc.servicers.Serialized`
-            response (written in wire form by the handler, sent as it is).
-        readers: method → a reader of its request's bytes tried before the protobuf parser
-            (:func:`~mlpair.rpc.servicers.add_servicer`).
     """
 
     name: str
     servicer: object
     add_to_server: Callable[[Any, Any], None]
     refused: Callable[[str, object, str], None] | None = None
-    serialized: tuple[str, ...] = ()
-    readers: Mapping[str, Callable[[bytes], object | None]] = field(default_factory=dict)
 
 
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
@@ -185,7 +179,7 @@ def build_server(
         servicer = guard_servicer(service.servicer, domain, health.gate, service.refused)
         if observe is not None:
             observe(servicer, service.name)
-        add_servicer(service.add_to_server, servicer, server, service.serialized, service.readers)
+        add_servicer(service.add_to_server, servicer, server)
     health.add_to(server)
     if settings.reflection:
         enable_reflection(server, [service.name for service in services])

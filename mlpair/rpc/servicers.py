@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -49,21 +49,6 @@ def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], object]:
     return parse
 
 
-class Serialized(NamedTuple):
-    """A response its handler wrote in wire form already (a method registered as ``serialized``
-    with :func:`add_servicer`): gRPC sends ``data`` as it is, instead of a message parsed from
-    those bytes only to be serialised again."""
-
-    data: bytes
-
-
-def _sending_serialized(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
-    def send(response: Any) -> bytes:
-        return response.data if type(response) is Serialized else serialize(response)
-
-    return send
-
-
 class _Captured:
     """Collects what a generated ``add_<Service>Servicer_to_server`` function registers."""
 
@@ -77,47 +62,20 @@ class _Captured:
         self.service, self.handlers = service, handlers
 
 
-def _reading_first(
-    read: Callable[[bytes], object | None], parse: Callable[[bytes], object]
-) -> Callable[[bytes], object]:
-    def deserialize(data: bytes) -> object:
-        found = read(data)
-        return parse(data) if found is None else found
-
-    return deserialize
-
-
-def add_servicer(
-    add_to_server: Callable[[Any, Any], None],
-    servicer: object,
-    server: grpc.aio.Server,
-    serialized: Collection[str] = (),
-    readers: Mapping[str, Callable[[bytes], object | None]] | None = None,
-) -> None:
+def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: object, server: grpc.aio.Server) -> None:
     """Registers ``servicer`` as the generated ``add_to_server`` would, except that a request
     whose bytes are not a valid message reaches the guarded handler (:func:`guard_servicer`)
     as a marker it refuses with INVALID_ARGUMENT (MALFORMED_REQUEST), and one carrying fields
     the contract does not define as a :class:`~mlpair.wire.Refused` (UNKNOWN_FIELD). Left to
     itself, gRPC answers the first UNKNOWN, with the parser's exception text as the message,
-    and the handler would silently ignore the second's fields. The methods named in
-    ``serialized`` may answer with a :class:`Serialized` response, sent as its bytes.
-
-    ``readers``: method → a reader of its request's bytes tried before the parser; what it returns
-    reaches the handler instead of a message, and where it returns None the bytes are parsed as
-    above. A reader must return None for any bytes the strict parser would refuse or find unknown
-    fields in, so that nothing it passes would have been refused.
+    and the handler would silently ignore the second's fields.
     """
     captured = _Captured()
     add_to_server(servicer, captured)
     handlers = {}
     for name, handler in captured.handlers.items():
         if handler.request_deserializer:
-            parse = _tolerant(handler.request_deserializer)
-            if readers and name in readers:
-                parse = _reading_first(readers[name], parse)
-            handler = handler._replace(request_deserializer=parse)
-        if name in serialized:
-            handler = handler._replace(response_serializer=_sending_serialized(handler.response_serializer))
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         handlers[name] = handler
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.service, handlers),))
     server.add_registered_method_handlers(captured.service, handlers)

@@ -19,7 +19,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.collector import tune_collector
 from mlpair.logs import add_personal_fields, count_failures_with, set_process_model_version
 from mlpair.observability.calls import observe_servicer
-from mlpair.prediction import converters, metrics
+from mlpair.prediction import metrics
 from mlpair.prediction.crm.recorder import recorder_for
 from mlpair.prediction.drift import DriftMonitors, drift_config
 from mlpair.prediction.errors import DOMAIN
@@ -138,8 +138,6 @@ def create_server(
                 PredictionServicer(predictor, settings.max_chunk_rows),
                 pb_grpc.add_PredictionServiceServicer_to_server,
                 count_refused_calls(predictor),
-                serialized=("BatchPredict",),  # written column by column (converters.batch_response)
-                readers={"BatchPredict": converters.read_batch_request},  # items read from the bytes
             )
         ],
         health,

@@ -10,7 +10,6 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.prediction import converters, metrics, tables
 from mlpair.prediction.pipeline import Predictor
-from mlpair.rpc.servicers import Serialized
 
 DECIDING_METHODS = frozenset({"PredictionServicer.Predict", "PredictionServicer.BatchPredict"})
 
@@ -43,8 +42,8 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         return converters.predict_response(result)
 
     async def BatchPredict(
-        self, request: pb.BatchPredictRequest | converters.ReadBatch, context: grpc.aio.ServicerContext
-    ) -> pb.BatchPredictResponse | Serialized:
+        self, request: pb.BatchPredictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchPredictResponse:
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)
 

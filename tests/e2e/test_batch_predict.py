@@ -10,7 +10,6 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from mlpair.rpc.servicers import Serialized
 from tests.e2e.conftest import crm_count, inference_service, prediction_service
 from tests.e2e.test_end_to_end import expected_probabilities
 
@@ -202,16 +201,14 @@ async def test_a_batch_decides_and_counts_exactly_as_the_same_predict_calls(pred
             (single.decision_label, single.probability, list(single.reason_codes), single.model_version)
 
 
-async def test_responses_written_column_by_column_equal_the_ones_built_field_by_field(prediction, credit_holdout,
-                                                                                     churn_holdout, monkeypatch):
-    """``converters.batch_response`` writes fresh decisions with ``mlpair._batch_items`` where it is
-    built; on a call with every kind of outcome (fresh, warned, explained, replayed, refused, two
-    families) the response equals the one built field by field."""
+async def test_responses_read_from_the_columns_equal_the_ones_built_from_each_result(prediction, credit_holdout,
+                                                                                     churn_holdout):
+    """``converters.batch_response`` reads fresh decisions straight from their columns; on a call
+    with every kind of outcome (fresh, warned, explained, replayed, refused, two families) the
+    response equals the one built from each item's result object, as Predict encodes it."""
     from mlpair.prediction import converters
-    from mlpair.prediction.outcomes import PredictInput
+    from mlpair.prediction.outcomes import PredictInput, PredictionResult
 
-    if converters._write_rows is None:
-        pytest.skip("mlpair._batch_items is not built here: only the field-by-field path runs")
     _, predictor = prediction
 
     def inputs(prefix: str) -> list[PredictInput]:
@@ -225,11 +222,12 @@ async def test_responses_written_column_by_column_equal_the_ones_built_field_by_
 
     await predictor.predict_batch(inputs("written")[:4])  # on record before: replayed below
     outcomes = await predictor.predict_batch(inputs("written"))
-    written = converters.batch_response(outcomes)
-    assert isinstance(written, Serialized)  # sent as these bytes, never parsed on the server
-    monkeypatch.setattr(converters, "_write_rows", None)
-    built = converters.batch_response(outcomes)
-    assert pb.BatchPredictResponse.FromString(written.data) == built
+    built = converters.batch_response(outcomes)  # before any item is read: from the columns
+    expected = pb.BatchPredictResponse(results=[
+        pb.BatchPredictResult(prediction=converters.predict_response(o)) if isinstance(o, PredictionResult)
+        else pb.BatchPredictResult(error=converters.error_status(o)) for o in outcomes])
+    assert built == expected
+    assert built.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
     kinds = [r.WhichOneof("outcome") for r in built.results]
     assert kinds.count("error") == 2 and kinds.count("prediction") == len(kinds) - 2
     predictions = [r.prediction for r in built.results if r.WhichOneof("outcome") == "prediction"]

@@ -2,9 +2,8 @@
 
 For each kind of bad input, the ErrorInfo (reason, domain, metadata), code and message of a
 refused Predict equal those of the same request refused as a BatchPredict item — in a batch of a
-few items (assembled row by row) and of many (column by column), with the compiled request reader
-and response writer and without them — and the client's ``ItemError`` keeps them too, the "did you
-mean" hint of an unknown attribute included (``PREDICTION_UNKNOWN_ATTRIBUTES=refuse``).
+few items (assembled row by row) and of many (column by column) — and the client's ``ItemError``
+keeps them too, the "did you mean" hint of an unknown attribute included (``PREDICTION_UNKNOWN_ATTRIBUTES=refuse``).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import grpc
 import pytest
 
 from mlpair.client import AsyncPredictionClient, BatchItem, ItemError
-from mlpair.prediction import converters
 from mlpair.rpc import error_info
 from tests.e2e.conftest import prediction_server
 
@@ -32,17 +30,12 @@ async def strict(inference_server, model_repository, tmp_path_factory):
         yield client
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
-async def test_c63_a_batch_items_refusal_carries_the_same_error_info_as_predict(strict, credit_holdout, compiled,
-                                                                                  monkeypatch):
-    if not compiled:
-        monkeypatch.setattr(converters, "_read_items", None)
-        monkeypatch.setattr(converters, "_write_rows", None)
+async def test_c63_a_batch_items_refusal_carries_the_same_error_info_as_predict(strict, credit_holdout):
     client, good = strict, credit_holdout.records[0]
     expected = {}
     for kind, attributes in BAD.items():
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await client.predict("credit-risk", f"e-{kind}", attributes, f"c63-{compiled}-{kind}")
+            await client.predict("credit-risk", f"e-{kind}", attributes, f"c63-{kind}")
         info = error_info(refused.value)
         expected[kind] = (refused.value.code(), refused.value.details(), info.reason, info.domain, dict(info.metadata))
     assert expected["unknown attribute"][2:] == ("UNKNOWN_ATTRIBUTE", "prediction.mlpair",
@@ -55,9 +48,9 @@ async def test_c63_a_batch_items_refusal_carries_the_same_error_info_as_predict(
         kinds = list(BAD)[: size // 2] if size > 3 else ["unknown attribute"]
         items = []
         for n, kind in enumerate(kinds):
-            items += [BatchItem("credit-risk", f"e-{kind}", BAD[kind], f"c63-{compiled}-{size}-{kind}"),
-                      BatchItem("credit-risk", "e-good", good, f"c63-{compiled}-{size}-good-{n}")]
-        items += [BatchItem("credit-risk", "e-good", good, f"c63-{compiled}-{size}-good-x")] * (size - len(items))
+            items += [BatchItem("credit-risk", f"e-{kind}", BAD[kind], f"c63-{size}-{kind}"),
+                      BatchItem("credit-risk", "e-good", good, f"c63-{size}-good-{n}")]
+        items += [BatchItem("credit-risk", "e-good", good, f"c63-{size}-good-x")] * (size - len(items))
         outcomes = await client.batch_predict(items)
         assert len(outcomes) == size
         refused = [o for o in outcomes if isinstance(o, ItemError)]

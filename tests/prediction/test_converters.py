@@ -1,8 +1,13 @@
-"""Proto ⇄ domain conversions: decision labels, explanations and per-item errors."""
+"""Proto ⇄ domain conversions: decision labels, explanations and per-item errors; requests read from
+the messages protobuf parsed, and the served methods' deserializers (the strict parse)."""
 
 from __future__ import annotations
 
+import math
+
 from google.rpc import code_pb2, error_details_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
@@ -11,7 +16,6 @@ from mlpair.prediction.records import StoredDecision
 from mlpair.prediction.errors import InvalidRequest, UnknownModel
 from mlpair.prediction.explain import Contribution, Explanation
 from mlpair.prediction.pipeline import PredictionResult, UnexpectedFailure
-from mlpair.rpc.servicers import Serialized
 
 
 def stored(decision: str) -> StoredDecision:
@@ -42,8 +46,6 @@ def test_item_errors_become_statuses_with_error_info_in_request_order():
                 UnknownModel("model family 'x' is not served here"),
                 UnexpectedFailure("internal error")]
     reply = converters.batch_response(outcomes)
-    if isinstance(reply, Serialized):  # written in wire form (the compiled part is built)
-        reply = pb.BatchPredictResponse.FromString(reply.data)
     assert [r.WhichOneof("outcome") for r in reply.results] == ["prediction", "error", "error", "error"]
     codes = [r.error.code for r in reply.results[1:]]
     assert codes == [code_pb2.INVALID_ARGUMENT, code_pb2.NOT_FOUND, code_pb2.INTERNAL]
@@ -66,3 +68,115 @@ def test_set_zero_values_are_values_and_only_an_unset_oneof_is_missing():
     parsed = converters.predict_input(pb.PredictRequest(request_id="r", entity_id="e", attributes=wire))
     assert parsed.attributes == {"n": 0.0, "s": "", "b": False, "unset": None}
     assert type(parsed.attributes["n"]) is float and type(parsed.attributes["b"]) is bool
+
+
+texts = st.text(max_size=12)
+# (what the client sets, what the pipeline must get): the oneof's member keeps its type and value
+# (``1.0``, ``"1"`` and ``True`` stay apart; -0.0, NaN and infinities stay what they are); present
+# with no member set is missing (None)
+attribute = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(lambda x: (pb.AttributeValue(number_value=x), x)),
+    texts.map(lambda x: (pb.AttributeValue(string_value=x), x)),
+    st.booleans().map(lambda x: (pb.AttributeValue(bool_value=x), x)),
+    st.just((pb.AttributeValue(), None)),
+)
+item = st.tuples(texts, texts, st.sampled_from(["", "credit-risk", "é"]), st.booleans(),
+                 st.dictionaries(texts, attribute, max_size=8))
+
+
+def same_values(got: dict, expected: dict) -> bool:
+    """Equal names, and per name the same type and value (NaN equal to NaN, -0.0 apart from 0.0)."""
+    def seen(v):
+        return type(v), (repr(v) if isinstance(v, float) and (math.isnan(v) or v == 0.0) else v)
+    return got.keys() == expected.keys() and all(seen(got[k]) == seen(expected[k]) for k in got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(item, max_size=6), st.one_of(st.none(), st.floats(0, 1e6)))
+def test_generated_requests_reach_the_pipeline_with_each_value_as_sent(items, deadline):
+    """Through the wire and protobuf's parse, Predict and each BatchPredict item give the same
+    ids, model name, explain flag and deadline, and every attribute value as sent."""
+    request = pb.BatchPredictRequest(requests=[
+        pb.PredictRequest(request_id=rid, entity_id=eid, model_name=model, explain=explain,
+                          attributes={name: wire for name, (wire, _) in attributes.items()})
+        for rid, eid, model, explain, attributes in items])
+    parsed = pb.BatchPredictRequest.FromString(request.SerializeToString())
+    batch = converters.batch_inputs(parsed, deadline)
+    singles = [converters.predict_input(pb.PredictRequest.FromString(r.SerializeToString()), deadline)
+               for r in parsed.requests]
+    assert len(batch) == len(singles) == len(items)
+    for got_batch, got_single, (rid, eid, model, explain, attributes) in zip(batch, singles, items):
+        expected = {name: value for name, (_, value) in attributes.items()}
+        for got in (got_batch, got_single):
+            assert (got.request_id, got.entity_id, got.model_name, got.explain, got.deadline) == \
+                (rid, eid, model, explain, deadline)
+            assert same_values(got.attributes, expected), (got.attributes, expected)
+
+
+def served_deserializers():
+    """PredictionService's request deserializers as the server registers them."""
+    from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+    from mlpair.rpc.servicers import _Captured, add_servicer
+
+    server = _Captured()
+    add_servicer(pb_grpc.add_PredictionServiceServicer_to_server, pb_grpc.PredictionServiceServicer(), server)
+    return {name: handler.request_deserializer for name, handler in server.handlers.items()}
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def delimited(number: int, payload: bytes) -> bytes:
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+UNUSED = varint(9 << 3 | 0) + varint(7)  # field 9: no PredictRequest, AttributeValue or map entry defines it
+ITEM = delimited(1, b"r") + delimited(2, b"e") + delimited(3, delimited(1, b"a") + delimited(2, delimited(2, b"rent")))
+
+
+def test_a_served_batch_is_parsed_strictly_and_fields_the_contract_does_not_define_are_refused():
+    """Readable bytes reach the handler as the parsed message; a field the contract does not
+    define, at any depth, as the strict parser's refusal (UNKNOWN_FIELD); bytes that are no
+    message as the malformed marker: nothing is read past a field the service does not know."""
+    from mlpair.rpc.servicers import _UNDECODABLE
+    from mlpair.wire import Refused
+
+    read = served_deserializers()
+    for name in ("BatchPredict", "Predict"):
+        wrap = (lambda item: delimited(1, item)) if name == "BatchPredict" else (lambda item: item)
+        got = read[name](wrap(ITEM))
+        item = got.requests[0] if name == "BatchPredict" else got
+        assert converters.predict_input(item).attributes == {"a": "rent"}
+        for damaged in (
+            UNUSED + ITEM,  # in the item
+            ITEM + delimited(3, delimited(1, b"b") + UNUSED),  # in a map entry
+            ITEM + delimited(3, delimited(1, b"b") + delimited(2, UNUSED)),  # in a value
+        ):
+            assert isinstance(read[name](wrap(damaged)), Refused), damaged
+        assert read[name](wrap(ITEM)[:-3]) is _UNDECODABLE
+    assert isinstance(read["BatchPredict"](UNUSED + delimited(1, ITEM)), Refused)  # in the request
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4))
+def test_damaged_bytes_never_crash_the_served_deserializer(noise, flips):
+    """Any bytes — random, or a valid request with bytes changed — are a message, a refusal of
+    unknown fields or the malformed marker: never an exception out of the deserializer."""
+    from mlpair.rpc.servicers import _UNDECODABLE
+    from mlpair.wire import Refused
+
+    read = served_deserializers()["BatchPredict"]
+    data = bytearray(delimited(1, ITEM) * 2)
+    for at, value in flips:
+        data[at % len(data)] = value
+    for raw in (noise, bytes(data)):
+        got = read(raw)
+        assert got is _UNDECODABLE or isinstance(got, (Refused, pb.BatchPredictRequest))
+        if isinstance(got, pb.BatchPredictRequest):
+            assert len(converters.batch_inputs(got)) == len(got.requests)
