@@ -38,11 +38,6 @@ from mlpair.contracts.assembly import (
 )
 from mlpair.contracts.conversion import ConversionProblem, to_category, to_number
 
-try:  # the compiled part (setup.py): a batch's attribute values column by column
-    from mlpair._batch_items import columns as _columns
-except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_batch_items.py)
-    _columns = None
-
 # One bit per guard action; a feature's events are listed in this order (the row-wise order).
 ACTION_BITS = {MISSING_DEFAULTED: 1, SENTINEL_DEFAULTED: 2, CLAMPED_MIN: 4, CLAMPED_MAX: 8, UNKNOWN_CATEGORY: 16}
 DEFAULTED_BITS = ACTION_BITS[MISSING_DEFAULTED] | ACTION_BITS[SENTINEL_DEFAULTED]
@@ -67,13 +62,7 @@ class AttributeColumns:
 
 def attribute_columns(records: Sequence[Mapping[str, Any]], names: list[str]) -> AttributeColumns:
     """``records``' values of each of ``names`` (distinct), column by column, and which records
-    hold other attributes: by ``columns`` in ``mlpair/_batch_items.c`` for a list of dicts (0.13
-    against 0.32 µs per row of 14 names as a comprehension, measured on 500 rows, and the key-set
-    test counted while reading instead of 0.25 µs per row), else here."""
-    if _columns is not None and type(records) is list:
-        found = _columns(records, names)
-        if found is not None:
-            return AttributeColumns(names, *found)
+    hold other attributes."""
     read = set(names)
     return AttributeColumns(
         names,

@@ -26,16 +26,6 @@ _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _NUMBER_TYPES = frozenset({float, type(None)})
 _MEMO_LIMIT = 4096  # distinct strings remembered per categorical feature (clients cannot grow it without bound)
 
-try:  # the compiled part (setup.py): the canonical texts of many rows at once
-    from mlpair._batch_items import canonical_texts as _canonical_texts
-except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_batch_items.py)
-    _canonical_texts = None
-
-try:  # the compiled digests (setup.py): the SHA-256 of many texts in one call, through OpenSSL
-    from mlpair._digests import sha256_hex as _sha256_hex
-except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_digests.py)
-    _sha256_hex = None
-
 
 class SchemaReading:
     """What one family's feature schema reads each attribute value as: the values a request's
@@ -186,15 +176,11 @@ def request_fingerprints(
 
     The canonical JSON of every row holding no attribute outside the columns' names is written
     column by column (a row lacking one of them is written as the canonical form writes a
-    missing value: left out): by ``canonical_texts`` in ``mlpair/_batch_items.c`` where it is
-    built (~2.5 µs per 13-attribute row with the SHA-256, against ~6 µs for the fragments below
-    and ~9 µs row by row, measured on 500 holdout applicants; their SHA-256 digests by
-    ``sha256_hex`` in ``mlpair/_digests.c`` where it is built, 0.24 against 0.43 µs per text
-    through ``hashlib``), else from per-value fragments: each attribute's ``["name",value]`` text
+    missing value: left out) from per-value fragments: each attribute's ``["name",value]`` text
     made once per distinct string or flag and by ``float.__repr__`` (what the JSON encoder
     writes) for finite numbers. A missing value (None, "" or NaN) leaves its fragment out, as the
-    canonical form does. A row with another attribute, or (fragments) a non-finite number or
-    (either way) a value of another type, is fingerprinted by :func:`request_fingerprint` itself.
+    canonical form does. A row with another attribute, a non-finite number or a value of another
+    type, is fingerprinted by :func:`request_fingerprint` itself.
     """
     if len(records) < 8:  # a few rows: building the fragments would cost more than it saves
         return [request_fingerprint(model_name, e, r, reading) for e, r in zip(entity_ids, records)]
@@ -208,31 +194,14 @@ def request_fingerprints(
     values = [[column[k] for k in alike] for column in columns.values] if others else columns.values
     out = [""] * len(records)
     sha256, encode = hashlib.sha256, _CANONICAL.encode
-    if _canonical_texts is not None:  # the same texts, written by C
-        texts = _canonical_texts(
-            encode(model_name).encode(),
-            [entity_ids[k] for k in alike],
-            [f"[{encode(name)},".encode() for name in names],
-            values,
-        )
-        digests = (
-            _sha256_hex(texts)
-            if _sha256_hex is not None
-            else [None if t is None else sha256(t).hexdigest() for t in texts]
-        )
-        for k, digest in zip(alike, digests):
-            out[k] = (
-                digest if digest is not None else request_fingerprint(model_name, entity_ids[k], records[k], reading)
-            )
-    else:
-        fragments = [_Fragments(name).column(column) for name, column in zip(names, values)]
-        head = encode(model_name)
-        for k, parts in zip(alike, zip(*fragments) if fragments else [()] * len(alike)):
-            if None in parts:
-                out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
-            else:
-                text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
-                out[k] = sha256(text.encode()).hexdigest()
+    fragments = [_Fragments(name).column(column) for name, column in zip(names, values)]
+    head = encode(model_name)
+    for k, parts in zip(alike, zip(*fragments) if fragments else [()] * len(alike)):
+        if None in parts:
+            out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
+        else:
+            text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
+            out[k] = sha256(text.encode()).hexdigest()
     for k in others:
         out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
     return out

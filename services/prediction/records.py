@@ -24,11 +24,6 @@ from mlpair.prediction.errors import LedgerUnavailable
 
 # Decision ids are derived from the request id (the idempotency key), so every replica, every
 # retry and every delivery attempt name a decision the same way (RFC 4122 name-based UUID).
-try:  # the compiled digests (setup.py): a batch's UUIDv5 ids in one call, through OpenSSL
-    from mlpair._digests import uuid5_ids as _uuid5_ids
-except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_digests.py)
-    _uuid5_ids = None
-
 _DECISION_NAMESPACE = uuid.UUID("6b1f4a3e-3c1d-5e0a-9b7e-6d6c70616972")
 _NAMESPACE_BYTES = _DECISION_NAMESPACE.bytes
 
@@ -51,16 +46,12 @@ _VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}  # hex digit 
 def decision_ids_for(request_ids: Sequence[str]) -> list[str]:
     """:func:`decision_id_for` of each request id, in order.
 
-    By ``uuid5_ids`` in ``mlpair/_digests.c`` where it is built (0.19 µs per id on 500, against
-    0.59 for the NumPy path below, measured on this project's 2-core machine kind). Otherwise,
-    from 32 ids on, only the SHA-1 digests are taken per id; the version and variant bits and
+    From 32 ids on, only the SHA-1 digests are taken per id; the version and variant bits and
     the hex text with its dashes are written for the whole batch at once (NumPy), then cut into
-    ids (0.35 against 0.7 µs per id on 500; below 32 ids NumPy's per-call cost makes it slower:
-    24 against 11 µs for 8 ids, 28.5 against 40 for 32). The same bytes as RFC 4122 §4.3: the
-    digest's first 16 bytes, byte 6's high nibble set to 5, byte 8's two high bits to 10.
+    ids (below 32 ids NumPy's per-call cost makes that slower than one id at a time). The same
+    bytes as RFC 4122 §4.3: the digest's first 16 bytes, byte 6's high nibble set to 5, byte 8's
+    two high bits to 10.
     """
-    if _uuid5_ids is not None:
-        return _uuid5_ids(_NAMESPACE_BYTES, list(request_ids))
     n = len(request_ids)
     if n < _BATCH_IDS_FROM:
         return [decision_id_for(r) for r in request_ids]
@@ -76,7 +67,7 @@ def decision_ids_for(request_ids: Sequence[str]) -> list[str]:
     return [ids[i : i + 36] for i in range(0, 36 * n, 36)]
 
 
-_BATCH_IDS_FROM = 32  # ids from which writing them at once costs less than one by one (measured above)
+_BATCH_IDS_FROM = 32  # ids from which writing them at once costs less than one by one (measured)
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _HEX_AT = [i for i in range(36) if i not in (8, 13, 18, 23)]  # the 32 hex digits' places between the dashes
 _HIGH_NIBBLE_AT, _LOW_NIBBLE_AT = _HEX_AT[0::2], _HEX_AT[1::2]  # of each byte's two digits

@@ -53,6 +53,17 @@ def test_keys_of_a_matrix_are_each_rows_own():
         assert cache_keys(target, matrix) == [cache_key(target, row) for row in matrix]
 
 
+def test_key_values_are_the_ones_replicas_share():
+    """Pinned: replicas of one release share a Redis cache, so every one must key a row alike
+    (a release that changes the layout bumps ``KEY_LAYOUT``); one row at a time and a batch."""
+    target = ModelTarget("credit-risk", "1", "credit-risk/v1")
+    rows = (np.arange(60, dtype=np.float32).reshape(2, 30) / 7).astype(np.float32)
+    pinned = ["v3|credit-risk|1|credit-risk/v1|07cdfe165c49b15cc618e23165dc310d",
+              "v3|credit-risk|1|credit-risk/v1|3b59c40114d6b9674f2afc1f8fb3fadf"]
+    assert cache_keys(target, rows) == pinned
+    assert [cache_key(target, row) for row in rows] == pinned
+
+
 async def test_memory_cache_ages_entries_out_of_the_stale_window():
     clock = Clock()
     cache = MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock)

@@ -350,3 +350,35 @@ def test_a_few_rows_assembled_row_by_row_get_the_columnar_guards(credit_entry, c
     assert row_wise_.matrix[kept].tobytes() == assembled.matrix[kept].tobytes()
     assert [guards[i] for i in kept] == [expected[i] for i in kept]
     assert sum(g.defaulted > 0 for g in guards) > 0 and sum(len(g.reason_codes) > 1 for g in guards) > 0
+
+
+# ---- a batch's attribute values column by column ----
+
+names_ = st.one_of(st.text(max_size=8), st.sampled_from(['"', "\x00", "é", "😀"]))
+values_ = st.one_of(st.none(), st.floats(allow_nan=True), st.text(max_size=5), st.booleans(), st.integers(-5, 5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=st.lists(st.dictionaries(names_, values_, max_size=5), max_size=12), names=st.lists(names_, max_size=6))
+def test_attribute_columns_are_each_records_values(records, names):
+    """Records with names missing, extra or in any order: each column holds each record's value
+    (None where it lacks the name), and the records holding a name that is not read are listed."""
+    from mlpair.prediction.columns import AttributeColumns, attribute_columns
+
+    names = list(dict.fromkeys([*names, *(records[0] if records else ())]))
+    expected = AttributeColumns(
+        names,
+        [[r[name] if name in r else None for r in records] for name in names],
+        [i for i, r in enumerate(records) if any(name not in names for name in r)],
+    )
+    assert attribute_columns(records, names) == expected
+
+
+def test_attribute_columns_of_records_that_are_not_dicts_are_read_as_mappings():
+    from types import MappingProxyType
+
+    from mlpair.prediction.columns import attribute_columns
+
+    records = [{"a": 1.0}, MappingProxyType({"a": 2.0, "b": "x"})]
+    assert attribute_columns(records, ["a", "b"]).values == [[1.0, 2.0], [None, "x"]]
+    assert attribute_columns(records, ["a"]).others == [1]

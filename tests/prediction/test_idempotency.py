@@ -1,8 +1,10 @@
 """C51: the idempotency fingerprint is taken over the values as the feature schema reads them.
 
 Every spelling the schema's conversion rules turn into one value gives one fingerprint, row by row
-and column by column (the C texts and the Python fragments); values the rules read apart give
-different fingerprints. The real schemas of both families (``config/*/feature-schema.toml``).
+and column by column; values the rules read apart give different fingerprints. The real schemas of
+both families (``config/*/feature-schema.toml``). Fingerprints are kept in the shared decision
+ledger, so their values are pinned too: a change would make every retry of a recorded request a
+conflict.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlpair.contracts.schema import FeatureSchema
-from mlpair.prediction import idempotency
 from mlpair.prediction.idempotency import SchemaReading, request_fingerprint, request_fingerprints
 from tests.support import CHURN_SCHEMA, CREDIT_SCHEMA
 
@@ -78,9 +79,6 @@ def test_c51_every_spelling_of_one_value_has_one_fingerprint_row_by_row_and_by_c
     entity_ids = ["entity-1"] * len(rows)
     [one] = {request_fingerprint(family, "entity-1", row, reading) for row in rows}
     assert request_fingerprints(family, entity_ids, rows, reading=reading) == [one] * len(rows)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(idempotency, "_canonical_texts", None)
-        assert request_fingerprints(family, entity_ids, rows, reading=reading) == [one] * len(rows)
 
 
 def test_c51_values_the_schema_reads_apart_have_different_fingerprints() -> None:
@@ -118,3 +116,83 @@ def test_c51_an_attribute_the_schema_does_not_read_keeps_its_type_and_a_zero_its
     fingerprints = [request_fingerprint("credit-risk", "e", {"Age": 30.0, "Note": value}, reading)
                     for value in (0.0, -0.0, "0", False, "x", " X ")]
     assert len(set(fingerprints)) == 5 and fingerprints[0] == fingerprints[1]
+
+
+# ---- a batch's fingerprints are each row's own; pinned values ----
+
+awkward_texts = st.one_of(
+    st.text(max_size=12), st.sampled_from(['"', "\\", "\x00", "\x1f", "\x7f", "\u2028", 'é"\\n', "\b\f\n\r\t", "😀"])
+)
+awkward_values = st.one_of(
+    st.none(), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e300, 5e-324]),
+    awkward_texts, st.booleans(), st.integers(-5, 5),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    records=st.lists(awkward_texts, min_size=1, max_size=4, unique=True).flatmap(
+        lambda names: st.lists(st.fixed_dictionaries({n: awkward_values for n in names}), min_size=8, max_size=12)
+    ),
+    entity_ids=st.lists(awkward_texts, min_size=12, max_size=12),
+    model_name=awkward_texts,
+)
+def test_fingerprints_of_a_batch_are_each_rows_own(records, entity_ids, model_name) -> None:
+    """Escapes, non-ASCII, missing values of every spelling, infinities and ints (fingerprinted
+    row by row) give each row's own fingerprint through the batch's fragments."""
+    entity_ids = entity_ids[: len(records)]
+    expected = [request_fingerprint(model_name, e, r) for e, r in zip(entity_ids, records)]
+    assert request_fingerprints(model_name, entity_ids, records) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    records=st.lists(
+        st.dictionaries(st.sampled_from(["a", "b", "c", "é", "z"]), awkward_values, max_size=5), min_size=8, max_size=12
+    ),
+    read=st.sets(st.sampled_from(["a", "b", "c", "é", "z"])),
+)
+def test_fingerprints_of_rows_with_different_attributes_are_each_rows_own(records, read) -> None:
+    """Rows lacking some attributes or holding others, fingerprinted from columns the caller read
+    (names sorted: a missing name written as missing, a row with another name row by row) or
+    from the first row's names: each row's own."""
+    from mlpair.prediction.columns import attribute_columns
+
+    entity_ids = [f"e{k}" for k in range(len(records))]
+    expected = [request_fingerprint("m", e, r) for e, r in zip(entity_ids, records)]
+    assert request_fingerprints("m", entity_ids, records, attribute_columns(records, sorted(read))) == expected
+    assert request_fingerprints("m", entity_ids, records) == expected
+
+
+def test_floats_of_every_form_are_fingerprinted_as_the_json_encoder_writes_them() -> None:
+    """Whole numbers, short decimals at every scale, random bit patterns and the shortest-repr
+    edge cases: a batch's fragments (``float.__repr__``) give the canonical JSON's fingerprints."""
+    from tests.prediction.test_packed import float_sweep
+
+    values = float_sweep(3, 3000)
+    for start in range(0, len(values), 500):
+        rows = [{"a": v} for v in values[start : start + 500]]
+        entity_ids = ["e"] * len(rows)
+        assert request_fingerprints("m", entity_ids, rows) == [request_fingerprint("m", "e", r) for r in rows]
+
+
+# Computed before the batch path lost its compiled texts and digests, and by it then: the same.
+PINNED_ROWS = [
+    {"Age": 30.0 + i, "Home": "rent" if i % 2 else "owner", "Records": i % 3 == 0, "Income": None if i == 4 else 129.5,
+     "Job": 'frei\u00dfchaffend "x"' if i == 5 else "fixed", "Amount": math.nan if i == 6 else 800.0 + i}
+    for i in range(10)
+]
+PINNED = {
+    0: "725fa383d10917afaee7ab576cc028d4a4c6a2f11f2409b67d8779a6e725c847",
+    4: "72ef468465c168000c848621597080bac350a4c64dbc04780e0dbe6bcc8864b8",  # a missing value
+    5: "cc296f38273e5a38bdcf65511f71a8ba895929803d688ca56c955383ecb3109a",  # escapes, non-ASCII
+    6: "635edfa50d366d00b8ddbf02a86f0418988f5d53f48f7f4fac303a66678e3ed6",  # NaN: missing
+    9: "17ff2d2e6875a627e5078cd64ed29bceae7c3bf0ccb1cfa2e4445d829ccf694c",
+}
+
+
+def test_fingerprint_values_are_the_ones_ledgers_hold() -> None:
+    entity_ids = [f"applicant-{i}" for i in range(len(PINNED_ROWS))]
+    many = request_fingerprints("credit-risk", entity_ids, PINNED_ROWS)
+    assert {k: many[k] for k in PINNED} == PINNED
+    assert {k: request_fingerprint("credit-risk", entity_ids[k], PINNED_ROWS[k]) for k in PINNED} == PINNED

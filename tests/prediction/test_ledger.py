@@ -441,6 +441,15 @@ def test_decision_ids_are_rfc_4122_uuid5_of_the_request_id():
         assert decision_ids_for(request_ids[:n]) == expected[:n]
 
 
+def test_decision_id_values_are_the_ones_ledgers_hold():
+    """Pinned (every replica and every release names a request's decision alike), one at a time
+    and from a batch written at once."""
+    pinned = {0: "0eb5dbdc-f783-5b0e-848c-b2bf45e3499f", 39: "30c71bf1-0d9b-5271-9f99-30bd28978ce0"}
+    many = decision_ids_for([f"req-{i}" for i in range(40)])
+    assert {i: many[i] for i in pinned} == pinned
+    assert {i: decision_id_for(f"req-{i}") for i in pinned} == pinned
+
+
 def test_a_stored_decision_serialises_every_field():
     from datetime import datetime, timezone
 

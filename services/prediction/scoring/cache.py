@@ -75,13 +75,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # bumped with the key's or the stored value's layout: releases never read each other's entries
-# (v3: the row's hash is SHA-256's first 128 bits, which mlpair._digests computes for a batch in C)
+# (v3: the row's hash is SHA-256's first 128 bits)
 KEY_LAYOUT = "v3"
-
-try:  # the compiled digests (setup.py): a batch's keys in one call, through OpenSSL
-    from mlpair._digests import row_keys as _row_keys
-except ImportError:  # pragma: no cover  (CI checks it is built: tests/prediction/test_digests.py)
-    _row_keys = None
 
 
 def cache_key(target: ModelTarget, row: np.ndarray) -> str:
@@ -96,15 +91,11 @@ def _key_prefix(target: ModelTarget) -> str:
 
 def cache_keys(target: ModelTarget, rows: np.ndarray) -> list[str]:
     """:func:`cache_key` of each row of ``rows`` ``[batch, n_features] float32``: the matrix's
-    bytes taken once, the key's prefix written once, and every row hashed by ``row_keys`` in
-    ``mlpair/_digests.c`` where it is built (0.20 µs per row against 0.47 for BLAKE2b through
-    ``hashlib``, measured on 500 rows of 30 features), else sliced and hashed here."""
+    bytes taken once, the key's prefix written once, and every row sliced and hashed."""
     data = np.ascontiguousarray(rows, dtype="<f4")
     if data.ndim != 2 or not data.shape[1]:
         return [cache_key(target, row) for row in rows]
     prefix, raw, width = _key_prefix(target), data.tobytes(), data.shape[1] * 4
-    if _row_keys is not None:
-        return _row_keys(prefix, raw, width)
     sha256 = hashlib.sha256
     return [prefix + sha256(raw[i : i + width]).hexdigest()[:32] for i in range(0, len(raw), width)]
 
