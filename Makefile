@@ -13,18 +13,16 @@ BUF := .tools/node_modules/.bin/buf
 
 venv: $(STAMP)
 
-# Reinstall when the dependency list or the compiled part (setup.py) changes. torch==2.13.0 is
-# pinned in pyproject so pip takes the local CPU wheel rather than a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py mlpair/_batch_items.c mlpair/_digests.c
+# Reinstall when the dependency list changes. torch==2.13.0 is pinned in pyproject so pip takes
+# the local CPU wheel rather than a multi-GB CUDA build.
+$(STAMP): pyproject.toml
 	$(call install,dev)
-	@for part in _batch_items _digests; do $(PY) -c "import mlpair.$$part" 2>/dev/null || { echo "mlpair/$$part.c did not build (setup.py makes it optional for installs without a C compiler or OpenSSL's headers; here it is required): run '$(PY) setup.py build_ext --inplace' to see why" >&2; rm -f $@; exit 1; }; done
 
 # $(call install,EXTRA): the virtualenv with the project and that extra, then the target's stamp.
 # setuptools warns on every editable install that the `mlpair/` folder in the working directory may
 # shadow the package: here it is the package, so that one warning is silenced.
 define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	rm -f mlpair/_batch_items.*.so mlpair/_digests.*.so  # a build that fails (optional) must not leave an old one in use
 	$(PY) -m pip install --quiet --upgrade pip
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[$(1)]'
 	touch $@
@@ -55,7 +53,7 @@ train: $(STAMP)
 	$(VENV)/bin/mlpair train --model-repository $(MODEL_REPOSITORY)
 
 # The demo installs only its own extra (training, both services, the report): no test or deploy tools.
-$(DEMO_STAMP): pyproject.toml setup.py mlpair/_batch_items.c mlpair/_digests.c
+$(DEMO_STAMP): pyproject.toml
 	$(call install,demo)
 
 demo: $(DEMO_STAMP)

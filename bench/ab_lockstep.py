@@ -11,7 +11,8 @@ Adjacent passes see nearly the same machine, so the ratio B ÷ A of each round i
 either side's figures; the median of the rounds' ratios is the result.
 
 The A side imports the project from ``--baseline`` (a commit, checked out with ``git worktree``
-under ``var/bench/ab/`` and its C parts built in place, or a folder holding a checkout) through
+under ``var/bench/ab/`` and, for a release that had C parts (a ``setup.py``), those built in
+place, or a folder holding a checkout) through
 ``bench/ab_tree/sitecustomize.py``; the harness itself (``batch_cpu.py``'s service set-up,
 payloads and clocks) is this checkout's on both sides. Each side is its own process with its
 own database and, with ``--relay-process``, its own relay process. The worktrees stay for the
@@ -43,7 +44,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 def checkout(baseline: str) -> Path:
     """The folder of ``baseline``: itself when it is a folder, else a worktree of the commit under
-    ``var/bench/ab/`` (made on first use), with its C parts built in place.
+    ``var/bench/ab/`` (made on first use), with its C parts built in place where it has any (a
+    release before they were removed: a ``setup.py``).
 
     Raises:
         subprocess.CalledProcessError: git does not know the commit, or the build failed.
@@ -58,9 +60,10 @@ def checkout(baseline: str) -> Path:
         subprocess.run(
             ["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True, capture_output=True
         )
-    subprocess.run(
-        [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree, check=True, capture_output=True
-    )
+    if (tree / "setup.py").is_file():
+        subprocess.run(
+            [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree, check=True, capture_output=True
+        )
     return tree
 
 

@@ -1,4 +1,4 @@
-"""Packaging: the wheel carries the migrations without setuptools warnings, and `make demo`'s
+"""Packaging: the wheel is pure Python and carries the migrations without setuptools warnings, and `make demo`'s
 extra (``mlpair[demo]``) holds every distribution the demo's code imports."""
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def test_the_wheel_carries_the_migrations_without_setuptools_warnings(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "would be ignored" not in out.stdout + out.stderr, "declare every importable folder as a package"
-    names = set(zipfile.ZipFile(tmp_path / out.stdout.split()[-1]).namelist())
+    wheel = out.stdout.split()[-1]
+    assert wheel.endswith("-py3-none-any.whl"), f"{wheel}: the project is pure Python, one wheel for every platform"
+    names = set(zipfile.ZipFile(tmp_path / wheel).namelist())
     migrations = "mlpair/prediction/crm/migrations/"
     shipped = {n for n in names if n.startswith(migrations)}
     on_disk = {migrations + str(p.relative_to(REPO_ROOT / "services/prediction/crm/migrations"))

@@ -5,8 +5,8 @@ one; ``bench/ab_lockstep.py`` puts this folder on ``PYTHONPATH`` of the A side's
 worker, and the ``mlpair relay`` that worker starts) with ``MLPAIR_AB_TREE`` naming the other
 checkout. The project's packages then come from that checkout, laid out as its own
 ``pyproject.toml`` says (``[tool.setuptools] package-dir``), ahead of the editable install of this
-one; everything else (the virtual environment's libraries) is shared. The checkout's C parts
-must be built in place (``setup.py build_ext --inplace``).
+one; everything else (the virtual environment's libraries) is shared. A checkout of a release
+that had C parts must have them built in place (``setup.py build_ext --inplace``).
 """
 
 import importlib.abc

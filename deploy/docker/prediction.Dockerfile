@@ -3,13 +3,9 @@
 # PredictionService image for the CPU node pool.
 #
 # Slim Debian Python 3.11 base; the `prediction` extra brings SQLAlchemy, aiosqlite, asyncpg,
-# Alembic, redis, scipy and uvloop (all with wheels). The build stage has a C compiler and OpenSSL's
-# headers for the compiled parts (setup.py): mlpair._batch_items (a BatchPredict's items read from
-# the wire bytes) and mlpair._digests (its fingerprints and decision ids through libcrypto, which
-# the runtime stage has as the interpreter's ssl module does); the runtime stage has no compiler,
-# and the build fails if either part did not build. No torch and no ONNX
-# Runtime: the model runs in InferenceService; the build fails if either slipped in through a
-# dependency.
+# Alembic, redis, scipy and uvloop (all with wheels), and mlpair itself is pure Python: no compiler
+# in either stage. No torch and no ONNX Runtime: the model runs in InferenceService; the build fails
+# if either slipped in through a dependency.
 #
 # Build from the repository root:
 #   docker build -f deploy/docker/prediction.Dockerfile -t mlpair-prediction:dev .
@@ -18,17 +14,10 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: a virtualenv with mlpair[prediction]; pip and the sources stay here ----
 FROM ${PYTHON_IMAGE} AS build
-ARG DEBIAN_FRONTEND=noninteractive
-# Versions come from the pinned base image's Debian release; exact apt pins would break the build
-# whenever the archive publishes a security update, so DL3008 is waived.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev \
-    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY mlpair ./mlpair
 COPY services ./services
 COPY training ./training
@@ -39,7 +28,7 @@ RUN pip install --no-cache-dir '.[prediction]' \
     && for heavy in torch onnxruntime onnxruntime-gpu; do \
          if pip show "$heavy" >/dev/null 2>&1; then echo "$heavy must not ship in the prediction image" >&2; exit 1; fi; \
        done \
-    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, uvloop, mlpair, mlpair._batch_items, mlpair._digests"
+    && python -c "import sqlalchemy, asyncpg, alembic, redis.asyncio, scipy, uvloop, mlpair"
 
 # ---- runtime: the same base (same interpreter path), the virtualenv, a non-root user ----
 FROM ${PYTHON_IMAGE} AS runtime

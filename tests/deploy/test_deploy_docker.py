@@ -310,11 +310,8 @@ def test_dockerignore_lets_in_exactly_the_build_inputs() -> None:
     ]
     for path in [
         "pyproject.toml",
-        "setup.py",
         "README.md",
         "mlpair/__init__.py",
-        "mlpair/_batch_items.c",
-        "mlpair/_digests.c",
         "services/inference/engine.py",
         "services/prediction/crm/__init__.py",
         "training/pipeline.py",
@@ -329,8 +326,7 @@ def test_dockerignore_lets_in_exactly_the_build_inputs() -> None:
         "mlpair/__pycache__/cli.cpython-311.pyc",
         "services/inference/__pycache__/engine.cpython-311.pyc",
         "mlpair.egg-info/PKG-INFO",
-        "mlpair/_batch_items.cpython-311-x86_64-linux-gnu.so",
-        "mlpair/_digests.cpython-311-x86_64-linux-gnu.so",
+        "mlpair/_speedups.cpython-311-x86_64-linux-gnu.so",
         ".env",
         "docs/deployment.md",
     ]:
