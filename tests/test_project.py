@@ -15,7 +15,7 @@ def test_generated_code_matches_the_protos():
 
 
 @pytest.mark.parametrize("command", [["train"], ["serve", "inference"], ["serve", "prediction"], ["demo"], ["health"],
-                                     ["predict"], ["attributes"], ["drift-report"]])
+                                     ["predict"], ["attributes"], ["drift-report"], ["score"]])
 def test_cli_commands_have_help(command):
     out = subprocess.run([sys.executable, "-m", "mlpair.cli", *command, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
