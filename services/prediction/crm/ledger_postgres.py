@@ -19,6 +19,11 @@ for a lease to expire), and a delivered decision costs PostgreSQL no write of it
 Rows of the previous release (``delivered_at IS NULL``) are still claimed and marked one by one,
 first in each claim.
 
+A bulk commit sends its columns packed (``crm/packed.py``). Binary COPY into a staging table of
+the transaction, then one insert from it, was measured beside it for the ledger and the CRM
+(``bench/ledger_rows.py``; docs/performance.md, "Writing decisions: the ledger's and the CRM's
+cost per row"): PostgreSQL's CPU barely moved and the service's grew, so packing stays.
+
 Statements (their text: ``crm/ledger_sql.py``) go straight through an asyncpg pool (no SQLAlchemy on the request path: its
 per-statement processing cost more CPU than the statement); Alembic owns the schema.
 """
