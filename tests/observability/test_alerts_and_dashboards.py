@@ -37,7 +37,7 @@ DRIFT_ALERTS = {"PredictionFeatureDrift", "PredictionScoreDrift", "PredictionDri
 OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklogLarge", "PredictionRelayFailing",
                      "PredictionDecisionsNotDelivered",
                      "PredictionCircuitOpen", "PredictionStaleCacheRatio", "PredictionThresholdProbing",
-                     "PredictionShadowDisagreement"}
+                     "PredictionShadowDisagreement", "ScoreJobWillMissDeadline"}
 # InferenceService health after start (one pod's model version out of rotation, a lost device): each holds a while.
 INFERENCE_HEALTH_ALERTS = {"InferenceModelVersionNotReady", "InferenceRuntimeFailures", "InferenceSelfTestFailing",
                            "InferenceDeviceLost"}
@@ -65,18 +65,22 @@ def rules() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    """Every series name the two services' metrics modules can export (inference_*, prediction_*)."""
+    """Every series name the two services' metrics modules can export (inference_*, prediction_*),
+    and those a batch-scoring job reports (inference_job_*, mlpair.jobs.metrics)."""
     import mlpair.inference.metrics  # noqa: F401  (registers the metrics)
     import mlpair.prediction.metrics  # noqa: F401
     from prometheus_client import REGISTRY
 
+    from mlpair.jobs.metrics import registry_for
+    from mlpair.jobs.state import JobState
+
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
-    names = set()
-    for collector in list(REGISTRY._collector_to_names):
-        for family in getattr(collector, "describe", list)():
-            if family.name.startswith(("inference_", "prediction_")):
-                names.update(family.name + s for s in suffixes[family.type])
-    return names
+    job = JobState("j", "in.parquet", "credit-risk", "id", None, 10, 10, True, "out.parquet", started_at=1.0,
+                   run_started_at=1.0, run_rows=10, deadline=2.0)
+    families = [f for c in list(REGISTRY._collector_to_names) for f in getattr(c, "describe", list)()]
+    families += list(registry_for(job).collect())  # a job collector describes what it collects
+    return {family.name + s for family in families if family.name.startswith(("inference_", "prediction_"))
+            for s in suffixes[family.type]}
 
 
 def _names(expr: str) -> set[str]:
@@ -98,7 +102,7 @@ def test_rules_pass_promtool_check(promtool):
 def test_alerts_fire_and_stay_quiet_as_specified_by_promtool_unit_tests(promtool):
     assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml", "operations.test.yaml",
                                                "fleet-drift.test.yaml", "probing-canary.test.yaml",
-                                               "inference-health.test.yaml", "gpu.test.yaml"}
+                                               "inference-health.test.yaml", "gpu.test.yaml", "score-jobs.test.yaml"}
     out = subprocess.run([promtool, "test", "rules", *PROMTOOL_TESTS], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
