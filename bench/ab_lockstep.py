@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -137,10 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--baseline", required=True, help="A: a commit, or a folder holding a checkout")
     parser.add_argument("--rounds", type=int, default=12, help="rounds of one A pass and one B pass")
+    parser.add_argument("--b-args", default="",
+                        help="batch_cpu.py arguments for B alone, after the shared ones (e.g. '--rpc columns "
+                             "--batch-items 10000 --calls 4': another RPC of this release against A's)")
     args, bench_args = parser.parse_known_args(argv)
     tree = checkout(args.baseline)
     bench_args = [*bench_args, "--repeats", str(args.rounds)]  # enough payloads for every round's pass
-    sides = {"A": Side("A", tree, bench_args), "B": Side("B", None, bench_args)}
+    b_args = [*bench_args, *shlex.split(args.b_args)]
+    sides = {"A": Side("A", tree, bench_args), "B": Side("B", None, b_args)}
     rounds = []
     try:
         for side, project in zip(sides.values(), (tree, ROOT)):
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline": args.baseline,
                 "baseline_tree": str(tree),
                 "bench_args": bench_args,
+                **({"b_args": b_args} if args.b_args else {}),
                 "rounds": len(rounds),
                 "A_cpu_us_per_row_median": statistics.median(r["A_cpu_us_per_row"] for r in rounds),
                 "B_cpu_us_per_row_median": statistics.median(r["B_cpu_us_per_row"] for r in rounds),

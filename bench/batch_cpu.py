@@ -382,6 +382,15 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         chunk = list(itertools.islice(workload, args.batch_items))
         items = [pb.PredictRequest(request_id=rid, entity_id=eid, model_name=harness.MODEL, attributes=to_attributes(a))
                  for rid, eid, a in chunk]
+        if args.rpc == "columns":  # the same applicants as one PredictColumns chunk (Arrow columns)
+            import pyarrow as pa
+
+            from mlpair.client.tables import to_ipc
+
+            table = pa.Table.from_pylist([{"request_id": rid, "entity_id": eid, **a} for rid, eid, a in chunk])
+            payloads.append(pb.PredictColumnsRequest(model_name=harness.MODEL, arrow_ipc=to_ipc(table))
+                            .SerializeToString())
+            continue
         payloads.append(items[0].SerializeToString() if args.rpc == "predict"
                         else pb.BatchPredictRequest(requests=items).SerializeToString())
     queue = iter(payloads)
@@ -390,6 +399,13 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
     read_request = request_reader()
 
     async def one(raw: bytes) -> int:
+        if args.rpc == "columns":  # what the servicer does per chunk of the stream
+            from mlpair.prediction import tables
+
+            chunk_reply = await tables.decide_chunk(
+                predictor, pb.PredictColumnsRequest.FromString(raw), args.batch_items, None)
+            replies.append(chunk_reply.SerializeToString())
+            return args.batch_items
         if args.rpc == "predict":
             reply = await servicer.Predict(pb.PredictRequest.FromString(raw), context)
             return len(reply.SerializeToString()) and 1
@@ -408,13 +424,21 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         here, after the pass's CPU was read: checking is the harness's work, not the service's)."""
         results = 0
         for raw_reply in replies:
+            if args.rpc == "columns":
+                from mlpair.client.tables import chunk_result
+
+                result = chunk_result(pb.PredictColumnsResponse.FromString(raw_reply))
+                if result.error is not None or result.failed:
+                    raise RuntimeError(f"a chunk failed: {result.error or result.failed}")
+                results += result.decided
+                continue
             reply = pb.BatchPredictResponse.FromString(raw_reply)
             errors = [r.error for r in reply.results if r.WhichOneof("outcome") != "prediction"]
             if errors:
                 raise RuntimeError(f"{len(errors)} item errors in one call, the first: {errors[0].message}")
             results += len(reply.results)
         replies.clear()
-        if args.rpc == "batch" and results != rows:
+        if args.rpc != "predict" and results != rows:
             raise RuntimeError(f"{results} results for {rows} items")
 
     async def drive(calls: int, deliver: bool = True) -> int:
@@ -532,8 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-repository", default="var/models")
     parser.add_argument("--batch-items", type=int, default=500, help="applicants per BatchPredict call")
     parser.add_argument("--concurrency", type=int, default=4, help="BatchPredict calls in flight")
-    parser.add_argument("--rpc", choices=("batch", "predict"), default="batch",
-                        help="the RPC measured: BatchPredict, or Predict (one applicant per call; --batch-items 1)")
+    parser.add_argument("--rpc", choices=("batch", "predict", "columns"), default="batch",
+                        help="the RPC measured: BatchPredict, Predict (one applicant per call; --batch-items 1), or "
+                             "PredictColumns (one chunk of --batch-items rows per call)")
     parser.add_argument("--calls", type=int, default=40, help="measured calls per pass")
     parser.add_argument("--repeats", type=int, default=3, help="measured passes")
     parser.add_argument("--warmup-calls", type=int, default=8)
