@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     score.add_argument("--deadline", help="when the job must be done: ISO timestamp, or HH:MM today (UTC)")
     score.add_argument("--metrics-file", type=Path, help="Prometheus textfile (node_exporter) for the job's metrics")
     score.add_argument("--pushgateway", help="also push the job's metrics to this Prometheus Pushgateway")
+    score.add_argument(
+        "--wait-s", type=float, default=60.0, help="wait this long for PredictionService to be SERVING [default: 60]"
+    )
     score.add_argument("--status", metavar="JOB", help="print job JOB's state and exit")
     score.add_argument(
         "--tls-ca-file", type=Path, default=None, help="CA of the server's certificate: TLS instead of plaintext"
@@ -101,6 +104,7 @@ def score_command(args: argparse.Namespace) -> int:
         metrics_file=args.metrics_file,
         pushgateway=args.pushgateway,
         credentials=credentials,
+        wait_s=args.wait_s,
     )
     print(f"job {job_id}: {source.name} ({source.total_rows:,} rows) -> {spec.output_name}", file=sys.stderr)
     try:

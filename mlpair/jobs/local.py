@@ -51,6 +51,8 @@ class JobSpec:
         chunk_rows: rows per chunk (and per part file).
         parallel: chunks in flight to the service at once.
         chunk_timeout_s: each chunk's deadline, seconds.
+        wait_s: how long to wait for PredictionService to report SERVING before the first chunk
+            (plaintext only; 0 = do not wait).
     """
 
     job_id: str
@@ -70,6 +72,7 @@ class JobSpec:
     metrics_file: Path | None = None
     pushgateway: str | None = None
     credentials: grpc.ChannelCredentials | None = None
+    wait_s: float = 60.0
 
     @property
     def job_dir(self) -> Path:
@@ -135,13 +138,18 @@ def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
             message says what, and that a rerun resumes.
         InputError: the input cannot be read on.
     """
-    from mlpair.client import PredictionClient
+    from mlpair.client import PredictionClient, wait_until_serving
 
     state = open_state(spec, out)
     state_path = spec.job_dir / "state.json"
     if state.finished_at is not None and spec.output is not None and Path(spec.output).exists():
         print(f"job {spec.job_id} finished at {iso(state.finished_at)}; its decisions are in {spec.output}", file=out)
         return state
+    if spec.credentials is None and spec.wait_s > 0 and not wait_until_serving(spec.target, spec.wait_s):
+        raise JobStopped(
+            f"PredictionService at {spec.target} is not SERVING after {spec.wait_s:g} s "
+            f"(`mlpair health --target {spec.target}`); start it and rerun"
+        )
     metrics = JobMetrics(state, spec.metrics_file, spec.pushgateway)
     state.save(state_path)
     metrics.report()
