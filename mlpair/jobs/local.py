@@ -227,7 +227,7 @@ class _Run:
                 if not item[1].cancelled() and item[1].exception() is None:
                     with contextlib.suppress(JobStopped, OSError):
                         self._keep(*item)
-            self.state.stopped = str(exc) if isinstance(exc, JobStopped) else f"interrupted: {type(exc).__name__}"
+            self.state.stopped = str(exc) if isinstance(exc, Exception) else f"interrupted: {type(exc).__name__}"
             self.state.save(self.path)
             self.metrics.report()
             raise
