@@ -14,7 +14,9 @@ README "Feature schema, conversion rules and guards"). Two values the rules read
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +26,8 @@ from mlpair.prediction.columns import AttributeColumns, attribute_columns
 
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _NUMBER_TYPES = frozenset({float, type(None)})
+_FRAGMENT_LIMIT = 8192  # distinct values remembered per attribute (and per family: SchemaReading.fragments)
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')  # what the JSON encoder escapes (ensure_ascii=False)
 _MEMO_LIMIT = 4096  # distinct strings remembered per categorical feature (clients cannot grow it without bound)
 
 
@@ -47,7 +51,7 @@ class SchemaReading:
     so a decision about one is not a decision about the other.
     """
 
-    __slots__ = ("_categorical", "_memo", "_numeric")
+    __slots__ = ("_categorical", "_fragments", "_memo", "_numeric")
 
     def __init__(self, schema: FeatureSchema) -> None:
         self._numeric = {f.name: f for f in schema.numeric}
@@ -55,6 +59,13 @@ class SchemaReading:
         # per categorical feature: a string as sent → what the schema reads ("" for missing, so
         # that a look-up's None means "not remembered"; the canonical texts leave "" out as missing)
         self._memo: dict[str, dict[str, str]] = {f.name: {} for f in schema.categorical}
+        # per schema attribute: its canonical fragments, remembered across calls
+        self._fragments = {name: _Fragments(name) for name in schema.attribute_names}
+
+    def fragments(self, name: str) -> _Fragments:
+        """Attribute ``name``'s canonical fragments (:func:`request_fingerprints`), remembered for a
+        schema attribute, new for another."""
+        return self._fragments.get(name) or _Fragments(name)
 
     def value(self, name: str, value: Any) -> Any:
         """One attribute's value as the schema reads it (float, str, None for missing, or as sent)."""
@@ -193,48 +204,76 @@ def request_fingerprints(
     alike = [k for k in range(len(records)) if k not in other] if others else range(len(records))
     values = [[column[k] for k in alike] for column in columns.values] if others else columns.values
     out = [""] * len(records)
-    sha256, encode = hashlib.sha256, _CANONICAL.encode
-    fragments = [_Fragments(name).column(column) for name, column in zip(names, values)]
-    head = encode(model_name)
-    for k, parts in zip(alike, zip(*fragments) if fragments else [()] * len(alike)):
-        if None in parts:
-            out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
-        else:
-            text = f"[{head},{encode(entity_ids[k])},[{','.join(filter(None, parts))}]]"
-            out[k] = sha256(text.encode()).hexdigest()
+    made = reading.fragments if reading is not None else _Fragments
+    fragments = [made(name).column(column) for name, column in zip(names, values)]
+    alone: set[int] = set()  # rows with a value fingerprinted by itself (an infinity, a value of another type)
+    for column in fragments:
+        if None in column:
+            alone.update(k for k, fragment in enumerate(column) if fragment is None)
+    head = _CANONICAL.encode(model_name)
+    ids = [entity_ids[k] for k in alike] if others else list(entity_ids)
+    if alone:
+        fragments = [[f or "" for f in column] if None in column else column for column in fragments]
+    bodies = map("".join, zip(*fragments)) if fragments else itertools.repeat("", len(alike))
+    if _ESCAPED.search("".join(ids)) is None:  # the JSON encoder writes each id as it is, quoted
+        texts = [f'[{head},"{e}",[{b[:-1]}]]' for e, b in zip(ids, bodies)]
+    else:
+        encode = _CANONICAL.encode
+        texts = [f"[{head},{encode(e)},[{b[:-1]}]]" for e, b in zip(ids, bodies)]
+    sha256 = hashlib.sha256
+    for k, text in zip(alike, texts):
+        out[k] = sha256(text.encode()).hexdigest()
+    for j in alone:
+        out[alike[j]] = request_fingerprint(model_name, entity_ids[alike[j]], records[alike[j]], reading)
     for k in others:
         out[k] = request_fingerprint(model_name, entity_ids[k], records[k], reading)
     return out
 
 
 class _Fragments:
-    """The canonical JSON fragments ``["name",value]`` of one attribute's values."""
+    """The canonical JSON fragments ``["name",value],`` of one attribute's values, each with the
+    comma that follows it in the attribute list (a row's list is its fragments joined, less the
+    last comma; a missing value's fragment is empty).
+
+    Each distinct value's fragment is made once and remembered (up to :data:`_FRAGMENT_LIMIT`),
+    keyed by (value, type): ``True`` and ``1.0`` are equal keys alone. A column is looked up in one
+    pass of C (``map``) and only the values not remembered are visited in Python. A zero is never
+    remembered (``-0.0 == 0.0`` but their texts differ), nor a NaN (missing) or an infinity (its row
+    is fingerprinted by itself).
+    """
 
     __slots__ = ("_head", "_memo")
 
     def __init__(self, name: str) -> None:
         self._head = f"[{_CANONICAL.encode(name)},"
-        # missing values leave their fragment out (""); the type is in the key: True and 1.0 are
-        # equal dictionary keys
-        self._memo: dict[tuple[type, Any], str] = {(type(None), None): "", (str, ""): ""}
+        self._memo: dict[tuple[Any, type], str] = {(None, type(None)): "", ("", str): ""}
 
     def column(self, values: list) -> list[str | None]:
         """Each value's fragment: "" for a missing value, None for one fingerprinted row by row."""
-        head, memo = self._head, self._memo
-        out: list[str | None] = []
-        append = out.append
-        for value in values:
+        memo = self._memo
+        try:
+            out: list[str | None] = list(map(memo.get, zip(values, map(type, values))))
+        except TypeError:  # an unhashable value (its row is fingerprinted by itself): every value visited
+            out = [None] * len(values)
+        if None not in out:
+            return out
+        head = self._head
+        for k in [k for k, found in enumerate(out) if found is None]:
+            value = values[k]
             kind = type(value)
             if kind is float:
-                if value - value == 0.0:  # finite
-                    append(f"{head}{value!r}]")  # float.__repr__: what the JSON encoder writes
-                else:  # NaN is missing; an infinity is fingerprinted row by row
-                    append("" if value != value else None)
-                continue
-            found = memo.get((kind, value)) if kind is str or kind is bool or value is None else None
-            if found is None and (kind is str or kind is bool):
-                found = f"{head}{_CANONICAL.encode(value)}]"
-                if len(memo) < 4096:
-                    memo[(kind, value)] = found
-            append(found)
+                if value - value != 0.0:  # NaN is missing; an infinity is fingerprinted row by row
+                    out[k] = "" if value != value else None
+                    continue
+                found = f"{head}{value!r}],"  # float.__repr__: what the JSON encoder writes
+                if value == 0.0:
+                    out[k] = found
+                    continue
+            elif kind is str or kind is bool:
+                found = f"{head}{_CANONICAL.encode(value)}],"
+            else:
+                continue  # another type: the row is fingerprinted by itself
+            if len(memo) < _FRAGMENT_LIMIT:
+                memo[value, kind] = found
+            out[k] = found
         return out
