@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from mlpair.prediction import metrics
-from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, crm_row, reason_codes_from_json
+from mlpair.prediction.crm.codecs import CRM_COLUMNS, CrmRow, crm_row, ledger_columns, reason_codes_from_json
 from mlpair.prediction.errors import LedgerUnavailable
 from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch, StoredDecision, decision_id_for
 
@@ -235,6 +235,7 @@ class DecisionLedger(abc.ABC):
             first.setdefault(request_id, i)
         # sorted by request id: concurrent transactions take the unique index's locks in one order
         order = sorted(first.values(), key=batch.request_id.__getitem__)
+        columns = ledger_columns(batch)  # encoded once for all of the batch's transactions
         for start in range(0, len(order), self.max_commit_rows):
             rows = order[start : start + self.max_commit_rows]
             if self._bulk_slots is None:
@@ -244,7 +245,7 @@ class DecisionLedger(abc.ABC):
                 async with (
                     self._bulk_slots
                 ):  # as many transactions as the group commit runs: the relay keeps a connection
-                    replays = await self._commit_bulk(batch, rows)
+                    replays = await self._commit_bulk(batch, rows, columns)
             except Exception as exc:  # noqa: BLE001  (every row of the transaction gets a retryable error)
                 self.reachable = False
                 logger.warning(
@@ -270,8 +271,9 @@ class DecisionLedger(abc.ABC):
                     outcome.replays[i] = Recorded(recorded.decision, True, recorded.fingerprint)
         return outcome
 
-    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
-        """One transaction inserting rows ``rows`` of ``batch`` (distinct request ids, sorted);
+    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+        """One transaction inserting rows ``rows`` of ``batch`` (distinct request ids, sorted;
+        ``columns``: all of the batch as the ledger's columns, :func:`~mlpair.prediction.crm.codecs.ledger_columns`);
         returns row → what was on record before, for the rows that were."""
         raise NotImplementedError
 

@@ -39,7 +39,6 @@ import asyncpg
 from sqlalchemy import make_url
 
 from mlpair.prediction.crm import ledger, packed
-from mlpair.prediction.crm.codecs import ledger_arrays, ledger_columns
 from mlpair.prediction.crm.ledger_sql import (
     ARRAY_TYPES,
     BACKLOG,
@@ -81,14 +80,14 @@ def _columns(rows: Sequence[tuple]) -> list[list]:
     return [list(column) for column in zip(*rows)] if rows else [[] for _ in ledger.DECISION_COLUMNS]
 
 
-def _packed(batch: DecisionColumns, rows: list[int]) -> list[str]:
-    """The rows ``rows`` of ``batch`` as the ledger's columns (``DECISION_COLUMNS`` order), packed
-    for :data:`INSERT_PACKED`.
+def _packed(columns: list[list], rows: list[int]) -> list[str]:
+    """The rows ``rows`` of a batch's ledger columns (``DECISION_COLUMNS`` order), packed for
+    :data:`INSERT_PACKED`.
 
     Raises:
         packed.Unpackable: a value holds the separator.
     """
-    return [packed.pack_column(values, rows, t) for values, t in zip(ledger_columns(batch), ARRAY_TYPES)]
+    return [packed.pack_column(values, rows, t) for values, t in zip(columns, ARRAY_TYPES)]
 
 
 class PostgresLedger(ledger.DecisionLedger):
@@ -273,16 +272,16 @@ class PostgresLedger(ledger.DecisionLedger):
                     held[recorded.decision.request_id] = recorded
         return ledger.settle(entries, held)
 
-    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int]) -> dict[int, Recorded]:
+    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
         try:
-            texts: list[str] | None = _packed(batch, rows)
+            texts: list[str] | None = _packed(columns, rows)
         except packed.Unpackable:
             texts = None
         async with self._connection() as conn:  # one self-committing statement, as in _commit
             if texts is not None:  # answers with the request ids already on record
                 on_record = {r[0] for r in await conn.fetch(INSERT_PACKED, *texts)}
             else:  # the columns as they are; answers with the request ids inserted
-                arrays = ledger_arrays(batch, rows)
+                arrays = [[column[i] for i in rows] for column in columns]
                 inserted = {r[0] for r in await conn.fetch(INSERT, *arrays)}
                 on_record = {rid for rid in arrays[0] if rid not in inserted}
             if not on_record:
