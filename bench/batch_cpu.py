@@ -207,6 +207,7 @@ class _StageTimer:
 # previous one (absent ones are skipped), so one table compares both.
 STAGES = (
     ("attribute conversion", "mlpair.prediction.converters", "batch_inputs"),
+    ("attribute conversion", "mlpair.prediction.tables", "read_chunk"),
     ("assembly and guards", "mlpair.contracts.assembly", "FeatureAssembler.assemble"),
     ("assembly and guards", "mlpair.prediction.columns", "ColumnAssembler.assemble"),
     ("assembly and guards", "mlpair.prediction.columns", "ColumnAssembler.guards"),
@@ -214,6 +215,8 @@ STAGES = (
     ("ids and fingerprints", "mlpair.prediction.batch", "request_fingerprint"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "Predictor._prepare"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "prepare_items"),
+    ("ids and fingerprints", "mlpair.prediction.pipeline", "prepare_table"),
+    ("ids and fingerprints", "mlpair.prediction.batch", "request_fingerprints"),
     ("scoring (cache, calibration)", "mlpair.prediction.pipeline", "Predictor._score"),
     ("scoring (cache, calibration)", "mlpair.prediction.pipeline", "score_groups"),
     ("decision and record", "mlpair.prediction.pipeline", "Predictor._decide"),
@@ -224,6 +227,7 @@ STAGES = (
     ("drift and signals", "mlpair.prediction.drift", "DriftMonitors.observe_many"),
     ("ledger commit", "mlpair.prediction.crm.recorder", "DecisionRecorder.record_many"),
     ("response", "mlpair.prediction.converters", "batch_response"),
+    ("response", "mlpair.prediction.tables", "write_decisions"),
 )
 
 

@@ -215,7 +215,7 @@ class Predictor:
             slots[k] = error
         table = chunk.attribute_columns(assembler.attribute_names)
         groups = prepare_table(family, assembler, requests, table, self.refuse_unknown_attributes, slots)
-        return await self._decide(requests, groups, slots)
+        return await self._decide_groups(requests, groups, slots)
 
     async def drain_background(self) -> None:
         """Waits for merged Predict batches and background shadow comparisons still running
@@ -233,9 +233,9 @@ class Predictor:
         groups = prepare_items(
             requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
         )
-        return await self._decide(requests, groups, slots, callers)
+        return await self._decide_groups(requests, groups, slots, callers)
 
-    async def _decide(
+    async def _decide_groups(
         self,
         requests: Sequence[PredictInput],
         groups: list[Group],
