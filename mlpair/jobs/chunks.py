@@ -15,6 +15,7 @@ import hashlib
 import re
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -30,6 +31,28 @@ KEY_DIGEST_HEX = 32
 """Hex characters of the key's SHA-256 in a shortened request id."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+RETRYABLE_ROW_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
+"""A row's own error that says "not now" (InferenceService unavailable, the deadline spent): the
+row was not decided or recorded, and the same row sent again is decided."""
+
+
+class RowsNotDecided(grpc.RpcError):
+    """Rows of a chunk the service could not decide now (e.g. ``INFERENCE_UNAVAILABLE``): nothing of
+    them was recorded. A ``grpc.RpcError`` with their status code, so a job retries the chunk as it
+    retries a failed stream (the rows decided meanwhile come back replayed), and stops after its
+    retries with the chunk left to a rerun, never kept as finished with undecided rows."""
+
+    def __init__(self, rows: int, code: str, reason: str) -> None:
+        super().__init__(f"{rows} row(s) not decided now: {code} {reason}")
+        self.rows, self._code, self.reason = rows, code, reason
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode[self._code]
+
+    def details(self) -> str:
+        return f"{self.rows} row(s) of the chunk not decided now ({self.reason}); nothing of them recorded"
 
 
 class ChunkRefused(Exception):
@@ -179,13 +202,21 @@ def decide_chunk(
         ChunkRefused: the service refused the chunk as a whole (nothing decided; the message names
             the column or the limit).
         KeyError, ValueError: the chunk cannot be built (:func:`request_chunk`); nothing was sent.
-        grpc.RpcError: the stream itself failed (UNAVAILABLE, DEADLINE_EXCEEDED, …); retry.
+        grpc.RpcError: the stream itself failed (UNAVAILABLE, DEADLINE_EXCEEDED, …), or rows were not
+            decided now (:class:`RowsNotDecided`); retry.
     """
     chunk = request_chunk(table, job_id=job_id, key_column=key_column, entity_column=entity_column)
     results = list(client.predict_columns([chunk], model_name, timeout_s=timeout_s))
     if len(results) != 1:
         raise RuntimeError(f"PredictColumns answered {len(results)} chunks to one")
-    return decisions_with_key(results[0], table.column(key_column), key_column)
+    decisions = decisions_with_key(results[0], table.column(key_column), key_column)
+    codes = decisions.column("error_code")
+    if codes.null_count < len(codes):
+        later = pc.is_in(codes, pa.array(sorted(RETRYABLE_ROW_CODES)))
+        if (n := pc.sum(later).as_py() or 0) > 0:
+            first = decisions.filter(later).slice(0, 1).to_pylist()[0]
+            raise RowsNotDecided(n, first["error_code"], first["error_reason"] or "")
+    return decisions
 
 
 def decisions_with_key(result: Any, keys: pa.Array | pa.ChunkedArray, key_column: str) -> pa.Table:

@@ -61,7 +61,7 @@ from mlpair.prediction.records import DecisionColumns
 from mlpair.prediction.replays import recorded_maps, replayed
 from mlpair.prediction.scoring.cache import CachedInference
 from mlpair.prediction.scoring.rows import ScoredRows
-from mlpair.prediction.scoring.scorer import UnexpectedFailure, as_item_error, score_groups
+from mlpair.prediction.scoring.scorer import Infer, UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
 from mlpair.prediction.tables import Chunk
 
@@ -215,7 +215,7 @@ class Predictor:
             slots[k] = error
         table = chunk.attribute_columns(assembler.attribute_names)
         groups = prepare_table(family, assembler, requests, table, self.refuse_unknown_attributes, slots)
-        return await self._decide_groups(requests, groups, slots)
+        return await self._decide_groups(requests, groups, slots, infer=self._infer_bulk)
 
     async def drain_background(self) -> None:
         """Waits for merged Predict batches and background shadow comparisons still running
@@ -241,10 +241,12 @@ class Predictor:
         groups: list[Group],
         slots: list[Slot],
         callers: Sequence[MergedCall] | None = None,
+        infer: Infer | None = None,
     ) -> Outcomes:
-        """Scores, decides and records the prepared ``groups`` of ``requests``; ``slots`` holds
-        the errors of the items refused while preparing, and gets every other item's outcome."""
-        await score_groups(groups, self._infer, self.max_inference_rows, callers)
+        """Scores (through ``infer``, by default :meth:`_infer`), decides and records the prepared
+        ``groups`` of ``requests``; ``slots`` holds the errors of the items refused while
+        preparing, and gets every other item's outcome."""
+        await score_groups(groups, infer or self._infer, self.max_inference_rows, callers)
         if callers is not None:
             for group in groups:  # left while the batch was scored (its scoring cancelled): not decided or recorded
                 for k, index in enumerate(group.index):
@@ -362,6 +364,17 @@ class Predictor:
         single-flight, deadline budget, retries and circuit breaker (:class:`CachedInference`)."""
         metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
         return await self.scorer.score(
+            family.target(model), features, deadline, n_classes=len(model.entry.manifest.class_names)
+        )
+
+    async def _infer_bulk(
+        self, family: ModelFamily, model: ModelVersion, features: np.ndarray, deadline: float | None
+    ) -> ScoredRows:
+        """:meth:`_infer` for a table's rows: past the cache (:meth:`CachedInference.score_uncached`);
+        a row InferenceService cannot score now fails with its ``INFERENCE_UNAVAILABLE`` rather than
+        taking the fallback decision, which would stay its request id's decision for good."""
+        metrics.labelled(metrics.INFERENCE_ROWS, family.name).observe(len(features))
+        return await self.scorer.score_uncached(
             family.target(model), features, deadline, n_classes=len(model.entry.manifest.class_names)
         )
 

@@ -4,6 +4,7 @@ refusals with exact counts, chunks refused as a whole while the stream goes on."
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import asyncpg
@@ -102,7 +103,7 @@ async def test_a_table_is_decided_as_the_same_batch_predict_items(prediction, cr
         assert row["error_code"] is None
         assert (row["decision"], row["probability"], row["reason_codes"], row["model_version"]) \
             == (p.decision_label, p.probability, list(p.reason_codes), p.model_version)
-        assert row["served_from"] == "inference" and p.from_cache  # the table's rows filled the cache
+        assert row["served_from"] == "inference" and not p.from_cache  # a table's rows never fill the cache
     assert failed == 1 and result.failed == 1
     assert result.decided == len(records) - 1 and result.replayed == 0
     assert {"APPROVE", "DECLINE", "REVIEW"} <= set(decisions.column("decision").to_pylist())
@@ -183,3 +184,37 @@ def test_decision_chunks_read_back_the_same():
     chunk = pa.table({"request_id": ["a"], "entity_id": ["b"], "Income": [1.0]})
     request = next(request_chunks([chunk], "credit-risk", 7))
     assert request.chunk_id == 7 and request.arrow_ipc == to_ipc(chunk)
+
+
+async def test_rows_inference_cannot_score_now_fail_alone_unrecorded_and_a_job_retries_them(
+        model_repository, credit_holdout, tmp_path, postgres_url):
+    """No fallback decision for a table's rows: with InferenceService down each row fails
+    UNAVAILABLE (nothing recorded, so sending it again decides it), and a job's chunk raises
+    RowsNotDecided, the retryable error its retries and reruns handle."""
+    from bench.pair import free_port
+    from mlpair.client import PredictionClient
+    from mlpair.jobs.chunks import RowsNotDecided, decide_chunk
+    from tests.e2e.conftest import prediction_server
+
+    records = list(credit_holdout.records[50:60])
+    ids = [f"cols-down-{i}" for i in range(len(records))]
+    async with prediction_server(f"127.0.0.1:{free_port()}", model_repository, tmp_path, ledger_url=postgres_url,
+                                 crm_url=postgres_url, inference_timeout_ms=200) as (target, predictor):
+        import grpc
+
+        from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+        async with grpc.aio.insecure_channel(target) as channel:
+            [result] = await decide(pb_grpc.PredictionServiceStub(channel), table(ids, records))
+        assert (result.decided, result.replayed, result.failed) == (0, 0, len(records))
+        assert set(result.decisions.column("error_code").to_pylist()) == {"UNAVAILABLE"}
+        assert result.decisions.column("decision_id").null_count == len(records)
+
+        keyed = pa.table({"loan": [f"down-{i}" for i in range(len(records))],
+                          **{name: [r.get(name) for r in records] for name in records[0]}})
+        with PredictionClient(target) as client:
+            with pytest.raises(RowsNotDecided) as raised:
+                await asyncio.to_thread(decide_chunk, client, keyed, job_id="cols-down-job", key_column="loan",
+                                        entity_column=None, model_name="credit-risk")
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and raised.value.rows == len(records)
+        await predictor.recorder.wait_delivered(10)
+    assert await rows_on_record(postgres_url, "cols-down-") == (0, 0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -56,6 +55,7 @@ from mlpair.prediction.scoring.backends import (
     fit_to_serve,
 )
 from mlpair.prediction.scoring.coalescer import InferenceCoalescer
+from mlpair.prediction.scoring.keys import cache_key, cache_keys
 from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
 __all__ = [
@@ -73,31 +73,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# bumped with the key's or the stored value's layout: releases never read each other's entries
-# (v3: the row's hash is SHA-256's first 128 bits)
-KEY_LAYOUT = "v3"
-
-
-def cache_key(target: ModelTarget, row: np.ndarray) -> str:
-    """The cache key of one guarded feature row ``[n_features] float32`` scored by ``target``."""
-    digest = hashlib.sha256(np.ascontiguousarray(row, dtype="<f4").tobytes()).hexdigest()[:32]
-    return _key_prefix(target) + digest
-
-
-def _key_prefix(target: ModelTarget) -> str:
-    return f"{KEY_LAYOUT}|{target.name}|{target.version}|{target.feature_version}|"
-
-
-def cache_keys(target: ModelTarget, rows: np.ndarray) -> list[str]:
-    """:func:`cache_key` of each row of ``rows`` ``[batch, n_features] float32``: the matrix's
-    bytes taken once, the key's prefix written once, and every row sliced and hashed."""
-    data = np.ascontiguousarray(rows, dtype="<f4")
-    if data.ndim != 2 or not data.shape[1]:
-        return [cache_key(target, row) for row in rows]
-    prefix, raw, width = _key_prefix(target), data.tobytes(), data.shape[1] * 4
-    sha256 = hashlib.sha256
-    return [prefix + sha256(raw[i : i + width]).hexdigest()[:32] for i in range(0, len(raw), width)]
 
 
 class _Answer:
@@ -242,6 +217,25 @@ class CachedInference:
         if again:  # a joined call ran out of its leader's budget, not ours: one call of our own
             await self._settle(lead(again), again, True, deadline, model_name, cached, results, inferred)
         return _scored_rows(keys, results, inferred, n_classes)
+
+    async def score_uncached(
+        self, target: ModelTarget, rows: np.ndarray, deadline: float | None, *, n_classes: int | None = None
+    ) -> ScoredRows:
+        """:meth:`score` for rows neither looked up in nor written to the cache: a bulk chunk's
+        rows (PredictColumns), each read once, would only evict online callers' entries. One call
+        through the coalescer, with its retries, deadline budget and circuit breaker; no stale
+        entry and no fallback: a row inference cannot score now is not decided.
+
+        Raises:
+            InferenceUnavailable: InferenceService could not answer (down, timed out, circuit open).
+            DeadlineTooShort, InferenceContractError, InferenceFailed: as :meth:`score`.
+        """
+        logits, version = await self.coalescer.infer(target, rows, deadline)
+        n = len(rows)
+        width = logits.shape[1] if n_classes is None else n_classes
+        if logits.shape != (n, width):  # a row of another width has no usable output
+            logits = np.full((n, width), np.nan, dtype=np.float32)
+        return ScoredRows(np.array(logits, dtype=np.float32), [Source.INFERENCE] * n, [version] * n, [0] * n, [""] * n)
 
     async def _settle(
         self,
