@@ -47,6 +47,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     score.add_argument("--tls-cert-file", type=Path, default=None, help="client certificate (mTLS)")
     score.add_argument("--tls-key-file", type=Path, default=None, help="client private key (mTLS)")
+    score.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this process; ray: a Ray cluster's workers over the input's partitions, --output a "
+        "folder of Parquet files (the score-ray extra) [default: local]",
+    )
+    score.add_argument(
+        "--ray-address", help="Ray cluster (head host:port, ray://..., auto) [default: RAY_ADDRESS, else a local one]"
+    )
+    score.add_argument("--ray-actors", type=int, default=2, help="scoring workers on the Ray cluster [default: 2]")
     score.set_defaults(func=score_command)
 
 
@@ -77,6 +88,8 @@ def score_command(args: argparse.Namespace) -> int:
         raise StartupError("--key COLUMN is required: the column that identifies each row")
     if args.chunk_rows < 1 or args.parallel < 1:
         raise StartupError("--chunk-rows and --parallel must be at least 1")
+    if args.engine == "ray":
+        return _score_on_ray(args)
     check_output(args.output, args.output_table, args.database_url)
     deadline = parse_deadline(args.deadline) if args.deadline else None
     source = open_source(args.input, args.query, args.database_url, args.key, args.entity_column)
@@ -110,6 +123,75 @@ def score_command(args: argparse.Namespace) -> int:
     try:
         run(spec)
     except JobStopped as exc:
+        print(f"mlpair score: job {job_id} stopped: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _score_on_ray(args: argparse.Namespace) -> int:
+    """``mlpair score --engine ray``: the job on a Ray cluster (:mod:`mlpair.jobs.ray_engine`).
+
+    Returns:
+        0 when every row is in the output folder; 1 when the run stopped (one line on stderr; a rerun
+        of the same command resumes, the rows decided before replayed from the ledger).
+
+    Raises:
+        StartupError: Ray is not installed, or bad flags (no --input or --output, a query, no --job-id
+            for an input that is not a local file): exit 2.
+    """
+    from mlpair.client import wait_until_serving
+    from mlpair.jobs.chunks import check_job_id
+    from mlpair.jobs.local import JobStopped
+    from mlpair.startup import StartupError
+
+    try:
+        from mlpair.jobs import ray_engine
+    except ImportError as exc:
+        raise StartupError(f"--engine ray needs Ray: pip install 'mlpair[score-ray]' ({exc})") from exc
+    if args.query or not args.input or not args.output:
+        raise StartupError(
+            "--engine ray reads --input (Parquet or CSV: a file, a folder or a URI) into --output (a folder)"
+        )
+    if args.ray_actors < 1:
+        raise StartupError("--ray-actors must be at least 1")
+    job_id = args.job_id
+    if job_id is None:
+        if not Path(args.input).is_file():
+            raise StartupError("--job-id is required with --engine ray unless --input is a local file")
+        from mlpair.jobs.sources import default_job_id, open_source
+
+        source = open_source(args.input, None, None, args.key, args.entity_column)
+        job_id = default_job_id(source, args.model, args.key, args.entity_column)
+    try:
+        check_job_id(job_id)
+        spec = ray_engine.RayJobSpec(
+            job_id=job_id,
+            input=args.input,
+            output=args.output,
+            model=args.model,
+            key_column=args.key,
+            entity_column=args.entity_column,
+            target=args.target,
+            address=args.ray_address,
+            batch_rows=args.chunk_rows,
+            actors=args.ray_actors,
+            chunk_timeout_s=args.chunk_timeout_s,
+            tls_ca=ray_engine.read_pem(args.tls_ca_file),
+            tls_cert=ray_engine.read_pem(args.tls_cert_file),
+            tls_key=ray_engine.read_pem(args.tls_key_file),
+        )
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from exc
+    plaintext = args.tls_ca_file is None
+    if plaintext and args.wait_s > 0 and not wait_until_serving(args.target, args.wait_s):
+        print(
+            f"mlpair score: PredictionService at {args.target} is not SERVING after {args.wait_s:g} s", file=sys.stderr
+        )
+        return 1
+    print(f"job {job_id}: {args.input} -> {args.output} on Ray", file=sys.stderr)
+    try:
+        ray_engine.run_ray_job(spec)
+    except (JobStopped, ValueError) as exc:
         print(f"mlpair score: job {job_id} stopped: {exc}", file=sys.stderr)
         return 1
     return 0
