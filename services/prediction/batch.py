@@ -27,8 +27,7 @@ from mlpair.prediction.checks import (
 )
 from mlpair.prediction.columns import (
     ACTION_BITS,
-    NO_GUARDS,
-    AssembledColumns,
+    SMALL_BATCH,
     AttributeColumns,
     ColumnAssembler,
     RowGuards,
@@ -42,7 +41,6 @@ from mlpair.prediction.scoring.rows import Scored
 if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput
 
-ROW_WISE_BELOW = 8  # fewer rows than this are assembled row by row: NumPy's per-call cost would dominate
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
 
 
@@ -116,7 +114,7 @@ def prepare_items(
         columns: family → its :class:`ColumnAssembler`.
         refuse_unknown: refuse requests naming attributes the schema does not know.
     """
-    by_family = _families_at_once(requests, resolve) if len(requests) >= ROW_WISE_BELOW else None
+    by_family = _families_at_once(requests, resolve) if len(requests) >= SMALL_BATCH else None
     if by_family is None:
         by_family = _families_item_by_item(requests, resolve, outcomes)
     return [
@@ -230,14 +228,9 @@ def _assemble(
     if not requests:
         return None
     attributes = [r.attributes for r in requests]
-    row_guards: list[RowGuards] = []  # filled by the row-wise path only
-    if table is not None:
-        assembled = assembler.assemble(attributes, table)
-    elif len(requests) >= ROW_WISE_BELOW:
+    if table is None and len(requests) >= SMALL_BATCH:
         table = assembler.columns(attributes)  # read once for assembly and fingerprints
-        assembled = assembler.assemble(attributes, table)
-    else:
-        assembled, row_guards = _row_wise(family, assembler, attributes)
+    assembled = assembler.assemble(attributes, table)
     refused: dict[int, PredictionError] = {
         k: InvalidRequest(
             f"attribute values cannot be converted: {ConversionError(problems)}",
@@ -256,7 +249,7 @@ def _assemble(
             warnings[k] = unknown_attribute_warnings(family, names)
     every_guards = None
     if (rule := family.policy.missing_data) is not None and rule.action == "refuse":
-        every_guards = row_guards if assembled.actions is None else assembler.guards(assembled.actions)
+        every_guards = assembler.guards(assembled.actions)
         for k, g in enumerate(every_guards):
             if g.defaulted and k not in refused and (codes := rule.reason_codes(defaulted_features(g))):
                 refused[k] = missing_required_error(family, rule, defaulted_features(g), codes)
@@ -265,16 +258,9 @@ def _assemble(
         outcomes[index[k]] = error
     if not keep:
         return None
-    if (actions := assembled.actions) is not None:  # the columnar path: guard bits, decoded here
-        if refused:
-            actions = actions[keep]
-        _count_guards(family, actions)
-        guards = assembler.guards(actions) if every_guards is None else [every_guards[k] for k in keep]
-    else:
-        guards = [row_guards[k] for k in keep]
-        for g in guards:  # the same counts as _count_guards: one per (row, feature, action)
-            for event in g.events:
-                metrics.labelled(metrics.FEATURE_GUARDS, family.name, event.feature, event.action).inc()
+    actions = assembled.actions[keep] if refused else assembled.actions
+    guards = assembler.guards(actions) if every_guards is None else [every_guards[k] for k in keep]
+    _count_guards(family, actions, guards)
     name = family.name
     kept = [requests[k] for k in keep]
     renumber = {k: j for j, k in enumerate(keep)} if refused else None
@@ -297,8 +283,14 @@ def _assemble(
     )
 
 
-def _count_guards(family: ModelFamily, actions: np.ndarray) -> None:
-    """``prediction_feature_guards_total`` per feature and action: one increment per (feature, action)."""
+def _count_guards(family: ModelFamily, actions: np.ndarray, guards: list[RowGuards]) -> None:
+    """``prediction_feature_guards_total`` per feature and action, one per (row, feature, action):
+    from each row's decoded events for a few rows, else a column of guard bits at a time."""
+    if len(guards) < SMALL_BATCH:
+        for g in guards:
+            for event in g.events:
+                metrics.labelled(metrics.FEATURE_GUARDS, family.name, event.feature, event.action).inc()
+        return
     if not actions.any():
         return
     for k, feat in enumerate(family.schema.features):
@@ -309,29 +301,3 @@ def _count_guards(family: ModelFamily, actions: np.ndarray) -> None:
             n = int(np.count_nonzero(column & bit))
             if n:
                 metrics.labelled(metrics.FEATURE_GUARDS, family.name, feat.name, action).inc(n)
-
-
-def _row_wise(
-    family: ModelFamily, assembler: ColumnAssembler, attributes: list
-) -> tuple[AssembledColumns, list[RowGuards]]:
-    """A few rows through the row-wise assembler: the same vectors as ``columns``, and each row's
-    guards as :meth:`ColumnAssembler.guards` decodes them (events in row-wise order, their distinct
-    reason codes, the features defaulted), without the guard bits (``actions`` is None)."""
-    matrix = np.zeros((len(attributes), assembler.n_features), dtype=np.float32)
-    guards, problems, unknown = [NO_GUARDS] * len(attributes), {}, {}
-    for i, record in enumerate(attributes):
-        try:
-            row = family.assembler.assemble(record)
-        except ConversionError as exc:
-            problems[i] = exc.problems
-            continue
-        matrix[i] = row.vector
-        if events := row.guards:
-            guards[i] = RowGuards(
-                tuple(events),
-                tuple(dict.fromkeys(e.reason_code for e in events)),
-                len({e.feature for e in events if e.action in DEFAULTED_ACTIONS}),
-            )
-        if row.unknown_attributes:
-            unknown[i] = row.unknown_attributes
-    return AssembledColumns(matrix, None, problems, unknown), guards

@@ -33,6 +33,7 @@ from mlpair.contracts.assembly import (
     MISSING_DEFAULTED,
     SENTINEL_DEFAULTED,
     UNKNOWN_CATEGORY,
+    ConversionError,
     FeatureAssembler,
     GuardEvent,
 )
@@ -41,6 +42,7 @@ from mlpair.contracts.conversion import ConversionProblem, to_category, to_numbe
 # One bit per guard action; a feature's events are listed in this order (the row-wise order).
 ACTION_BITS = {MISSING_DEFAULTED: 1, SENTINEL_DEFAULTED: 2, CLAMPED_MIN: 4, CLAMPED_MAX: 8, UNKNOWN_CATEGORY: 16}
 DEFAULTED_BITS = ACTION_BITS[MISSING_DEFAULTED] | ACTION_BITS[SENTINEL_DEFAULTED]
+SMALL_BATCH = 8  # fewer rows than this, given without their columns, are assembled row by row
 _MEMO_LIMIT = 4096  # distinct strings remembered per categorical feature (clients cannot grow it without bound)
 _NUMBER_TYPES = frozenset({float, type(None)})
 
@@ -90,14 +92,13 @@ class AssembledColumns:
 
     Attributes:
         matrix: ``[rows, n_features] float32``; a refused row's values are meaningless.
-        actions: ``[rows, n_schema_features] uint8`` guard bits (:data:`ACTION_BITS`); None from
-            the row-wise path for a few rows (``batch._row_wise``), which gives the guards themselves.
+        actions: ``[rows, n_schema_features] uint8`` guard bits (:data:`ACTION_BITS`).
         problems: row → attribute → message, for rows no conversion rule accepts (refused).
         unknown: row → attribute names the schema does not know, for rows that carry any.
     """
 
     matrix: np.ndarray
-    actions: np.ndarray | None
+    actions: np.ndarray
     problems: dict[int, dict[str, str]]
     unknown: dict[int, tuple[str, ...]]
 
@@ -124,6 +125,7 @@ class ColumnAssembler:
         self._categorical_memo: list[dict[str, int]] = [{} for _ in schema.categorical]  # value → slot << 5 | bits
         self._row_guards: dict[bytes, RowGuards] = {}
         self._decoded_bits = [(bit, action) for action, bit in ACTION_BITS.items()]
+        self._feature_at = {feat.name: k for k, feat in enumerate(self.features)}
 
     def columns(self, records: Sequence[Mapping[str, Any]]) -> AttributeColumns:
         """``records``' values of :attr:`attribute_names`, for :meth:`assemble` and
@@ -141,8 +143,14 @@ class ColumnAssembler:
         Returns:
             The matrix, guard bits, conversion problems and unknown attributes per row
             (:class:`AssembledColumns`); never raises for a row's values.
+
+        Fewer than :data:`SMALL_BATCH` records given without their columns go row by row through
+        the shared :class:`FeatureAssembler` (NumPy's cost per call would outweigh a column's
+        work); the result, guard bits included, is the same either way.
         """
         n = len(records)
+        if columns is None and n < SMALL_BATCH:
+            return self._row_by_row(records)
         matrix = np.zeros((n, self.n_features), dtype=np.float32)
         actions = np.zeros((n, len(self.features)), dtype=np.uint8)
         problems: dict[int, dict[str, str]] = {}
@@ -158,6 +166,25 @@ class ColumnAssembler:
             )
         known = self._known
         unknown = {i: tuple(sorted(a for a in records[i] if a not in known)) for i in table.others}
+        return AssembledColumns(matrix, actions, problems, unknown)
+
+    def _row_by_row(self, records: Sequence[Mapping[str, Any]]) -> AssembledColumns:
+        """:meth:`assemble` of a few records, one at a time: each row's guard events set its bits."""
+        matrix = np.zeros((len(records), self.n_features), dtype=np.float32)
+        actions = np.zeros((len(records), len(self.features)), dtype=np.uint8)
+        problems: dict[int, dict[str, str]] = {}
+        unknown: dict[int, tuple[str, ...]] = {}
+        for i, record in enumerate(records):
+            try:
+                row = self.assembler.assemble(record)
+            except ConversionError as exc:
+                problems[i] = exc.problems
+                continue
+            matrix[i] = row.vector
+            for event in row.guards:
+                actions[i, self._feature_at[event.feature]] |= ACTION_BITS[event.action]
+            if row.unknown_attributes:
+                unknown[i] = row.unknown_attributes
         return AssembledColumns(matrix, actions, problems, unknown)
 
     def guards(self, actions: np.ndarray) -> list[RowGuards]:

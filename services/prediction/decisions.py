@@ -27,7 +27,8 @@ from typing import cast
 import numpy as np
 
 from mlpair.prediction import metrics
-from mlpair.prediction.batch import ROW_WISE_BELOW, Group, defaulted_features
+from mlpair.prediction.batch import Group, defaulted_features
+from mlpair.prediction.columns import SMALL_BATCH
 from mlpair.prediction.explain import Explanation, explain
 from mlpair.prediction.policy import ROUTE_INSUFFICIENT_DATA, DecisionPolicy
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
@@ -74,9 +75,9 @@ def decide_columns(
 ) -> Decided:
     """Decides every scored row of ``group`` (see the module docstring); ``memo`` keeps the
     (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls.
-    A group of fewer than ``ROW_WISE_BELOW`` rows goes through :func:`decide_rows` (the same
+    A group of fewer than ``SMALL_BATCH`` rows goes through :func:`decide_rows` (the same
     decisions; NumPy's per-call cost would dominate)."""
-    if len(group) < ROW_WISE_BELOW:
+    if len(group) < SMALL_BATCH:
         return decide_rows(group, decided_at, explain_top_k)
     family, policy = group.family, group.family.policy
     n = len(group)

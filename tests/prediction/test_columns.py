@@ -8,6 +8,7 @@ requests use, on every real holdout record and on generated records full of what
 from __future__ import annotations
 
 import math
+from datetime import UTC
 
 import numpy as np
 import pytest
@@ -172,8 +173,8 @@ def _scored_group(entry, records: list[dict], members: int, seed: int, every_row
     from types import SimpleNamespace
 
     from mlpair.prediction.batch import Group
-    from mlpair.prediction.scoring.cache import Scored, Source
     from mlpair.prediction.outcomes import PredictInput
+    from mlpair.prediction.scoring.cache import Scored, Source
     from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
     policy = DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml")
@@ -213,14 +214,15 @@ def _decided(d) -> list:
 def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(members, credit_entry, credit_holdout):
     """Every holdout applicant's row decided alone (the row-wise path a Predict takes) gives the same
     record, reason codes, probability bits, spread, explanation and errors as deciding them all at once."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+    from mlpair.prediction.batch import Group
+    from mlpair.prediction.columns import SMALL_BATCH
     from mlpair.prediction.decisions import decide_columns, decide_rows
 
     group = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
-    assert len(group) >= ROW_WISE_BELOW
-    at = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    assert len(group) >= SMALL_BATCH
+    at = datetime(2026, 1, 2, tzinfo=UTC)
     columnar_ = decide_columns(group, at, 3, {})
     row_wise_ = decide_rows(group, at, 3)
     assert _decided(row_wise_) == _decided(columnar_)
@@ -240,13 +242,13 @@ def test_a_group_decided_with_model_output_on_every_row_is_recorded_as_the_gener
     """A group whose every row has model output takes a column-at-once path to its records; one
     failed row sends the same group through the general, row-by-row bookkeeping, and every other
     row's record, probability bits, spread, source, calibration method and explanation are the same."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from mlpair.prediction.decisions import decide_columns
     from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
     group = _scored_group(credit_entry, credit_holdout.records, members, seed=members, every_row_decided=True)
-    at = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    at = datetime(2026, 1, 2, tzinfo=UTC)
     whole = decide_columns(group, at, 3, {})
     assert len(whole.rows) == len(group) and not whole.errors and not whole.without_model
     assert whole.explanations and any(whole.from_cache) and not all(whole.from_cache)
@@ -330,25 +332,24 @@ def test_scoring_fills_any_list_of_items_as_row_by_row_and_leaves_the_others(mem
     assert filled[0] == filled[1]
 
 
-def test_a_few_rows_assembled_row_by_row_get_the_columnar_guards(credit_entry, credit_holdout):
-    """``batch._row_wise`` (groups under eight rows) builds each row's guards from the row-wise
-    assembler; they are the ones :meth:`ColumnAssembler.guards` decodes, on every holdout record."""
-    from types import SimpleNamespace
+def test_a_few_rows_assembled_row_by_row_get_the_columnar_matrix_and_guard_bits(credit_entry, credit_holdout):
+    """Under ``SMALL_BATCH`` records, ``ColumnAssembler.assemble`` goes row by row through the shared
+    assembler; the matrix, the guard bits (so the decoded guards) and the problems are the columnar
+    path's, on every holdout record."""
+    from mlpair.prediction.columns import SMALL_BATCH
 
-    from mlpair.prediction.batch import _row_wise
-
-    assembler = FeatureAssembler(credit_entry.preprocessing)
-    columns = ColumnAssembler(assembler)
-    family = SimpleNamespace(schema=credit_entry.preprocessing.feature_schema, assembler=assembler)
+    columns = ColumnAssembler(FeatureAssembler(credit_entry.preprocessing))
     records = [dict(r) for r in credit_holdout.records]
     records[1]["Age"] = "abc"  # refused
-    assembled = columns.assemble(records)
-    expected = columns.guards(assembled.actions)
-    row_wise_, guards = _row_wise(family, columns, records)
+    assembled = columns.assemble(records, columns.columns(records))
     kept = [i for i in range(len(records)) if i not in assembled.problems]  # a refused row's values mean nothing
-    assert row_wise_.problems == assembled.problems and len(kept) == len(records) - 1
-    assert row_wise_.matrix[kept].tobytes() == assembled.matrix[kept].tobytes()
-    assert [guards[i] for i in kept] == [expected[i] for i in kept]
+    few = [columns.assemble(records[i : i + SMALL_BATCH - 1]) for i in range(0, len(records), SMALL_BATCH - 1)]
+    assert {i * (SMALL_BATCH - 1) + k: p for i, f in enumerate(few) for k, p in f.problems.items()} == assembled.problems
+    matrix = np.concatenate([f.matrix for f in few])
+    actions = np.concatenate([f.actions for f in few])
+    assert matrix[kept].tobytes() == assembled.matrix[kept].tobytes()
+    assert actions[kept].tobytes() == assembled.actions[kept].tobytes()
+    guards = columns.guards(actions)
     assert sum(g.defaulted > 0 for g in guards) > 0 and sum(len(g.reason_codes) > 1 for g in guards) > 0
 
 
@@ -368,7 +369,7 @@ def test_attribute_columns_are_each_records_values(records, names):
     names = list(dict.fromkeys([*names, *(records[0] if records else ())]))
     expected = AttributeColumns(
         names,
-        [[r[name] if name in r else None for r in records] for name in names],
+        [[r.get(name) for r in records] for name in names],
         [i for i, r in enumerate(records) if any(name not in names for name in r)],
     )
     assert attribute_columns(records, names) == expected

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from mlpair.errors import ServiceError
-from mlpair.prediction.batch import ROW_WISE_BELOW, Group
+from mlpair.prediction.batch import Group
+from mlpair.prediction.columns import SMALL_BATCH
 from mlpair.prediction.errors import PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
 from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
@@ -206,7 +207,7 @@ class ChunkScores(NamedTuple):
 def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities
     (``items``: the group's items the scores are of, in order: a ``range``, or any list)."""
-    if len(items) < ROW_WISE_BELOW:
+    if len(items) < SMALL_BATCH:
         _fill_rows(group, items, scores)
         return
     answers, probabilities, usable, margins, offsets, sizes = scores
