@@ -3,7 +3,7 @@
 A benchmark, not a test: it reports numbers and asserts no speed.
 
 The real :class:`~mlpair.prediction.servicer.PredictionServicer` and
-:class:`~mlpair.prediction.pipeline.Predictor` (as ``build_predictor`` wires them: cache,
+:class:`~mlpair.prediction.pipeline.Predictor` (as ``build_components`` wires them: cache,
 coalescing, the shared decision ledger and its relay to a CRM database, both in a throw-away
 PostgreSQL database when one is up, else SQLite files with ``synchronous=NORMAL``) with one thing
 replaced: InferenceService is a fake client that answers with a fixed linear model of the
@@ -60,9 +60,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import pair as harness  # noqa: E402
 from mlpair.commands.serve import run_loop  # noqa: E402
 from mlpair.prediction.settings import PredictionSettings  # noqa: E402
+from bench import pair as harness  # noqa: E402
 
 
 class FakeInference:
@@ -86,6 +86,20 @@ class FakeInference:
 
     async def close(self) -> None:
         return None
+
+
+def with_fake_inference(server, settings, fake):
+    """(the predictor, what holds its recorder and scorer) with ``fake`` under the scoring chain:
+    through the composition root where the release has one, else planted where older releases
+    (an A/B baseline) keep their client."""
+    try:
+        from mlpair.prediction.composition import build_components
+    except ImportError:  # a release before the composition root
+        predictor = server.build_predictor(settings)
+        predictor.scorer.client = predictor.scorer.coalescer.client = predictor.inference = fake
+        return predictor, predictor
+    components = build_components(settings, inference=fake)
+    return components.predictor, components
 
 
 def request_reader():
@@ -372,10 +386,9 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         model_repository=root, config_dir=harness.CONFIG_DIR, model_name=harness.MODEL, crm_url=crm_url,
         ledger_url=ledger_url, ledger_synchronous="NORMAL", cache_backend=args.cache,
         relay_in_process=relay is None)
-    predictor = server.build_predictor(settings)
     fake = FakeInference(entry.preprocessing.n_features)
-    predictor.scorer.client = predictor.scorer.coalescer.client = predictor.inference = fake
-    await predictor.recorder.start()
+    predictor, parts = with_fake_inference(server, settings, fake)
+    await parts.recorder.start()
     servicer = PredictionServicer(predictor)
     context = _Context()
 
@@ -450,7 +463,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         remaining = iter(itertools.islice(queue, calls))
         while batch := list(itertools.islice(remaining, args.concurrency)):
             rows += sum(await asyncio.gather(*(one(raw) for raw in batch)))
-        if deliver and not await predictor.recorder.wait_delivered(60):
+        if deliver and not await parts.recorder.wait_delivered(60):
             raise RuntimeError("the relay did not deliver every decision within 60 s")
         return rows
 
@@ -487,11 +500,11 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
         profiler.disable()
         check_replies(rows)
         profiler.dump_stats(args.profile)
-    breakdown = await stage_breakdown(args, predictor, stages, drive, relay, postgres_cpu) if args.stages else None
+    breakdown = await stage_breakdown(args, parts, stages, drive, relay, postgres_cpu) if args.stages else None
     if breakdown:
         check_replies(breakdown["rows"])
-    await predictor.recorder.close()
-    await predictor.scorer.close()
+    await parts.recorder.close()
+    await parts.scorer.close()
     figures = sorted(p["cpu_us_per_row"] for p in passes) or [None]
     relay_figures = sorted(p["relay_process_cpu_us_per_row"] for p in passes) if relay else []
     postgres_figures = sorted(p["postgres_cpu_us_per_row"] for p in passes if "postgres_cpu_us_per_row" in p)

@@ -116,7 +116,7 @@ async def test_unexpected_prediction_error_is_a_generic_internal(inference_serve
         async def boom(*args, **kwargs):
             raise KeyError(SECRET)
 
-        predictor.predict = boom
+        predictor.predictor.predict = boom  # the pipeline the servicer calls
         caplog.set_level(logging.ERROR, logger="mlpair.rpc")
         with pytest.raises(grpc.aio.AioRpcError) as excinfo:
             await stub.Predict(pb.PredictRequest(request_id="r-internal", entity_id="e-internal",

@@ -182,8 +182,8 @@ def _prediction_configuration(settings: PredictionSettings) -> None:
     no pooler in front of the ledger or the CRM loses their cached prepared statements."""
     import asyncio
 
+    from mlpair.prediction.composition import load_families
     from mlpair.prediction.crm.pooler import check_poolers
-    from mlpair.prediction.server import load_families
 
     load_families(settings)
     asyncio.run(check_poolers(settings))

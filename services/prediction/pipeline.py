@@ -60,6 +60,7 @@ from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult,
 from mlpair.prediction.records import DecisionColumns
 from mlpair.prediction.replays import recorded_maps, replayed
 from mlpair.prediction.scoring.cache import CachedInference
+from mlpair.prediction.scoring.coalescer import Infers
 from mlpair.prediction.scoring.rows import ScoredRows
 from mlpair.prediction.scoring.scorer import Infer, UnexpectedFailure, as_item_error, score_groups
 from mlpair.prediction.shadow import ServedRow, ShadowComparison
@@ -94,6 +95,7 @@ class Predictor:
         default_model: str,
         scorer: CachedInference,
         recorder: DecisionRecorder,
+        inference: Infers,
         *,
         max_inference_rows: int = 1024,
         max_batch_items: int = 1000,
@@ -106,7 +108,8 @@ class Predictor:
         drift: DriftMonitors | None = None,
         unknown_attributes: str = "warn",
     ) -> None:
-        """Wires the served families to inference (behind its cache) and the decision recorder.
+        """Wires the served families to inference (``scorer``: behind its cache; ``inference``: the
+        client itself, for shadow calls, never cached nor served) and the decision recorder.
 
         ``merge_*``: concurrent Predict calls decided together (:class:`~mlpair.prediction.merging.PredictMerger`; 1 decides each alone).
         ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
@@ -119,8 +122,7 @@ class Predictor:
         self.default_model = default_model
         self.scorer = scorer
         self.recorder = recorder
-        self.inference = scorer.client
-        self.crm = recorder.crm
+        self.inference = inference
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k

@@ -209,7 +209,7 @@ async def test_responses_read_from_the_columns_equal_the_ones_built_from_each_re
     from mlpair.prediction import converters
     from mlpair.prediction.outcomes import PredictInput, PredictionResult
 
-    _, predictor = prediction
+    predictor = prediction[1].predictor
 
     def inputs(prefix: str) -> list[PredictInput]:
         credit = [PredictInput(f"{prefix}-c{i}", eid, rec, "credit-risk")

@@ -19,7 +19,7 @@ from mlpair.client import to_attributes
 from mlpair.prediction.errors import InferenceContractError
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput
 from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.server import build_predictor
+from mlpair.prediction.composition import build_components
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import crm_count, prediction_service
 from tests.support import CONFIG_DIR, defaulted, migrate_for
@@ -199,20 +199,18 @@ async def test_c31_schema_version_mismatch_is_refused_and_not_decided(inference_
                                   model_repository=tmp_path / "models", models=[family], model_name=family,
                                   crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
                                   ledger_url=f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}")
-    predictor = build_predictor(settings)
+    components = build_components(settings)
     await migrate_for(settings)
-    await predictor.recorder.start()
+    await components.start()
     try:
         with pytest.raises(InferenceContractError):
-            await predictor.predict(PredictInput("c31-1", "e1", holdout.records[0]))
-        [outcome] = await predictor.predict_batch([PredictInput("c31-2", "e2", holdout.records[1])])
+            await components.predictor.predict(PredictInput("c31-1", "e1", holdout.records[0]))
+        [outcome] = await components.predictor.predict_batch([PredictInput("c31-2", "e2", holdout.records[1])])
         assert isinstance(outcome, InferenceContractError)
-        assert await predictor.recorder.ledger.backlog() == (0, 0.0)
-        assert await crm_count(predictor) == 0
+        assert await components.recorder.ledger.backlog() == (0, 0.0)
+        assert await crm_count(components) == 0
     finally:
-        await predictor.scorer.close()
-        await predictor.inference.close()
-        await predictor.recorder.close()
+        await components.close()
 
 
 @pytest.mark.parametrize("family", ["credit-risk", "churn"])
@@ -225,13 +223,12 @@ def test_configured_schema_must_be_the_trained_one(model_repository, family, tmp
 
 
 def test_the_service_refuses_to_start_when_the_default_family_is_not_served(model_repository):
-    from mlpair.prediction.server import build_predictor
     from mlpair.prediction.settings import PredictionSettings
 
     settings = PredictionSettings(model_repository=model_repository, config_dir=CONFIG_DIR, models=["churn"],
                                   model_name="credit-risk")
     with pytest.raises(ConfigurationError, match="default"):
-        build_predictor(settings)
+        build_components(settings)
 
 
 @pytest.mark.parametrize("family", ["credit-risk", "churn"])

@@ -186,25 +186,24 @@ async def test_c22_slow_model_ends_in_a_recorded_fallback_before_the_callers_dea
 
 async def test_c22_no_inference_call_when_the_budget_is_already_spent(
         inference_server, model_repository, credit_holdout, tmp_path):
-    from mlpair.prediction.server import build_predictor
+    from mlpair.prediction.composition import build_components
 
     async with inference_forwarder(inference_server) as (target, forwarder):
         settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=50)
-        predictor = build_predictor(settings)
+        components = build_components(settings)
+        predictor = components.predictor
         await migrate_for(settings)
-        await predictor.recorder.start()
+        await components.start()
         try:
             with pytest.raises(DeadlineTooShort):
                 await predictor.predict(PredictInput("c22-spent", "e", credit_holdout.records[0],
                                                      deadline=time.monotonic() + 0.01))
-            assert await predictor.recorder.ledger.find("c22-spent") is None
+            assert await components.recorder.ledger.find("c22-spent") is None
             # the same request id with time enough: the model decides it
             result = await predictor.predict(PredictInput("c22-spent", "e", credit_holdout.records[0],
                                                           deadline=time.monotonic() + 5.0))
         finally:
-            await predictor.scorer.close()
-            await predictor.inference.close()
-            await predictor.recorder.close()
+            await components.close()
     assert forwarder.calls == 1
     assert result.stored.served_from == "inference" and result.stored.probability is not None
 

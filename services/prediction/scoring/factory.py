@@ -61,12 +61,14 @@ def wire_scorer(
     return CachedInference(coalescer, cache, fresh_ttl_s=fresh_ttl_s, linger_s=linger_s)
 
 
-def build_scorer(settings: PredictionSettings, *, tracer_provider: TracerProvider | None = None) -> CachedInference:
-    """InferenceService behind the cache, single-flight, coalescing, deadline budget, retries and breaker."""
+def build_inference_client(
+    settings: PredictionSettings, *, tracer_provider: TracerProvider | None = None
+) -> InferenceClient:
+    """The client of InferenceService ``settings`` name (no network I/O yet)."""
     tls = channel_credentials(
         settings.inference_tls_ca_file, settings.inference_tls_cert_file, settings.inference_tls_key_file
     )
-    client = InferenceClient(
+    return InferenceClient(
         settings.inference_target,
         timeout_ms=settings.inference_timeout_ms,
         max_message_bytes=settings.max_message_bytes,
@@ -77,6 +79,10 @@ def build_scorer(settings: PredictionSettings, *, tracer_provider: TracerProvide
         load_balancing=settings.inference_load_balancing,
         tracer=CallTracer(tracer_provider) if settings.tracing else None,
     )
+
+
+def build_scorer(settings: PredictionSettings, client: Infers) -> CachedInference:
+    """``client`` behind the cache, single-flight, coalescing, deadline budget, retries and breaker."""
     caller = ResilientCaller(
         CircuitBreaker(
             "inference",
