@@ -11,14 +11,9 @@ them. So, once the process is ready:
   kept that would have been freed.
 * Young collections every 10,000 allocations instead of 700.
 
-Measured on the 2-core development machine:
-
-* PredictionService (``bench/batch_cpu.py``, BatchPredict in-process): a full collection took
-  ~170 ms of CPU and one ran every ~10,000 decided rows (~17 µs per row); frozen, ~5 ms. The
-  young-generation change took the collector from 2.5–3.7 to 1.5–2.2 µs per row.
-* InferenceService (single-row OIP ``ModelInfer``, 64 in flight, three interleaved A/B pairs):
-  p99 24.3 / 23.5 / 27.4 ms before, 15.0 / 13.8 / 16.7 ms after — the full collections were
-  ~10 ms pauses of the event loop; throughput and CPU per request unchanged.
+Full collections over the start-up heap were pauses of the event loop (InferenceService's p99)
+and a share of every BatchPredict row's CPU; what freezing and the threshold bought is in
+docs/decisions/0003-collector-tuned-once-serving.md.
 """
 
 from __future__ import annotations

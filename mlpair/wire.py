@@ -12,8 +12,8 @@ be read as whichever came first. So, before any handler runs:
   attribute's value, ``requests[0].attributes['Income'] entry field 3`` in a map entry itself).
   Found in the deserializer
   (:func:`parse_strictly`): a protobuf parser keeps unknown fields, and dropping them changes the
-  message's size — two size computations and one pass in C, about 2 µs for a 13-attribute
-  Predict; the names are worked out only for a request being refused.
+  message's size — two size computations and one pass in C; the names are worked out only for
+  a request being refused.
 * **Conflicting duplicate metadata**: a key this project defines as single-valued
   (:data:`SINGLE_VALUED`) sent twice with different values is refused INVALID_ARGUMENT, reason
   ``CONFLICTING_METADATA``, naming the key. The same value twice is one value.

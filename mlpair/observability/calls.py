@@ -21,12 +21,9 @@ several callers (a coalesced Infer call) has a span of its own linking to each c
 carries no single caller's request id.
 
 Why not gRPC interceptors (what this module was before): grpc.aio runs every interceptor in
-Python on every call, on top of the work it does. Priced by
-``tests/observability/bench_overhead.py --components`` (CPU per echo call, client and server
-together): OpenTelemetry's aio server interceptor 65 µs, its client interceptor 88 µs, our
-request-context and request-id interceptors 24 and 19 µs — 174 µs per hop, about half of what
-a whole single-row Infer call costs the server. The same spans and metadata made here cost a
-fraction of that (see the ``--components`` figures in docs/observability.md).
+Python on every call, on top of the work it does; together they cost about half of what a whole
+single-row Infer call costs the server, and the same spans and metadata made here a fraction of
+that (``tests/observability/bench_overhead.py --components``; docs/decisions/0002).
 """
 
 from __future__ import annotations
@@ -72,7 +69,7 @@ class Unsampled:
     Every call's span used to go through the SDK even when nothing records it (no exporter: the
     sampler is ``ParentBased(ALWAYS_OFF)``; or a caller that did not sample its trace): sampler,
     id generator, span context, context switch and, for an outgoing call, the propagator's
-    formatting, ~20-30 µs of CPU per span on this project's machines. The ids must still exist
+    formatting (docs/decisions/0002-tracing-without-interceptors.md). The ids must still exist
     (every log line carries ``trace_id`` and ``span_id``, and both services' lines share the trace
     id), so only the machinery is skipped. The sampler is read once, from its description
     (``ParentBased{root:AlwaysOffSampler,...}``, ``AlwaysOffSampler``): any other sampler, a

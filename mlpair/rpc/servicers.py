@@ -154,9 +154,9 @@ def guard_servicer(servicer: S, domain: str, gate: DrainGate | None = None, refu
     hears of each call refused before its method ran (malformed message, unknown fields, bad
     metadata, the drain), so the service can count it as it counts the calls its methods refuse.
 
-    Not an interceptor: grpc.aio runs interceptors in Python on every call, which measured
-    15-25 µs of server CPU per request and a 20-30 % lower request rate at concurrency 64 on a
-    2-core machine. Call before registering the servicer.
+    Not an interceptor: grpc.aio runs interceptors in Python on every call, on top of its own
+    per-call work (docs/decisions/0002-tracing-without-interceptors.md). Call before registering
+    the servicer.
     """
     for name in rpc_methods(servicer):
         method = f"{type(servicer).__name__}.{name}"

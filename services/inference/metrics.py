@@ -16,7 +16,7 @@ import os
 
 from prometheus_client import Counter, Gauge, Histogram
 
-# Buckets span 0.1 ms … 2.5 s: one CPU row takes ~20 µs, the SLA is p99 ≤ 120 ms.
+# Buckets span 0.1 ms … 2.5 s: from a small model's CPU batch to far past the SLA (p99 ≤ 120 ms).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.12, 0.25, 0.5, 1.0, 2.5)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 

@@ -30,7 +30,7 @@ class InferenceSettings(ConnectionSettings):
     max_message_bytes: int = 16 * 1024 * 1024
     """gRPC message size limit, both directions, in bytes; larger messages get RESOURCE_EXHAUSTED."""
     workers: int = 0
-    """Serving processes sharing the gRPC port under one supervisor (docs/performance.md); 0 = one per CPU
+    """Serving processes sharing the gRPC port under one supervisor (docs/decisions/0015); 0 = one per CPU
     of the container's limit (cgroup cpu.max or CFS quota, else the CPUs available), but 1 when serving on
     a GPU (each worker loads its own copy of every model onto the device)."""
     shutdown_grace_s: float = 20.0
@@ -44,12 +44,12 @@ class InferenceSettings(ConnectionSettings):
     """Log line format: readable text locally, JSON lines in production."""
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
     """The asyncio event loop of each process: the standard library's or uvloop (libuv); uvloop measured
-    no faster on single-row OIP calls (docs/performance.md, "uvloop under PredictionService"). Both keep
+    no faster on single-row OIP calls (docs/decisions/0009-uvloop-for-predictionservice.md). Both keep
     timers in whole milliseconds: the standard loop waits until the next one at least, uvloop rounds to
     the nearest, so on uvloop a max_queue_delay_ms under 0.5 means no wait at all."""
     tracing: bool = True
-    """OpenTelemetry spans with W3C trace context and per-call log context on every RPC (about
-    0.1 ms of CPU per call, docs/observability.md); off only where that matters more than traces."""
+    """OpenTelemetry spans with W3C trace context and per-call log context on every RPC (its CPU
+    per call: docs/observability.md, Overhead); off only where that matters more than traces."""
     otlp_endpoint: str = ""
     """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = the standard
     OTEL_EXPORTER_OTLP_ENDPOINT (and OTEL_EXPORTER_OTLP_* options) when set, else no export."""

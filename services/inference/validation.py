@@ -43,8 +43,8 @@ def all_finite(x: np.ndarray) -> bool:
     A small float32 array (a single-row request: 30 features, or its 2 logits) is summed as
     Python floats instead: float32 values summed in float64 cannot overflow (the largest float32
     is 3.4e38; it would take 5e269 of them to reach float64's limit), so the sum is finite exactly
-    when every value is, and it costs ~1 µs against ~4-6 µs for ``np.isfinite(x).all()``, whose
-    cost is nearly all per-call overhead at this size. Larger or wider arrays go to numpy.
+    when every value is, and it costs a fraction of ``np.isfinite(x).all()``, whose cost is nearly
+    all per-call overhead at this size (docs/decisions/0004). Larger or wider arrays go to numpy.
     """
     if x.size <= SMALL_ARRAY and x.dtype.itemsize <= 4 and x.dtype.kind == "f":
         return math.isfinite(sum(x.ravel().tolist()))

@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-# at import, not on first use: importing scipy.stats takes ~0.5 s holding the GIL, which would
+# at import, not on first use: importing scipy.stats holds the GIL for a long while, which would
 # stall the serving event loop at the first drift report under load
 from scipy.stats import chi2_contingency, kstwo
 

@@ -2,8 +2,8 @@
 
 A Predict call carries one applicant, and most of what deciding it costs PredictionService does
 not depend on how many applicants a call carries: checking and assembling the rows, deciding,
-the ledger commit's bookkeeping, the per-call metrics (docs/performance.md, "Concurrent Predicts
-decided together"). Under load, the :class:`PredictMerger` gathers the Predict calls that arrive
+the ledger commit's bookkeeping, the per-call metrics (docs/decisions/0006-merged-predicts.md).
+Under load, the :class:`PredictMerger` gathers the Predict calls that arrive
 while others are being decided and runs them through the pipeline together, as the items of one
 batch; each caller gets its own item's outcome. On a lightly loaded server a call is decided at
 once, alone, as if merging did not exist (see :class:`PredictMerger` for when calls wait).

@@ -3,8 +3,8 @@
 With ``relay_in_process`` off, PredictionService commits each decision to the decision ledger (the
 outbox) and answers, and delivers nothing: this process claims the ledger's undelivered rows and
 delivers them to the CRM database with the same :class:`~mlpair.prediction.crm.relay.LedgerRelay`
-the serving processes run otherwise, so delivery's CPU (about 2.6 µs per BatchPredict row,
-docs/performance.md) is no longer paid by the process that serves requests.
+the serving processes run otherwise, so delivery's CPU is no longer paid by the process that
+serves requests (docs/decisions/0007-relay-in-its-own-process.md).
 
 * **Waking up.** In a serving process the relay is woken by the process's own commits
   (``ledger.committed``). Here nothing commits, so it looks at the ledger every ``relay_poll_ms``

@@ -54,7 +54,7 @@ class PredictionSettings(ConnectionSettings):
     coalesce_max_delay_ms: float = 5.0
     """Longest a request's rows wait, while an Infer call of the same model version is in flight, to share the next call with other requests' rows, in milliseconds."""
     merge_max_calls: PositiveInt = 64
-    """Most concurrent Predict calls decided together as one batch (docs/performance.md); 1 decides each alone."""
+    """Most concurrent Predict calls decided together as one batch (docs/decisions/0006-merged-predicts.md); 1 decides each alone."""
     merge_max_delay_ms: NonNegativeFloat = 5.0
     """Longest a Predict call waits, while a batch is being decided, to be decided with the calls that arrive after it, in milliseconds (never more than a tenth of its deadline's budget)."""
     merge_wait_from_calls: PositiveInt = 4
@@ -70,7 +70,7 @@ class PredictionSettings(ConnectionSettings):
     max_message_bytes: int = 4 * 1024 * 1024
     """gRPC message size limit, both directions, in bytes."""
     workers: int = 0
-    """Serving processes sharing the gRPC port under one supervisor (docs/performance.md), each with its own
+    """Serving processes sharing the gRPC port under one supervisor (docs/decisions/0015), each with its own
     ledger pool, relay and caches; 0 = one per CPU of the container's limit (cgroup cpu.max or CFS quota,
     else the CPUs available)."""
     shutdown_grace_s: float = 20.0
@@ -84,9 +84,9 @@ class PredictionSettings(ConnectionSettings):
     """Log line format: readable text locally, JSON lines in production."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """The asyncio event loop of each process (`mlpair relay` too): uvloop (libuv) or the standard
-    library's. uvloop spends less CPU on the loop's own work per call (docs/performance.md, "uvloop
-    under PredictionService"); it rounds timers to the nearest whole millisecond, and this service's
-    delays (merge and coalesce waits, backoffs) are 1 ms and more."""
+    library's. uvloop spends less CPU on the loop's own work per call (docs/decisions/0009); it
+    rounds timers to the nearest whole millisecond, and this service's delays (merge and coalesce
+    waits, backoffs) are 1 ms and more."""
 
     # Caching with a stale fallback (cache.py).
     cache_backend: Literal["memory", "redis", "off"] = "memory"
@@ -118,8 +118,9 @@ class PredictionSettings(ConnectionSettings):
     inference_min_attempt_ms: int = 5
     """An Infer attempt is not started with less budget than this, in milliseconds: the call is
     refused DEADLINE_EXCEEDED (``DEADLINE_TOO_SHORT``), nothing decided, unless the circuit is open.
-    Above the 3.8 ms p99 of a direct Infer call at 1 in flight on loopback (docs/performance.md):
-    less cannot finish even against an idle InferenceService. Raise it where the hop is longer."""
+    Above the p99 of a direct Infer call at 1 in flight on loopback (docs/performance.md,
+    PredictionService end to end): less cannot finish even against an idle InferenceService. Raise
+    it where the hop is longer."""
     inference_max_attempts: int = 2
     """Infer attempts per call, the first included; only inference-side faults are retried (UNAVAILABLE,
     a failed model batch or another INTERNAL, UNKNOWN), each attempt a new pick of a replica."""
@@ -160,7 +161,7 @@ class PredictionSettings(ConnectionSettings):
     """Most batches the relay claims and delivers at once while a backlog lasts (PostgreSQL ledger only). Each
     holds a ledger connection for its delivery, so a serving process's relay takes at most ledger_pool_size minus
     the 3 kept for commits (one with the default pool of 4, three with 6), and `mlpair relay`, where nothing
-    commits, all but one (three with 4) (docs/performance.md, "The relay")."""
+    commits, all but one (three with 4) (docs/decisions/0007-relay-in-its-own-process.md)."""
     relay_linger_ms: int = 50
     """Milliseconds the relay waits after a commit for more decisions, so one CRM transaction carries many (a
     serving process's relay only: `mlpair relay` sees no commits and looks every relay_poll_ms)."""
@@ -185,7 +186,7 @@ class PredictionSettings(ConnectionSettings):
     # -- Observability (issue 6) ----------------------------------------------------------------
     tracing: bool = True
     """OpenTelemetry spans with W3C trace context (also on the Infer call) and per-call log context
-    on every RPC (about 0.15 ms of CPU per call, docs/observability.md); off only where that matters
+    on every RPC (its CPU per call: docs/observability.md, Overhead); off only where that matters
     more than traces."""
     otlp_endpoint: str = ""
     """OTLP/gRPC collector for traces (e.g. http://otel-collector:4317); empty = the standard

@@ -45,7 +45,7 @@ calibration-split scores in the same band, so the rules compare the live count w
 training distribution predicts for the traffic.
 
 Cost per decision: one vectorised comparison for all numeric features, then one histogram
-observation per feature and the score and one counter per categorical feature (~25 µs).
+observation per feature and the score and one counter per categorical feature.
 """
 
 from __future__ import annotations

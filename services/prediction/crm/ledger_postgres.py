@@ -21,8 +21,8 @@ first in each claim.
 
 A bulk commit sends its columns packed (``crm/packed.py``). Binary COPY into a staging table of
 the transaction, then one insert from it, was measured beside it for the ledger and the CRM
-(``bench/ledger_rows.py``; docs/performance.md, "Writing decisions: the ledger's and the CRM's
-cost per row"): PostgreSQL's CPU barely moved and the service's grew, so packing stays.
+(``bench/ledger_rows.py``): PostgreSQL's CPU barely moved and the service's grew, so packing stays
+(docs/decisions/0010-packed-ledger-columns-not-binary-copy.md).
 
 Statements (their text: ``crm/ledger_sql.py``) go straight through an asyncpg pool (no SQLAlchemy on the request path: its
 per-statement processing cost more CPU than the statement); Alembic owns the schema.
@@ -108,7 +108,7 @@ class PostgresLedger(ledger.DecisionLedger):
     # judged from the decisions per row it last saw: locking 256 at once left a second relay
     # nothing to claim while the first delivered 25 decisions.
     most_outbox_rows_per_claim = 4096
-    commit_concurrency = 3  # measured with bench/ledger_engines.py: p50 at 32 in flight 10.2 → see docs/design.md
+    commit_concurrency = 3  # chosen with bench/ledger_engines.py (docs/design.md; docs/decisions/0001)
     db_system = "postgresql"
     bulk_rows = 8  # a BatchPredict's decisions go in one statement of their own
 

@@ -93,7 +93,7 @@ REQUEUE = (
 )
 # The bulk path's insert: each column one packed text parameter (crm/packed.py), split and cast by
 # PostgreSQL. It answers with the request ids it did not insert (on record already): none, one empty
-# result, in the usual case, instead of a row per decision inserted (0.3 µs of client CPU per row).
+# result, in the usual case, instead of a row per decision inserted, which cost client CPU per row.
 _NAMES = ", ".join(f"c{k}" for k in range(len(ledger.DECISION_COLUMNS)))
 INSERT_PACKED = (
     f"WITH inserted AS (INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT "

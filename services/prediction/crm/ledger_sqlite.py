@@ -8,10 +8,10 @@ died mid-delivery leaves its rows to others once the lease expires. For replicas
 machines use PostgreSQL (:mod:`.ledger_postgres`).
 
 Statements run through the standard library's ``sqlite3`` on one dedicated thread (one thread
-hop per group commit) rather than SQLAlchemy's asyncio layer: measured here, an insert-and-commit
-costs about 22 µs raw (WAL, synchronous NORMAL) against about 1.4 ms through SQLAlchemy +
-aiosqlite (four thread hops). With synchronous FULL every commit adds one fsync (about 3 ms on
-this machine's disk). Alembic owns the schema (``mlpair migrate``); timestamps are Unix seconds.
+hop per group commit) rather than SQLAlchemy's asyncio layer and aiosqlite (four thread hops and
+far more CPU per insert-and-commit: docs/decisions/0001-decision-ledger-in-postgresql.md). With
+synchronous FULL every commit adds one fsync. Alembic owns the schema (``mlpair migrate``);
+timestamps are Unix seconds.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 Sending a column as an array parameter makes asyncpg check every element against Python's
 abstract collection types (``isinstance(x, Iterable)``, a Python-level call per element): with
-15 columns that was most of the client CPU of a ledger commit and of a relay delivery (measured
-with ``bench/batch_cpu.py``). A packed column is one string instead — each value's text, every
-one preceded by the ASCII unit separator (``\\x1f``) — that PostgreSQL splits back with
-``string_to_array`` (:func:`unpacked`); a relay's claim comes back packed the same way, made by
-``string_agg`` (:func:`packed_agg`), so a batch crosses the relay without one Python object per value.
+15 columns that was most of the client CPU of a ledger commit and of a relay delivery
+(docs/decisions/0010-packed-ledger-columns-not-binary-copy.md). A packed column is one string
+instead — each value's text, every one preceded by the ASCII unit separator (``\\x1f``) — that
+PostgreSQL splits back with ``string_to_array`` (:func:`unpacked`); a relay's claim comes back
+packed the same way, made by ``string_agg`` (:func:`packed_agg`), so a batch crosses the relay
+without one Python object per value.
 
 The separator is never part of a value: ids refuse control characters
 (:func:`~mlpair.prediction.checks.check_id`), labels, codes and versions are identifiers, JSON
@@ -94,9 +95,8 @@ def packed_agg(expression: str) -> str:
     feeds each row to all its aggregates in turn), so the k-th value of each packed column belongs
     to the same row whatever that order is; the query sorts its rows once, below the aggregates,
     for the order itself. An ``ORDER BY`` inside each aggregate would sort its input once per
-    column: PostgreSQL 15 does, and a relay's claim of 14 columns spent 4.5 µs of PostgreSQL CPU
-    per decision against 2.5–3.0 with the one sort (measured: docs/performance.md, "What a durable row
-    costs PostgreSQL")."""
+    column: PostgreSQL 15 does, and a relay's claim of 14 columns cost PostgreSQL more CPU per
+    decision than with the one sort (docs/decisions/0008-one-outbox-row-per-commit.md)."""
     return f"E'\\x1f' || coalesce(string_agg({expression}, E'\\x1f'), '')"
 
 

@@ -59,8 +59,8 @@ async def score_groups(
 async def _score_callers(groups: list[Group], infer: Infer, callers: Sequence[MergedCall]) -> None:
     """Each item's row scored in a task of its own, in its caller's context and with its deadline;
     then the rows of a group that were scored calibrated together (calibration is row-wise, so
-    each row's probability is the one it would get alone: 0.7 µs per row against 12.5 for a
-    one-row call, docs/performance.md)."""
+    each row's probability is the one it would get alone, for far less than a call per row:
+    docs/decisions/0006-merged-predicts.md)."""
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []
     scored: list[tuple[Group, list[list[ScoredRows] | None]]] = []

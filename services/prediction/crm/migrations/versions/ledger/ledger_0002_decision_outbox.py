@@ -2,14 +2,13 @@
 
 Until now each delivered decision was marked by ``UPDATE … SET delivered_at``, inside a claim that
 had locked it with ``FOR UPDATE``: a second version of a wide row, never HOT (the undelivered
-index names the column), plus a row lock written per decision. Measured with every postgres
-process's CPU on this machine kind, 500-row batches: claim and mark 27–29 µs per decision
-against 17–18 µs for the insert itself (docs/performance.md, "One outbox row per commit").
+index names the column), plus a row lock written per decision: claiming and marking cost
+PostgreSQL more than inserting the decision (docs/decisions/0008-one-outbox-row-per-commit.md).
 
 From this revision a group commit inserts its decisions and, in the same statement, one row of
 ``decision_outbox`` naming their sequence numbers; a relay claims outbox rows (``FOR UPDATE SKIP
 LOCKED``), reads the decisions by primary key, delivers them and deletes the outbox rows, in one
-transaction: 7–8 µs per decision.
+transaction, writing nothing per decision.
 
 Expand/contract: this release inserts its decisions with ``delivered_at = 'infinity'`` ("tracked
 by the outbox"), so a relay of the previous release, still running during the rollout, leaves
