@@ -37,7 +37,7 @@ def test_run_loop_runs_the_coroutine_on_the_loop_named_and_returns_its_result(ev
 
 def test_prediction_runs_on_uvloop_and_inference_on_asyncio_by_default():
     """PredictionService's delays are 1 ms and more, which uvloop's millisecond timers keep;
-    InferenceService measured no faster on uvloop (docs/performance.md)."""
+    InferenceService measured no faster on uvloop (docs/decisions/0009-uvloop-for-predictionservice.md)."""
     assert PredictionSettings().event_loop == "uvloop"
     assert InferenceSettings().event_loop == "asyncio"
     assert "event_loop" in RELAY_SETTINGS  # `mlpair relay --event-loop`, PREDICTION_EVENT_LOOP
