@@ -138,7 +138,7 @@ def write(doc: Path = DOC) -> None:
     for name, lines in blocks().items():
         pattern = re.compile(rf"<!-- results:{name} -->\n.*?<!-- /results:{name} -->", re.S)
         replacement = "\n".join([f"<!-- results:{name} -->", *lines, f"<!-- /results:{name} -->"])
-        text, count = pattern.subn(lambda _: replacement, text)
+        text, count = pattern.subn(lambda _, block=replacement: block, text)
         if count != 1:
             raise SystemExit(f"{doc}: expected one results:{name} block, found {count}")
     doc.write_text(text, encoding="utf-8")
