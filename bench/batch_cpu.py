@@ -62,7 +62,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from mlpair.commands.serve import run_loop  # noqa: E402
 from mlpair.prediction.settings import PredictionSettings  # noqa: E402
-from bench import pair as harness  # noqa: E402
+from tests.support import pair as harness  # noqa: E402
 
 
 class FakeInference:

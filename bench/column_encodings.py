@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench import pair as harness
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client.tables import to_ipc
 from mlpair.prediction.tables import read_chunk
+from tests.support import pair as harness
 
 
 def arrow_request(table: pa.Table) -> bytes:

@@ -90,8 +90,8 @@ def prepare(model_repository: Path, bundle: Path, rows: int) -> None:
     ``credit-risk.state.pt`` (weights), ``rows.npy`` (``[rows, n_features] float32``) and ``bundle.json``."""
     import torch
 
-    from bench.pair import holdout, trained_model
     from mlpair.contracts.assembly import FeatureAssembler
+    from tests.support.pair import holdout, trained_model
 
     entry = trained_model(model_repository)
     records = holdout(entry).records[:rows]

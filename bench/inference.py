@@ -49,9 +49,9 @@ def free_port() -> int:
 def holdout_rows(root: Path) -> tuple[np.ndarray, str]:
     """The real holdout applicants as ``[n, n_features] float32`` and the model's feature version."""
     from mlpair.contracts.assembly import FeatureAssembler
+    from mlpair.contracts.schema import FeatureSchema
     from mlpair.training.data import load_dataset, stratified_split
     from mlpair.training.pipeline import train_family
-    from mlpair.contracts.schema import FeatureSchema
 
     entry, _ = train_family(SCHEMA, root, show_progress=False)
     data = load_dataset(FeatureSchema.from_toml(SCHEMA))

@@ -29,8 +29,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import pair as harness  # noqa: E402
 from bench.load import percentile  # noqa: E402
+from tests.support import pair as harness  # noqa: E402
 
 
 def decision(request_id: str):

@@ -164,7 +164,7 @@ async def serve_passes(url: str, lines) -> None:
 
 
 def run_worker() -> int:
-    from bench.pair import scratch_postgres
+    from tests.support.pair import scratch_postgres
 
     with scratch_postgres(prefix="mlpair_ledger_rows") as url:  # dropped on the way out
         if url is None:

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = [ours, sbs.null_server()]
     if args.baseline:
         sys.path.insert(0, str(BENCH.parent))
-        from bench.pair import previous_release
+        from tests.support.pair import previous_release
 
         shutil.rmtree(work / "baseline", ignore_errors=True)  # ours, from an earlier run
         release = previous_release(work / "baseline", args.baseline)

@@ -15,7 +15,7 @@ the one-machine SQLite ledger). One load generator (:mod:`bench.load`) drives, i
 3. ``BatchPredict`` — ``--batch-items`` applicants per call (distinct rows again), with the
    relay's delivery rate to the CRM and the ledger backlog at the end of the phase;
 4. ``A/B Predict`` — the previous release's PredictionService (per-pod SQLite outbox, from git
-   history: :data:`bench.pair.PREVIOUS_RELEASE`) and this release's (shared PostgreSQL ledger),
+   history: :data:`tests.support.pair.PREVIOUS_RELEASE`) and this release's (shared PostgreSQL ledger),
    both running over the same InferenceService and CRM, loaded in turn (A, B, A, B, …) at
    ``--ab-concurrency``: the cost of the shared ledger, interleaved on one machine;
 5. ``interleaved Predict / KServe chain / null Predict`` — the closest peer design
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -64,8 +65,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import pair as harness  # noqa: E402
 from bench.load import BadReply, Repeated, drive  # noqa: E402
+from tests.support import pair as harness  # noqa: E402
 
 PREDICT = "/mlpair.prediction.v1.PredictionService/Predict"
 BATCH_PREDICT = "/mlpair.prediction.v1.PredictionService/BatchPredict"
@@ -217,6 +218,11 @@ def ledger_figures(scraped0: dict, scraped1: dict, phase_s: float) -> dict:
             "predicts_per_merged_batch": round(merged / batches, 2) if batches else None}
 
 
+def cpu_seconds(processes) -> float:
+    """The CPU seconds the processes (each with a ``cpu_seconds()``) have used so far, together."""
+    return sum(process.cpu_seconds() for process in processes)
+
+
 def run(args) -> int:
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
     from mlpair.client import to_attributes
@@ -258,9 +264,9 @@ def run(args) -> int:
                 emit({"phase": "started", "ledger": ledger, "workers": workers, "prediction_replicas": len(p.predictions),
                       "relay_processes": len(relays), "startup_s": {k: round(v, 2) for k, v in p.startup_s.items()}})
                 cpu = {"inference": p.inference.cpu_seconds,
-                       "prediction": lambda: sum(r.cpu_seconds() for r in p.predictions)}
+                       "prediction": functools.partial(cpu_seconds, p.predictions)}
                 if relays:
-                    cpu["relay"] = lambda: sum(r.cpu_seconds() for r in relays)
+                    cpu["relay"] = functools.partial(cpu_seconds, relays)
                 phases = []
                 levels = [1, *args.concurrency]
                 first = ledger == args.ledgers[0] and workers == args.workers[0]
@@ -460,7 +466,7 @@ def chain_agreement(p: harness.Pair, chain, workload, pb, to_attributes, chain_p
     mismatches, worst = [], 0.0
     with grpc.insecure_channel(p.prediction.address) as ours, grpc.insecure_channel(chain.address) as theirs:
         predict, infer = ours.unary_unary(PREDICT), theirs.unary_unary(method)
-        for (rid, raw), (_, chain_raw), request in zip(predict_payloads(requests, pb, to_attributes),
+        for (rid, raw), (_, chain_raw), _request in zip(predict_payloads(requests, pb, to_attributes),
                                                        chain_payloads(requests, harness.MODEL), requests):
             a = pb.PredictResponse.FromString(predict(raw, timeout=10))
             probability, decision, reasons = chain_reply(infer(chain_raw, timeout=10))

@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.pair import REPO, holdout, machine, pair, scratch_postgres, trained_model  # noqa: E402
 from mlpair.jobs.sources import asyncpg_dsn  # noqa: E402
+from tests.support.pair import REPO, holdout, machine, pair, scratch_postgres, trained_model  # noqa: E402
 
 
 def applications(records: list[dict], rows: int, seed: int = 2024) -> pa.Table:

@@ -102,6 +102,7 @@ def prepare_models(repository: Path, bench_models: Path):
         entries' ``model.onnx`` paths by model name.
     """
     from heavy_model import write_heavy_entry
+
     from mlpair.contracts.assembly import FeatureAssembler
     from mlpair.contracts.manifest import load_entry
     from mlpair.contracts.schema import FeatureSchema
@@ -377,10 +378,10 @@ def wait_ready(server: Server, timeout_s: float) -> float:
 def check_answers(server: Server, rows: np.ndarray, expected: dict[str, np.ndarray], n: int = 16) -> float:
     """Largest |logit − in-process ONNX Runtime logit| over ``n`` real rows sent one per call."""
     import grpc
+    from oip_load import output_array
 
     from mlpair.api.oip import grpc_predict_v2_pb2 as oip
     from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
-    from oip_load import output_array
 
     params = {}
     if server.load_args:
@@ -659,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 ready_s = wait_ready(server, args.ready_timeout_s)
                 worst = check_answers(server, rows, expected) if server.name != "null" else None
-            except Exception as exc:  # a peer that will not start is skipped, not fatal
+            except Exception as exc:  # noqa: BLE001  (a peer that will not start is skipped, not fatal)
                 say(f"skipping {server.name}: {exc}")
                 emit({"label": "skipped", "server": server.name, "reason": str(exc)[-400:]}, out)
                 stop(server)

@@ -48,8 +48,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable as `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import pair as harness  # noqa: E402
 from bench.load import BadReply, Outcomes, Repeated, drive  # noqa: E402
+from tests.support import pair as harness  # noqa: E402
 
 PREDICT = "/mlpair.prediction.v1.PredictionService/Predict"
 BATCH_PREDICT = "/mlpair.prediction.v1.PredictionService/BatchPredict"
@@ -638,7 +638,7 @@ async def run(args, entry, crm_url: str | None) -> list[Result]:
             started = time.monotonic()
             try:
                 result = await SCENARIOS[name](soak)
-            except Exception as exc:  # a scenario that could not run is a failed check, with the reason
+            except Exception as exc:  # noqa: BLE001  (a scenario that could not run is a failed check, with the reason)
                 result = Result(name, violations=[f"scenario aborted: {type(exc).__name__}: {exc}"])
             result.figures["wall_s"] = round(time.monotonic() - started, 1)
             print(json.dumps({"scenario": result.name, "ok": not result.violations, "skipped": result.skipped or None,

@@ -1,7 +1,7 @@
 """Resident memory of PredictionService under calls that end DEADLINE_EXCEEDED or are cancelled.
 
 Issue 36 C52: such calls must leave nothing behind. Both services run as real processes on
-loopback (:func:`bench.pair.pair`: InferenceService, one PredictionService process with the
+loopback (:func:`tests.support.pair.pair`: InferenceService, one PredictionService process with the
 in-process cache); one client process sends Predict calls of real credit applicants (each a
 distinct feature row and request id), ``--concurrency`` at a time, alternately:
 
@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import grpc  # noqa: E402
 
-from bench import pair as harness  # noqa: E402
+from tests.support import pair as harness  # noqa: E402
 
 PREDICT = "/mlpair.prediction.v1.PredictionService/Predict"
 MAX_CALLS = 1_000_000

@@ -12,7 +12,6 @@ from mlpair.contracts.manifest import ModelEntry
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import Dataset, load_dataset, stratified_split
 from mlpair.training.pipeline import train_family
-
 from tests.support import CHURN_SCHEMA, CREDIT_SCHEMA
 
 
@@ -140,8 +139,8 @@ def postgres_url():
     A sync fixture (it runs its own short event loop), so parametrised fixtures can request it.
     Skips when PostgreSQL is down (fails under CI=true): see ``require_service``.
     """
-    from bench.pair import scratch_postgres
     from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+    from tests.support.pair import scratch_postgres
 
     require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
     with scratch_postgres(prefix="mlpair_test") as url:

@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.pair import TcpProxy, free_port  # noqa: F401  (the tests' fault helpers, re-exported)
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
+from tests.support.pair import TcpProxy, free_port  # noqa: F401  (the tests' fault helpers, re-exported)
 
 
 class InferenceForwarder(ipb_grpc.InferenceServiceServicer):
@@ -144,7 +144,7 @@ FAULT_LAUNCHER = Path(__file__).resolve().parent / "fault_inference.py"
 
 def faulty_inference(workdir: Path, model_repository: Path, fault_file: Path, **env: str):
     """An InferenceService process (not started) whose runtimes fail on demand: a
-    :class:`bench.pair.Service` as :func:`bench.pair.pair` builds for inference (credit-risk, one
+    :class:`tests.support.pair.Service` as :func:`tests.support.pair.pair` builds for inference (credit-risk, one
     process, loopback, a free port, no metrics port), run by ``tests/fault_inference.py``.
 
     Args:
@@ -158,7 +158,7 @@ def faulty_inference(workdir: Path, model_repository: Path, fault_file: Path, **
     import json
     import os
 
-    from bench.pair import MODEL, REPO, Service
+    from tests.support.pair import MODEL, REPO, Service
 
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()

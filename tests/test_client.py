@@ -21,7 +21,13 @@ import mlpair.rpc
 from mlpair import client as public
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import (
-    AsyncPredictionClient, BatchItem, ItemError, PredictionClient, check_health, infer_logits, to_attributes,
+    AsyncPredictionClient,
+    BatchItem,
+    ItemError,
+    PredictionClient,
+    check_health,
+    infer_logits,
+    to_attributes,
     wait_until_serving,
 )
 from mlpair.contracts.assembly import FeatureAssembler

@@ -65,5 +65,5 @@ def test_the_crm_table_the_demo_counts_is_the_one_prediction_service_writes():
     from mlpair.demo import CRM_TABLE
     from mlpair.prediction.crm.models import DecisionRecord
 
-    assert CRM_TABLE == DecisionRecord.__tablename__
+    assert DecisionRecord.__tablename__ == CRM_TABLE
     assert DecisionRecord.__table__.c.request_id.unique

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import to_attributes
 from mlpair.rpc import error_info
 from tests.support import REPO_ROOT

@@ -1020,9 +1020,7 @@ def _operation_matches(operation: Obj, path: str, port: int) -> bool:
         return False
     if "paths" in operation and not any(_istio_value_matches(p, path) for p in operation["paths"]):
         return False
-    if any(_istio_value_matches(p, path) for p in operation.get("notPaths", ())):
-        return False
-    return True
+    return not any(_istio_value_matches(p, path) for p in operation.get("notPaths", ()))
 
 
 def authorization_allows(

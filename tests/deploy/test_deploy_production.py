@@ -10,6 +10,7 @@ Each check reads the rendered overlays (as applied); each is also shown to fire 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import subprocess
 from decimal import Decimal
@@ -327,9 +328,10 @@ def test_adapter_check_rejects_missing_duplicate_and_unusable_rules(
 def exported_series() -> dict[str, str]:
     """Every series name the services' metrics modules export -> the metric's type."""
     pytest.importorskip("mlpair.prediction.metrics", reason="mlpair is not installed")
+    from prometheus_client.metrics import MetricWrapperBase
+
     from mlpair.inference import metrics as inference_metrics
     from mlpair.prediction import metrics as prediction_metrics
-    from prometheus_client.metrics import MetricWrapperBase
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     found = {}
@@ -459,8 +461,8 @@ def reflection_problems(objects: list) -> list[str]:
             port = dc.grpc_port(main_container(workload))
             where = dc.name_of(workload)
 
-            def allows(principal: str, path: str) -> bool:
-                return dc.authorization_allows(objects, workload, principal, path, port)
+            # this workload and port, bound now (not looked up when called, after the loop moved on)
+            allows = functools.partial(dc.authorization_allows, objects, workload, port=port)
 
             for path in REFLECTION:
                 if not allows(OPERATOR, path):

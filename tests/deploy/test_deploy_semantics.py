@@ -470,7 +470,7 @@ def test_deadline_budget_is_aligned(objects: list) -> None:
         # Above the inference p99 (else >1% of SLA-conforming calls time out), below the
         # prediction p95 together with the reserve kept back for recording the decision: a
         # Predict whose Infer call uses its whole allowance still records within the SLA.
-        assert dc.INFERENCE_P99_MS < deadline_ms
+        assert deadline_ms > dc.INFERENCE_P99_MS
         assert deadline_ms + reserve_ms < dc.PREDICTION_P95_MS
         assert reserve_ms > 0
         # The mesh timeout is a backstop: never shorter than the caller's deadline, so the

@@ -79,8 +79,9 @@ def test_probes_ask_for_health_names_the_servers_register(objects: list) -> None
 
 def inference_metrics() -> dict[str, str]:
     """Metric name -> type of every collector in mlpair.inference.metrics."""
-    from mlpair.inference import metrics
     from prometheus_client.metrics import MetricWrapperBase
+
+    from mlpair.inference import metrics
 
     found = {}
     for value in vars(metrics).values():

@@ -40,11 +40,11 @@ pytest.importorskip("mlpair.prediction.server", reason="mlpair is not installed"
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mlpair.client import to_attributes
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.client import to_attributes
 from tests.support import CREDIT_SCHEMA, POSTGRES_HOST, POSTGRES_PORT, require_service
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -101,7 +101,7 @@ class Databases:
 def databases():
     from sqlalchemy import make_url
 
-    from bench.pair import postgres_admin, scratch_postgres
+    from tests.support.pair import postgres_admin, scratch_postgres
 
     require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
     role = f"mlpair_prediction_{uuid.uuid4().hex[:8]}"
@@ -377,7 +377,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from bench.pair import free_port
+    from tests.support.pair import free_port
 
     objects = rendered[overlay]
     records = {
@@ -502,10 +502,10 @@ async def test_a_prediction_pod_started_during_a_ledger_outage_waits_unready_and
     # only readiness fail: the pod takes no traffic, is not killed when the outage outlasts the
     # startup window (then held in CrashLoopBackOff after the ledger is back), and turns ready by
     # itself once the ledger answers.
-    from bench.pair import TcpProxy, free_port
     from sqlalchemy import make_url
 
     from tests.fault_support import eventually
+    from tests.support.pair import TcpProxy, free_port
 
     objects = rendered[overlay]
     (job,) = dc.jobs(objects)

@@ -21,17 +21,19 @@ ENSEMBLE_SEEDS = (7, 11)  # versions 2 and 3 of credit-risk; version 1 is the se
 @contextlib.asynccontextmanager
 async def prediction_service(inference_target: str, model_repository: Path, crm_dir: Path, **overrides):
     """A real PredictionService (SQLite CRM) in front of ``inference_target``; yields (stub, predictor)."""
-    async with prediction_server(inference_target, model_repository, crm_dir, **overrides) as (target, predictor):
-        async with grpc.aio.insecure_channel(target) as channel:
-            yield pb_grpc.PredictionServiceStub(channel), predictor
+    async with (
+        prediction_server(inference_target, model_repository, crm_dir, **overrides) as (target, predictor),
+        grpc.aio.insecure_channel(target) as channel,
+    ):
+        yield pb_grpc.PredictionServiceStub(channel), predictor
 
 
 @contextlib.asynccontextmanager
 async def prediction_server(inference_target: str, model_repository: Path, crm_dir: Path, **overrides):
     """As :func:`prediction_service`, for callers with their own channel; yields (host:port, predictor)."""
     from mlpair.prediction.server import stop
-    from tests.support import start_prediction
     from mlpair.prediction.settings import PredictionSettings
+    from tests.support import start_prediction
 
     settings = PredictionSettings(**{
         "host": "127.0.0.1", "port": 0, "metrics_port": 0, "inference_target": inference_target,
@@ -79,8 +81,8 @@ async def replicas(nonfinite_repository, postgres_url, tmp_path_factory):
     InferenceService is unreachable (it can only fall back); the cache is off, so every answer
     comes from an Infer call. The model entry gives NaN logits for applicants of 95+
     (``tests.nonfinite``), the real model's for everyone else. Shared by C40–C42 and C43."""
-    from bench.pair import free_port
     from tests.e2e.replicas import cluster
+    from tests.support.pair import free_port
 
     async with cluster(tmp_path_factory.mktemp("replicas"), nonfinite_repository, postgres_url, replicas=2,
                        PREDICTION_CACHE_BACKEND="off", PREDICTION_METRICS_PORT=str(free_port()),
@@ -98,3 +100,16 @@ def ensemble_repository(credit_entry, tmp_path_factory) -> Path:
     for seed in ENSEMBLE_SEEDS:
         train_family(CREDIT_SCHEMA, root, dataclasses.replace(base, seed=seed), force=True, show_progress=False)
     return root
+
+
+@pytest.fixture(scope="module")
+async def inference(nonfinite_repository):
+    async with inference_service(nonfinite_repository) as target:
+        yield target
+
+
+@pytest.fixture(scope="module")
+async def prediction(inference, nonfinite_repository, tmp_path_factory):
+    async with prediction_service(inference, nonfinite_repository, tmp_path_factory.mktemp("isolation"),
+                                  cache_backend="off") as served:
+        yield served

@@ -11,19 +11,19 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass, field
-from datetime import timezone
+from datetime import UTC
 from pathlib import Path
 
 import grpc
 from sqlalchemy import func, make_url, select
 
-from bench.pair import Pair, Service, TcpProxy, free_port, pair
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import to_attributes
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import make_engine
 from mlpair.rpc import error_info
+from tests.support.pair import Pair, Service, TcpProxy, free_port, pair
 
 FAMILIES = json.dumps(["credit-risk", "churn"])
 
@@ -137,7 +137,7 @@ def contradicts(reply: pb.PredictResponse, row) -> list[str]:
         differences.append("probability")
     if list(reply.reason_codes) != json.loads(row.reason_codes):
         differences.append("reason_codes")
-    if row.decided_at is not None and reply.decided_at.ToDatetime() != row.decided_at.astimezone(timezone.utc).replace(tzinfo=None):
+    if row.decided_at is not None and reply.decided_at.ToDatetime() != row.decided_at.astimezone(UTC).replace(tzinfo=None):
         differences.append("decided_at")
     return differences
 

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from tests.e2e.conftest import crm_count, inference_service, prediction_service
-from tests.e2e.test_end_to_end import expected_probabilities
+from tests.support.e2e import expected_probabilities
 
 SMALL_BATCH = 20  # InferenceService's max_batch_size here; churn explanations need 19 rows
 
@@ -127,13 +127,15 @@ async def test_an_inference_failure_fails_only_the_items_of_that_call(model_repo
 
     only_credit = tmp_path / "models"
     shutil.copytree(model_repository / "credit-risk", only_credit / "credit-risk")
-    async with inference_service(only_credit) as target:
-        async with prediction_service(target, model_repository, tmp_path) as (stub, _):
-            reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
-                item("mixed-0", "a", credit_holdout.records[0]),
-                item("mixed-1", "b", churn_holdout.records[0], model_name="churn"),
-                item("mixed-2", "c", credit_holdout.records[1]),
-            ]))
+    async with (
+        inference_service(only_credit) as target,
+        prediction_service(target, model_repository, tmp_path) as (stub, _),
+    ):
+        reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+            item("mixed-0", "a", credit_holdout.records[0]),
+            item("mixed-1", "b", churn_holdout.records[0], model_name="churn"),
+            item("mixed-2", "c", credit_holdout.records[1]),
+        ]))
     assert [r.WhichOneof("outcome") for r in reply.results] == ["prediction", "error", "prediction"]
     assert reply.results[1].error.code == code_pb2.FAILED_PRECONDITION
 

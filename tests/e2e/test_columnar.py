@@ -16,7 +16,6 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import crm_count
-from tests.e2e.test_isolation import inference, prediction  # noqa: F401  (the same pair, cache off)
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "credit-risk"

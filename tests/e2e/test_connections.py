@@ -15,13 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.inference.settings import InferenceSettings
-from mlpair.rpc import LIVENESS
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.settings import PredictionSettings
+from mlpair.rpc import LIVENESS
 from tests.e2e.conftest import inference_service
 from tests.fault_support import eventually, free_port, health_of, prediction_service, prediction_settings
 from tests.inference.helpers import MODEL, copy_version, make_settings, running
-from tests.inference.test_lifecycle import slow
+from tests.support.inference import slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -21,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -181,10 +181,10 @@ async def test_c50_prediction_calls_across_the_drain_end_ok_or_unavailable_never
     totals: collections.Counter = collections.Counter()
     for _ in range(DRAINS):
         server, port, health, predictor = await start_prediction(settings)
-
-        async def drain() -> None:
-            await stop(server, health, predictor, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)
-
+        # this round's server, bound now: a closure over the loop variables would stop whichever
+        # server the loop last started
+        drain = functools.partial(stop, server, health, predictor, settings.shutdown_grace_s,
+                                  settings.shutdown_accept_ms / 1000)
         counts, odd = await back_to_back(port, predict, drain)
         assert odd == [] and counts["OK"] > 0 and counts["UNAVAILABLE/DRAINING"] > 0, f"{dict(counts)} {odd[:20]}"
         totals += counts

@@ -8,21 +8,19 @@ import json
 import shutil
 
 import grpc
-import numpy as np
-import onnxruntime as ort
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.contracts.manifest import ModelEntry
 from mlpair.client import to_attributes
+from mlpair.contracts.manifest import ModelEntry
+from mlpair.prediction.composition import build_components
 from mlpair.prediction.errors import InferenceContractError
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput
 from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.composition import build_components
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import crm_count, prediction_service
 from tests.support import CONFIG_DIR, defaulted, migrate_for
+from tests.support.e2e import expected_probabilities
 
 N_ENTITIES = 60
 
@@ -42,13 +40,6 @@ def families(credit_entry, credit_holdout, churn_entry, churn_holdout):
 def predict_request(request_id: str, entity_id: str, attributes: dict, model_name: str = "", **kw) -> pb.PredictRequest:
     return pb.PredictRequest(request_id=request_id, entity_id=entity_id, attributes=to_attributes(attributes),
                              model_name=model_name, **kw)
-
-
-def expected_probabilities(entry: ModelEntry, records: list[dict]) -> np.ndarray:
-    """What the served probability must be: assembly, ONNX Runtime and the manifest's calibration, offline."""
-    x = FeatureAssembler(entry.preprocessing).assemble_many(records)
-    logits = ort.InferenceSession(str(entry.model_path), providers=["CPUExecutionProvider"]).run(None, {"features": x})[0]
-    return entry.manifest.calibration.probabilities(logits, entry.manifest.positive_index)
 
 
 @pytest.mark.parametrize("family", ["credit-risk", "churn"])

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.client import to_attributes
+from mlpair.contracts.assembly import FeatureAssembler
 from tests.e2e.conftest import prediction_service
 
 

@@ -7,8 +7,7 @@ import pytest
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from tests.e2e.conftest import crm_count, prediction_service
-
-DEAD_INFERENCE = "127.0.0.1:1"  # nothing listens on port 1
+from tests.support.e2e import DEAD_INFERENCE
 
 
 @pytest.fixture(scope="module")

@@ -43,10 +43,9 @@ class InferenceProcess:
         self.process: subprocess.Popen | None = None
 
     async def start(self) -> None:
-        log = open(self.log_path, "a")
-        self.process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "inference"], env=self.env,
-                                        stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.log_path, "a") as log:  # the child holds its own descriptor
+            self.process = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "inference"], env=self.env,
+                                            stdout=log, stderr=subprocess.STDOUT)
 
         async def serving() -> bool:
             assert self.process.poll() is None, self.log_path.read_text()[-2000:]

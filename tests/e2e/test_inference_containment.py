@@ -29,12 +29,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.pair import free_port, pair
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.rpc import error_info
 from tests.e2e.replicas import crm_rows, request
 from tests.fault_support import eventually, faulty_inference, health_of, set_fault
+from tests.support.pair import free_port, pair
 
 pytestmark = pytest.mark.timeout(400)
 LOAD_S = float(os.environ.get("MLPAIR_CONTAINMENT_LOAD_S", "30"))

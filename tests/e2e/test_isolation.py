@@ -10,51 +10,28 @@ cases is a test with its exact count; the same isolation with several processes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import secrets
 
 import grpc
 import numpy as np
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.observability.tracing import build_tracer_provider
 from mlpair.client import to_attributes
+from mlpair.contracts.assembly import FeatureAssembler
 from tests import nonfinite
-from tests.e2e.conftest import crm_count, inference_service, prediction_service
+from tests.e2e.conftest import crm_count
 from tests.fault_support import inference_forwarder, prediction_settings
+from tests.support.e2e import big_tracestate, decided, traced_prediction, traceparent
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "credit-risk"
 
 
-@pytest.fixture(scope="module")
-async def inference(nonfinite_repository):
-    async with inference_service(nonfinite_repository) as target:
-        yield target
-
-
-@pytest.fixture(scope="module")
-async def prediction(inference, nonfinite_repository, tmp_path_factory):
-    async with prediction_service(inference, nonfinite_repository, tmp_path_factory.mktemp("isolation"),
-                                  cache_backend="off") as served:
-        yield served
-
-
 def item(request_id: str, record: dict, explain: bool = False) -> pb.PredictRequest:
     return pb.PredictRequest(request_id=request_id, entity_id=f"entity-{request_id}", model_name=MODEL,
                              attributes=to_attributes(record), explain=explain)
-
-
-def decided(reply: pb.PredictResponse) -> tuple:
-    """What must not depend on other callers: decision, probability (bit for bit), reasons, how served."""
-    return (reply.decision_label, reply.probability, list(reply.reason_codes), reply.model_version,
-            reply.fallback, reply.stale, reply.degraded_reason)
 
 
 def counted(name: str, **labels) -> float:
@@ -116,22 +93,6 @@ INFER = "/mlpair.inference.v1.InferenceService/Infer"
 MAX_INFER_METADATA_CHARS = 1500  # x-feature-version, traceparent, tracestate and baggage (512 each at most), x-request-id
 
 
-@contextlib.asynccontextmanager
-async def traced_prediction(settings):
-    from mlpair.prediction.server import stop
-    from tests.support import start_prediction
-
-    spans = InMemorySpanExporter()
-    provider = build_tracer_provider("mlpair-prediction", exporter=spans)
-    server, port, health, predictor = await start_prediction(settings, tracer_provider=provider)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.PredictionServiceStub(channel), predictor, provider, spans
-    finally:
-        await stop(server, health, predictor, 0)
-        provider.shutdown()
-
-
 @pytest.fixture(scope="module")
 async def hop(inference, nonfinite_repository, tmp_path_factory):
     """PredictionService (cache off, its own spans) → a recording forwarder → InferenceService.
@@ -143,16 +104,6 @@ async def hop(inference, nonfinite_repository, tmp_path_factory):
                                        inference_timeout_ms=10_000)
         async with traced_prediction(settings) as (stub, predictor, provider, spans):
             yield stub, predictor, provider, spans, forwarder
-
-
-def big_tracestate() -> str:
-    """32 members of 254 characters: 8,159 characters of tracestate, as the case sent."""
-    return ",".join(f"k{i:02d}=" + "v" * 250 for i in range(32))
-
-
-def traceparent() -> tuple[str, str, str]:
-    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
-    return f"00-{trace_id}-{parent_id}-01", trace_id, parent_id
 
 
 def transitions() -> float:

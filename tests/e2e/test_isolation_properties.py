@@ -26,14 +26,14 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import to_attributes
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.scoring.cache import cache_key
-from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import inference_service, prediction_service
-from tests.e2e.test_isolation import big_tracestate, decided, traceparent
 from tests.fault_support import inference_forwarder
 from tests.support import require_service
+from tests.support.e2e import big_tracestate, decided, traceparent
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "credit-risk"

@@ -8,7 +8,6 @@ import asyncio
 import math
 
 import asyncpg
-import numpy as np
 import pyarrow as pa
 import pytest
 from google.rpc import code_pb2
@@ -191,10 +190,10 @@ async def test_rows_inference_cannot_score_now_fail_alone_unrecorded_and_a_job_r
     """No fallback decision for a table's rows: with InferenceService down each row fails
     UNAVAILABLE (nothing recorded, so sending it again decides it), and a job's chunk raises
     RowsNotDecided, the retryable error its retries and reruns handle."""
-    from bench.pair import free_port
     from mlpair.client import PredictionClient
     from mlpair.jobs.chunks import RowsNotDecided, decide_chunk
     from tests.e2e.conftest import prediction_server
+    from tests.support.pair import free_port
 
     records = list(credit_holdout.records[50:60])
     ids = [f"cols-down-{i}" for i in range(len(records))]
@@ -211,10 +210,9 @@ async def test_rows_inference_cannot_score_now_fail_alone_unrecorded_and_a_job_r
 
         keyed = pa.table({"loan": [f"down-{i}" for i in range(len(records))],
                           **{name: [r.get(name) for r in records] for name in records[0]}})
-        with PredictionClient(target) as client:
-            with pytest.raises(RowsNotDecided) as raised:
-                await asyncio.to_thread(decide_chunk, client, keyed, job_id="cols-down-job", key_column="loan",
-                                        entity_column=None, model_name="credit-risk")
+        with PredictionClient(target) as client, pytest.raises(RowsNotDecided) as raised:
+            await asyncio.to_thread(decide_chunk, client, keyed, job_id="cols-down-job", key_column="loan",
+                                    entity_column=None, model_name="credit-risk")
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and raised.value.rows == len(records)
         await predictor.recorder.wait_delivered(10)
     assert await rows_on_record(postgres_url, "cols-down-") == (0, 0)

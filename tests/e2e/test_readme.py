@@ -100,7 +100,7 @@ async def test_mlpair_predict_refusals_are_one_line(prediction_target, capsys):
 
 
 def test_mlpair_predict_with_no_service_there_says_how_to_check(capsys):
-    from bench.pair import free_port
+    from tests.support.pair import free_port
 
     target = f"127.0.0.1:{free_port()}"
     args = ["predict", "--target", target, "--family", "credit-risk", "--entity-id", "a-1", "--attr", "Income=1"]

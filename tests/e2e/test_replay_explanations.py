@@ -10,7 +10,7 @@ from __future__ import annotations
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from tests.e2e.conftest import crm_count, prediction_service
-from tests.e2e.test_fallback import DEAD_INFERENCE
+from tests.support.e2e import DEAD_INFERENCE
 
 
 def item(request_id: str, record: dict, explain: bool) -> pb.PredictRequest:

@@ -24,9 +24,9 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from bench.pair import REPO, pair, scratch_postgres
 from mlpair.jobs.sources import asyncpg_dsn
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+from tests.support.pair import REPO, pair, scratch_postgres
 
 pytestmark = pytest.mark.timeout(240)
 ROWS = 20_000

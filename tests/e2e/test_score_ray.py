@@ -27,9 +27,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from bench.pair import REPO, free_port, pair, reachable, scratch_postgres
 from mlpair.jobs.sources import asyncpg_dsn
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+from tests.support.pair import REPO, free_port, pair, reachable, scratch_postgres
 
 pytestmark = pytest.mark.timeout(180)
 ROWS = 3_000

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import to_attributes
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import load_entry
-from mlpair.client import to_attributes
 from mlpair.prediction.families import ConfigurationError, ModelFamily
 from mlpair.prediction.policy import DecisionPolicy
 from tests.e2e.conftest import inference_service, prediction_service

@@ -1,6 +1,6 @@
 """Issue 36 C53: a Redis slower than the cache timeout opens no connection storm.
 
-The real Redis on 127.0.0.1:6379 sits behind a TCP proxy (``bench.pair.TcpProxy``) that holds
+The real Redis on 127.0.0.1:6379 sits behind a TCP proxy (``tests.support.pair.TcpProxy``) that holds
 every reply 80 ms, against PredictionService's 50 ms ``redis_timeout_ms``. A real PredictionService
 (in this process, Redis cache backend, in front of the session's InferenceService) takes 200
 concurrent Predict calls of distinct real applicants for a bounded time. The proxy counts the
@@ -18,11 +18,11 @@ import uuid
 import pytest
 from prometheus_client import REGISTRY
 
-from bench.pair import TcpProxy, credit_workload
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from tests.e2e.conftest import prediction_service
 from tests.support import require_service
+from tests.support.pair import TcpProxy, credit_workload
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 REDIS_DELAY_S = 0.080

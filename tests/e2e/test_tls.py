@@ -21,10 +21,9 @@ from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.client import PredictionClient, check_health, infer_logits
+from mlpair.client import PredictionClient, check_health, infer_logits, to_attributes
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.inference.settings import InferenceSettings
-from mlpair.client import to_attributes
 from mlpair.prediction.settings import PredictionSettings
 from mlpair.rpc import channel_credentials, open_channel
 from tests.e2e.conftest import inference_service
@@ -51,7 +50,7 @@ def _certificate(subject: str, key, issuer_name, issuer_key, *, ca: bool, sans=(
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -18,7 +18,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from mlpair.rpc import error_info
 from tests.e2e.conftest import prediction_service
-from tests.inference.test_oip import oip_request
+from tests.support.inference import oip_request
 
 pytestmark = pytest.mark.timeout(60)
 UNKNOWN_VARINT_99 = b"\x98\x06\x01"  # field 99, varint 1: no message of either service declares it

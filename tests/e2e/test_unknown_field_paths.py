@@ -19,7 +19,7 @@ from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.rpc import error_info
 from tests.e2e.replicas import request
-from tests.inference.test_oip import oip_request
+from tests.support.inference import oip_request
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,10 +14,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.pair import Service, free_port
 from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
-from tests.e2e.test_workers import OWN_CONNECTION, both_listening
+from tests.support.e2e import OWN_CONNECTION, both_listening
+from tests.support.pair import Service, free_port
 
 MODEL = "credit-risk"
 CALLS = 12

@@ -23,17 +23,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.pair import Service, free_port, pair
 from mlpair.api.inference.v1 import inference_service_pb2 as ipb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as ipb_grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as ppb_grpc
 from tests.e2e.replicas import crm_rows, request
+from tests.support.e2e import OWN_CONNECTION, both_listening, listeners
+from tests.support.pair import Service, free_port, pair
 
 MODEL = "credit-risk"
 GRACE_S = 10.0
 CHANNELS = 12  # fresh connections: the kernel spreads them over the workers (all on one: 2**-11)
-# a channel of its own per connection: gRPC would otherwise share one connection among channels to one target
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def metric_sum(metrics_port: int, name: str, **labels: str) -> float:
@@ -41,26 +40,6 @@ def metric_sum(metrics_port: int, name: str, **labels: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def listeners(supervisor: int, port: int) -> dict[int, int]:
-    """Processes under ``supervisor`` (itself included) listening on ``port`` → their connections on it."""
-    found = {}
-    root = psutil.Process(supervisor)
-    for process in (root, *root.children()):
-        connections = getattr(process, "net_connections", process.connections)(kind="tcp")
-        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections):
-            found[process.pid] = sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port for c in connections)
-    return found
-
-
-def both_listening(supervisor: int, port: int, timeout_s: float = 60.0) -> list[int]:
-    """The two workers' PIDs once both listen (SERVING through one does not mean the other has bound)."""
-    deadline = time.monotonic() + timeout_s
-    while len(found := listeners(supervisor, port)) < 2:
-        assert time.monotonic() < deadline, f"workers listening: {found}"
-        time.sleep(0.1)
-    return list(found)
 
 
 def free_within(port: int, seconds: float) -> int | None:

@@ -24,10 +24,10 @@ import pytest
 import yaml
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from bench.pair import pair
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as ppb_grpc
 from tests.e2e.replicas import request
-from tests.e2e.test_workers import listeners
+from tests.support.e2e import listeners
+from tests.support.pair import pair
 
 SIDECARS = Path(__file__).resolve().parents[2] / "deploy" / "istio" / "sidecars.yaml"
 WORKERS = 3

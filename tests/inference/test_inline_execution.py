@@ -16,9 +16,8 @@ import pytest
 from mlpair.inference.batcher import DynamicBatcher
 from mlpair.inference.errors import ModelFailure
 from mlpair.inference.runtimes.onnx import OnnxRuntime
-
 from tests.inference.helpers import MODEL, make_settings, running
-from tests.inference.test_lifecycle import slow
+from tests.support.inference import slow
 
 
 @pytest.mark.parametrize("overrides, factory, inline", [

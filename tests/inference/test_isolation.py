@@ -23,11 +23,9 @@ from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.rpc import error_info
-
 from tests import nonfinite
 from tests.inference.helpers import MODEL, channel_to, make_settings, running
-from tests.inference.test_oip import oip_logits, oip_request
-from tests.inference.test_server import logits_of, request
+from tests.support.inference import logits_of, oip_logits, oip_request, request
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,42 +25,13 @@ from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.contracts.manifest import ManifestError
-from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.server import start
 from mlpair.startup import StartupError
-
 from tests.inference.helpers import MODEL, channel_to, copy_version, make_settings, running
-from tests.inference.test_versions import corrupt_model_file
+from tests.support.inference import SlowRuntime, corrupt_model_file, slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class SlowRuntime:
-    """The real runtime, slowed down: a slow model to load and/or to run."""
-
-    def __init__(self, inner, run_s: float) -> None:
-        self.inner, self.run_s = inner, run_s
-        self.description, self.platform = inner.description, inner.platform
-        self.calls = 0
-
-    def run(self, x: np.ndarray) -> np.ndarray:
-        self.calls += 1
-        time.sleep(self.run_s)
-        return self.inner.run(x)
-
-    def device_memory_bytes(self):
-        return None
-
-
-def slow(load_s: float = 0.0, run_s: float = 0.0, made: list | None = None):
-    def factory(entry, settings):
-        time.sleep(load_s)
-        runtime = SlowRuntime(create_runtime(entry, settings), run_s)
-        if made is not None:
-            made.append(runtime)
-        return runtime
-    return factory
 
 
 def request(x: np.ndarray) -> pb.InferRequest:
@@ -111,8 +82,11 @@ async def test_c12_not_ready_until_a_slow_load_and_its_warm_up_have_finished(cre
 async def test_c12_a_model_that_fails_to_load_never_reports_ready(credit_entry, tmp_path):
     corrupt_model_file(copy_version(credit_entry.path, tmp_path, "1"))
     async with running(make_settings(tmp_path), load=False) as srv, channel_to(srv) as ch:
-        with pytest.raises(Exception):
+        # start-up raises the runtime's own load error as is (ONNX Runtime's InvalidProtobuf here);
+        # the hashes are consistent, so it is not the manifest check that refuses
+        with pytest.raises(Exception) as raised:  # noqa: B017
             await srv.load()
+        assert not isinstance(raised.value, ManifestError)
         assert await readiness(ch) == (NOT_SERVING, NOT_SERVING, True, False, False)
         index = await oip_grpc.GRPCInferenceServiceStub(ch).RepositoryIndex(oip.RepositoryIndexRequest())
         assert [(m.version, m.state) for m in index.models] == [("1", "UNAVAILABLE")]

@@ -20,42 +20,8 @@ from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.rpc import error_info
-
-from tests.inference.helpers import MODEL, channel_to, expect_error, make_settings, running
-
-Tensor = oip.ModelInferRequest.InferInputTensor
-
-
-def oip_request(x: np.ndarray | None = None, *, feature_version: str | None = None, datatype: str = "FP32",
-                shape=None, raw: bytes | None = None, name: str = "features", **kw) -> oip.ModelInferRequest:
-    params = {"x-feature-version": oip.InferParameter(string_param=feature_version)} if feature_version else {}
-    shape = list(x.shape) if shape is None else shape
-    raw = x.tobytes() if raw is None else raw
-    return oip.ModelInferRequest(model_name=MODEL, inputs=[Tensor(name=name, datatype=datatype, shape=shape)],
-                                 raw_input_contents=[raw], parameters=params, **kw)
-
-
-def oip_logits(reply: oip.ModelInferResponse) -> np.ndarray:
-    out = reply.outputs[0]
-    assert (out.name, out.datatype) == ("logits", "FP32")
-    return np.frombuffer(reply.raw_output_contents[0], dtype="<f4").reshape(tuple(out.shape))
-
-
-@pytest.fixture(scope="module")
-async def server(model_repository):
-    async with running(make_settings(model_repository, max_batch_size=64, max_queue_delay_ms=2)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-async def channel(server):
-    async with channel_to(server) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def stub(channel):
-    return oip_grpc.GRPCInferenceServiceStub(channel)
+from tests.inference.helpers import MODEL, expect_error
+from tests.support.inference import Tensor, oip_logits, oip_request
 
 
 async def own_api_logits(channel, x: np.ndarray, feature_version: str) -> np.ndarray:

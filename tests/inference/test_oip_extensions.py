@@ -13,10 +13,8 @@ from prometheus_client import REGISTRY
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.rpc import error_info
-
 from tests.inference.helpers import MODEL, channel_to, expect_error, gated, make_settings, running, wait_for
-from tests.inference.test_oip import oip_logits, oip_request
-from tests.inference.test_oip_stream import with_parameter
+from tests.support.inference import oip_logits, oip_request, with_parameter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,17 +13,10 @@ from prometheus_client import REGISTRY
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.rpc import error_info
-
 from tests.inference.helpers import MODEL, channel_to, gated, make_settings, running, wait_for
-from tests.inference.test_oip import channel, oip_logits, oip_request, server, stub  # noqa: F401 (fixtures)
+from tests.support.inference import oip_logits, oip_request, with_parameter
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def with_parameter(request: oip.ModelInferRequest, key: str, **value) -> oip.ModelInferRequest:
-    """``request`` with one more request parameter, e.g. ``with_parameter(r, "timeout", int64_param=50)``."""
-    request.parameters[key].CopyFrom(oip.InferParameter(**value))
-    return request
 
 
 def cancelled_count(version: str = "1") -> float:

@@ -13,7 +13,6 @@ from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from mlpair.inference.runtimes import create_runtime
 from mlpair.inference.runtimes.onnx import OnnxRuntime, choose_providers
 from mlpair.startup import StartupError
-
 from tests.inference.helpers import MODEL, channel_to, make_settings, running
 
 torch = pytest.importorskip("torch")

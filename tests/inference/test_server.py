@@ -18,23 +18,11 @@ from mlpair.api.inference.v1 import inference_service_pb2 as pb
 from mlpair.api.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from mlpair.inference.converters import feature_version as read_feature_version
 from mlpair.rpc import error_info
-
 from tests.inference.helpers import MODEL, VERSION_HEADER, channel_to, expect_error, make_settings, running
+from tests.support.inference import logits_of, request, tensor
 
 MAX_BATCH = 64
 MAX_REQUEST_ROWS = 12_000
-
-
-def tensor(x: np.ndarray, data_type=pb.DATA_TYPE_FP32) -> pb.Tensor:
-    return pb.Tensor(data_type=data_type, shape=x.shape, content=x.tobytes())
-
-
-def request(x: np.ndarray, **kw) -> pb.InferRequest:
-    return pb.InferRequest(model_name=MODEL, inputs=tensor(np.ascontiguousarray(x, dtype=np.float32)), **kw)
-
-
-def logits_of(reply: pb.InferResponse) -> np.ndarray:
-    return np.frombuffer(reply.logits.content, dtype="<f4").reshape(tuple(reply.logits.shape))
 
 
 @pytest.fixture(scope="module")

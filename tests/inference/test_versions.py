@@ -4,7 +4,6 @@ a version switch under load that loses nothing, and a failed load that never tur
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import grpc
@@ -15,11 +14,10 @@ from pydantic import ValidationError
 
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.oip import grpc_predict_v2_pb2_grpc as oip_grpc
-from mlpair.contracts.manifest import file_sha256
 from mlpair.inference.repository import VersionPolicy
 from mlpair.rpc import error_info
-
 from tests.inference.helpers import MODEL, channel_to, copy_version, expect_error, make_settings, running
+from tests.support.inference import corrupt_model_file
 
 Tensor = oip.ModelInferRequest.InferInputTensor
 
@@ -33,14 +31,6 @@ def infer_request(x: np.ndarray, feature_version: str, model: str = MODEL, versi
 
 def logits(reply: oip.ModelInferResponse) -> np.ndarray:
     return np.frombuffer(reply.raw_output_contents[0], dtype="<f4").reshape(tuple(reply.outputs[0].shape))
-
-
-def corrupt_model_file(entry_dir) -> None:
-    """Makes the ONNX file unloadable while keeping the entry's hashes consistent (a real failed load)."""
-    (entry_dir / "model.onnx").write_bytes(b"this is not an ONNX model")
-    manifest = json.loads((entry_dir / "manifest.json").read_text())
-    manifest["model_sha256"] = file_sha256(entry_dir / "model.onnx")
-    (entry_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("text,available,selected", [

@@ -101,10 +101,10 @@ class PairProcesses:
         return ticks / os.sysconf("SC_CLK_TCK")
 
     def _spawn(self, args: list[str], name: str) -> None:
-        log = open(self.workdir / f"{name}.log", "ab")
         # cwd outside the repository, so `mlpair` resolves through PYTHONPATH or the installed tree.
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "mlpair.cli", *args], cwd=self.workdir,
-                                           env=self.env, stdout=log, stderr=log))
+        with open(self.workdir / f"{name}.log", "ab") as log:  # the child holds its own descriptor
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "mlpair.cli", *args], cwd=self.workdir,
+                                               env=self.env, stdout=log, stderr=log))
 
     def __exit__(self, *exc) -> None:
         for proc in reversed(self.procs):

@@ -25,9 +25,9 @@ from tests.support import CONFIG_DIR
 async def pair(model_repository, tmp_path_factory):
     from mlpair.inference.server import start as start_inference
     from mlpair.inference.settings import InferenceSettings
-    from tests.support import start_prediction
     from mlpair.prediction.server import stop as stop_prediction
     from mlpair.prediction.settings import PredictionSettings
+    from tests.support import start_prediction
 
     inference_spans, prediction_spans = InMemorySpanExporter(), InMemorySpanExporter()
     inference_provider = build_tracer_provider("mlpair-inference", exporter=inference_spans)

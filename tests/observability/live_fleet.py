@@ -29,11 +29,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.pair import Service, TcpProxy, free_port, pair
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import to_attributes
 from tests.observability.prometheus_server import Target
+from tests.support.pair import Service, TcpProxy, free_port, pair
 
 MODEL = "credit-risk"
 NAMESPACE = "mlpair"

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.pair import free_port
 from tests.support import REPO_ROOT
+from tests.support.pair import free_port
 
 RULES = REPO_ROOT / "deploy" / "observability" / "prometheus" / "rules.yaml"
 _DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
@@ -130,12 +130,12 @@ class PrometheusServer:
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
 
     def start(self, timeout_s: float = 30.0) -> None:
-        log = open(self.workdir / "prometheus.log", "w")
-        self.process = subprocess.Popen(
-            [str(self.binary), f"--config.file={self.workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        with open(self.workdir / "prometheus.log", "w") as log:  # the child holds its own descriptor
+            self.process = subprocess.Popen(
+                [str(self.binary), f"--config.file={self.workdir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
+                 "--storage.tsdb.retention.time=1h", "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -67,10 +67,10 @@ def rules() -> list[dict]:
 def exported() -> set[str]:
     """Every series name the two services' metrics modules can export (inference_*, prediction_*),
     and those a batch-scoring job reports (inference_job_*, mlpair.jobs.metrics)."""
-    import mlpair.inference.metrics  # noqa: F401  (registers the metrics)
-    import mlpair.prediction.metrics  # noqa: F401
     from prometheus_client import REGISTRY
 
+    import mlpair.inference.metrics  # noqa: F401  (registers the metrics)
+    import mlpair.prediction.metrics  # noqa: F401
     from mlpair.jobs.metrics import registry_for
     from mlpair.jobs.state import JobState
 

@@ -32,8 +32,8 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from tests import nonfinite
 from tests.e2e.conftest import inference_service
-from tests.e2e.test_isolation import traced_prediction
 from tests.fault_support import inference_forwarder, prediction_settings
+from tests.support.e2e import traced_prediction
 
 pytestmark = pytest.mark.timeout(300)
 EXAMPLES = int(os.environ.get("MLPAIR_FUZZ_EXAMPLES", "40"))

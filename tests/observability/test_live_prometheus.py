@@ -28,17 +28,37 @@ import uuid
 import pytest
 import yaml
 
-from bench.pair import scratch_postgres
 from mlpair import demo
 from tests.observability import canary_analysis as ca
-from tests.observability.live_fleet import HASHES, MODEL, NAMESPACE, Fleet, Traffic, model_repository, \
-    near_threshold_applications
-from tests.observability.live_scenario import RANGE_FLOOR_MS, SCRAPE_S, TIME_FACTOR, Expect, PhaseRecord, \
-    Scenario, follow_alerts
-from tests.observability.prometheus_server import RULES, PrometheusServer, duration_ms, production_expr, \
-    prometheus_binary, scaled_rules
+from tests.observability.live_fleet import (
+    HASHES,
+    MODEL,
+    NAMESPACE,
+    Fleet,
+    Traffic,
+    model_repository,
+    near_threshold_applications,
+)
+from tests.observability.live_scenario import (
+    RANGE_FLOOR_MS,
+    SCRAPE_S,
+    TIME_FACTOR,
+    Expect,
+    PhaseRecord,
+    Scenario,
+    follow_alerts,
+)
+from tests.observability.prometheus_server import (
+    RULES,
+    PrometheusServer,
+    duration_ms,
+    production_expr,
+    prometheus_binary,
+    scaled_rules,
+)
 from tests.observability.promql_usage import uses
 from tests.support import CREDIT_SCHEMA, POSTGRES_HOST, POSTGRES_PORT, REPO_ROOT, require_service
+from tests.support.pair import scratch_postgres
 
 pytestmark = pytest.mark.timeout(900)
 

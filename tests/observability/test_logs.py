@@ -20,7 +20,7 @@ async def test_every_line_carries_layer_trace_span_request_and_model_version(pai
     lines = await pair.settled_log_lines()
     assert lines, "DEBUG is on for mlpair: each call writes its lines"
     for line in lines:
-        assert CONTEXT_FIELDS <= set(line), line
+        assert set(line) >= CONTEXT_FIELDS, line
         assert len(line["trace_id"]) == 32 and len(line["span_id"]) == 16
         assert line["request_id"] == "logs-1"
         assert line["model_version"] == credit_entry.manifest.model_version

@@ -9,8 +9,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mlpair import logs
-from mlpair.observability.propagation import (MAX_LIST_CHARS, Caller, incoming, outgoing, trim_list,
-                                              trimmed_carrier)
+from mlpair.observability.propagation import MAX_LIST_CHARS, Caller, incoming, outgoing, trim_list, trimmed_carrier
 
 pytestmark = pytest.mark.timeout(60)
 

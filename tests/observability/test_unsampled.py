@@ -57,9 +57,11 @@ def test_a_lone_traceparent_is_read_as_the_w3c_propagator_reads_it(header):
 def test_an_unsampled_outgoing_call_continues_the_trace_with_a_new_span():
     provider = build_tracer_provider("mlpair-test")
     tracer = provider.get_tracer("test")
-    with tracer.start_as_current_span("server") as server:
-        with CallTracer(provider).call("svc", "Infer", (("x-feature-version", "v1"),)) as metadata:
-            pass
+    with (
+        tracer.start_as_current_span("server") as server,
+        CallTracer(provider).call("svc", "Infer", (("x-feature-version", "v1"),)) as metadata,
+    ):
+        pass
     sent = dict(metadata)
     parent = server.get_span_context()
     version, trace_id, span_id, flags = sent["traceparent"].split("-")

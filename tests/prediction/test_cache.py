@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.contracts.target import ModelTarget
-from mlpair.prediction.scoring.cache import (MemoryCache, NullCache, RedisCache, Source, cache_key, cache_keys)
 from mlpair.client import to_attributes
+from mlpair.contracts.target import ModelTarget
+from mlpair.prediction.scoring.cache import MemoryCache, NullCache, RedisCache, Source, cache_key, cache_keys
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.factory import wire_scorer
 from mlpair.prediction.scoring.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
@@ -283,8 +283,8 @@ async def test_every_entry_read_from_redis_is_checked_and_a_poisoned_one_is_a_co
     miss (inference is called), counted by cause, never served — not even stale — and never an error."""
     import struct
 
-    from mlpair.prediction.scoring.backends import MAX_VALUE_BYTES
     from mlpair.prediction.errors import InferenceUnavailable
+    from mlpair.prediction.scoring.backends import MAX_VALUE_BYTES
 
     cache, clock = redis_cache
     rows = np.stack([ROW + i for i in range(8)])

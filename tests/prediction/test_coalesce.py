@@ -15,15 +15,21 @@ import numpy as np
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client import to_attributes
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.target import ModelTarget
-from mlpair.prediction.scoring.coalescer import InferenceCoalescer
-from mlpair.client import to_attributes
 from mlpair.prediction.errors import DeadlineTooShort, InferenceTimeout, InferenceUnavailable
 from mlpair.prediction.scoring.client import InferenceClient
-from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
-from tests.e2e.test_end_to_end import expected_probabilities
+from mlpair.prediction.scoring.coalescer import InferenceCoalescer
+from mlpair.prediction.scoring.resilience import (
+    CircuitBreaker,
+    CircuitState,
+    DeadlineBudget,
+    ResilientCaller,
+    RetryPolicy,
+)
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
+from tests.support.e2e import expected_probabilities
 
 LONG_S = 30.0  # a max delay or model delay no test waits out: only the behaviour under test ends the wait
 

@@ -26,10 +26,9 @@ import grpc
 import pytest
 from sqlalchemy import make_url, text
 
-from bench.pair import reachable
-
 from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.records import StoredDecision, decision_id_for
+from tests.support.pair import reachable
 
 
 def decision(request_id: str) -> StoredDecision:
@@ -84,7 +83,7 @@ def pgbouncer_binary() -> Path:
 def pgbouncer_url(postgres_url, tmp_path):
     """The test database's URL through a PgBouncer of this test's own (transaction mode, a free
     127.0.0.1 port, its configuration in ``tmp_path``), stopped by its PID afterwards."""
-    from bench.pair import free_port
+    from tests.support.pair import free_port
 
     binary, target, port = pgbouncer_binary(), make_url(postgres_url), free_port()
     folder = tmp_path / "pgbouncer"
@@ -100,8 +99,8 @@ def pgbouncer_url(postgres_url, tmp_path):
         "auth_type = any\npool_mode = transaction\ndefault_pool_size = 8\nmax_client_conn = 200\n")
     ini.chmod(0o644)
     as_user = ["-u", "nobody"] if os.geteuid() == 0 else []  # PgBouncer refuses to run as root
-    log = open(tmp_path / "pgbouncer.log", "w")
-    process = subprocess.Popen([str(binary), *as_user, str(ini)], stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / "pgbouncer.log", "w") as log:  # the child holds its own descriptor
+        process = subprocess.Popen([str(binary), *as_user, str(ini)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
         while not reachable("127.0.0.1", port):
@@ -115,7 +114,6 @@ def pgbouncer_url(postgres_url, tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
-        log.close()
 
 
 def refusal(command: list[str], env: dict[str, str]) -> tuple[int, list[str], float]:
@@ -129,7 +127,7 @@ def refusal(command: list[str], env: dict[str, str]) -> tuple[int, list[str], fl
 @pytest.mark.timeout(120)
 def test_c58_a_pooler_that_loses_prepared_statements_is_refused_at_start(model_repository, postgres_url,
                                                                          pgbouncer_url, tmp_path) -> None:
-    from bench.pair import free_port, pair
+    from tests.support.pair import free_port, pair
 
     pair(tmp_path, model_repository, crm_url=postgres_url).migrate()  # as the pre-deploy job does, directly
     p = pair(tmp_path, model_repository, crm_url=pgbouncer_url, prediction_env={"PREDICTION_CACHE_BACKEND": "off"})
@@ -157,9 +155,9 @@ CALLS = 60
 @pytest.mark.timeout(180)
 def test_c58_with_the_statement_caches_off_every_predict_is_recorded_behind_the_pooler(
         model_repository, credit_holdout, postgres_url, pgbouncer_url, tmp_path) -> None:
-    from bench.pair import pair
     from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as ppb_grpc
     from tests.e2e.replicas import crm_rows, request
+    from tests.support.pair import pair
 
     pair(tmp_path, model_repository, crm_url=postgres_url).migrate()
     p = pair(tmp_path, model_repository, crm_url=pgbouncer_url, prediction_env={

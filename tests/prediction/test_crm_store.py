@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC
 
 import pytest
 from sqlalchemy import inspect, text
 
-from mlpair.prediction.crm.migrate import current_revision
 from mlpair.prediction.crm.codecs import to_row
+from mlpair.prediction.crm.migrate import current_revision
 from mlpair.prediction.crm.store import CrmStore, make_engine
 from mlpair.prediction.records import StoredDecision, decision_id_for
 
@@ -105,9 +106,9 @@ async def test_a_batch_with_some_rows_already_delivered_inserts_only_the_rest(st
 
 def varied_decisions(prefix: str) -> list[StoredDecision]:
     """Decisions with every kind of value a column holds: None, non-ASCII, empty, fallback."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
-    at = datetime(2026, 11, 30, 4, 35, 43, 123456, tzinfo=timezone.utc)
+    at = datetime(2026, 11, 30, 4, 35, 43, 123456, tzinfo=UTC)
     return [StoredDecision(decision_id_for(f"{prefix}{i}"), f"{prefix}{i}", f"entité-{i}", "credit-risk",
                            "1+2" if i % 3 else "", "credit-risk/v1", "policy/v2",
                            None if i % 7 == 0 else (i / 49) ** 0.37, "REVIEW", ("A", "B_ü") if i % 2 else (),

@@ -27,10 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.pair import pair, running
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.contracts.schema import FeatureSchema
 from tests.support import CHURN_SCHEMA, CREDIT_SCHEMA
+from tests.support.pair import pair, running
 
 EXAMPLES = int(os.environ.get("MLPAIR_FUZZ_EXAMPLES", "30"))
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # PredictionService's default max_message_bytes
@@ -72,9 +72,8 @@ def served(model_repository, postgres_url, tmp_path_factory):
     families = json.dumps(["credit-risk", "churn"])
     services = pair(tmp_path_factory.mktemp("fuzz"), model_repository, crm_url=postgres_url,
                     prediction_env={"PREDICTION_MODELS": families}, inference_env={"INFERENCE_MODELS": families})
-    with running(services):
-        with grpc.insecure_channel(services.prediction.address) as channel:
-            yield services, channel
+    with running(services), grpc.insecure_channel(services.prediction.address) as channel:
+        yield services, channel
 
 
 @pytest.fixture(scope="module")

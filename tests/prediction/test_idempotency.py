@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,7 +166,7 @@ def test_fingerprints_of_rows_with_different_attributes_are_each_rows_own(record
 def test_floats_of_every_form_are_fingerprinted_as_the_json_encoder_writes_them() -> None:
     """Whole numbers, short decimals at every scale, random bit patterns and the shortest-repr
     edge cases: a batch's fragments (``float.__repr__``) give the canonical JSON's fingerprints."""
-    from tests.prediction.test_packed import float_sweep
+    from tests.support.ledger import float_sweep
 
     values = float_sweep(3, 3000)
     for start in range(0, len(values), 500):

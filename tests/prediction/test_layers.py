@@ -16,7 +16,7 @@ import functools
 
 import pytest
 
-from tests.test_structure import import_graph, import_time_imports, product_modules
+from tests.support.source import import_graph, import_time_imports, product_modules
 
 pytestmark = pytest.mark.timeout(60)
 

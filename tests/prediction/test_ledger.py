@@ -9,32 +9,28 @@ import dataclasses
 import logging
 import sqlite3
 import uuid
+from datetime import UTC
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import make_url
 
-from bench.pair import scratch_postgres
+from mlpair.prediction.crm import codecs
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.crm.relay import LedgerRelay
-from mlpair.prediction.crm import codecs
 from mlpair.prediction.crm.store import CrmStore
-from mlpair.prediction.records import StoredDecision, decision_id_for, decision_ids_for
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.records import StoredDecision, decision_id_for, decision_ids_for
 from tests.fault_support import TcpProxy, eventually
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision
+from tests.support.pair import scratch_postgres
 
 ENGINES = ["sqlite", "postgresql"]
-SLOW_MACHINE_S = 15.0  # statement timeout outside the fault tests: a loaded 2-core CI machine must not time out
-
-
-def decision(request_id: str, probability: float = 0.2, decision: str = "APPROVE") -> StoredDecision:
-    return StoredDecision("", request_id, "e", "credit-risk", "1", "credit-risk/v1", "policy/v1", probability,
-                          decision, ("LOW_DEFAULT_RISK",))
 
 
 @dataclasses.dataclass
@@ -213,18 +209,6 @@ async def test_a_postgresql_ledger_without_its_schema_refuses_to_open(fresh_data
     with pytest.raises(SchemaNotReady, match="mlpair migrate"):
         await ledger.open()
     await ledger.close()
-
-
-async def crm_rows(crm: CrmStore, request_ids: list[str]) -> tuple[int, int]:
-    from sqlalchemy import func, select
-
-    from mlpair.prediction.crm.models import DecisionRecord
-
-    async with crm.engine.connect() as conn:
-        total, distinct = (await conn.execute(
-            select(func.count(), func.count(func.distinct(DecisionRecord.request_id)))
-            .where(DecisionRecord.request_id.in_(request_ids)))).one()
-    return total, distinct
 
 
 @pytest.mark.parametrize("fresh_database", ["postgresql"], indirect=True)  # a server behind a TCP proxy
@@ -451,19 +435,19 @@ def test_decision_id_values_are_the_ones_ledgers_hold():
 
 
 def test_a_stored_decision_serialises_every_field():
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    d = dataclasses.replace(decision("every-field"), decision_id="d", decided_at=datetime(2026, 1, 2, tzinfo=timezone.utc),
+    d = dataclasses.replace(decision("every-field"), decision_id="d", decided_at=datetime(2026, 1, 2, tzinfo=UTC),
                             served_from="stale_cache", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN")
     assert codecs.from_json(codecs.to_json(d)) == d
     assert set(codecs.to_row(d)) == {f.name for f in dataclasses.fields(StoredDecision)}
 
 
 async def test_every_field_survives_the_ledger(ledger):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     d = dataclasses.replace(decision("round-trip", probability=None, decision="REVIEW"), decision_id="d-1",
-                            decided_at=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc),
+                            decided_at=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC),
                             served_from="fallback", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN",
                             reason_codes=("INFERENCE_UNAVAILABLE", "INCOME_MISSING_DEFAULTED"))
     await record(ledger, d, "fingerprint-1")

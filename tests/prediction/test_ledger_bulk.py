@@ -4,25 +4,24 @@ per request id, replays and repeats answered as the group commit answers them, e
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
-from bench.pair import scratch_postgres
 from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.records import DecisionColumns, RecordedBatch
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.recorder import DecisionRecorder
-from mlpair.prediction.records import decision_id_for
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.records import DecisionColumns, RecordedBatch, decision_id_for
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+from tests.support.pair import scratch_postgres
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def columns(request_ids: list[str], fingerprint: str = "fp", decision: str = "APPROVE") -> DecisionColumns:
     n = len(request_ids)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     return DecisionColumns(
         list(request_ids), [decision_id_for(r) for r in request_ids], [f"e-{r}" for r in request_ids],
         ["credit-risk"] * n, ["1"] * n, ["credit-risk/v1"] * n, ["policy/v1"] * n,

@@ -18,7 +18,6 @@ from alembic import command
 from prometheus_client import REGISTRY
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from bench.pair import scratch_postgres
 from mlpair.prediction.crm import ledger_sql
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.codecs import CRM_COLUMNS
@@ -28,9 +27,10 @@ from mlpair.prediction.crm.models import LEDGER_SCHEMA
 from mlpair.prediction.crm.packed import SEP
 from mlpair.prediction.crm.relay import LedgerRelay
 from mlpair.prediction.crm.store import CrmStore
-from tests.prediction.test_ledger import SLOW_MACHINE_S, crm_rows, decision
 from tests.fault_support import eventually
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision
+from tests.support.pair import scratch_postgres
 
 
 @pytest.fixture
@@ -308,9 +308,8 @@ async def test_the_previous_release_s_relay_delivers_its_rows_and_after_the_hand
     rollout it delivers the rows its release recorded and leaves this release's alone; after a
     rollback, ``mlpair migrate --hand-back-outbox`` gives it what waited in the outbox, and every
     decision is in the CRM exactly once."""
-    from bench.pair import previous_release
-    from tests.prediction.test_migrate import mlpair_cli
-    from tests.prediction.test_relay_process import relay_process
+    from tests.support.ledger import mlpair_cli, relay_process
+    from tests.support.pair import previous_release
 
     if (release := previous_release(tmp_path / "previous", LEDGER_0001_RELEASE)) is None:
         if os.environ.get("CI") == "true":

@@ -19,8 +19,8 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from tests.e2e.test_end_to_end import expected_probabilities
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
+from tests.support.e2e import expected_probabilities
 
 HOLD_S = 0.3  # the forwarder's delay: how long the first batch keeps the next calls queued
 TIMEOUT_S = 20.0
@@ -54,16 +54,18 @@ async def test_concurrent_predicts_are_decided_as_one_batch_each_as_if_alone(
         inference_server, model_repository, credit_entry, credit_holdout, tmp_path):
     records = credit_holdout.records[:7]
     bad = dict(records[6], **{next(iter(records[6])): "not a number"})  # a value no conversion accepts
-    async with inference_forwarder(inference_server) as (target, forwarder):
-        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _):
-            before = merged()
-            first = await hold_first_batch(stub, forwarder, records[0])
-            calls = [stub.Predict(predict(f"m-{i}", records[i]), timeout=TIMEOUT_S) for i in range(1, 6)]
-            calls.append(stub.Predict(predict("m-bad", bad), timeout=TIMEOUT_S))
-            outcomes = await asyncio.gather(first, *calls, return_exceptions=True)
-            after = merged()
-            ledger = predictor.recorder.ledger
-            on_record = [await ledger.find(rid) for rid in ["first", *(f"m-{i}" for i in range(1, 6)), "m-bad"]]
+    async with (
+        inference_forwarder(inference_server) as (target, forwarder),
+        prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _),
+    ):
+        before = merged()
+        first = await hold_first_batch(stub, forwarder, records[0])
+        calls = [stub.Predict(predict(f"m-{i}", records[i]), timeout=TIMEOUT_S) for i in range(1, 6)]
+        calls.append(stub.Predict(predict("m-bad", bad), timeout=TIMEOUT_S))
+        outcomes = await asyncio.gather(first, *calls, return_exceptions=True)
+        after = merged()
+        ledger = predictor.recorder.ledger
+        on_record = [await ledger.find(rid) for rid in ["first", *(f"m-{i}" for i in range(1, 6)), "m-bad"]]
     # two batches: the first call alone, then the six that queued behind it
     assert (after[0] - before[0], after[1] - before[1]) == (2, 7)
     # the five good calls' rows went out as one Infer call
@@ -83,14 +85,16 @@ async def test_concurrent_predicts_are_decided_as_one_batch_each_as_if_alone(
 async def test_two_concurrent_calls_with_one_request_id_never_share_a_batch_and_get_one_decision(
         inference_server, model_repository, credit_holdout, tmp_path):
     record = credit_holdout.records[1]
-    async with inference_forwarder(inference_server) as (target, forwarder):
-        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _):
-            before = merged()
-            first = await hold_first_batch(stub, forwarder, credit_holdout.records[0])
-            same = [stub.Predict(predict("same-id", record), timeout=TIMEOUT_S) for _ in range(2)]
-            replies = await asyncio.gather(first, *same)
-            after = merged()
-            recorded = await predictor.recorder.ledger.find("same-id")
+    async with (
+        inference_forwarder(inference_server) as (target, forwarder),
+        prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _),
+    ):
+        before = merged()
+        first = await hold_first_batch(stub, forwarder, credit_holdout.records[0])
+        same = [stub.Predict(predict("same-id", record), timeout=TIMEOUT_S) for _ in range(2)]
+        replies = await asyncio.gather(first, *same)
+        after = merged()
+        recorded = await predictor.recorder.ledger.find("same-id")
     # the repeated id sent the queue ahead of it: three batches of one
     assert (after[0] - before[0], after[1] - before[1]) == (3, 3)
     a, b = replies[1], replies[2]
@@ -102,20 +106,22 @@ async def test_two_concurrent_calls_with_one_request_id_never_share_a_batch_and_
 async def test_a_caller_that_leaves_a_merged_batch_takes_only_its_item(
         inference_server, model_repository, credit_holdout, tmp_path):
     records = credit_holdout.records
-    async with inference_forwarder(inference_server) as (target, forwarder):
-        async with prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _):
-            first = await hold_first_batch(stub, forwarder, records[0])
-            calls = {rid: stub.Predict(predict(rid, records[i]), timeout=TIMEOUT_S)
-                     for i, rid in enumerate(["stay-1", "leave", "stay-2"], start=1)}
-            await first
-            while forwarder.calls < 2:  # the batch of three is in its (held) Infer call
-                await asyncio.sleep(0.005)
-            calls["leave"].cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await calls["leave"]
-            stayed = [await calls["stay-1"], await calls["stay-2"]]
-            ledger = predictor.recorder.ledger
-            gone, kept = await ledger.find("leave"), [await ledger.find(r) for r in ("stay-1", "stay-2")]
+    async with (
+        inference_forwarder(inference_server) as (target, forwarder),
+        prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _),
+    ):
+        first = await hold_first_batch(stub, forwarder, records[0])
+        calls = {rid: stub.Predict(predict(rid, records[i]), timeout=TIMEOUT_S)
+                 for i, rid in enumerate(["stay-1", "leave", "stay-2"], start=1)}
+        await first
+        while forwarder.calls < 2:  # the batch of three is in its (held) Infer call
+            await asyncio.sleep(0.005)
+        calls["leave"].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await calls["leave"]
+        stayed = [await calls["stay-1"], await calls["stay-2"]]
+        ledger = predictor.recorder.ledger
+        gone, kept = await ledger.find("leave"), [await ledger.find(r) for r in ("stay-1", "stay-2")]
     assert forwarder.rows == [1, 3]
     assert forwarder.cancelled == 0  # the shared Infer call went on for the callers still waiting
     assert gone is None

@@ -20,22 +20,16 @@ import grpc
 import pytest
 from sqlalchemy import make_url
 
-from bench import pair as harness
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import to_attributes
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.migrate import SchemaNotReady
 from tests.fault_support import free_port, prediction_service, prediction_settings
+from tests.support import pair as harness
+from tests.support.ledger import mlpair_cli
 
 pytestmark = pytest.mark.timeout(180)
-def mlpair_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
-               pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, **(env or {})}
-    if pythonpath is not None:
-        environment["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([sys.executable, "-m", "mlpair.cli", *args], capture_output=True, text=True, timeout=120,
-                          env=environment, cwd=cwd)
 
 
 def as_user(url: str, user: str) -> str:
@@ -67,8 +61,8 @@ def serving_role(fresh_postgres):
 
 @pytest.fixture
 def fresh_postgres():
-    from bench.pair import scratch_postgres
     from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+    from tests.support.pair import scratch_postgres
 
     require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
     with scratch_postgres(prefix="mlpair_migrate") as url:
@@ -137,7 +131,7 @@ async def test_the_serving_role_decides_but_cannot_change_any_schema(
 
 
 def previous_release(tmp_path: Path) -> Path:
-    """The previous release's code from git history (see :func:`bench.pair.previous_release`)."""
+    """The previous release's code from git history (see :func:`tests.support.pair.previous_release`)."""
     if (release := harness.previous_release(tmp_path / "previous")) is None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"git history with {harness.PREVIOUS_RELEASE} is needed to run the previous release's code")
@@ -158,9 +152,9 @@ async def test_the_previous_release_runs_against_this_schema_beside_this_release
            "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{tmp_path / 'old-outbox.sqlite'}",
            "PREDICTION_MODEL_REPOSITORY": str(model_repository), "PREDICTION_CONFIG_DIR": str(release / "source" / "config"),
            "PYTHONPATH": str(release / "package")}
-    log = open(tmp_path / "previous-release.log", "w")
-    old = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "prediction"], env={**os.environ, **env},
-                           stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    with open(tmp_path / "previous-release.log", "w") as log:  # the child holds its own descriptor
+        old = subprocess.Popen([sys.executable, "-m", "mlpair.cli", "serve", "prediction"], env={**os.environ, **env},
+                               stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         from mlpair.rpc import wait_until_serving
 
@@ -196,8 +190,8 @@ async def test_import_outbox_brings_the_previous_release_decisions_into_the_ledg
     replay, the undelivered ones are delivered by this release's relay."""
     import sqlite3
 
-    from mlpair.prediction.crm.ledger import open_ledger
     from mlpair.prediction.crm.codecs import to_json
+    from mlpair.prediction.crm.ledger import open_ledger
     from mlpair.prediction.records import StoredDecision
 
     outbox = tmp_path / "outbox.sqlite"

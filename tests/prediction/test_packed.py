@@ -7,15 +7,12 @@ at all, cannot be packed; what a comprehension would refuse is refused.
 
 from __future__ import annotations
 
-import math
-import random
-import struct
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlpair.prediction.crm import packed
+from tests.support.ledger import float_sweep
 
 awkward_texts = st.one_of(
     st.text(max_size=12), st.sampled_from(['"', "\\", "\x00", "\x1f", "\x7f", "\u2028", 'é"\\n', "\b\f\n\r\t", "😀"])
@@ -51,25 +48,6 @@ def test_a_packed_column_refuses_what_the_comprehension_refuses() -> None:
         packed.pack_column(["x"], [0], "float8")
     with pytest.raises(IndexError):
         packed.pack_column(["a"], [1], "text")
-
-
-def float_sweep(seed: int, n: int) -> list[float]:
-    """Finite floats of every form: whole numbers, short decimals at every scale, random doubles
-    and bit patterns, and the neighbours of the shortest repr's edge cases."""
-    r = random.Random(seed)
-    edges = [1e-4, 1e15, 1e14, 0.1, 1.0, 0.3, 999999999999999.0, 123456789012345.0, 5e-324, 1.7976931348623157e308]
-    makers = [
-        lambda: float(r.randint(-(10**15), 10**15)),
-        lambda: round(r.uniform(-1e6, 1e6), r.randrange(0, 8)),
-        lambda: r.randint(1, 10 ** r.randint(1, 15)) / 10 ** r.randint(0, 19),
-        lambda: float(f"{r.randint(1, 10**15 - 1)}e{r.randint(-22, 3)}"),
-        lambda: r.random() * 10 ** r.randint(-6, 17),
-        lambda: struct.unpack("<d", struct.pack("<Q", r.getrandbits(64)))[0],
-        lambda: math.nextafter(r.choice(edges), r.choice([0.0, math.inf])) * r.choice([1, -1]),
-        lambda: r.choice(edges) * r.choice([1, -1]),
-    ]
-    values = (r.choice(makers)() for _ in range(n))
-    return [v for v in values if math.isfinite(v)] + [0.0, -0.0, 0.1 + 0.2, 1 / 3, 9.999999999999999e-05]
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -12,26 +12,24 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, make_url, select
 
-from bench.pair import scratch_postgres
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from mlpair.prediction.crm.admin import migrate
 from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import CrmStore
-from tests.fault_support import TcpProxy, eventually, free_port, health_of, prediction_service, prediction_settings
-from tests.prediction.test_ledger import SLOW_MACHINE_S, crm_rows, decision
-from tests.support import POSTGRES_HOST, POSTGRES_PORT, REPO_ROOT, require_service
+from tests.fault_support import TcpProxy, eventually, health_of, prediction_service, prediction_settings
+from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
+from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision, relay_process
+from tests.support.pair import scratch_postgres
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 pytestmark = pytest.mark.timeout(60)
@@ -50,39 +48,6 @@ async def postgres(fresh_postgres):
     """The fresh database, migrated: the ledger (schema ``prediction``) and the CRM in one."""
     await migrate(fresh_postgres, fresh_postgres)
     return fresh_postgres
-
-
-@contextlib.asynccontextmanager
-async def relay_process(ledger_url: str, crm_url: str, *, pythonpath: Path | None = None, **settings: str):
-    """A ``mlpair relay`` subprocess until its health port reports ready; yields (process, health
-    address, metrics URL). Killed by its PID on the way out if it is still running. With
-    ``pythonpath``, the ``mlpair`` package there runs (another release's code)."""
-    port, metrics_port = free_port(), free_port()
-    env = {**os.environ, "PREDICTION_LEDGER_URL": ledger_url, "PREDICTION_CRM_URL": crm_url,
-           "PREDICTION_HOST": "127.0.0.1", "PREDICTION_RELAY_PORT": str(port),
-           "PREDICTION_RELAY_METRICS_PORT": str(metrics_port), "PREDICTION_RELAY_POLL_MS": "50",
-           "PREDICTION_LOG_LEVEL": "WARNING", **{f"PREDICTION_{k.upper()}": v for k, v in settings.items()}}
-    flags = []
-    if pythonpath is not None:  # -P: the repository's own mlpair (the working directory) not first
-        env["PYTHONPATH"], flags = str(pythonpath), ["-P"]
-    process = subprocess.Popen([sys.executable, *flags, "-m", "mlpair.cli", "relay"], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    address = f"127.0.0.1:{port}"
-    try:
-        async def ready() -> bool:
-            if process.poll() is not None:
-                pytest.fail(f"mlpair relay exited with {process.returncode}: {process.stderr.read().decode()[-2000:]}")
-            with contextlib.suppress(Exception):
-                return await health_of(address, "") == SERVING
-            return False
-
-        await eventually(ready, timeout_s=30)
-        yield process, address, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
-        await asyncio.to_thread(process.wait, 10)
-        process.stderr.close()
 
 
 async def sigterm(process: subprocess.Popen, timeout_s: float = 15) -> int:

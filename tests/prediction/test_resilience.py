@@ -18,7 +18,13 @@ from mlpair.prediction.errors import (
     InferenceUnavailable,
 )
 from mlpair.prediction.pipeline import PredictInput
-from mlpair.prediction.scoring.resilience import CircuitBreaker, CircuitState, DeadlineBudget, ResilientCaller, RetryPolicy
+from mlpair.prediction.scoring.resilience import (
+    CircuitBreaker,
+    CircuitState,
+    DeadlineBudget,
+    ResilientCaller,
+    RetryPolicy,
+)
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
 from tests.support import migrate_for
 

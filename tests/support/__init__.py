@@ -1,19 +1,30 @@
-"""Paths and small helpers shared by tests (fixtures live in conftest.py files)."""
+"""Paths and small helpers shared by tests (fixtures live in conftest.py files).
+
+The package holds every helper more than one test module uses; a test module imports from here
+(or from its folder's conftest.py for fixtures), never from another test module, and never from
+``bench/`` (``tests/test_structure.py`` checks both):
+
+* :mod:`tests.support.pair` — both services as real processes, scratch PostgreSQL databases,
+  a cuttable TCP proxy, the credit-risk workload (the benchmarks use it too).
+* :mod:`tests.support.source` — the product's modules and import graph, read with ``ast``.
+* :mod:`tests.support.inference` — InferenceService requests and replies, slow and broken models.
+* :mod:`tests.support.ledger` — decisions, CRM rows and the relay as a process.
+* :mod:`tests.support.e2e` — expected probabilities, trace headers, worker listeners.
+"""
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "config"
 CREDIT_SCHEMA = CONFIG_DIR / "credit-risk" / "feature-schema.toml"
 CHURN_SCHEMA = CONFIG_DIR / "churn" / "feature-schema.toml"
 
-import os
-import socket
-
 # Tests never use PostgreSQL's `test` database directly: each session creates its own
-# throw-away database (the `postgres_url` fixture, bench.pair.scratch_postgres), so parallel
+# throw-away database (the `postgres_url` fixture, tests.support.pair.scratch_postgres), so parallel
 # runs and schema changes never collide.
 POSTGRES_HOST, POSTGRES_PORT = "127.0.0.1", 5432
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "config"
 MODEL = "credit-risk"
 SCHEMA = CONFIG_DIR / MODEL / "feature-schema.toml"
