@@ -9,7 +9,7 @@ MODEL_REPOSITORY ?= var/models
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 
-.PHONY: venv tools protos protos-baseline train demo lint test bench bench-inference bench-predict gpu-check soak clean
+.PHONY: venv tools protos protos-baseline train demo lint test test-fast bench bench-inference bench-predict gpu-check soak clean
 
 venv: $(STAMP)
 
@@ -69,11 +69,12 @@ $(VENV)/bin/promtool $(VENV)/bin/prometheus: | $(STAMP)
 $(VENV)/bin/pgbouncer: | $(STAMP)
 	bash tests/fetch-pgbouncer.sh $@
 
-# ruff (lint and format check) and mypy on the product packages. mypy reads the package as it
+# ruff's lint on the product, the tests and the benchmarks (pyproject.toml says which rules where),
+# its format check on the product only, and mypy on the product. mypy reads the package as it
 # imports (mlpair.inference is services/inference, …), so it runs in a tree of links to the folders.
 TYPECHECK_TREE := var/typecheck
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mlpair services training
+	$(VENV)/bin/ruff check mlpair services training tests bench
 	$(VENV)/bin/ruff format --check mlpair services training
 	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/mlpair
 	for f in mlpair/*; do ln -s "$$PWD/$$f" $(TYPECHECK_TREE)/mlpair/; done
@@ -84,6 +85,14 @@ lint: $(STAMP)
 
 test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus $(VENV)/bin/pgbouncer lint
 	$(PY) -m pytest -q
+
+# Unit tests only (under a minute): the modules that start no process, no server and no database —
+# the contracts, the prediction wing's pure stages, job chunking and the structure checks. No lint.
+FAST_TESTS := tests/contracts tests/test_structure.py tests/jobs/test_chunks.py \
+	$(addprefix tests/prediction/test_,calibration.py checks.py columns.py explain.py idempotency.py \
+	layers.py packed.py policy.py scorer.py)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(FAST_TESTS)
 
 # Benchmark (not a test): InferenceService side by side with PyTriton, tritonserver + Python backend,
 # MLServer and KServe (each in its own pinned venv under var/bench/venvs, installed on first run),
