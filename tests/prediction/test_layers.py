@@ -82,7 +82,8 @@ def test_the_scoring_package_holds_the_request_path_and_its_docstring_gives_the_
     modules = {name for name in product_modules() if name == SCORING or name.startswith(SCORING + ".")}
     assert modules == {
         SCORING,
-        *(f"{SCORING}.{m}" for m in ("backends", "cache", "client", "coalescer", "factory", "resilience", "rows", "scorer")),
+        *(f"{SCORING}.{m}" for m in ("backends", "cache", "client", "coalescer", "factory", "keys", "resilience", "rows",
+                                     "scorer")),
     }
     doc = ast.get_docstring(tree(SCORING)) or ""
     steps = [doc.find(f"**{layer}**") for layer in ("cache", "coalescer", "resilience", "inference client")]
@@ -148,7 +149,7 @@ def test_the_feature_version_key_is_spelled_once_in_the_product():
         (f"{SCORING}.client", "InferenceClient.infer"),
         (f"{SCORING}.coalescer", "InferenceCoalescer.infer"),
         (f"{SCORING}.cache", "CachedInference.score"),
-        (f"{SCORING}.cache", "cache_key"),
+        (f"{SCORING}.keys", "cache_key"),
     ],
 )
 def test_scoring_signatures_take_one_model_target(module, name):

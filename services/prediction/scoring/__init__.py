@@ -2,7 +2,7 @@
 
 A request's rows go, in this order, through:
 
-1. **cache** (:mod:`.cache`, backends in :mod:`.backends`): a fresh entry per row is served
+1. **cache** (:mod:`.cache`, backends in :mod:`.backends`, keys in :mod:`.keys`): a fresh entry per row is served
    without calling inference; concurrent misses for one row share one flight (single-flight), and
    a stale entry stands in when inference cannot be used;
 2. **coalescer** (:mod:`.coalescer`): the flights of concurrent requests for one
@@ -12,7 +12,8 @@ A request's rows go, in this order, through:
 4. **inference client** (:mod:`.client`): the gRPC call to InferenceService, its failures
    turned into this service's typed errors.
 
-:mod:`.factory` builds that chain once (:func:`~.factory.build_scorer`), each layer injected into
-the one before it. :mod:`.scorer` packs a call's groups into such calls per model version and
+:mod:`.factory` builds that chain once (:func:`~.factory.build_scorer`, under the client
+:func:`~.factory.build_inference_client` makes), each layer injected into the one before it; a
+table's rows (PredictColumns) skip the cache (:meth:`.cache.CachedInference.score_uncached`). :mod:`.scorer` packs a call's groups into such calls per model version and
 calibrates the logits ``[rows, n_classes] float32`` row by row.
 """
