@@ -64,10 +64,16 @@ def data_type_name(value: int) -> str:
 
 
 def tensor_in(tensor: pb.Tensor) -> TensorIn:
+    """The request's input tensor, not yet validated: its data type name (``"FP32"``, ``""`` when
+    unspecified), shape and raw content bytes, which stay a reference to the message's bytes.
+    """
     return TensorIn(data_type_name(tensor.data_type), tuple(tensor.shape), tensor.content)
 
 
 def infer_response(result: InferResult) -> pb.InferResponse:
+    """``result``'s logits ``[batch, n_classes]`` as one FP32 tensor of little-endian bytes, plus one
+    row error (``NON_FINITE_OUTPUT``) per row ``result.invalid_rows`` names.
+    """
     logits = result.logits
     response = pb.InferResponse(
         model_name=result.model_name,
@@ -84,6 +90,9 @@ def _spec(spec: TensorSpec) -> pb.TensorSpec:
 
 
 def metadata_response(model: ServedVersion, available: list[str]) -> pb.ModelMetadataResponse:
+    """A ``ModelMetadataResponse`` for ``model``: its manifest's tensors and version triple, the
+    runtime's description and ``available`` (the versions serving, ascending).
+    """
     manifest = model.entry.manifest
     triple = manifest.versions
     return pb.ModelMetadataResponse(
@@ -161,6 +170,7 @@ def oip_feature_version(request: oip.ModelInferRequest, metadata) -> str | None:
 
 
 def oip_requested_outputs(request: oip.ModelInferRequest) -> tuple[str, ...]:
+    """The output names the request asks for, in order; empty means every output."""
     return tuple(o.name for o in request.outputs)
 
 
@@ -191,6 +201,10 @@ def oip_infer_response(result: InferResult, request_id: str, raw: bool = True) -
 
 
 def oip_metadata_response(model: ServedVersion, available: list[str]) -> oip.ModelMetadataResponse:
+    """An OIP ``ModelMetadataResponse`` for ``model``: its tensors (data types as OIP names them,
+    shapes as the manifest gives them, ``-1`` for a dynamic dimension), the runtime's platform and
+    ``available`` versions.
+    """
     manifest = model.entry.manifest
 
     def spec(s: TensorSpec) -> oip.ModelMetadataResponse.TensorMetadata:
@@ -206,6 +220,9 @@ def oip_metadata_response(model: ServedVersion, available: list[str]) -> oip.Mod
 
 
 def oip_index_response(statuses: list[VersionStatus], ready_only: bool) -> oip.RepositoryIndexResponse:
+    """A ``RepositoryIndexResponse`` with one entry per version in ``statuses`` (name, version,
+    state, reason); only those in state ``READY`` when ``ready_only``.
+    """
     return oip.RepositoryIndexResponse(
         models=[
             oip.RepositoryIndexResponse.ModelIndex(name=s.name, version=s.version, state=s.state, reason=s.reason)

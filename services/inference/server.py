@@ -108,10 +108,21 @@ class InferenceServer:
         await self.server.start()
 
     async def load(self) -> None:
-        """Loads and warms every model; readiness follows.
+        """Loads, verifies and warms every model to serve, then starts the GPU signals; readiness
+        follows. The first failure stops the load and is raised as it came (nothing turns ready;
+        the failed version is UNAVAILABLE in the repository index, with the reason).
 
         Raises:
-            ManifestError, InferenceError: a model cannot be served (nothing turns ready).
+            StartupError: the model repository is missing or empty, a model to serve has no trained
+                version, or CUDA was asked for and is not active.
+            ManifestError: an entry's manifest, version triple or file hashes are inconsistent.
+            InferenceError: a model to serve has no version the policy selects (ModelNotFound), or
+                a version failed to load or warm up in a way the service checks (ModelLoadFailed:
+                no file for the runtime, a node that would fall back to the CPU on CUDA, unusable
+                warm-up logits).
+            Exception: anything the runtime's own library raises while loading or running the
+                model, not wrapped: a corrupt model file comes out as ONNX Runtime's own error
+                (``InvalidProtobuf``, for instance) or PyTorch's.
         """
         await self.engine.start()
         self.gpu = await start_gpu_signals(self.engine, self.settings)
@@ -162,7 +173,8 @@ async def start(
     ``tracer_provider``: where spans go (None = the global one, set in ``main()``).
 
     Raises:
-        ManifestError, InferenceError: a model cannot be loaded (the server is stopped first).
+        StartupError, ManifestError, InferenceError, or the runtime library's own error: a model
+            cannot be loaded, as :meth:`InferenceServer.load` raises it (the server is stopped first).
     """
     server = InferenceServer(settings, runtime_factory, tracer_provider=tracer_provider)
     await server.start()

@@ -61,6 +61,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.engine = engine
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> pb.InferResponse:
+        """Raw logits ``[batch, n_classes]`` FP32 for ``request.inputs`` ``[batch, n_features]`` FP32.
+
+        The feature version is read from the ``x-feature-version`` metadata and the deadline from the
+        call; the engine validates the tensor and the version contract before any compute.
+
+        Raises:
+            InvalidInput: the metadata key was sent twice with different values (counted here as a
+                refused call), or the tensor's dtype, shape, byte size or values (NaN, Inf) are invalid.
+            Draining, ModelNotFound, ModelNotReady, ModelUnhealthy, FeatureVersionMismatch, QueueFull,
+                DeadlineExpired, ModelFailure: as :meth:`InferenceEngine.infer` raises them.
+        """
         try:
             feature_version = converters.feature_version(context.invocation_metadata())
             tensor = converters.tensor_in(request.inputs)
@@ -80,6 +91,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadataResponse:
+        """The serving version's manifest (inputs, outputs, version triple), runtime and available versions.
+
+        Raises:
+            ModelNotFound, ModelNotReady: ``request.model_name`` (at ``model_version``, empty = the
+                highest) is not serving.
+        """
         model = self.engine.model(request.model_name, request.model_version)
         return converters.metadata_response(model, self.engine.repository.serving()[request.model_name])
 
@@ -103,27 +120,54 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             self.server_version = "unknown"
 
     async def ServerLive(self, request, context) -> oip.ServerLiveResponse:
+        """Live while the process answers, until a sticky CUDA error has lost the device."""
         return oip.ServerLiveResponse(live=self.engine.live())
 
     async def ServerReady(self, request, context) -> oip.ServerReadyResponse:
+        """Ready while every expected model is serving (loaded and warmed up) and no server-level problem
+        (such as a lost device) is recorded; false while loading, and from the start of a drain."""
         return oip.ServerReadyResponse(ready=self.engine.ready())
 
     async def ModelReady(self, request: oip.ModelReadyRequest, context) -> oip.ModelReadyResponse:
+        """Whether ``request.name`` (``request.version``, empty = any) is serving and healthy, and the
+        server is not draining."""
         return oip.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context) -> oip.ServerMetadataResponse:
+        """The server's name, package version and OIP extensions (``model_repository`` only with
+        ``model_control=explicit``).
+        """
         extensions = (
             [*EXTENSIONS, "model_repository"] if self.engine.settings.model_control == "explicit" else EXTENSIONS
         )
         return oip.ServerMetadataResponse(name=SERVER_NAME, version=self.server_version, extensions=extensions)
 
     async def ModelMetadata(self, request: oip.ModelMetadataRequest, context) -> oip.ModelMetadataResponse:
+        """The serving version's platform, input and output tensor metadata, and the versions serving.
+
+        Raises:
+            ModelNotFound, ModelNotReady: ``request.name`` (at ``request.version``, empty = the
+                highest) is not serving.
+        """
         model = self.engine.model(request.name, request.version)
         return converters.oip_metadata_response(model, self.engine.repository.serving()[request.name])
 
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
+        """Raw logits ``[batch, n_classes]`` FP32 as one output for the request's one FP32 input.
+
+        ``x-feature-version`` comes from the request parameters or the metadata; the call's deadline,
+        or a ``timeout`` parameter, bounds it. The logits are raw little-endian bytes unless the request
+        asks for typed contents (``binary_data_output``, or the output's ``binary_data``, false).
+
+        Raises:
+            UnsupportedParameter: a parameter this server does not implement, or one of the wrong type.
+            InvalidInput: not exactly one input, raw and typed contents together, an unknown output, or
+                a feature version that is not a string or disagrees between parameter and metadata.
+            Draining, ModelNotFound, ModelNotReady, ModelUnhealthy, FeatureVersionMismatch, QueueFull,
+                DeadlineExpired, ModelFailure: as :meth:`InferenceEngine.infer` raises them.
+        """
         return await self._infer(request, context.invocation_metadata(), converters.deadline(context))
 
     async def ModelStreamInfer(
@@ -170,18 +214,38 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         return oip_extensions.infer_response(result, request.id, options)
 
     async def ModelConfig(self, request: oip.ModelConfigRequest, context) -> oip.ModelConfigResponse:
+        """The serving version's configuration: tensors, platform and batching settings.
+
+        Raises:
+            ModelNotFound, ModelNotReady: the model (version) is not serving.
+        """
         model = self.engine.model(request.name, request.version)
         return oip_extensions.config_response(model, self.engine.settings, model.batcher.executes_inline)
 
     async def ModelStatistics(self, request: oip.ModelStatisticsRequest, context) -> oip.ModelStatisticsResponse:
+        """Per-version inference counts and durations for every model (empty name), every version of
+        ``request.name`` (empty version), or that one version.
+
+        Raises:
+            ModelNotFound, ModelNotReady: the named model, or that version of it, is not serving.
+        """
         return oip_extensions.statistics_response(self.engine.versions(request.name, request.version))
 
     async def RepositoryIndex(self, request: oip.RepositoryIndexRequest, context) -> oip.RepositoryIndexResponse:
+        """Every version the server has tried to load, with its state and reason; only those READY
+        when ``request.ready``."""
         return converters.oip_index_response(self.engine.repository.index(), request.ready)
 
     async def RepositoryModelLoad(
         self, request: oip.RepositoryModelLoadRequest, context
     ) -> oip.RepositoryModelLoadResponse:
+        """(Re)loads ``request.model_name`` from the repository per the version policy.
+
+        Raises:
+            ModelControlDisabled: the server runs without ``model_control=explicit``.
+            ModelNotFound: the policy selects no version on disk.
+            ModelLoadFailed: a wanted version failed to load (the previous versions keep serving).
+        """
         self._require_explicit_control()
         await self.engine.repository.load_model(request.model_name)
         return oip.RepositoryModelLoadResponse()
@@ -189,6 +253,12 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(
         self, request: oip.RepositoryModelUnloadRequest, context
     ) -> oip.RepositoryModelUnloadResponse:
+        """Retires every version of ``request.model_name``; requests already queued finish first.
+
+        Raises:
+            ModelControlDisabled: the server runs without ``model_control=explicit``.
+            ModelNotFound: the model is not loaded.
+        """
         self._require_explicit_control()
         await self.engine.repository.unload_model(request.model_name)
         return oip.RepositoryModelUnloadResponse()

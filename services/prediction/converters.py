@@ -63,6 +63,11 @@ def batch_inputs(request: pb.BatchPredictRequest, deadline: float | None = None)
 
 
 def predict_response(result: PredictionResult) -> pb.PredictResponse:
+    """``result`` as a ``PredictResponse``: the recorded decision (its label, and the wire enum where
+    the enum names that label), reason codes, calibrated probability, the versions that decided it,
+    how it was served (cache, stale cache with its age in ms, fallback, replayed), its decision time,
+    and any warnings and explanation.
+    """
     s = result.stored
     response = pb.PredictResponse(
         request_id=s.request_id,

@@ -211,6 +211,9 @@ class DriftMonitors:
 
     @classmethod
     def for_entries(cls, entries: Mapping[str, ModelEntry], config: DriftConfig) -> DriftMonitors:
+        """One monitor per model entry, each with its own manifest as the reference for features and
+        score, and no shared signals (the static gauges are not set).
+        """
         return cls({name: DriftMonitor(entry, config) for name, entry in entries.items()})
 
     @classmethod
@@ -278,6 +281,7 @@ class DriftMonitors:
             self._task = asyncio.create_task(loop(), name="drift-evaluation")
 
     async def stop(self) -> None:
+        """Cancels the periodic evaluation started by :meth:`start` and waits for it to end; no-op when none runs."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -40,10 +40,12 @@ class ModelVersion:
 
     @property
     def version(self) -> str:
+        """The pinned model version's name, e.g. ``"3"``, as its manifest gives it."""
         return self.entry.manifest.model_version
 
     @classmethod
     def of(cls, entry: ModelEntry) -> ModelVersion:
+        """The version ``entry`` holds, with a calibrator that applies its manifest's calibration."""
         return cls(entry, Calibrator(entry.manifest))
 
 
@@ -65,10 +67,12 @@ class ModelFamily:
     # Cached: read several times per decision, and the fields they derive from never change.
     @functools.cached_property
     def name(self) -> str:
+        """The family's model name (``credit-risk``, ``churn``), as the pinned version's manifest gives it."""
         return self.entry.manifest.model_name
 
     @functools.cached_property
     def schema(self) -> FeatureSchema:
+        """The feature schema the pinned version's preprocessing was built on; it reads every request."""
         return self.entry.preprocessing.feature_schema
 
     @functools.cached_property
@@ -78,6 +82,7 @@ class ModelFamily:
 
     @functools.cached_property
     def feature_version(self) -> str:
+        """The feature schema version InferenceService is asked to check (``x-feature-version``)."""
         return self.entry.manifest.versions.feature_schema_version
 
     def target(self, model: ModelVersion) -> ModelTarget:
@@ -86,6 +91,7 @@ class ModelFamily:
 
     @functools.cached_property
     def is_ensemble(self) -> bool:
+        """Whether more than one member decides (their calibrated probabilities averaged)."""
         return len(self.members) > 1
 
     @functools.cached_property

@@ -38,12 +38,24 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         self.max_chunk_rows = max_chunk_rows
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
+        """Decides one request (or returns the decision on record for its ``request_id``).
+
+        Raises:
+            PredictionError: as :meth:`Predictor.predict` raises it (invalid request, unknown model,
+                reused idempotency key, InferenceService refused or failed, ledger unavailable); the
+                guard turns it into the call's status with its ErrorInfo.
+        """
         result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
         return converters.predict_response(result)
 
     async def BatchPredict(
         self, request: pb.BatchPredictRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchPredictResponse:
+        """Decides each item of a batch; every item gets its own response or error status, in order.
+
+        Raises:
+            InvalidRequest: more items than ``max_batch_items`` (nothing is decided).
+        """
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)
 

@@ -157,4 +157,5 @@ class OnnxRuntime:
         return self._session.run([self._output], {self._input: features})[0]
 
     def device_memory_bytes(self) -> int | None:
+        """Always None: ONNX Runtime reports no device memory per session."""
         return None  # ONNX Runtime exposes no per-session device memory figure

@@ -154,6 +154,11 @@ class TorchRuntime:
             return self._module(x).float().cpu().numpy()
 
     def device_memory_bytes(self) -> int | None:
+        """Bytes PyTorch's CUDA allocator holds on this runtime's device, or None on CPU.
+
+        The figure is the whole process's on that device (every model and buffer allocated there), not
+        this model's alone.
+        """
         if self.device.type != "cuda":
             return None
         return int(self._torch.cuda.memory_allocated(self.device))

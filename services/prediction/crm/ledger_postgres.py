@@ -170,12 +170,19 @@ class PostgresLedger(ledger.DecisionLedger):
             self.reachable = False  # not ready until a probe reaches it
 
     async def close(self) -> None:
+        """Waits for pending group commits, then closes the connection pool."""
         await super().close()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
 
     async def find(self, request_id: str) -> Recorded | None:
+        """The decision on record for ``request_id`` (``replayed`` True), or None; one indexed read.
+
+        Raises:
+            asyncpg.PostgresError, OSError, TimeoutError: the ledger did not answer (no free
+                connection within ``timeout_s`` included).
+        """
         async with self._connection() as conn:
             row = await conn.fetchrow(SELECT_RECORDED, [request_id])
         return None if row is None else ledger.on_record(row, _same)
@@ -228,6 +235,9 @@ class PostgresLedger(ledger.DecisionLedger):
         return int(count), float(age_s)
 
     async def probe(self) -> bool:
+        """Whether a read of the ledger table succeeds now (any failure is False, never raised);
+        sets :attr:`reachable`.
+        """
         try:
             async with self._connection() as conn:
                 await conn.execute(f"SELECT 1 FROM {TABLE} WHERE false")
@@ -238,6 +248,10 @@ class PostgresLedger(ledger.DecisionLedger):
         return True
 
     async def hand_back_outbox(self) -> int:
+        """Moves every decision waiting in the outbox back to the per-row work list (undelivered again),
+        100 outbox rows per statement up to the newest present when called, so an older release's relay,
+        which reads only the per-row list, delivers them. Returns how many decisions were handed back.
+        """
         handed = 0
         async with self._connection() as conn:
             last = await conn.fetchval(f"SELECT max(id) FROM {OUTBOX}")
@@ -249,6 +263,10 @@ class PostgresLedger(ledger.DecisionLedger):
         return handed
 
     async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
+        """Adds ``decisions`` recorded elsewhere (an old outbox, the CRM) in one statement, with an
+        empty fingerprint; request ids already on record are left alone. ``delivered`` marks the added rows
+        delivered now (the CRM has them already). Returns how many were added.
+        """
         rows = [ledger.row_values(d, "", _same) for d in map(ledger.complete, decisions)]
         async with self._connection() as conn:
             status = await conn.execute(IMPORT, *_columns(rows), delivered)

@@ -67,9 +67,16 @@ class SqliteLedger(ledger.DecisionLedger):
         self._conn: sqlite3.Connection | None = None
 
     async def open(self) -> None:
+        """Opens the ledger file in WAL mode with the configured ``synchronous`` level and checks its schema.
+
+        Raises:
+            SchemaNotReady: no file at the path, or it lacks the table or columns this release uses
+                (run ``mlpair migrate`` with the same ledger URL).
+        """
         await self._run(self._open)
 
     async def close(self) -> None:
+        """Waits for pending group commits, closes the connection and lets its worker thread end."""
         await super().close()
         if self._conn is not None:
             await self._run(self._conn.close)
@@ -77,11 +84,19 @@ class SqliteLedger(ledger.DecisionLedger):
         self._executor.shutdown(wait=False)
 
     async def find(self, request_id: str) -> Recorded | None:
+        """The decision on record for ``request_id`` (``replayed`` True), or None."""
         row = await self._run(self._one, f"{_SELECT} WHERE request_id = ?", (request_id,))
         return None if row is None else ledger.on_record(row, datetime.fromisoformat)
 
     @contextlib.asynccontextmanager
     async def claim(self, limit: int) -> AsyncIterator[ledger.Claimed]:
+        """Leases up to ``limit`` undelivered decisions, lowest ``seq`` first, that no other relay
+        holds (``lease_until`` unset or past), for ``LEASE_S`` seconds.
+
+        On a normal exit of the ``async with`` body they are marked delivered, except those the body
+        requeued (the CRM refused them), which are leased again for ``REQUEUE_AFTER_S`` seconds; on an
+        exception the lease is released for the next claim.
+        """
         now = time.time()
         rows = await self._run(
             self._write_returning,
@@ -131,6 +146,7 @@ class SqliteLedger(ledger.DecisionLedger):
             )
 
     async def backlog(self) -> tuple[int, float]:
+        """Undelivered decisions and the age in seconds (wall clock) of the oldest recorded; 0 when none."""
         count, oldest = await self._run(
             self._one, f"SELECT count(*), min(recorded_at) FROM {LEDGER_TABLE} WHERE delivered_at IS NULL", ()
         )
@@ -147,6 +163,10 @@ class SqliteLedger(ledger.DecisionLedger):
         return True
 
     async def import_decisions(self, decisions: Sequence[StoredDecision], *, delivered: bool) -> int:
+        """Adds ``decisions`` recorded elsewhere (an old outbox, the CRM) with an empty fingerprint;
+        request ids already on record are left alone (``INSERT OR IGNORE``). ``delivered`` marks the
+        added rows delivered now. Returns how many were added.
+        """
         now = time.time()
         rows = [
             (*ledger.row_values(d, "", _iso), now, now if delivered else None) for d in map(ledger.complete, decisions)

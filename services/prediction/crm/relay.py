@@ -77,6 +77,10 @@ class LedgerRelay:
         self._claiming = True  # False once stop_claiming() asks for no new claims
 
     def start(self) -> None:
+        """Starts the delivery loop as a task on the running event loop: it wakes on a local commit
+        (after ``linger_s``) or every ``poll_s``, claims batches from the ledger and inserts them into
+        the CRM, backing off after a failure. Call from a coroutine, once; :meth:`stop` ends it.
+        """
         self._claiming = True
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-relay")
 

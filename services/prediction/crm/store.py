@@ -133,6 +133,7 @@ class CrmStore:
         await upgrade(self.engine, CRM_BRANCH)
 
     async def close(self) -> None:
+        """Disposes of the engine's connection pool; the store is not used afterwards."""
         await self.engine.dispose()
 
     async def deliver(self, decisions: list[StoredDecision]) -> list[str]:

@@ -56,13 +56,25 @@ class LogitsCache(Protocol):
     name: str
     stale_ttl_s: float
 
-    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]: ...
+    async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        """The entries stored under ``keys``, in the same order; None for a miss.
 
-    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None: ...
+        A backend returns None, never raises, for a key it cannot read (outage, entry past the stale
+        window, a value not in its layout); the caller still checks each entry with :func:`fit_to_serve`.
+        """
 
-    async def ping(self) -> bool: ...
+    async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        """Stores ``(key, logits [n_classes] float32, model_version)`` triples for the stale window.
 
-    async def close(self) -> None: ...
+        A write the backend cannot make is lost, never an error: the request that computed the logits
+        has them already.
+        """
+
+    async def ping(self) -> bool:
+        """Whether the backend answers now; never raises."""
+
+    async def close(self) -> None:
+        """Releases the backend's connections or entries; the cache is not used afterwards."""
 
 
 class NullCache:
@@ -72,15 +84,19 @@ class NullCache:
     stale_ttl_s = 0.0
 
     async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        """A miss (None) for each of ``keys``."""
         return [None] * len(keys)
 
     async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        """Stores nothing."""
         return None
 
     async def ping(self) -> bool:
+        """Always True: there is nothing to be down."""
         return True
 
     async def close(self) -> None:
+        """Nothing to release."""
         return None
 
 
@@ -99,6 +115,11 @@ class MemoryCache:
         return len(self._entries)
 
     async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        """The entries under ``keys``, in order, None for a miss; each hit becomes the most recently used.
+
+        An entry older than ``stale_ttl_s`` seconds (by this cache's clock) is deleted and read as a
+        miss. ``age_s`` is the seconds since the entry was stored.
+        """
         found = list(map(self._entries.get, keys))
         if found.count(None) == len(found):  # every key a miss (a batch of new rows): nothing to age or move
             return [None] * len(found)
@@ -118,6 +139,11 @@ class MemoryCache:
         return out
 
     async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        """Stores ``(key, logits [n_classes] float32, model_version)`` triples, stamped with the clock's now.
+
+        A key already present is overwritten and becomes the most recently used; past ``max_entries``
+        the least recently used entries are evicted. The logits array is kept as given, not copied.
+        """
         now = self._clock()
         entries, move_to_end = self._entries, self._entries.move_to_end
         for key, logits, version in items:
@@ -127,9 +153,11 @@ class MemoryCache:
             entries.popitem(last=False)
 
     async def ping(self) -> bool:
+        """Always True: the cache lives in this process."""
         return True
 
     async def close(self) -> None:
+        """Drops every entry."""
         self._entries.clear()
 
 
@@ -228,6 +256,13 @@ class RedisCache:
         task.add_done_callback(_finished_late(self._late))
 
     async def get_many(self, keys: Sequence[str]) -> list[CachedLogits | None]:
+        """The entries under ``keys``, in order, read with one ``MGET``; None for a miss.
+
+        A failed, timed-out or connection-starved ``MGET`` makes every key a miss, counted in
+        ``prediction_cache_errors_total{operation="get"}``; a value not in this service's layout or
+        written for another key is a miss counted in ``prediction_cache_invalid_total`` (by cause). Ages
+        are wall-clock seconds since the writing replica stored the entry. Never raises for Redis errors.
+        """
         if not keys:
             return []
         try:
@@ -239,6 +274,13 @@ class RedisCache:
         return [None if value is None else self._decode(key, value, now) for key, value in zip(keys, raw)]
 
     async def put_many(self, items: Sequence[tuple[str, np.ndarray, str]]) -> None:
+        """Writes ``(key, logits [n_classes] float32, model_version)`` triples in one pipeline (not a transaction).
+
+        Each value is the fixed binary layout (tag, digest of the key, wall-clock store time, version,
+        little-endian float32 logits) and expires (``PX``) at the end of the stale window. A write that
+        fails or times out is lost and counted in ``prediction_cache_errors_total{operation="put"}``;
+        never raises for Redis errors.
+        """
         if not items:
             return
         now = self._clock()
@@ -258,12 +300,14 @@ class RedisCache:
             _cache_error(self.name, "put", exc)
 
     async def ping(self) -> bool:
+        """Whether Redis answers ``PING`` within ``timeout_s``; any failure is False, never raised."""
         try:
             return bool(await self._bounded(self._redis.ping()))
         except Exception:  # noqa: BLE001  (any failure: Redis is not healthy)
             return False
 
     async def close(self) -> None:
+        """Cancels the commands still reading late replies, then closes the client and its connection pool."""
         for task in list(self._late):
             task.cancel()
         await asyncio.gather(*self._late, return_exceptions=True)

@@ -139,6 +139,9 @@ class CachedInference:
         self._flights: dict[str, _Flight] = {}
 
     async def close(self) -> None:
+        """Cancels the inference calls still in flight or lingering for late joiners, then closes the
+        coalescer (cancelling its merged calls) and the cache backend; the InferenceService client
+        is not closed here (the composition root owns it)."""
         for flight in list(self._flights.values()):
             if flight.task is not None:
                 flight.task.cancel()

@@ -208,6 +208,7 @@ class InferenceClient:
         self._timeout_s = timeout_ms / 1000.0
 
     async def close(self) -> None:
+        """Closes the channel to InferenceService; calls still in flight are cancelled."""
         await self._channel.close()
 
     async def infer(

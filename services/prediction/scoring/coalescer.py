@@ -64,11 +64,20 @@ class Infers(Protocol):
         *,
         timeout_s: float | None = None,
         callers: Sequence[Caller] | None = None,
-    ) -> tuple[np.ndarray, str]: ...
+    ) -> tuple[np.ndarray, str]:
+        """Logits ``[batch, n_classes] float32`` for ``features`` ``[batch, n_features] float32``, and
+        the model version that served them; a row the service could not score is all NaN.
 
-    async def ready(self, timeout_s: float) -> bool: ...
+        Raises:
+            InferenceError: the call failed as a whole (timeout, unavailable, overloaded, contract
+                refused, any other failure).
+        """
 
-    async def close(self) -> None: ...
+    async def ready(self, timeout_s: float) -> bool:
+        """Whether InferenceService reports SERVING within ``timeout_s`` seconds."""
+
+    async def close(self) -> None:
+        """Closes the connection to InferenceService."""
 
 
 @dataclass(eq=False)
