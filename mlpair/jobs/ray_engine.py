@@ -22,6 +22,7 @@ engine is chosen.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ class RayJobSpec:
     tls_key: bytes | None = None
 
 
+class BatchRefused(Exception):
+    """A batch the service refused as a whole (:class:`~mlpair.jobs.chunks.ChunkRefused`'s one line),
+    in a form that crosses from a Ray worker to the driver intact."""
+
+
 @dataclass(frozen=True)
 class RayJobResult:
     """A finished run: rows written to the output, and how many of them were decided now, replayed
@@ -99,7 +105,7 @@ class DecideBatches:
     DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED with the same request ids).
 
     Raises (from ``__call__``, failing the run):
-        ChunkRefused: the service refused the batch as a whole (a bad column, an oversize chunk).
+        BatchRefused: the service refused the batch as a whole (a bad column, an oversize chunk).
         KeyError, ValueError: the batch has no key column, a null or repeated key.
         grpc.RpcError: the service stayed unreachable through every retry.
     """
@@ -131,6 +137,8 @@ class DecideBatches:
                     entity_column=spec.entity_column,
                     model_name=spec.model,
                 )
+            except ChunkRefused as exc:
+                raise BatchRefused(str(exc)) from None
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or attempt == RETRIES:
                     raise
@@ -212,19 +220,30 @@ def count_output(output: str, seconds: float) -> RayJobResult:
 
 
 def _cause(exc: BaseException) -> str:
-    """The innermost error's one line: a worker's ChunkRefused or RpcError rather than Ray's wrapper."""
-    seen = exc
-    while True:
-        inner = getattr(seen, "cause", None) or seen.__cause__
-        if inner is None or inner is seen:
-            break
-        seen = inner
-    if isinstance(seen, ChunkRefused):
-        return str(seen)
-    if isinstance(seen, grpc.RpcError):
-        return f"PredictionService: {seen.code().name}: {seen.details()}"
-    line = str(seen).strip().splitlines()
-    return f"{type(seen).__name__}: {line[-1] if line else ''}"
+    """The worker's own error in one line (a refused batch, a bad key, the service unreachable)
+    rather than Ray's wrapper: Ray hands the driver the worker's traceback as text, not the error."""
+    text = "\n".join(str(e) for e in _chain(exc))
+    refused = _WORKER_ERROR.findall(text)
+    if refused:
+        return refused[-1]
+    status = _RPC_STATUS.search(text)
+    if status:
+        return f"PredictionService: {status.group(1)}: {status.group(2)}"
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = getattr(current, "cause", None) or current.__cause__
+    return seen
+
+
+_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(?:BatchRefused|ChunkRefused|KeyError|ValueError): (.+)$", re.MULTILINE)
+_RPC_STATUS = re.compile(r'status = StatusCode\.(\w+)\s+details = "([^"]*)"')
 
 
 def read_pem(path: Path | None) -> bytes | None:
