@@ -102,6 +102,7 @@ def begin_request(context: RequestContext) -> Token:
 
 
 def end_request(token: Token) -> None:
+    """Restores the request context that was current before :func:`begin_request` returned ``token``."""
     _current.reset(token)
 
 
@@ -274,6 +275,10 @@ class JsonFormatter(logging.Formatter):
     extras and ``exc`` (the traceback), all redacted."""
 
     def format(self, record: logging.LogRecord) -> str:
+        """``record`` as one line of JSON: time (ISO 8601, UTC, milliseconds), level, logger, message,
+        the request context's and the record's extra fields, and the traceback as ``exc``; personal data
+        redacted throughout.
+        """
         line: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
@@ -291,6 +296,10 @@ class TextFormatter(logging.Formatter):
     fields and a short trace id; redacted like the JSON form."""
 
     def format(self, record: logging.LogRecord) -> str:
+        """``record`` as one readable line: local time with milliseconds, level, layer, logger and
+        message, then the non-empty fields as ``[key=value …]`` and the trace id's first 16 hex digits
+        (``trace=…``); personal data redacted, and the traceback, if any, on the lines that follow.
+        """
         fields = _fields(record)
         layer = fields.pop("layer") or "-"
         trace_id = fields.pop("trace_id")

@@ -91,6 +91,10 @@ def check() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``make protos``: regenerates ``mlpair/api`` from ``protos/`` and prints each file written; with
+    ``--check``, regenerates into a temporary folder instead and prints each committed file that is out
+    of date, missing or no longer generated. Returns the exit status: 1 when ``--check`` found any.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if regeneration would change mlpair/api")
     args = parser.parse_args(argv)

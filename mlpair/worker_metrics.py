@@ -25,6 +25,9 @@ class TolerantCollector:
         self._reported: set[str] = set()
 
     def collect(self):
+        """The metrics of every readable ``*.db`` file of the folder, merged as prometheus-client's
+        multiprocess collector merges them, then the gauge ``<layer>_metrics_files_unreadable``.
+        """
         from prometheus_client.core import GaugeMetricFamily
         from prometheus_client.multiprocess import MultiProcessCollector
 

@@ -208,6 +208,7 @@ class PortLock:
             ) from exc
 
     def release(self) -> None:
+        """Frees the port's lock so another supervisor may take it; safe to call more than once."""
         if self._socket is not None:
             self._socket.close()
             self._socket = None

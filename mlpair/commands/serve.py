@@ -32,7 +32,10 @@ Settings_contra = TypeVar("Settings_contra", "InferenceSettings", "PredictionSet
 class Serve(Protocol[Settings_contra]):
     """A service's ``serve(settings, shared_port=…)`` coroutine function (runs until SIGTERM)."""
 
-    def __call__(self, settings: Settings_contra, *, shared_port: bool = False) -> Coroutine[Any, Any, None]: ...
+    def __call__(self, settings: Settings_contra, *, shared_port: bool = False) -> Coroutine[Any, Any, None]:
+        """Serves with ``settings`` until SIGTERM or SIGINT, then drains and returns; with
+        ``shared_port`` as one of a supervisor's workers, all bound to the same port (``SO_REUSEPORT``).
+        """
 
 
 def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:

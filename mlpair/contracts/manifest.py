@@ -150,10 +150,12 @@ class Manifest(_Model):
 
     @property
     def model_version(self) -> str:
+        """The model version, e.g. ``"3"`` (the version triple's, which names the entry's folder)."""
         return self.versions.model_version
 
     @property
     def n_features(self) -> int:
+        """Columns of the feature vector the model takes: its first input's ``[batch, n_features]`` second dimension."""
         return self.inputs[0].shape[1]
 
 
@@ -171,6 +173,7 @@ class ModelEntry:
 
     @property
     def model_path(self) -> Path:
+        """The model file (ONNX) inside the entry's folder, as the manifest names it."""
         return self.path / self.manifest.model_file
 
 

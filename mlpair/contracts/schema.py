@@ -42,6 +42,7 @@ class Target(Strict):
 
     @property
     def outcome_phrase(self) -> str:
+        """The positive class in words for explanations: ``outcome``, else ``"<column> = <positive>"``."""
         return self.outcome or f"{self.column} = {self.positive}"
 
 
@@ -95,6 +96,7 @@ class NumericFeature(Strict):
 
     @property
     def display(self) -> str:
+        """The name explanations use: ``label``, else the attribute name."""
         return self.label or self.name
 
 
@@ -122,6 +124,7 @@ class CategoricalFeature(Strict):
 
     @property
     def display(self) -> str:
+        """The name explanations use: ``label``, else the attribute name."""
         return self.label or self.name
 
 

@@ -49,9 +49,11 @@ class RowsNotDecided(grpc.RpcError):
         self.rows, self._code, self.reason = rows, code, reason
 
     def code(self) -> grpc.StatusCode:
+        """The rows' status code (e.g. ``UNAVAILABLE``), as a ``grpc.StatusCode``, by which a job decides to retry."""
         return grpc.StatusCode[self._code]
 
     def details(self) -> str:
+        """How many rows were not decided and why, and that nothing of them was recorded."""
         return f"{self.rows} row(s) of the chunk not decided now ({self.reason}); nothing of them recorded"
 
 

@@ -76,10 +76,12 @@ class JobSpec:
 
     @property
     def job_dir(self) -> Path:
+        """The job's own folder under ``state_dir``: its state file and part files."""
         return self.state_dir / self.job_id
 
     @property
     def output_name(self) -> str:
+        """Where the output goes, in words for messages: the output file, else the PostgreSQL table."""
         return self.output or f"postgresql table {self.output_table}"
 
 

@@ -45,6 +45,10 @@ class JobCollector(Collector):
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
+        """The job's metrics as its state holds them now: rows finished by outcome, rows per second,
+        seconds since it first started, its deadline and estimated completion (UNIX time, when known),
+        and whether its output is assembled; each labelled with the job id.
+        """
         state, job = self.state, [self.state.job_id]
         rows = CounterMetricFamily(
             "inference_job_rows", "Rows of the job finished, by outcome", labels=["job", "outcome"]

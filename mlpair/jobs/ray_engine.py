@@ -126,6 +126,15 @@ class DecideBatches:
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """Decides one batch as one ``PredictColumns`` chunk and returns the key column followed by
+        the decision columns (:data:`~mlpair.client.tables.DECISION_SCHEMA`), one row per input row, in
+        order. A retryable status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) is retried up to
+        ``RETRIES`` times with the same request ids, waiting 0.5 s doubled each time (at most 5 s).
+
+        Raises:
+            BatchRefused: the service refused the batch as a whole.
+            grpc.RpcError: a status that is not retryable, or one still failing after the retries.
+        """
         spec = self.spec
         for attempt in range(RETRIES + 1):
             try:

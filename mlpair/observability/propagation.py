@@ -106,6 +106,7 @@ class Caller:
 
     @property
     def span_context(self) -> trace.SpanContext:
+        """The span context of the caller's current span (invalid when the caller had no span)."""
         return trace.get_current_span(self.context).get_span_context()
 
 
