@@ -23,6 +23,7 @@ class Dataset:
     sha256: str  # of the raw table, to tell when the data changed
 
     def subset(self, index: np.ndarray) -> Dataset:
+        """The rows at ``index`` (positions, in that order) as a dataset of the same raw table (same ``sha256``)."""
         return Dataset(
             [self.records[i] for i in index], self.labels[index], [self.entity_ids[i] for i in index], self.sha256
         )

@@ -87,6 +87,7 @@ class TrainingRun:
 
     @property
     def stopped_early(self) -> bool:
+        """Whether early stopping ended the run before ``max_epochs``."""
         return self.epochs_run < self.max_epochs
 
     def describe(self) -> str:
@@ -112,6 +113,7 @@ class MLPClassifier(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits ``[batch, n_classes] float32`` for standardised features ``[batch, n_features] float32``."""
         return self.net(features)
 
 
