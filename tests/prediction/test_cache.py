@@ -284,7 +284,7 @@ async def test_every_entry_read_from_redis_is_checked_and_a_poisoned_one_is_a_co
     import struct
 
     from mlpair.prediction.errors import InferenceUnavailable
-    from mlpair.prediction.scoring.backends import MAX_VALUE_BYTES
+    from mlpair.prediction.scoring.redis_backend import MAX_VALUE_BYTES
 
     cache, clock = redis_cache
     rows = np.stack([ROW + i for i in range(8)])

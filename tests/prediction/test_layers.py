@@ -82,8 +82,8 @@ def test_the_scoring_package_holds_the_request_path_and_its_docstring_gives_the_
     modules = {name for name in product_modules() if name == SCORING or name.startswith(SCORING + ".")}
     assert modules == {
         SCORING,
-        *(f"{SCORING}.{m}" for m in ("backends", "cache", "client", "coalescer", "factory", "keys", "resilience", "rows",
-                                     "scorer")),
+        *(f"{SCORING}.{m}" for m in ("backends", "cache", "client", "coalescer", "factory", "keys", "redis_backend",
+                                     "resilience", "rows", "scorer")),
     }
     doc = ast.get_docstring(tree(SCORING)) or ""
     steps = [doc.find(f"**{layer}**") for layer in ("cache", "coalescer", "resilience", "inference client")]

@@ -2,7 +2,7 @@
 
 A request's rows go, in this order, through:
 
-1. **cache** (:mod:`.cache`, backends in :mod:`.backends`, keys in :mod:`.keys`): a fresh entry per row is served
+1. **cache** (:mod:`.cache`, backends in :mod:`.backends` and :mod:`.redis_backend`, keys in :mod:`.keys`): a fresh entry per row is served
    without calling inference; concurrent misses for one row share one flight (single-flight), and
    a stale entry stands in when inference cannot be used;
 2. **coalescer** (:mod:`.coalescer`): the flights of concurrent requests for one

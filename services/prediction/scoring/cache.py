@@ -23,7 +23,8 @@ policy run again on every request, so a policy change applies at once.
   flights go out together as one call per model version, so many Predict calls cost about
   one round trip to InferenceService.
 * **Backends** (:mod:`~mlpair.prediction.scoring.backends`). :class:`MemoryCache` (in-process LRU,
-  the default), :class:`RedisCache` (shared by replicas through ``redis.asyncio``; any Redis
+  the default), :class:`RedisCache` (:mod:`~mlpair.prediction.scoring.redis_backend`: shared by
+  replicas through ``redis.asyncio``; any Redis
   error or timeout counts as a miss, never as a failed request) and :class:`NullCache`.
   Single-flight is per process in every case.
 * **Validated reads.** Every entry read, from any backend, is checked like untrusted input
@@ -46,16 +47,10 @@ import numpy as np
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import DeadlineTooShort, InferenceTimeout, InferenceUnavailable
-from mlpair.prediction.scoring.backends import (
-    CachedLogits,
-    LogitsCache,
-    MemoryCache,
-    NullCache,
-    RedisCache,
-    fit_to_serve,
-)
+from mlpair.prediction.scoring.backends import CachedLogits, LogitsCache, MemoryCache, NullCache, fit_to_serve
 from mlpair.prediction.scoring.coalescer import InferenceCoalescer
 from mlpair.prediction.scoring.keys import cache_key, cache_keys
+from mlpair.prediction.scoring.redis_backend import RedisCache
 from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
 __all__ = [

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mlpair.observability.calls import CallTracer
-from mlpair.prediction.scoring.backends import LogitsCache, MemoryCache, NullCache, RedisCache
+from mlpair.prediction.scoring.backends import LogitsCache, MemoryCache, NullCache
 from mlpair.prediction.scoring.cache import CachedInference
 from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.coalescer import InferenceCoalescer, Infers
+from mlpair.prediction.scoring.redis_backend import RedisCache
 from mlpair.prediction.scoring.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from mlpair.rpc import channel_credentials
 
