@@ -16,19 +16,11 @@ from mlpair.prediction.scoring.client import InferenceClient
 from mlpair.prediction.scoring.factory import wire_scorer
 from mlpair.prediction.scoring.resilience import CircuitBreaker, DeadlineBudget, ResilientCaller, RetryPolicy
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
-from tests.support import require_service
+from tests.support import Clock, require_service
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 ROW = np.linspace(-1, 1, 12, dtype=np.float32)
 LOGITS = np.array([0.5, -0.25], dtype=np.float32)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def caller(**breaker) -> ResilientCaller:
@@ -65,7 +57,7 @@ def test_key_values_are_the_ones_replicas_share():
 
 
 async def test_memory_cache_ages_entries_out_of_the_stale_window():
-    clock = Clock()
+    clock = Clock(1000.0)
     cache = MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock)
     await cache.put_many([("k", LOGITS, "1")])
     clock.now += 59
@@ -86,7 +78,7 @@ async def test_memory_cache_evicts_least_recently_used():
 @pytest.fixture
 async def redis_cache():
     require_service("Redis", REDIS_HOST, REDIS_PORT)
-    clock = Clock()
+    clock = Clock(1000.0)
     cache = RedisCache(f"redis://{REDIS_HOST}:{REDIS_PORT}/0", key_prefix=f"mlpair-test:{uuid.uuid4().hex}:",
                        stale_ttl_s=60, timeout_s=1.0, clock=clock)
     yield cache, clock
@@ -179,7 +171,7 @@ async def test_c36_a_model_switch_never_serves_the_old_models_entries():
 async def test_stale_entries_are_served_only_when_inference_is_unavailable():
     from mlpair.prediction.errors import InferenceUnavailable
 
-    clock = Clock()
+    clock = Clock(1000.0)
     client = CountingClient()
     scorer = wire_scorer(client, MemoryCache(max_entries=10, stale_ttl_s=60, clock=clock), caller(), fresh_ttl_s=5,
                              linger_s=0)

@@ -27,20 +27,15 @@ import pytest
 from sqlalchemy import make_url, text
 
 from mlpair.prediction.crm.store import CrmStore
-from mlpair.prediction.records import StoredDecision, decision_id_for
+from tests.support.ledger import crm_decision
 from tests.support.pair import reachable
-
-
-def decision(request_id: str) -> StoredDecision:
-    return StoredDecision(decision_id_for(request_id), request_id, "entity-1", "credit-risk", "1", "credit-risk/v1",
-                          "policy/v1", 0.3, "REVIEW", ("ELEVATED_DEFAULT_RISK",))
 
 
 async def prepared_names(crm: CrmStore) -> tuple[list[str], list[str]]:
     """Deliveries and reads on one pooled connection, then the names prepared on it."""
     tag = uuid.uuid4().hex[:8]
     for i in range(3):
-        batch = [decision(f"pgb-{tag}-{i}-{j}") for j in range(2)]
+        batch = [crm_decision(f"pgb-{tag}-{i}-{j}") for j in range(2)]
         assert sorted(await crm.deliver(batch)) == sorted(d.request_id for d in batch)
         assert await crm.find(batch[0].request_id) == batch[0]
     async with crm.engine.connect() as conn:

@@ -13,6 +13,7 @@ from mlpair.prediction.crm.codecs import to_row
 from mlpair.prediction.crm.migrate import current_revision
 from mlpair.prediction.crm.store import CrmStore, make_engine
 from mlpair.prediction.records import StoredDecision, decision_id_for
+from tests.support.ledger import crm_decision
 
 CRM_HEAD = "crm_0002"
 
@@ -30,11 +31,6 @@ async def store(crm_url):
     await crm.create_schema()
     yield crm
     await crm.close()
-
-
-def decision(request_id: str, probability: float | None = 0.3, **fields) -> StoredDecision:
-    return StoredDecision(decision_id_for(request_id), request_id, "entity-1", "credit-risk", "1", "credit-risk/v1",
-                          "policy/v1", probability, "REVIEW", ("ELEVATED_DEFAULT_RISK",), **fields)
 
 
 async def test_a_fresh_database_is_migrated_to_head_and_again_is_a_no_op(store):
@@ -74,8 +70,8 @@ async def test_a_crm_created_before_migrations_is_stamped_and_upgraded_keeping_i
 async def test_c39_delivering_the_same_decision_again_writes_no_second_row(store):
     request_id = f"crm-{uuid.uuid4()}"
     before = await store.count()
-    assert await store.deliver([decision(request_id)]) == [request_id]
-    assert await store.deliver([decision(request_id, probability=0.9)]) == []  # a retried transaction
+    assert await store.deliver([crm_decision(request_id)]) == [request_id]
+    assert await store.deliver([crm_decision(request_id, probability=0.9)]) == []  # a retried transaction
     found = await store.find(request_id)
     assert found.decision_id == decision_id_for(request_id) and found.probability == 0.3
     assert found.reason_codes == ("ELEVATED_DEFAULT_RISK",)
@@ -85,14 +81,14 @@ async def test_c39_delivering_the_same_decision_again_writes_no_second_row(store
 async def test_c39_concurrent_deliveries_of_one_decision_give_one_row(store):
     request_id = f"crm-{uuid.uuid4()}"
     before = await store.count()
-    inserted = await asyncio.gather(*(store.deliver([decision(request_id)]) for _ in range(8)))
+    inserted = await asyncio.gather(*(store.deliver([crm_decision(request_id)]) for _ in range(8)))
     assert sum(len(ids) for ids in inserted) == 1
     assert await store.count() == before + 1
 
 
 async def test_a_fallback_decision_is_stored_without_a_probability(store):
     request_id = f"crm-{uuid.uuid4()}"
-    await store.deliver([decision(request_id, probability=None, served_from="fallback",
+    await store.deliver([crm_decision(request_id, probability=None, served_from="fallback",
                                   degraded_reason="CIRCUIT_OPEN")])
     found = await store.find(request_id)
     assert found.probability is None and found.served_from == "fallback" and found.degraded_reason == "CIRCUIT_OPEN"
@@ -100,8 +96,8 @@ async def test_a_fallback_decision_is_stored_without_a_probability(store):
 
 async def test_a_batch_with_some_rows_already_delivered_inserts_only_the_rest(store):
     ids = [f"crm-{uuid.uuid4()}" for _ in range(5)]
-    await store.deliver([decision(ids[1]), decision(ids[3])])
-    assert sorted(await store.deliver([decision(i) for i in ids])) == sorted([ids[0], ids[2], ids[4]])
+    await store.deliver([crm_decision(ids[1]), crm_decision(ids[3])])
+    assert sorted(await store.deliver([crm_decision(i) for i in ids])) == sorted([ids[0], ids[2], ids[4]])
 
 
 def varied_decisions(prefix: str) -> list[StoredDecision]:
@@ -149,7 +145,7 @@ async def test_postgresql_refuses_a_value_longer_than_its_column_never_truncates
         await crm.create_schema()
         request_id = f"long-{uuid.uuid4()}"
         with pytest.raises(DBAPIError):
-            await crm.deliver([decision(request_id, degraded_reason="X" * 65)])  # degraded_reason is VARCHAR(64)
+            await crm.deliver([crm_decision(request_id, degraded_reason="X" * 65)])  # degraded_reason is VARCHAR(64)
         assert await crm.find(request_id) is None
     finally:
         await crm.close()

@@ -26,9 +26,7 @@ from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import LedgerUnavailable
 from mlpair.prediction.records import StoredDecision, decision_id_for, decision_ids_for
 from tests.fault_support import TcpProxy, eventually
-from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
-from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision
-from tests.support.pair import scratch_postgres
+from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision, opened_ledger
 
 ENGINES = ["sqlite", "postgresql"]
 
@@ -53,9 +51,8 @@ def fresh_database(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}", f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
         return
-    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
-    with scratch_postgres(prefix="mlpair_ledger") as url:
-        yield url, url
+    url = request.getfixturevalue("fresh_postgres")
+    yield url, url
 
 
 @pytest.fixture
@@ -78,10 +75,8 @@ async def databases(fresh_database):
 
 @pytest.fixture
 async def ledger(databases):
-    ledger = open_ledger(databases.ledger_url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S)
-    await ledger.open()
-    yield ledger
-    await ledger.close()
+    async with opened_ledger(databases.ledger_url, synchronous="NORMAL") as ledger:
+        yield ledger
 
 
 async def record(ledger, d: StoredDecision, fingerprint: str = "fp"):

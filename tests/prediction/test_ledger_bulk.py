@@ -8,13 +8,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.errors import LedgerUnavailable
 from mlpair.prediction.records import DecisionColumns, RecordedBatch, decision_id_for
-from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
-from tests.support.pair import scratch_postgres
+from tests.support.ledger import opened_ledger
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,16 +28,8 @@ def columns(request_ids: list[str], fingerprint: str = "fp", decision: str = "AP
 
 
 @pytest.fixture
-def postgres_url():
-    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
-    with scratch_postgres(prefix="mlpair_bulk") as url:
-        yield url
-
-
-@pytest.fixture
-async def recorder(postgres_url):
-    await migrate(postgres_url, postgres_url)
-    recorder = DecisionRecorder.open(postgres_url, postgres_url, ledger_timeout_s=15.0, linger_s=0.0)
+async def recorder(migrated_postgres):
+    recorder = DecisionRecorder.open(migrated_postgres, migrated_postgres, ledger_timeout_s=15.0, linger_s=0.0)
     await recorder.start()
     try:
         yield recorder
@@ -100,16 +89,11 @@ async def test_concurrent_bulk_batches_of_the_same_request_ids_record_one_decisi
         assert x.decision.decision == y.decision.decision
 
 
-async def test_a_bulk_commit_that_fails_returns_ledger_unavailable_for_every_row(postgres_url):
-    await migrate(postgres_url, postgres_url)
-    ledger = open_ledger(postgres_url, timeout_s=15.0)
-    await ledger.open()
-    try:
+async def test_a_bulk_commit_that_fails_returns_ledger_unavailable_for_every_row(migrated_postgres):
+    async with opened_ledger(migrated_postgres) as ledger:
         async with ledger._connection() as conn:  # a ledger that refuses writes
             await conn.execute('ALTER TABLE "prediction".decision_ledger ADD CONSTRAINT no_rows CHECK (false) NOT VALID')
         batch = columns([f"refused-{i}" for i in range(40)])
         outcomes = await ledger.record_many(batch, batch.fingerprints)
         assert [type(o) for o in outcomes] == [LedgerUnavailable] * 40 and not ledger.reachable
         assert await ledger_rows(ledger) == 0
-    finally:
-        await ledger.close()

@@ -28,57 +28,24 @@ from mlpair.prediction.crm.packed import SEP
 from mlpair.prediction.crm.relay import LedgerRelay
 from mlpair.prediction.crm.store import CrmStore
 from tests.fault_support import eventually
-from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
-from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision
-from tests.support.pair import scratch_postgres
+from tests.support.ledger import SLOW_MACHINE_S, decision, in_crm, opened_ledger, record_all
 
 
 @pytest.fixture
-def fresh_url():
-    """A fresh PostgreSQL database (a sync fixture: creating it runs its own short event loop)."""
-    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
-    with scratch_postgres(prefix="mlpair_outbox") as url:
-        yield url
+async def ledger(migrated_postgres):
+    async with opened_ledger(migrated_postgres, synchronous="NORMAL", pool_size=4) as ledger:
+        yield ledger
 
 
 @pytest.fixture
-async def url(fresh_url):
-    """The fresh database with the ledger and the CRM migrated into it."""
-    await migrate(fresh_url, fresh_url)
-    return fresh_url
-
-
-@pytest.fixture
-async def ledger(url):
-    ledger = open_ledger(url, synchronous="NORMAL", timeout_s=SLOW_MACHINE_S, pool_size=4)
-    await ledger.open()
-    yield ledger
-    await ledger.close()
-
-
-@pytest.fixture
-async def sql(url):
-    conn = await asyncpg.connect(url.replace("+asyncpg", ""))
+async def sql(migrated_postgres):
+    conn = await asyncpg.connect(migrated_postgres.replace("+asyncpg", ""))
     yield conn
     await conn.close()
 
 
-async def record(ledger, ids: list[str]) -> None:
-    outcomes = await ledger.record_many([decision(i) for i in ids], ["fp"] * len(ids))
-    assert not any(isinstance(o, BaseException) for o in outcomes)
-
-
 def new_ids(n: int, prefix: str = "ob") -> list[str]:
     return [f"{prefix}-{uuid.uuid4()}" for _ in range(n)]
-
-
-async def in_crm(url: str, ids: list[str]) -> tuple[int, int]:
-    """(CRM rows, distinct request ids among them) for ``ids``."""
-    crm = CrmStore(url)
-    try:
-        return await crm_rows(crm, ids)
-    finally:
-        await crm.close()
 
 
 async def deliver_everything(url: str, ledger, **relay_options) -> tuple[int, int]:
@@ -102,10 +69,10 @@ async def versions(sql) -> dict[str, tuple]:
     return {r[0]: (r[1], r[2]) for r in rows}
 
 
-async def test_a_delivered_decision_leaves_its_ledger_row_as_written(url, ledger, sql):
+async def test_a_delivered_decision_leaves_its_ledger_row_as_written(migrated_postgres, ledger, sql):
     ids = new_ids(300)
     for k in range(0, 300, 100):  # three commits of 100: two outbox rows each (64 + 36)
-        await record(ledger, ids[k : k + 100])
+        await record_all(ledger, ids[k : k + 100])
     outbox = await sql.fetch("SELECT n, seqs FROM prediction.decision_outbox ORDER BY id")
     assert [r["n"] for r in outbox] == [64, 36] * 3
     assert sorted(s for r in outbox for s in r["seqs"]) == sorted(
@@ -115,8 +82,8 @@ async def test_a_delivered_decision_leaves_its_ledger_row_as_written(url, ledger
     assert (await ledger.backlog())[0] == 300
     before = await versions(sql)
 
-    assert await deliver_everything(url, ledger, batch_size=50, concurrency=2) == (300, 0)
-    assert await in_crm(url, ids) == (300, 300)
+    assert await deliver_everything(migrated_postgres, ledger, batch_size=50, concurrency=2) == (300, 0)
+    assert await in_crm(migrated_postgres, ids) == (300, 300)
     assert await sql.fetchval("SELECT count(*) FROM prediction.decision_outbox") == 0
     assert await versions(sql) == before  # no row version written by the delivery
     assert await ledger.backlog() == (0, 0.0)
@@ -124,7 +91,7 @@ async def test_a_delivered_decision_leaves_its_ledger_row_as_written(url, ledger
 
 async def test_claims_take_exactly_their_limit_and_two_at_once_take_different_decisions(ledger):
     ids = new_ids(100)
-    await record(ledger, ids)  # one commit: outbox rows of 64 and 36
+    await record_all(ledger, ids)  # one commit: outbox rows of 64 and 36
     async with ledger.claim(25) as first, ledger.claim(25) as second:
         assert (len(first), len(second)) == (25, 25) and first.more and second.more
         taken = [row[1] for row in first] + [row[1] for row in second]
@@ -171,7 +138,7 @@ async def test_a_packed_claim_s_columns_hold_each_decision_s_values_in_seq_order
 
 async def test_a_failed_delivery_gives_the_claim_back_whole(ledger):
     ids = new_ids(100)
-    await record(ledger, ids)
+    await record_all(ledger, ids)
     with pytest.raises(ConnectionError):
         async with ledger.claim_packed(30) as claim:
             assert claim.n == 30
@@ -181,19 +148,19 @@ async def test_a_failed_delivery_gives_the_claim_back_whole(ledger):
         assert [row[1] for row in again] == sorted(ids)[:30]
 
 
-async def test_during_a_rollout_either_release_s_decisions_are_delivered_exactly_once(url, ledger, sql):
+async def test_during_a_rollout_either_release_s_decisions_are_delivered_exactly_once(migrated_postgres, ledger, sql):
     old = new_ids(40, "previous-release")
     await ledger.import_decisions([decision(i) for i in old], delivered=False)  # delivered_at IS NULL
     new = new_ids(60, "this-release")
-    await record(ledger, new)
+    await record_all(ledger, new)
     # a relay of the previous release claims WHERE delivered_at IS NULL: never this release's rows
     async with sql.transaction():
         seen = {r["request_id"] for r in await sql.fetch(ledger_sql.CLAIM, 1000)}
     assert seen == set(old)
     assert (await ledger.backlog())[0] == 100
 
-    assert await deliver_everything(url, ledger, batch_size=25) == (100, 0)
-    assert await in_crm(url, old + new) == (100, 100)
+    assert await deliver_everything(migrated_postgres, ledger, batch_size=25) == (100, 0)
+    assert await in_crm(migrated_postgres, old + new) == (100, 100)
     marks = dict(await sql.fetch("SELECT request_id, delivered_at FROM prediction.decision_ledger"))
     assert all(marks[i] is not None and marks[i].year < 9999 for i in old)  # marked one by one
 
@@ -213,15 +180,15 @@ async def downgrade_ledger(url: str, revision: str) -> None:
         await engine.dispose()
 
 
-async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_relay(url, ledger, sql):
+async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_relay(migrated_postgres, ledger, sql):
     ids = new_ids(100)
-    await record(ledger, ids)
+    await record_all(ledger, ids)
     async with ledger.claim(40) as delivered:
         assert [row[1] for row in delivered] == sorted(ids)[:40]
     await ledger.close()  # the previous release's pods replace this release's
 
-    await downgrade_ledger(url, "ledger_0001")
-    engine = create_async_engine(url)
+    await downgrade_ledger(migrated_postgres, "ledger_0001")
+    engine = create_async_engine(migrated_postgres)
     try:
         assert await current_revision(engine, "ledger") == "ledger_0001"
     finally:
@@ -234,8 +201,8 @@ async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_rel
     async with sql.transaction():  # what the previous release's relay claims
         assert [r["request_id"] for r in await sql.fetch(ledger_sql.CLAIM, 1000)] == waiting
 
-    await migrate(url, url)  # and forward again
-    engine = create_async_engine(url)
+    await migrate(migrated_postgres, migrated_postgres)  # and forward again
+    engine = create_async_engine(migrated_postgres)
     try:
         assert await current_revision(engine, "ledger") == "ledger_0002"
     finally:
@@ -248,12 +215,12 @@ async def test_a_claim_after_small_commits_locks_a_bounded_number_of_rows(ledger
     rows of 64 arriving next cannot be locked 64 × the claim's limit at a time."""
     ids = new_ids(120)
     for i in ids:  # one at a time: concurrent calls would share a group commit
-        await record(ledger, [i])
+        await record_all(ledger, [i])
     async with ledger.claim_packed(50) as first:  # sized for rows of 64: locks one, takes one
         assert first.n == 1 and first.more
     async with ledger.claim_packed(50) as second:  # rows of 1 seen: sized for 16 a row, locks 4
         assert second.n == 4 and second.more
-    await record(ledger, new_ids(640))  # ten rows of 64 behind the 115 small ones
+    await record_all(ledger, new_ids(640))  # ten rows of 64 behind the 115 small ones
     for _ in range(40):  # each claim locks at most ceil(500 / 16) = 32 rows
         async with ledger.claim_packed(500) as claim:
             assert claim.n <= 500
@@ -272,16 +239,16 @@ async def ledger_scans(ledger, sql) -> int:
     return await sql.fetchval("SELECT seq_scan FROM pg_stat_user_tables WHERE relid = 'prediction.decision_ledger'::regclass")
 
 
-async def test_a_claim_reads_a_grown_ledger_by_index_not_by_a_plan_made_while_it_was_small(url, sql):
+async def test_a_claim_reads_a_grown_ledger_by_index_not_by_a_plan_made_while_it_was_small(migrated_postgres, sql):
     """The claim's statement, prepared and run while the ledger was empty, later read 2,000
     decisions out of a 200,000-row ledger by a sequential scan (3–5 s a claim): the generic plan.
     Claims are planned for each execution (``CUSTOM_PLANS``)."""
     await sql.execute("ALTER TABLE prediction.decision_ledger SET (autovacuum_enabled = false)")  # no re-plan by ANALYZE
-    ledger = open_ledger(url, timeout_s=SLOW_MACHINE_S, pool_size=1)  # one connection: its prepared statements
+    ledger = open_ledger(migrated_postgres, timeout_s=SLOW_MACHINE_S, pool_size=1)  # one connection: its prepared statements
     await ledger.open()
     try:
         for _ in range(8):  # past the five executions after which PostgreSQL may keep a generic plan
-            await record(ledger, new_ids(2))
+            await record_all(ledger, new_ids(2))
             async with ledger.claim_packed(2048) as claim:  # a relay's usual limit
                 assert claim.n == 2
         await sql.execute(
@@ -290,7 +257,7 @@ async def test_a_claim_reads_a_grown_ledger_by_index_not_by_a_plan_made_while_it
             "degraded_reason, decided_at, delivered_at) SELECT 'grown-' || i, 'd', 'e', 'credit-risk', '1', 'v', 'p', "
             "0.5, 'APPROVE', '[]', 'inference', 0, '', now(), 'infinity' FROM generate_series(1, 30000) AS i"
         )
-        await record(ledger, new_ids(64))
+        await record_all(ledger, new_ids(64))
         before = await ledger_scans(ledger, sql)
         async with ledger.claim_packed(2048) as claim:
             assert claim.n == 64
@@ -303,7 +270,7 @@ async def test_a_claim_reads_a_grown_ledger_by_index_not_by_a_plan_made_while_it
 LEDGER_0001_RELEASE = "7a8ab131a000126eb54c329c999308e782a8d1f1"
 
 
-async def test_the_previous_release_s_relay_delivers_its_rows_and_after_the_hand_back_this_release_s(url, ledger, tmp_path):
+async def test_the_previous_release_s_relay_delivers_its_rows_and_after_the_hand_back_this_release_s(migrated_postgres, ledger, tmp_path):
     """Expand/contract with the previous release's own code (its ``mlpair relay``): during the
     rollout it delivers the rows its release recorded and leaves this release's alone; after a
     rollback, ``mlpair migrate --hand-back-outbox`` gives it what waited in the outbox, and every
@@ -318,24 +285,24 @@ async def test_the_previous_release_s_relay_delivers_its_rows_and_after_the_hand
     old = new_ids(30, "previous-release")
     await ledger.import_decisions([decision(i) for i in old], delivered=False)  # as its writers leave them
     new = new_ids(50, "this-release")
-    await record(ledger, new)
-    async with relay_process(url, url, pythonpath=release / "package", relay_batch_size="20"):
+    await record_all(ledger, new)
+    async with relay_process(migrated_postgres, migrated_postgres, pythonpath=release / "package", relay_batch_size="20"):
         async def delivered_old() -> bool:
-            return await in_crm(url, old) == (30, 30)
+            return await in_crm(migrated_postgres, old) == (30, 30)
 
         await eventually(delivered_old, timeout_s=SLOW_MACHINE_S)
         await asyncio.sleep(0.5)  # ten polls more: still none of this release's
-        assert await in_crm(url, new) == (0, 0)
+        assert await in_crm(migrated_postgres, new) == (0, 0)
 
-        done = mlpair_cli("migrate", "--ledger-url", url, "--crm-url", url, "--hand-back-outbox")
+        done = mlpair_cli("migrate", "--ledger-url", migrated_postgres, "--crm-url", migrated_postgres, "--hand-back-outbox")
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip().endswith("; 50 decision(s) handed back from the outbox")
 
         async def delivered_new() -> bool:
-            return await in_crm(url, new) == (50, 50)
+            return await in_crm(migrated_postgres, new) == (50, 50)
 
         await eventually(delivered_new, timeout_s=SLOW_MACHINE_S)
-    assert await in_crm(url, old + new) == (80, 80)
+    assert await in_crm(migrated_postgres, old + new) == (80, 80)
     assert await ledger.backlog() == (0, 0.0)
 
 
@@ -345,13 +312,13 @@ async def test_the_previous_release_s_rows_do_not_wait_behind_a_steady_outbox(le
     old = new_ids(5, "previous-release")
     await ledger.import_decisions([decision(i) for i in old], delivered=False)
     new = new_ids(100)
-    await record(ledger, new)
+    await record_all(ledger, new)
     async with ledger.claim_packed(50) as claim:
         assert (claim.n, claim.more) == (50, True)
         taken = claim.columns[1].split(SEP)[1:]  # CRM_COLUMNS[1]: request_id
         assert set(taken[:5]) == set(old) and taken[5:] == sorted(new)[:45]
         assert all(len(column.split(SEP)) == 51 for column in claim.columns)
-    await record(ledger, new_ids(10))
+    await record_all(ledger, new_ids(10))
     later = new_ids(3, "previous-release")
     await ledger.import_decisions([decision(i) for i in later], delivered=False)
     claimed = []
@@ -364,12 +331,12 @@ async def test_the_previous_release_s_rows_do_not_wait_behind_a_steady_outbox(le
     assert (await ledger.backlog())[0] == 0
 
 
-async def test_the_downgrade_waits_for_a_claim_in_flight_and_hands_back_only_what_it_left(url, ledger, sql):
+async def test_the_downgrade_waits_for_a_claim_in_flight_and_hands_back_only_what_it_left(migrated_postgres, ledger, sql):
     ids = new_ids(100)
-    await record(ledger, ids)
+    await record_all(ledger, ids)
     downgrade = None
     async with ledger.claim(30) as delivering:
-        downgrade = asyncio.create_task(downgrade_ledger(url, "ledger_0001"))
+        downgrade = asyncio.create_task(downgrade_ledger(migrated_postgres, "ledger_0001"))
         await asyncio.sleep(1.0)
         assert not downgrade.done()  # it waits for the claim's transaction
     await asyncio.wait_for(downgrade, SLOW_MACHINE_S)

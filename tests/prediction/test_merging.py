@@ -18,16 +18,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.client import to_attributes
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
-from tests.support.e2e import expected_probabilities
+from tests.support.e2e import expected_probabilities, predict_request
 
 HOLD_S = 0.3  # the forwarder's delay: how long the first batch keeps the next calls queued
 TIMEOUT_S = 20.0
-
-
-def predict(request_id: str, record: dict) -> pb.PredictRequest:
-    return pb.PredictRequest(request_id=request_id, entity_id=f"entity-{request_id}", attributes=to_attributes(record))
 
 
 def merged() -> tuple[float, float]:
@@ -44,7 +39,7 @@ def settings_for(tmp_path, model_repository, target, **overrides):
 async def hold_first_batch(stub, forwarder, record: dict) -> asyncio.Task:
     """Sends one call and waits until its Infer call is held by the forwarder."""
     forwarder.delay_s = HOLD_S
-    first = asyncio.ensure_future(stub.Predict(predict("first", record), timeout=TIMEOUT_S))
+    first = asyncio.ensure_future(stub.Predict(predict_request("first", record), timeout=TIMEOUT_S))
     while forwarder.calls < 1:
         await asyncio.sleep(0.005)
     return first
@@ -60,8 +55,8 @@ async def test_concurrent_predicts_are_decided_as_one_batch_each_as_if_alone(
     ):
         before = merged()
         first = await hold_first_batch(stub, forwarder, records[0])
-        calls = [stub.Predict(predict(f"m-{i}", records[i]), timeout=TIMEOUT_S) for i in range(1, 6)]
-        calls.append(stub.Predict(predict("m-bad", bad), timeout=TIMEOUT_S))
+        calls = [stub.Predict(predict_request(f"m-{i}", records[i]), timeout=TIMEOUT_S) for i in range(1, 6)]
+        calls.append(stub.Predict(predict_request("m-bad", bad), timeout=TIMEOUT_S))
         outcomes = await asyncio.gather(first, *calls, return_exceptions=True)
         after = merged()
         ledger = predictor.recorder.ledger
@@ -91,7 +86,7 @@ async def test_two_concurrent_calls_with_one_request_id_never_share_a_batch_and_
     ):
         before = merged()
         first = await hold_first_batch(stub, forwarder, credit_holdout.records[0])
-        same = [stub.Predict(predict("same-id", record), timeout=TIMEOUT_S) for _ in range(2)]
+        same = [stub.Predict(predict_request("same-id", record), timeout=TIMEOUT_S) for _ in range(2)]
         replies = await asyncio.gather(first, *same)
         after = merged()
         recorded = await predictor.recorder.ledger.find("same-id")
@@ -111,7 +106,7 @@ async def test_a_caller_that_leaves_a_merged_batch_takes_only_its_item(
         prediction_service(settings_for(tmp_path, model_repository, target)) as (stub, predictor, _, _),
     ):
         first = await hold_first_batch(stub, forwarder, records[0])
-        calls = {rid: stub.Predict(predict(rid, records[i]), timeout=TIMEOUT_S)
+        calls = {rid: stub.Predict(predict_request(rid, records[i]), timeout=TIMEOUT_S)
                  for i, rid in enumerate(["stay-1", "leave", "stay-2"], start=1)}
         await first
         while forwarder.calls < 2:  # the batch of three is in its (held) Infer call
@@ -138,8 +133,8 @@ async def test_a_short_deadline_is_not_merged_with_long_ones_and_gets_its_fallba
         async with prediction_service(settings) as (stub, _, _, _):
             before = merged()
             first = await hold_first_batch(stub, forwarder, records[0])
-            long_calls = [stub.Predict(predict(f"long-{i}", records[i]), timeout=TIMEOUT_S) for i in (1, 2)]
-            short = stub.Predict(predict("short", records[3]), timeout=0.25)
+            long_calls = [stub.Predict(predict_request(f"long-{i}", records[i]), timeout=TIMEOUT_S) for i in (1, 2)]
+            short = stub.Predict(predict_request("short", records[3]), timeout=0.25)
             loop = asyncio.get_running_loop()
             started = loop.time()
             short_reply = await short

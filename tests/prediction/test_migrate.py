@@ -59,16 +59,6 @@ def serving_role(fresh_postgres):
     asyncio.run(admin(f'DROP OWNED BY "{name}"', f'DROP ROLE "{name}"'))
 
 
-@pytest.fixture
-def fresh_postgres():
-    from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
-    from tests.support.pair import scratch_postgres
-
-    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
-    with scratch_postgres(prefix="mlpair_migrate") as url:
-        yield url
-
-
 def test_migrate_creates_both_schemas_and_is_idempotent(tmp_path):
     ledger, crm = f"sqlite+aiosqlite:///{tmp_path / 'l.sqlite'}", f"sqlite+aiosqlite:///{tmp_path / 'c.sqlite'}"
     for _ in range(2):

@@ -8,7 +8,6 @@ Each relay is a real ``mlpair relay`` subprocess, started and ended by its PID."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -23,31 +22,13 @@ from sqlalchemy import func, make_url, select
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.ledger import open_ledger
 from mlpair.prediction.crm.models import DecisionRecord
 from mlpair.prediction.crm.store import CrmStore
 from tests.fault_support import TcpProxy, eventually, health_of, prediction_service, prediction_settings
-from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
-from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision, relay_process
-from tests.support.pair import scratch_postgres
+from tests.support.ledger import decision, in_crm, opened_ledger, record_all, relay_process
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def fresh_postgres():
-    """A fresh PostgreSQL database (a sync fixture: creating it runs its own short event loop)."""
-    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
-    with scratch_postgres(prefix="mlpair_relayproc") as url:
-        yield url
-
-
-@pytest.fixture
-async def postgres(fresh_postgres):
-    """The fresh database, migrated: the ledger (schema ``prediction``) and the CRM in one."""
-    await migrate(fresh_postgres, fresh_postgres)
-    return fresh_postgres
 
 
 async def sigterm(process: subprocess.Popen, timeout_s: float = 15) -> int:
@@ -82,42 +63,27 @@ async def crm_total(crm_url: str) -> int:
 
 async def exactly_once(crm_url: str, ids: list[str]) -> tuple[int, int, int]:
     """(rows of these request ids, distinct ones, rows in the whole CRM table)."""
-    crm = CrmStore(crm_url, timeout_s=5)
-    try:
-        total, distinct = await crm_rows(crm, ids)
-    finally:
-        await crm.close()
+    total, distinct = await in_crm(crm_url, ids)
     return total, distinct, await crm_total(crm_url)
-
-
-@contextlib.asynccontextmanager
-async def ledger_of(url: str):
-    ledger = open_ledger(url, timeout_s=SLOW_MACHINE_S)
-    await ledger.open()
-    try:
-        yield ledger
-    finally:
-        await ledger.close()
 
 
 async def record_backlog(url: str, n: int, prefix: str) -> list[str]:
     """``n`` undelivered decisions committed to the ledger, as serving processes leave them."""
     ids = [f"{prefix}-{uuid.uuid4()}" for _ in range(n)]
-    async with ledger_of(url) as ledger:
-        outcomes = await ledger.record_many([decision(i) for i in ids], ["fp"] * n)
-        assert not any(isinstance(o, BaseException) for o in outcomes)
+    async with opened_ledger(url) as ledger:
+        await record_all(ledger, ids)
     return ids
 
 
 async def backlog(url: str) -> int:
-    async with ledger_of(url) as ledger:
+    async with opened_ledger(url) as ledger:
         return (await ledger.backlog())[0]
 
 
 async def test_a_service_without_its_relay_only_records_and_a_relay_process_delivers_each_decision_once(
-        postgres, model_repository, inference_server, credit_holdout, tmp_path):
-    settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=postgres,
-                                   crm_url=postgres, relay_in_process=False)
+        migrated_postgres, model_repository, inference_server, credit_holdout, tmp_path):
+    settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=migrated_postgres,
+                                   crm_url=migrated_postgres, relay_in_process=False)
     records = credit_holdout.records
     batch_ids = [f"batch-{uuid.uuid4()}" for _ in range(300)]
     single_ids = [f"single-{uuid.uuid4()}" for _ in range(20)]
@@ -133,18 +99,18 @@ async def test_a_service_without_its_relay_only_records_and_a_relay_process_deli
                                                  attributes=to_attributes(records[k])), timeout=10)
         await asyncio.sleep(0.5)  # ten times the linger an in-process relay would wait before delivering
         assert (await predictor.recorder.ledger.backlog())[0] == 320
-        assert await crm_total(postgres) == 0
+        assert await crm_total(migrated_postgres) == 0
         # the drain's delivery waits for no relay: the rows stay in the ledger
         assert not await predictor.recorder.wait_delivered(0.2)
     ids = batch_ids + single_ids
-    assert await backlog(postgres) == 320
+    assert await backlog(migrated_postgres) == 320
 
-    async with relay_process(postgres, postgres) as (relay, _, metrics_url):
+    async with relay_process(migrated_postgres, migrated_postgres) as (relay, _, metrics_url):
         async def delivered() -> bool:
-            return await backlog(postgres) == 0
+            return await backlog(migrated_postgres) == 0
 
         await eventually(delivered, timeout_s=20)
-        assert await exactly_once(postgres, ids) == (320, 320, 320)
+        assert await exactly_once(migrated_postgres, ids) == (320, 320, 320)
         samples = await scrape(metrics_url)
         assert samples["prediction_outbox_delivered_total"] == 320
         assert samples["prediction_outbox_already_in_crm_total"] == 0
@@ -152,34 +118,34 @@ async def test_a_service_without_its_relay_only_records_and_a_relay_process_deli
 
 
 async def test_a_service_without_its_relay_stops_at_once_leaving_its_backlog_in_the_ledger(
-        postgres, model_repository, inference_server, credit_holdout, tmp_path):
+        migrated_postgres, model_repository, inference_server, credit_holdout, tmp_path):
     """SIGTERM's delivery step (up to 5 s of the grace with a relay in process) is skipped: the
     process stops while every decision it made is still undelivered."""
     from mlpair.prediction.server import stop
     from tests.support import start_prediction
 
-    settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=postgres,
-                                   crm_url=postgres, relay_in_process=False)
+    settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=migrated_postgres,
+                                   crm_url=migrated_postgres, relay_in_process=False)
     server, _, health, predictor = await start_prediction(settings)
     try:
         await predictor.recorder.record_many([decision(f"stop-{i}") for i in range(10)], ["fp"] * 10)
     finally:
         async with asyncio.timeout(3):  # well under SHUTDOWN_DELIVERY_S: no wait for a delivery
             await stop(server, health, predictor, grace_s=10)
-    assert await backlog(postgres) == 10 and await crm_total(postgres) == 0
+    assert await backlog(migrated_postgres) == 10 and await crm_total(migrated_postgres) == 0
 
 
-async def test_two_relay_processes_over_one_backlog_deliver_each_decision_exactly_once(postgres):
+async def test_two_relay_processes_over_one_backlog_deliver_each_decision_exactly_once(migrated_postgres):
     settings = dict(relay_batch_size="20", ledger_pool_size="6")  # three claims at once per relay
-    async with relay_process(postgres, postgres, **settings) as (a, _, a_metrics), \
-            relay_process(postgres, postgres, **settings) as (b, _, b_metrics):
-        ids = await record_backlog(postgres, 3000, "two")  # both relays are up and polling
+    async with relay_process(migrated_postgres, migrated_postgres, **settings) as (a, _, a_metrics), \
+            relay_process(migrated_postgres, migrated_postgres, **settings) as (b, _, b_metrics):
+        ids = await record_backlog(migrated_postgres, 3000, "two")  # both relays are up and polling
 
         async def delivered() -> bool:
-            return await backlog(postgres) == 0
+            return await backlog(migrated_postgres) == 0
 
         await eventually(delivered, timeout_s=30)
-        assert await exactly_once(postgres, ids) == (3000, 3000, 3000)
+        assert await exactly_once(migrated_postgres, ids) == (3000, 3000, 3000)
         by_a, by_b = await scrape(a_metrics), await scrape(b_metrics)
         assert by_a["prediction_outbox_delivered_total"] + by_b["prediction_outbox_delivered_total"] == 3000
         assert by_a["prediction_outbox_already_in_crm_total"] == by_b["prediction_outbox_already_in_crm_total"] == 0
@@ -187,37 +153,37 @@ async def test_two_relay_processes_over_one_backlog_deliver_each_decision_exactl
         assert await sigterm(a) == 0 and await sigterm(b) == 0
 
 
-async def test_a_relay_stopped_mid_backlog_exits_0_and_the_next_relay_delivers_the_rest_once(postgres):
-    ids = await record_backlog(postgres, 10_000, "sigterm")
-    async with relay_process(postgres, postgres, relay_batch_size="10", relay_linger_ms="0") as (first, _, _):
+async def test_a_relay_stopped_mid_backlog_exits_0_and_the_next_relay_delivers_the_rest_once(migrated_postgres):
+    ids = await record_backlog(migrated_postgres, 10_000, "sigterm")
+    async with relay_process(migrated_postgres, migrated_postgres, relay_batch_size="10", relay_linger_ms="0") as (first, _, _):
         async def started() -> bool:
-            return await crm_total(postgres) > 0
+            return await crm_total(migrated_postgres) > 0
 
         await eventually(started, timeout_s=20, interval_s=0.02)
         assert await sigterm(first, timeout_s=10) == 0  # its batches in flight finish, then it exits
-    left = await backlog(postgres)
+    left = await backlog(migrated_postgres)
     assert 0 < left < 10_000  # stopped mid-backlog
-    assert await exactly_once(postgres, ids) == (10_000 - left, 10_000 - left, 10_000 - left)
+    assert await exactly_once(migrated_postgres, ids) == (10_000 - left, 10_000 - left, 10_000 - left)
 
-    async with relay_process(postgres, postgres) as (second, _, metrics_url):
+    async with relay_process(migrated_postgres, migrated_postgres) as (second, _, metrics_url):
         async def delivered() -> bool:
-            return await backlog(postgres) == 0
+            return await backlog(migrated_postgres) == 0
 
         await eventually(delivered, timeout_s=30)
-        assert await exactly_once(postgres, ids) == (10_000, 10_000, 10_000)
+        assert await exactly_once(migrated_postgres, ids) == (10_000, 10_000, 10_000)
         samples = await scrape(metrics_url)
         assert samples["prediction_outbox_delivered_total"] == left  # none had reached the CRM before
         assert samples["prediction_outbox_already_in_crm_total"] == 0
         assert await sigterm(second) == 0
 
 
-async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while_the_ledger_is_away(postgres):
-    target = make_url(postgres)
+async def test_the_relay_process_answers_health_and_metrics_and_is_unready_while_the_ledger_is_away(migrated_postgres):
+    target = make_url(migrated_postgres)
     proxy = TcpProxy(target.host, target.port)
     await proxy.start()
     through_proxy = target.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     try:
-        async with relay_process(through_proxy, postgres, health_interval_ms="200", ledger_timeout_ms="500",
+        async with relay_process(through_proxy, migrated_postgres, health_interval_ms="200", ledger_timeout_ms="500",
                                  models='["credit-risk", "churn"]') as (relay, address, metrics_url):
             assert await health_of(address, "liveness") == await health_of(address, "relay") == SERVING
             assert await health_of(address, "ledger") == await health_of(address, "crm") == SERVING

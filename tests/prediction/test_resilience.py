@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.client import to_attributes
 from mlpair.prediction.errors import (
     CircuitOpen,
     DeadlineTooShort,
@@ -26,15 +25,8 @@ from mlpair.prediction.scoring.resilience import (
     RetryPolicy,
 )
 from tests.fault_support import inference_forwarder, prediction_service, prediction_settings
-from tests.support import migrate_for
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import Clock, migrate_for
+from tests.support.e2e import predict_request
 
 
 def unavailable(retryable: bool = True) -> InferenceUnavailable:
@@ -44,7 +36,7 @@ def unavailable(retryable: bool = True) -> InferenceUnavailable:
 
 
 def test_breaker_opens_after_consecutive_failures_and_probes_half_open():
-    clock = Clock()
+    clock = Clock(50.0)
     breaker = CircuitBreaker("t", failure_threshold=3, open_s=2.0, half_open_probes=1, clock=clock)
     for _ in range(2):
         breaker.acquire()
@@ -157,16 +149,12 @@ async def test_breaker_fails_fast_once_open():
     assert len(calls) == 3
 
 
-def predict(request_id: str, record: dict) -> pb.PredictRequest:
-    return pb.PredictRequest(request_id=request_id, entity_id="e", attributes=to_attributes(record))
-
-
 async def test_c22_inference_gets_the_callers_remaining_deadline_minus_the_crm_reserve(
         inference_server, model_repository, credit_holdout, tmp_path):
     async with inference_forwarder(inference_server) as (target, forwarder):
         settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=500, cache_backend="off")
         async with prediction_service(settings) as (stub, _, _, _):
-            reply = await stub.Predict(predict("c22-budget", credit_holdout.records[0]), timeout=1.0)
+            reply = await stub.Predict(predict_request("c22-budget", credit_holdout.records[0]), timeout=1.0)
     assert not reply.fallback and forwarder.calls == 1
     # gRPC rounds a propagated deadline up by a few ms; without the reserve it would be ~1.0 s
     assert forwarder.deadlines[0] is not None and forwarder.deadlines[0] <= 1.0 - 0.5 + 0.05
@@ -178,7 +166,7 @@ async def test_c22_slow_model_ends_in_a_recorded_fallback_before_the_callers_dea
         forwarder.delay_s = 30.0
         settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=200)
         async with prediction_service(settings) as (stub, predictor, _, _):
-            reply = await stub.Predict(predict("c22-slow", credit_holdout.records[0]), timeout=1.5)
+            reply = await stub.Predict(predict_request("c22-slow", credit_holdout.records[0]), timeout=1.5)
             assert reply.fallback and reply.decision == pb.DECISION_REVIEW
             assert reply.degraded_reason == "INFERENCE_TIMEOUT" and reply.reason_codes[0] == "INFERENCE_UNAVAILABLE"
             recorded = (await predictor.recorder.ledger.find("c22-slow")).decision
@@ -222,11 +210,11 @@ async def test_c22_a_deadline_too_short_to_score_is_refused_and_records_nothing(
         settings = prediction_settings(tmp_path, model_repository, target, crm_reserve_ms=500)
         async with prediction_service(settings) as (stub, predictor, _, _):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.Predict(predict("c22-tight", credit_holdout.records[0]), timeout=0.4)
+                await stub.Predict(predict_request("c22-tight", credit_holdout.records[0]), timeout=0.4)
             assert refused.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             assert "DEADLINE_TOO_SHORT" in str(refused.value.trailing_metadata())
             assert await predictor.recorder.ledger.find("c22-tight") is None
-            reply = await stub.Predict(predict("c22-tight", credit_holdout.records[0]), timeout=5.0)
+            reply = await stub.Predict(predict_request("c22-tight", credit_holdout.records[0]), timeout=5.0)
     assert forwarder.calls == 1 and not reply.fallback and not reply.replayed and reply.probability > 0
 
 
@@ -236,7 +224,7 @@ async def test_c22_a_caller_that_gives_up_cancels_the_inference_call_and_nothing
         forwarder.delay_s = 30.0
         settings = prediction_settings(tmp_path, model_repository, target)
         async with prediction_service(settings) as (stub, predictor, _, _):
-            call = stub.Predict(predict("c22-gone", credit_holdout.records[0]), timeout=20)
+            call = stub.Predict(predict_request("c22-gone", credit_holdout.records[0]), timeout=20)
             while forwarder.calls < 1:
                 await asyncio.sleep(0.01)
             call.cancel()
@@ -256,11 +244,11 @@ async def test_unavailable_is_retried_once_and_the_decision_is_fresh(
         settings = prediction_settings(tmp_path, model_repository, target, cache_backend="off")
         async with prediction_service(settings) as (stub, _, _, _):
             forwarder.fail_first = [grpc.StatusCode.UNAVAILABLE]
-            retried = await stub.Predict(predict("retry-unavailable", credit_holdout.records[0]), timeout=5)
+            retried = await stub.Predict(predict_request("retry-unavailable", credit_holdout.records[0]), timeout=5)
             assert forwarder.calls == 2 and not retried.fallback
             forwarder.fail_first = [grpc.StatusCode.RESOURCE_EXHAUSTED]
             with pytest.raises(grpc.aio.AioRpcError) as shed:  # load shed: not retried, not a fallback
-                await stub.Predict(predict("no-retry-exhausted", credit_holdout.records[0]), timeout=5)
+                await stub.Predict(predict_request("no-retry-exhausted", credit_holdout.records[0]), timeout=5)
             assert forwarder.calls == 3 and shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -271,13 +259,13 @@ async def test_open_circuit_stops_calling_inference_and_a_probe_closes_it(
                                        breaker_failure_threshold=3, breaker_open_ms=300, inference_max_attempts=1)
         async with prediction_service(settings) as (stub, _, _, _):
             forwarder.fail_first = [grpc.StatusCode.UNAVAILABLE] * 3
-            replies = [await stub.Predict(predict(f"breaker-{i}", credit_holdout.records[i]), timeout=5)
+            replies = [await stub.Predict(predict_request(f"breaker-{i}", credit_holdout.records[i]), timeout=5)
                        for i in range(5)]
             assert forwarder.calls == 3  # the 4th and 5th never reached InferenceService
             assert [r.degraded_reason for r in replies] == ["INFERENCE_UNAVAILABLE"] * 3 + ["CIRCUIT_OPEN"] * 2
             await asyncio.sleep(0.35)
-            probe = await stub.Predict(predict("breaker-probe", credit_holdout.records[5]), timeout=5)
-            after = await stub.Predict(predict("breaker-after", credit_holdout.records[6]), timeout=5)
+            probe = await stub.Predict(predict_request("breaker-probe", credit_holdout.records[5]), timeout=5)
+            after = await stub.Predict(predict_request("breaker-after", credit_holdout.records[6]), timeout=5)
             assert not probe.fallback and not after.fallback and forwarder.calls == 5
 
 
@@ -304,7 +292,7 @@ async def test_load_shed_by_the_mesh_or_a_full_queue_is_the_callers_retryable_er
             refused = []
             for i in range(6):
                 with pytest.raises(grpc.aio.AioRpcError) as excinfo:
-                    await stub.Predict(predict(f"shed-{i}", credit_holdout.records[i]), timeout=5)
+                    await stub.Predict(predict_request(f"shed-{i}", credit_holdout.records[i]), timeout=5)
                 refused.append(excinfo.value)
             assert [(e.code(), error_info(e).reason) for e in refused] == \
                 [(grpc.StatusCode.RESOURCE_EXHAUSTED, InferenceOverloaded.reason)] * 6
@@ -313,7 +301,7 @@ async def test_load_shed_by_the_mesh_or_a_full_queue_is_the_callers_retryable_er
             assert breaker.state is CircuitState.CLOSED  # 6 sheds in a row, threshold 2
             assert {c: shed_count(c) - n for c, n in before.items()} == {"rate_limited": 3, "queue_full": 3}
             assert await predictor.recorder.ledger.find("shed-0") is None  # nothing recorded
-            again = await stub.Predict(predict("shed-0", credit_holdout.records[0]), timeout=5)
+            again = await stub.Predict(predict_request("shed-0", credit_holdout.records[0]), timeout=5)
             assert not again.replayed and not again.fallback  # the caller's retry is decided fresh
 
 

@@ -8,8 +8,10 @@ The package holds every helper more than one test module uses; a test module imp
   a cuttable TCP proxy, the credit-risk workload (the benchmarks use it too).
 * :mod:`tests.support.source` — the product's modules and import graph, read with ``ast``.
 * :mod:`tests.support.inference` — InferenceService requests and replies, slow and broken models.
-* :mod:`tests.support.ledger` — decisions, CRM rows and the relay as a process.
-* :mod:`tests.support.e2e` — expected probabilities, trace headers, worker listeners.
+* :mod:`tests.support.ledger` — decisions, opened ledgers, CRM rows and the relay as a process.
+* :mod:`tests.support.e2e` — Predict requests, expected probabilities, trace headers, worker listeners.
+
+This module itself holds the paths, a hand-set :class:`Clock` and the service checks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ CHURN_SCHEMA = CONFIG_DIR / "churn" / "feature-schema.toml"
 # throw-away database (the `postgres_url` fixture, tests.support.pair.scratch_postgres), so parallel
 # runs and schema changes never collide.
 POSTGRES_HOST, POSTGRES_PORT = "127.0.0.1", 5432
+
+
+class Clock:
+    """A clock a test sets by hand (``clock.now += 2.0``), for the product's ``clock=`` parameters."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def defaulted(entry, record: dict) -> frozenset[str]:

@@ -1,4 +1,4 @@
-"""What the end-to-end tests share: expected probabilities, trace headers, worker listeners."""
+"""What the end-to-end tests share: Predict requests, expected probabilities, trace headers, worker listeners."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.observability.tracing import build_tracer_provider
+
+
+def predict_request(request_id: str, record: dict) -> pb.PredictRequest:
+    """A Predict of ``record`` (attribute name → Python value) for entity ``entity-<request_id>``."""
+    from mlpair.client import to_attributes
+
+    return pb.PredictRequest(request_id=request_id, entity_id=f"entity-{request_id}", attributes=to_attributes(record))
 
 
 def expected_probabilities(entry: ModelEntry, records: list[dict]) -> np.ndarray:

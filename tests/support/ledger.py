@@ -1,4 +1,4 @@
-"""Decisions, CRM rows, the relay and the CLI as processes: what the ledger tests share."""
+"""Decisions, opened ledgers, CRM rows, the relay and the CLI as processes: what the ledger tests share."""
 
 from __future__ import annotations
 
@@ -30,6 +30,34 @@ def decision(request_id: str, probability: float = 0.2, decision: str = "APPROVE
                           decision, ("LOW_DEFAULT_RISK",))
 
 
+def crm_decision(request_id: str, probability: float | None = 0.3, **fields) -> StoredDecision:
+    """A REVIEW decision as the CRM stores it: its own decision id, entity ``entity-1``."""
+    from mlpair.prediction.records import decision_id_for
+
+    return StoredDecision(decision_id_for(request_id), request_id, "entity-1", "credit-risk", "1", "credit-risk/v1",
+                          "policy/v1", probability, "REVIEW", ("ELEVATED_DEFAULT_RISK",), **fields)
+
+
+@contextlib.asynccontextmanager
+async def opened_ledger(url: str, **options):
+    """The decision ledger at ``url``, opened with a statement timeout a loaded machine meets
+    (``options`` are :func:`~mlpair.prediction.crm.ledger.open_ledger`'s), closed on the way out."""
+    from mlpair.prediction.crm.ledger import open_ledger
+
+    ledger = open_ledger(url, timeout_s=SLOW_MACHINE_S, **options)
+    await ledger.open()
+    try:
+        yield ledger
+    finally:
+        await ledger.close()
+
+
+async def record_all(ledger, request_ids: list[str], fingerprint: str = "fp") -> None:
+    """Commits a :func:`decision` per request id, as a serving process would; fails the test if any is refused."""
+    outcomes = await ledger.record_many([decision(i) for i in request_ids], [fingerprint] * len(request_ids))
+    assert not any(isinstance(o, BaseException) for o in outcomes)
+
+
 async def crm_rows(crm: CrmStore, request_ids: list[str]) -> tuple[int, int]:
     from sqlalchemy import func, select
 
@@ -40,6 +68,16 @@ async def crm_rows(crm: CrmStore, request_ids: list[str]) -> tuple[int, int]:
             select(func.count(), func.count(func.distinct(DecisionRecord.request_id)))
             .where(DecisionRecord.request_id.in_(request_ids)))).one()
     return total, distinct
+
+
+async def in_crm(crm_url: str, request_ids: list[str]) -> tuple[int, int]:
+    """:func:`crm_rows` through a CRM store of its own, closed afterwards: (CRM rows of
+    ``request_ids``, distinct request ids among them)."""
+    crm = CrmStore(crm_url, timeout_s=5)
+    try:
+        return await crm_rows(crm, request_ids)
+    finally:
+        await crm.close()
 
 
 def mlpair_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
