@@ -280,21 +280,29 @@ class PredictionClient(_Client):
     def predict_columns(
         self, chunks: Iterable[Any], model_name: str = "", *, timeout_s: float | None = None
     ) -> Iterator[Any]:
-        """Decides tables (``pyarrow.Table`` or ``RecordBatch``: ``request_id``, ``entity_id``, one
-        column per attribute) through one ``PredictColumns`` stream: one
-        :class:`~mlpair.client.tables.ChunkResult` per table, in order, as each is decided.
+        """Decides tables (``request_id``, ``entity_id``, one column per attribute) through one
+        ``PredictColumns`` stream: one :class:`~mlpair.client.tables.ChunkResult` per table, in
+        order, as each is decided. Needs pyarrow (the client's ``tables`` extra).
+
+        Args:
+            chunks: an iterable of tables of at most ``PREDICTION_MAX_CHUNK_ROWS`` rows each: a
+                ``pyarrow.Table`` or ``RecordBatch``, a pandas DataFrame (its index is not sent),
+                or anything with ``__arrow_c_stream__`` (Polars, DuckDB); ``tables.slices(df, n)``
+                cuts one big table.
 
         Raises:
+            TypeError: ``chunks`` is one table rather than an iterable of them, or its first chunk
+                is of another type (named); raised here, before the stream starts. A later chunk
+                of another type ends the stream there and is raised after the earlier chunks'
+                results.
             grpc.RpcError: the stream failed: UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED
                 (``timeout_s`` bounds the whole stream; None = the client's). A chunk refused as a
                 whole or a row's own error is in its result instead.
         """
         from mlpair.client import tables  # pyarrow: only for the callers of this method
 
-        replies = self._stub.PredictColumns(
-            tables.request_chunks(chunks, model_name), timeout=self._deadline(timeout_s)
-        )
-        return map(tables.chunk_result, replies)
+        requests = tables.ChunkRequests(chunks, model_name)
+        return requests.results(self._stub.PredictColumns(iter(requests), timeout=self._deadline(timeout_s)))
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
@@ -361,15 +369,16 @@ class AsyncPredictionClient(_Client):
         reply = await self._stub.BatchPredict(_batch_request(items), timeout=self._deadline(timeout_s))
         return _outcomes(reply)
 
-    async def predict_columns(
+    def predict_columns(
         self, chunks: Iterable[Any], model_name: str = "", *, timeout_s: float | None = None
     ) -> AsyncIterator[Any]:
-        """See :meth:`PredictionClient.predict_columns`."""
+        """See :meth:`PredictionClient.predict_columns` (``async for result in …``); a chunk of a
+        type it does not take raises TypeError here, before the stream starts."""
         from mlpair.client import tables
 
-        call = self._stub.PredictColumns(tables.request_chunks(chunks, model_name), timeout=self._deadline(timeout_s))
-        async for reply in call:
-            yield tables.chunk_result(reply)
+        requests = tables.ChunkRequests(chunks, model_name)
+        deadline = self._deadline(timeout_s)
+        return requests.async_results(lambda: self._stub.PredictColumns(iter(requests), timeout=deadline))
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

@@ -216,3 +216,60 @@ async def test_rows_inference_cannot_score_now_fail_alone_unrecorded_and_a_job_r
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and raised.value.rows == len(records)
         await predictor.recorder.wait_delivered(10)
     assert await rows_on_record(postgres_url, "cols-down-") == (0, 0)
+
+
+class ArrowStream:
+    """A table as Polars or DuckDB hands one over: only ``__arrow_c_stream__``."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self._table = table
+
+    def __arrow_c_stream__(self, requested_schema=None):
+        return self._table.__arrow_c_stream__(requested_schema)
+
+
+async def test_the_clients_take_the_tables_data_teams_hold_and_name_any_other_type_before_the_stream(
+        inference_server, model_repository, credit_holdout, tmp_path, postgres_url):
+    """pandas DataFrames (whole, sliced with their index, through ``slices``) and an Arrow stream
+    are decided as tables, the index never sent; a chunk of another type is a TypeError naming it,
+    raised by the call before any stream, or, later in the stream, after the chunks before it."""
+    pytest.importorskip("pandas")
+
+    from mlpair.client import AsyncPredictionClient, PredictionClient
+    from mlpair.client.tables import slices
+    from tests.e2e.conftest import prediction_server
+
+    records = list(credit_holdout.records[200:260])
+    frame = table([f"cols-pd-{i}" for i in range(len(records))], records).to_pandas()
+    frame.index = frame.index + 1_000  # an index of its own: not a column to send
+    async with prediction_server(inference_server, model_repository, tmp_path, ledger_url=postgres_url,
+                                 crm_url=postgres_url) as (target, predictor):
+        def blocking() -> tuple[list[ChunkResult], list[ChunkResult], list[ChunkResult]]:
+            with PredictionClient(target) as client:
+                sliced = list(client.predict_columns([frame.iloc[:20], frame.iloc[20:40]], "credit-risk"))
+                cut = list(client.predict_columns(slices(frame, 25), "credit-risk"))
+                stream = list(client.predict_columns([ArrowStream(pa.Table.from_pandas(frame.iloc[40:]))],
+                                                     "credit-risk"))
+                with pytest.raises(TypeError, match=r"chunk 0 is a dict: expected a pyarrow Table"):
+                    client.predict_columns([records[0]], "credit-risk")  # raised by the call itself
+                with pytest.raises(TypeError, match=r"got one DataFrame: cut it with"):
+                    client.predict_columns(frame, "credit-risk")
+                answered = client.predict_columns([frame.iloc[:5], "not a table"], "credit-risk")
+                assert next(answered).replayed == 5
+                with pytest.raises(TypeError, match=r"chunk 1 is a str"):
+                    next(answered)
+                return sliced, cut, stream
+
+        sliced, cut, stream = await asyncio.to_thread(blocking)
+        outcomes = [[(r.decided, r.replayed, r.failed) for r in results] for results in (sliced, cut, stream)]
+        assert outcomes == [[(20, 0, 0), (20, 0, 0)], [(0, 25, 0), (10, 15, 0), (10, 0, 0)], [(0, 20, 0)]]
+        assert not any(r.warnings for r in sliced + cut + stream)  # the index was not sent as a column
+        assert sliced[0].decisions.column("request_id").to_pylist() == list(frame["request_id"][:20])
+
+        async with AsyncPredictionClient(target) as client:
+            with pytest.raises(TypeError, match=r"chunk 0 is a list"):
+                client.predict_columns([[1, 2]], "credit-risk")
+            results = [r async for r in client.predict_columns([frame.iloc[:30]], "credit-risk")]
+            assert [(r.replayed, r.decisions.num_rows) for r in results] == [(30, 30)]
+        await predictor.recorder.wait_delivered(20)
+    assert await rows_on_record(postgres_url, "cols-pd-") == (len(records), len(records))
