@@ -1,6 +1,6 @@
 """The distributed engine of ``mlpair score``, measured: Ray Data (chosen) beside Dask distributed.
 
-Not a test: one run per engine prints one JSON line (docs/batch-scoring-engine.md quotes them).
+Not a test: one run per engine prints one JSON line (docs/batch-scoring.md, "Why Ray Data", quotes them).
 Each engine runs in its own virtualenv, installed with only what it needs beside pyarrow and pandas
 (``pip install 'ray[data]' pyarrow pandas``; ``pip install 'dask[distributed,dataframe]' pyarrow
 pandas``), and is run with that virtualenv's Python::
