@@ -32,10 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     score.add_argument("--parallel", type=int, default=2, help="chunks in flight at once [default: 2]")
     score.add_argument("--chunk-timeout-s", type=float, default=300.0, help="deadline of one chunk [default: 300]")
     score.add_argument(
-        "--job-id", help="the job's id [default: derived from the input, model and key: a plain rerun resumes]"
+        "--job-id",
+        help="the job's id [default: derived from the input's path (or query), model and key: a plain rerun, "
+        "also of a fixed file, resumes]",
     )
     score.add_argument("--state-dir", default="var/jobs", help="job states and part files [default: var/jobs]")
-    score.add_argument("--deadline", help="when the job must be done: ISO timestamp, or HH:MM today (UTC)")
+    score.add_argument(
+        "--deadline",
+        help="when the job must be done: ISO timestamp, or HH:MM (its next occurrence, UTC)",
+    )
     score.add_argument("--metrics-file", type=Path, help="Prometheus textfile (node_exporter) for the job's metrics")
     score.add_argument("--pushgateway", help="also push the job's metrics to this Prometheus Pushgateway")
     score.add_argument(
@@ -55,7 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "folder of Parquet files (the score-ray extra) [default: local]",
     )
     score.add_argument(
-        "--ray-address", help="Ray cluster (head host:port, ray://..., auto) [default: RAY_ADDRESS, else a local one]"
+        "--ray-address",
+        help="Ray cluster: head host:port, ray://..., auto, or local (a new one on this machine) "
+        "[default: RAY_ADDRESS, else local]",
     )
     score.add_argument("--ray-actors", type=int, default=2, help="scoring workers on the Ray cluster [default: 2]")
     score.set_defaults(func=score_command)
@@ -147,7 +154,9 @@ def _score_on_ray(args: argparse.Namespace) -> int:
     try:
         from mlpair.jobs import ray_engine
     except ImportError as exc:
-        raise StartupError(f"--engine ray needs Ray: pip install 'mlpair[score-ray]' ({exc})") from exc
+        raise StartupError(
+            f"--engine ray needs Ray: from a checkout, .venv/bin/pip install -e '.[score-ray]' ({exc})"
+        ) from exc
     if args.query or not args.input or not args.output:
         raise StartupError(
             "--engine ray reads --input (Parquet or CSV: a file, a folder or a URI) into --output (a folder)"

@@ -48,6 +48,10 @@ class RowsNotDecided(grpc.RpcError):
         super().__init__(f"{rows} row(s) not decided now: {code} {reason}")
         self.rows, self._code, self.reason = rows, code, reason
 
+    def __reduce__(self) -> tuple[type, tuple[int, str, str]]:
+        """Pickled as its own arguments (an engine's worker hands it to the driver)."""
+        return RowsNotDecided, (self.rows, self._code, self.reason)
+
     def code(self) -> grpc.StatusCode:
         """The rows' status code (e.g. ``UNAVAILABLE``), as a ``grpc.StatusCode``, by which a job decides to retry."""
         return grpc.StatusCode[self._code]
@@ -70,6 +74,11 @@ class ChunkRefused(Exception):
         self.error = error
         self.first_key = first_key
         super().__init__(describe_refusal(error, first_key))
+
+    def __reduce__(self) -> tuple[type, tuple[ChunkError, object]]:
+        """Pickled as its own arguments, so it crosses from an engine's worker to the driver whole
+        (``Exception`` would unpickle it by calling ``__init__`` with its message alone)."""
+        return ChunkRefused, (self.error, self.first_key)
 
 
 def describe_refusal(error: ChunkError, first_key: object = None) -> str:
@@ -150,8 +159,9 @@ def request_ids(job_id: str, keys: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 def request_chunk(table: pa.Table, *, job_id: str, key_column: str, entity_column: str | None = None) -> pa.Table:
     """``table`` as a ``PredictColumns`` chunk: ``request_id`` (from the job id and the key),
-    ``entity_id`` (the entity column as utf8, default the key column), then the other columns
-    (attributes; a column the family does not know comes back as a warning, its values ignored).
+    ``entity_id`` (the entity column as utf8, default the key column), then the attribute columns:
+    every other column (the key and entity columns are not sent as attributes; a column the family
+    does not know comes back as a warning, its values ignored).
 
     Raises:
         KeyError: ``key_column`` or ``entity_column`` is not a column of ``table``.
@@ -182,6 +192,7 @@ def decide_chunk(
     entity_column: str | None,
     model_name: str,
     timeout_s: float | None = None,
+    warnings: set[str] | None = None,
 ) -> pa.Table:
     """Decides one chunk of a job through ``PredictColumns`` (one stream, one chunk).
 
@@ -194,6 +205,9 @@ def decide_chunk(
         entity_column: the entity decided about; None = the key column.
         model_name: the model family (e.g. ``credit-risk``).
         timeout_s: the chunk's deadline in seconds; None = the client's.
+        warnings: where to add the service's warnings about the chunk's columns, one line each
+            (``UNKNOWN_ATTRIBUTE Incme: …``: a column the family's schema does not know, ignored);
+            None = drop them.
 
     Returns:
         The key column followed by the columns of :data:`~mlpair.client.tables.DECISION_SCHEMA`,
@@ -212,6 +226,8 @@ def decide_chunk(
     if len(results) != 1:
         raise RuntimeError(f"PredictColumns answered {len(results)} chunks to one")
     decisions = decisions_with_key(results[0], table.column(key_column), key_column)
+    if warnings is not None:
+        warnings.update(f"{code} {name}: {message}".replace("  ", " ") for code, name, message in results[0].warnings)
     codes = decisions.column("error_code")
     if codes.null_count < len(codes):
         later = pc.is_in(codes, pa.array(sorted(RETRYABLE_ROW_CODES)))

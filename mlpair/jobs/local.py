@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mlpair.jobs.chunks import ChunkRefused, decide_chunk
+from mlpair.jobs.keys import check_keys
 from mlpair.jobs.metrics import JobMetrics
 from mlpair.jobs.outputs import assemble, write_part
 from mlpair.jobs.progress import Progress
@@ -103,7 +104,6 @@ def open_state(spec: JobSpec, out: TextIO) -> JobState:
             spec.output_name,
             started_at=now,
             run_started_at=now,
-            runs=1,
             deadline=spec.deadline,
         )
     state = JobState.load(path)
@@ -121,8 +121,6 @@ def open_state(spec: JobSpec, out: TextIO) -> JobState:
         )
         state.chunk_rows, state.chunks = spec.chunk_rows, {}
         shutil.rmtree(spec.job_dir / "parts", ignore_errors=True)
-    state.runs += 1
-    state.run_started_at, state.run_rows, state.stopped = now, 0, ""
     state.deadline = spec.deadline if spec.deadline is not None else state.deadline
     state.total_rows = spec.source.total_rows
     return state
@@ -131,6 +129,11 @@ def open_state(spec: JobSpec, out: TextIO) -> JobState:
 def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
     """Runs (or resumes) the job to its end: every chunk decided, the output assembled.
 
+    Before anything is sent, every key of the input is checked (:func:`~mlpair.jobs.keys.check_keys`:
+    none null, none repeated, in any chunk) and so is every chunk a previous run finished (the same
+    rows and first and last keys). With no chunk left to send (a finished job written to another
+    output) the output is assembled without PredictionService.
+
     Returns:
         The finished job's state.
 
@@ -138,20 +141,32 @@ def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
         JobStopped: a chunk was refused by the service or could not be built, the service could not
             be reached after :data:`RETRIES` tries, or the input changed since the job started; the
             message says what, and that a rerun resumes.
-        InputError: the input cannot be read on.
+        InputError: a null or repeated key (nothing sent), or the input cannot be read on.
     """
     from mlpair.client import PredictionClient, wait_until_serving
 
     state = open_state(spec, out)
     state_path = spec.job_dir / "state.json"
+    keys = check_keys(spec.source, spec.key_column, spec.entity_column)
+    state.total_rows, state.total_exact = keys.rows, True
+    total = -(-keys.rows // state.chunk_rows)
+    if keys.keys is not None:  # a file's keys are held: its finished chunks are checked before anything is sent
+        for n, done in sorted(state.chunks.items(), key=lambda item: int(item[0])):
+            _check_unchanged(spec.job_id, int(n), done, keys.chunk_bounds(int(n), state.chunk_rows))
+    left = total - sum(int(n) < total for n in state.chunks)
     if state.finished_at is not None and spec.output is not None and Path(spec.output).exists():
         print(f"job {spec.job_id} finished at {iso(state.finished_at)}; its decisions are in {spec.output}", file=out)
         return state
+    if left == 0:  # nothing to send: the output is assembled from the parts alone
+        return _assemble(spec, state, state_path, JobMetrics(state, spec.metrics_file, spec.pushgateway), total, out)
     if spec.credentials is None and spec.wait_s > 0 and not wait_until_serving(spec.target, spec.wait_s):
         raise JobStopped(
             f"PredictionService at {spec.target} is not SERVING after {spec.wait_s:g} s "
             f"(`mlpair health --target {spec.target}`); start it and rerun"
         )
+    if state.runs:  # a job run before: this is its next run (the rate and the estimate are this run's)
+        state.run_started_at, state.run_rows, state.run_ended_at, state.stopped = time.time(), 0, None, ""
+    state.runs, state.finished_at = state.runs + 1, None
     metrics = JobMetrics(state, spec.metrics_file, spec.pushgateway)
     state.save(state_path)
     metrics.report()
@@ -169,7 +184,15 @@ def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
     ):
         job = _Run(spec, state, state_path, metrics, progress, out)
         chunks = job.send_all(client, pool)
-    state.finished_at = None
+    return _assemble(spec, state, state_path, metrics, chunks, out)
+
+
+def _assemble(
+    spec: JobSpec, state: JobState, state_path: Path, metrics: JobMetrics, chunks: int, out: TextIO
+) -> JobState:
+    """The output written from the ``chunks`` parts, the job recorded finished (a job finished
+    before keeps its end: writing it to another output decides nothing)."""
+    finished, state.finished_at = state.finished_at, None
     rows = assemble(
         spec.job_dir,
         chunks,
@@ -179,7 +202,9 @@ def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
         output_table=spec.output_table,
         database_url=spec.database_url,
     )
-    state.finished_at = time.time()
+    state.finished_at = finished or time.time()
+    state.run_ended_at = state.run_ended_at if finished else state.finished_at
+    state.stopped = ""
     state.total_rows, state.total_exact = rows, True
     state.save(state_path)
     metrics.report()
@@ -208,14 +233,17 @@ class _Run:
     def send_all(self, client: Any, pool: ThreadPoolExecutor) -> int:
         """Sends every chunk not done yet; returns the number of chunks of the input."""
         spec, state = self.spec, self.state
-        in_flight: deque[tuple[int, Future[pa.Table], pa.Table]] = deque()
+        in_flight: deque[tuple[int, Future[tuple[pa.Table, set[str]]], pa.Table]] = deque()
         chunks = 0
         try:
             for n, table in enumerate(spec.source.chunks(state.chunk_rows, spec.key_column)):
                 chunks = n + 1
                 done = state.chunks.get(str(n))
                 if done is not None:
-                    self._check_unchanged(n, done, table)
+                    keys = table.column(spec.key_column)
+                    _check_unchanged(
+                        spec.job_id, n, done, (table.num_rows, str(keys[0].as_py()), str(keys[-1].as_py()))
+                    )
                     continue
                 in_flight.append((n, pool.submit(self._decide, client, table), table))
                 while len(in_flight) > spec.parallel:
@@ -225,6 +253,7 @@ class _Run:
         except BaseException as exc:
             for _, future, _ in in_flight:
                 future.cancel()
+            self.state.run_ended_at = time.time()
             for item in in_flight:  # chunks the service finished are kept: less to send again
                 if not item[1].cancelled() and item[1].exception() is None:
                     with contextlib.suppress(JobStopped, OSError):
@@ -235,28 +264,31 @@ class _Run:
             raise
         return chunks
 
-    def _decide(self, client: Any, table: pa.Table) -> pa.Table:
+    def _decide(self, client: Any, table: pa.Table) -> tuple[pa.Table, set[str]]:
         spec = self.spec
+        warnings: set[str] = set()
         for attempt in range(RETRIES + 1):
             try:
-                return decide_chunk(
+                decisions = decide_chunk(
                     client,
                     table,
                     job_id=spec.job_id,
                     key_column=spec.key_column,
                     entity_column=spec.entity_column,
                     model_name=spec.model,
+                    warnings=warnings,
                 )
+                return decisions, warnings
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or attempt == RETRIES:
                     raise
                 time.sleep(min(0.5 * 2**attempt, 5.0))
         raise AssertionError("unreachable")
 
-    def _keep(self, n: int, future: Future[pa.Table], table: pa.Table) -> None:
+    def _keep(self, n: int, future: Future[tuple[pa.Table, set[str]]], table: pa.Table) -> None:
         rows = f"rows {n * self.state.chunk_rows:,}-{n * self.state.chunk_rows + table.num_rows - 1:,}"
         try:
-            decisions = future.result()
+            decisions, warnings = future.result()
         except ChunkRefused as exc:
             raise JobStopped(f"chunk {n} ({rows}) {exc}; fix the input and rerun the same command to resume") from exc
         except (KeyError, ValueError) as exc:
@@ -266,6 +298,9 @@ class _Run:
                 f"chunk {n} ({rows}): PredictionService at {self.spec.target}: {exc.code().name}: {exc.details()} "
                 f"(is it up? `mlpair health --target {self.spec.target}`); rerun the same command to resume"
             ) from exc
+        for text in sorted(warnings - set(self.state.warnings)):  # each distinct warning once per job
+            self.state.warnings.append(text)
+            print(f"warning: job {self.spec.job_id}: {text}", file=self.out)
         write_part(self.spec.job_dir, n, decisions)
         failed = decisions.num_rows - decisions.column("error_code").null_count
         replayed = pc.sum(decisions.column("replayed")).as_py() or 0
@@ -294,12 +329,15 @@ class _Run:
                 file=self.out,
             )
 
-    def _check_unchanged(self, n: int, done: ChunkRecord, table: pa.Table) -> None:
-        keys = table.column(self.spec.key_column)
-        now = (table.num_rows, str(keys[0].as_py()), str(keys[-1].as_py()))
-        if now != (done.rows, done.first_key, done.last_key):
-            raise JobStopped(
-                f"the input changed since job {self.spec.job_id} started: chunk {n} held keys "
-                f"{done.first_key}..{done.last_key} ({done.rows} rows), now {now[1]}..{now[2]} ({now[0]} rows); "
-                "score it as a new job (--job-id)"
-            )
+
+def _check_unchanged(job_id: str, n: int, done: ChunkRecord, now: tuple[int, str, str] | None) -> None:
+    """Refuses an input whose chunk ``n``, finished by an earlier run, no longer holds the same rows
+    and first and last keys (``now``; None: the input no longer reaches that chunk)."""
+    if now == (done.rows, done.first_key, done.last_key):
+        return
+    held = f"{now[1]}..{now[2]} ({now[0]} rows)" if now is not None else "no rows"
+    raise JobStopped(
+        f"the input changed since job {job_id} started: chunk {n} held keys "
+        f"{done.first_key}..{done.last_key} ({done.rows} rows), now {held}; "
+        "score it as a new job (--job-id NAME)"
+    )

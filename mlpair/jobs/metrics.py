@@ -5,12 +5,14 @@ Series (label ``job``: the job id; scrape them with ``honor_labels: true`` so th
 stays ``job``):
 
 - ``inference_job_rows_total{job,outcome}``: rows finished, by outcome (decided, replayed, failed).
-- ``inference_job_rows_per_second{job}``: the current run's rate.
-- ``inference_job_duration_seconds{job}``: seconds since the job first started (to its end once
-  finished).
+- ``inference_job_rows_per_second{job}``: the current run's rate (to its end once it finished or
+  stopped).
+- ``inference_job_duration_seconds{job}``: seconds since the job first started (to the end of its
+  last run once it finished or stopped).
 - ``inference_job_deadline_timestamp_seconds{job}``: the completion deadline (only with one).
 - ``inference_job_estimated_completion_timestamp_seconds{job}``: when the job will be done at the
-  current rate (its end once finished; absent before a rate is known).
+  current rate (its end once finished; when it stopped, for a stopped run; absent before a rate is
+  known).
 - ``inference_job_finished{job}``: 1 once the output is assembled, else 0.
 
 The alert ``ScoreJobWillMissDeadline`` (deploy/observability/prometheus/rules.yaml) reads them.
@@ -62,7 +64,9 @@ class JobCollector(Collector):
             yield _gauge(
                 "inference_job_deadline_timestamp_seconds", "The job's deadline, UNIX time", job, state.deadline
             )
-        estimate = state.estimated_completion()
+        # a stopped run has no estimate of its own: it reports when it stopped, so the deadline alert
+        # (which counts a past estimate as now) fires once the deadline passes and it is not rerun
+        estimate = state.run_ended_at if state.stopped else state.estimated_completion()
         if estimate is not None:
             yield _gauge(
                 "inference_job_estimated_completion_timestamp_seconds",

@@ -22,6 +22,7 @@ engine is chosen.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -32,7 +33,7 @@ from typing import Any, TextIO
 import grpc
 import pyarrow as pa
 
-from mlpair.jobs.chunks import ChunkRefused, check_job_id, decide_chunk
+from mlpair.jobs.chunks import ChunkRefused, check_job_id, decide_chunk, describe_refusal
 from mlpair.jobs.local import MAX_MESSAGE_BYTES, RETRIES, RETRYABLE, JobStopped
 
 DEFAULT_BATCH_ROWS = 10_000
@@ -56,8 +57,9 @@ class RayJobSpec:
         key_column: the column identifying each row (unique, never null).
         entity_column: the entity decided about; None = the key column.
         target: PredictionService ``host:port`` as the cluster's nodes reach it.
-        address: the Ray cluster (``host:port`` of its head, ``ray://…``, or ``auto``); None = the
-            one ``RAY_ADDRESS`` names (as inside a RayJob), else a new one on this machine.
+        address: the Ray cluster (``host:port`` of its head, ``ray://…``, ``auto``, or ``local``: a
+            new one on this machine); None = the one ``RAY_ADDRESS`` names (as inside a RayJob), else
+            ``local`` (never another cluster that happens to be recorded on this machine).
         batch_rows: rows per ``PredictColumns`` chunk.
         actors: scoring workers (each one client, one chunk in flight).
         chunk_timeout_s: each chunk's deadline, seconds.
@@ -81,11 +83,6 @@ class RayJobSpec:
     tls_key: bytes | None = None
 
 
-class BatchRefused(Exception):
-    """A batch the service refused as a whole (:class:`~mlpair.jobs.chunks.ChunkRefused`'s one line),
-    in a form that crosses from a Ray worker to the driver intact."""
-
-
 @dataclass(frozen=True)
 class RayJobResult:
     """A finished run: rows written to the output, and how many of them were decided now, replayed
@@ -105,7 +102,7 @@ class DecideBatches:
     DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED with the same request ids).
 
     Raises (from ``__call__``, failing the run):
-        BatchRefused: the service refused the batch as a whole (a bad column, an oversize chunk).
+        ChunkRefused: the service refused the batch as a whole (a bad column, an oversize chunk).
         KeyError, ValueError: the batch has no key column, a null or repeated key.
         grpc.RpcError: the service stayed unreachable through every retry.
     """
@@ -132,7 +129,8 @@ class DecideBatches:
         ``RETRIES`` times with the same request ids, waiting 0.5 s doubled each time (at most 5 s).
 
         Raises:
-            BatchRefused: the service refused the batch as a whole.
+            ChunkRefused: the service refused the batch as a whole (it pickles whole, so it reaches
+                the driver).
             grpc.RpcError: a status that is not retryable, or one still failing after the retries.
         """
         spec = self.spec
@@ -146,8 +144,6 @@ class DecideBatches:
                     entity_column=spec.entity_column,
                     model_name=spec.model,
                 )
-            except ChunkRefused as exc:
-                raise BatchRefused(str(exc)) from None
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or attempt == RETRIES:
                     raise
@@ -162,7 +158,9 @@ class DecideBatches:
 
 def read_input(spec: RayJobSpec) -> Any:
     """The input as a Ray Dataset (nothing read yet): CSV when ``spec.input`` ends in ``.csv`` (the
-    key and entity columns read as text, as the local job reads them), else Parquet."""
+    key and entity columns read as text, as the local job reads them), else Parquet; cut into blocks
+    of at most ``batch_rows`` rows as it streams, so a single file (one block as read) is shared by
+    every worker rather than decided by one."""
     import ray.data
 
     if spec.input.lower().endswith(".csv"):
@@ -170,14 +168,33 @@ def read_input(spec: RayJobSpec) -> Any:
 
         text = {name: pa.string() for name in (spec.key_column, spec.entity_column) if name}
         convert = csv.ConvertOptions(column_types=text, strings_can_be_null=True)
-        return ray.data.read_csv(spec.input, convert_options=convert)
-    return ray.data.read_parquet(spec.input)
+        dataset = ray.data.read_csv(spec.input, convert_options=convert)
+    else:
+        dataset = ray.data.read_parquet(spec.input)
+    return dataset.repartition(target_num_rows_per_block=spec.batch_rows)
+
+
+def cluster_address(address: str | None) -> str:
+    """The cluster ``ray.init`` joins: ``address`` when given, else ``RAY_ADDRESS``'s, else
+    ``local`` (a new cluster on this machine, stopped with the job). Never ``None``: Ray would join
+    whatever cluster was last started on this machine, another user's or another job's."""
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def quiet_ray() -> None:
+    """Ray's and Ray Data's own INFO lines (a cluster started, a dataset's plan and progress) off the
+    job's terminal: warnings and errors only. ``RAY_DATA_VERBOSE=1`` keeps them."""
+    if os.environ.get("RAY_DATA_VERBOSE") == "1":
+        return
+    for name in ("ray", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_ray_job(spec: RayJobSpec, out: TextIO = sys.stderr) -> RayJobResult:
     """Runs the job on the Ray cluster to its end and counts what it wrote.
 
-    Connects to ``spec.address`` (and leaves that cluster running), reads the input, decides every
+    Connects to ``spec.address`` (:func:`cluster_address`; a cluster it joins keeps running, one it
+    started as ``local`` stops with it), reads the input, decides every
     batch on ``spec.actors`` workers and writes the decisions under ``spec.output`` (replacing what
     was there), then reads back the output's ``replayed`` and ``error_code`` columns for the counts.
 
@@ -193,7 +210,9 @@ def run_ray_job(spec: RayJobSpec, out: TextIO = sys.stderr) -> RayJobResult:
     if spec.batch_rows < 1 or spec.actors < 1:
         raise ValueError("batch_rows and actors must be at least 1")
     started = time.monotonic()
-    ray.init(address=spec.address, logging_level=logging.WARNING)
+    quiet_ray()
+    ray.init(address=cluster_address(spec.address), logging_level=logging.WARNING)
+    quiet_ray()  # ray.init configures Ray Data's loggers again
     try:
         decided = read_input(spec).map_batches(
             DecideBatches,
@@ -230,7 +249,12 @@ def count_output(output: str, seconds: float) -> RayJobResult:
 
 def _cause(exc: BaseException) -> str:
     """The worker's own error in one line (a refused batch, a bad key, the service unreachable)
-    rather than Ray's wrapper: Ray hands the driver the worker's traceback as text, not the error."""
+    rather than Ray's wrapper. A refused batch's :class:`~mlpair.jobs.chunks.ChunkRefused` pickles
+    whole, so it arrives as itself in the chain; other errors are read from the traceback text Ray
+    hands the driver."""
+    for error in _chain(exc):
+        if isinstance(error, ChunkRefused):
+            return describe_refusal(error.error, error.first_key)
     text = "\n".join(str(e) for e in _chain(exc))
     refused = _WORKER_ERROR.findall(text)
     if refused:
@@ -251,7 +275,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(?:BatchRefused|ChunkRefused|KeyError|ValueError): (.+)$", re.MULTILINE)
+_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(?:ChunkRefused|KeyError|ValueError): (.+)$", re.MULTILINE)
 _RPC_STATUS = re.compile(r'status = StatusCode\.(\w+)\s+details = "([^"]*)"')
 
 

@@ -47,8 +47,8 @@ class Source:
     Attributes:
         kind: ``parquet``, ``csv`` or ``query``.
         name: what it is, for messages and the default job id (a path, or ``query``).
-        identity: the text the default job id is derived from (path, size and modification time;
-            the query and its database, never a password).
+        identity: the text the default job id is derived from (a file's absolute path, not its
+            size or modification time; the query and its database, never a password).
         columns: the input's column names.
         total_rows: the number of rows (for a CSV file an estimate from its line count).
         total_exact: whether ``total_rows`` is exact.
@@ -137,8 +137,7 @@ def _file_source(path: Path) -> Source:
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     suffix = path.suffix.lower()
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    identity = str(path.resolve())
     try:
         if suffix in (".parquet", ".pq"):
             import pyarrow.parquet as pq
@@ -160,9 +159,7 @@ def _csv_reader(path: Path, columns: tuple[str, ...] | None, key_column: str | N
     fraction would otherwise fail), the key column as text."""
     from pyarrow import csv
 
-    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    read = csv.ReadOptions(block_size=CSV_BLOCK_BYTES)
-    parse = csv.ParseOptions(delimiter=delimiter)
+    read, parse = csv_options(path)
     if columns is None:
         return csv.open_csv(path, read_options=read, parse_options=parse)
     with csv.open_csv(path, read_options=read, parse_options=parse) as probe:
@@ -172,6 +169,14 @@ def _csv_reader(path: Path, columns: tuple[str, ...] | None, key_column: str | N
         types[key_column] = pa.string()
     convert = csv.ConvertOptions(column_types=types, strings_can_be_null=True)
     return csv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
+
+
+def csv_options(path: Path) -> tuple[Any, Any]:
+    """pyarrow's CSV read and parse options for ``path`` (tab-separated for ``.tsv``)."""
+    from pyarrow import csv
+
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    return csv.ReadOptions(block_size=CSV_BLOCK_BYTES), csv.ParseOptions(delimiter=delimiter)
 
 
 def _line_count(path: Path) -> int:
@@ -190,7 +195,8 @@ def asyncpg_dsn(url: str) -> str:
     return re.sub(r"^postgres(?:ql)?(?:\+\w+)?://", "postgresql://", url)
 
 
-def _without_password(url: str) -> str:
+def without_password(url: str) -> str:
+    """``url`` with its password left out, for messages and the job id."""
     return re.sub(r"://([^:/@]*):[^@]*@", r"://\1@", asyncpg_dsn(url))
 
 
@@ -215,8 +221,8 @@ def _query_source(query: str, database_url: str) -> Source:
     try:
         names, total = asyncio.run(describe())
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
-        raise InputError(f"--query on {_without_password(database_url)}: {_one_line(exc)}") from exc
-    identity = f"{_without_password(database_url)}|{query.strip()}"
+        raise InputError(f"--query on {without_password(database_url)}: {_one_line(exc)}") from exc
+    identity = f"{without_password(database_url)}|{query.strip()}"
     return Source("query", "query", identity, names, total, True, query=query, database_url=database_url)
 
 
@@ -235,7 +241,13 @@ def _query_chunks(database_url: str, query: str, key_column: str, chunk_rows: in
         names = [a.name for a in attributes]
         types = [pa.string() if a.name == key_column else _PG_TYPES.get(a.type.name, pa.string()) for a in attributes]
         cursor = loop.run_until_complete(statement.cursor())
+        key_index, last = names.index(key_column), None
         while records := loop.run_until_complete(cursor.fetch(chunk_rows)):
+            # the rows come ordered by the key: a key repeated across two chunks meets at the seam
+            # (the keys were checked before the job started; this catches rows that changed since)
+            if last is not None and str(records[0][key_index]) == last:
+                raise InputError(f"query: --key {key_column} repeats the key {last!r}: each row needs its own key")
+            last = str(records[-1][key_index])
             columns = [_column([r[i] for r in records], t) for i, t in enumerate(types)]
             yield pa.Table.from_arrays(columns, names=names)
         loop.run_until_complete(transaction.rollback())
@@ -255,12 +267,14 @@ def _column(values: list[Any], kind: pa.DataType) -> pa.Array:
 
 
 def default_job_id(source: Source, model: str, key_column: str, entity_column: str | None) -> str:
-    """A job id derived from the input, the model and the key: the same command on the same input
-    gives the same id, so a plain rerun resumes. ``<input name>-<12 hex>``.
+    """A job id derived from the input, the model and the key: the same command gives the same id,
+    so a plain rerun resumes. ``<input name>-<12 hex>``.
 
-    A file's identity includes its size and modification time: a file replaced by new data is a
-    new job. A query's includes its text and database only: name each run of a query whose rows
-    change (``--job-id nightly-2024-05-01``).
+    A file's identity is its absolute path alone, not its size or modification time: a file fixed
+    and run again (a repeated key, a bad value) is the same job, so nothing it decided is decided
+    again. The job checks that every chunk it finished still holds the same keys, and refuses a file
+    replaced by other rows, telling to give it a ``--job-id`` of its own. A query's identity is its
+    text and database: name each run of a query whose rows change (``--job-id nightly-2024-05-01``).
     """
     digest = hashlib.sha256("\x1f".join([source.identity, model, key_column, entity_column or ""]).encode())
     stem = Path(source.name).stem if source.path is not None else "query"

@@ -14,7 +14,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,13 @@ class JobState:
         chunks: finished chunks by number (as text, JSON's keys).
         run_started_at, run_rows: when this run started and the rows it has finished; the rate
             and the estimate are this run's.
+        run_ended_at: when this run ended (finished or stopped), or None while it runs (or was
+            killed); the rate and the duration count to it, not to now.
         deadline: when the job must be finished, or None.
         finished_at: when the output was assembled; None while the job runs or was stopped.
         stopped: why the last run stopped before the end (a refused chunk, a failed stream), or "".
+        warnings: each distinct warning the service gave about the job's columns (e.g. an
+            ``UNKNOWN_ATTRIBUTE``), in the order first seen, printed once.
     """
 
     job_id: str
@@ -64,12 +68,14 @@ class JobState:
     started_at: float
     run_started_at: float = 0.0
     run_rows: int = 0
+    run_ended_at: float | None = None
     runs: int = 0
     deadline: float | None = None
     updated_at: float = 0.0
     finished_at: float | None = None
     stopped: str = ""
     chunks: dict[str, ChunkRecord] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     # -- counts --------------------------------------------------------------------------------------
 
@@ -77,20 +83,29 @@ class JobState:
         """Rows of the finished chunks, all or of one ``outcome`` (:data:`OUTCOMES`)."""
         return sum(c.rows if outcome is None else getattr(c, outcome) for c in self.chunks.values())
 
+    def _end(self, now: float | None) -> float:
+        """Where the clock stops: the run's end once it finished or stopped, else now."""
+        if self.run_ended_at is not None:
+            return self.run_ended_at
+        return self.finished_at or now or time.time()
+
     def rate(self, now: float | None = None) -> float:
-        """This run's rows per second (0 before its first chunk)."""
-        elapsed = (now or time.time()) - self.run_started_at
+        """This run's rows per second, from its start to its end (or to now while it runs); 0
+        before its first chunk."""
+        elapsed = self._end(now) - self.run_started_at
         return self.run_rows / elapsed if self.run_rows and elapsed > 0 else 0.0
 
     def duration(self, now: float | None = None) -> float:
-        """Seconds from the job's first start to its end (or to now while it is not finished)."""
-        return (self.finished_at or now or time.time()) - self.started_at
+        """Seconds from the job's first start to the end of its last run (or to now while it runs)."""
+        return self._end(now) - self.started_at
 
     def estimated_completion(self, now: float | None = None) -> float | None:
         """When the job will be done at this run's rate (UNIX seconds); when it finished, once
-        finished; None before a rate is known."""
+        finished; None before a rate is known, or once the run stopped (nothing runs to finish it)."""
         if self.finished_at is not None:
             return self.finished_at
+        if self.stopped or self.run_ended_at is not None:
+            return None
         now = now or time.time()
         rate = self.rate(now)
         if rate <= 0:
@@ -121,6 +136,7 @@ class JobState:
         try:
             data: dict[str, Any] = json.loads(path.read_text())
             data["chunks"] = {n: ChunkRecord(**c) for n, c in data.get("chunks", {}).items()}
+            data.setdefault("warnings", [])
             return cls(**data)
         except FileNotFoundError as exc:
             raise StartupError(f"no job {path.parent.name!r} under {path.parent.parent}") from exc
@@ -143,14 +159,18 @@ class JobState:
             "outcomes: " + ", ".join(f"{self.rows(o):,} {o}" for o in OUTCOMES),
             f"rows/s: {self.rate(now):,.0f} (run {self.runs})",
             f"started: {iso(self.started_at)}   duration: {self.duration(now):,.0f} s",
-            f"estimated completion: {iso(estimate) if estimate is not None else 'unknown (no rate yet)'}",
+            f"estimated completion: {iso(estimate) if estimate is not None else self._no_estimate()}",
             f"deadline: {iso(self.deadline) if self.deadline is not None else 'none'}",
         ]
         if self.late(now):
             lines.append("warning: the estimated completion is past the deadline")
         if self.stopped:
             lines.append(f"stopped: {self.stopped}")
+        lines.extend(f"warning: {text}" for text in self.warnings)
         return lines
+
+    def _no_estimate(self) -> str:
+        return "none (stopped: rerun the same command to resume)" if self.stopped else "unknown (no rate yet)"
 
     def _phase(self) -> str:
         if self.finished_at is not None:
@@ -166,7 +186,9 @@ def iso(stamp: float | None) -> str:
 
 
 def parse_deadline(text: str, now: datetime | None = None) -> float:
-    """``--deadline``: an ISO 8601 timestamp (UTC unless it names an offset) or ``HH:MM`` today, UTC.
+    """``--deadline``: an ISO 8601 timestamp (UTC unless it names an offset) or ``HH:MM``, UTC: the
+    next time the clock reads it (today if still ahead, else tomorrow: ``06:00`` given at 22:00 is
+    tomorrow morning).
 
     Returns:
         UNIX seconds.
@@ -178,10 +200,13 @@ def parse_deadline(text: str, now: datetime | None = None) -> float:
     try:
         if len(text) <= 5 and ":" in text:
             hours, minutes = (int(p) for p in text.split(":"))
-            return now.replace(hour=hours, minute=minutes, second=0, microsecond=0).timestamp()
+            at = now.replace(hour=hours, minute=minutes, second=0, microsecond=0)
+            return (at if at > now else at + timedelta(days=1)).timestamp()
         stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError as exc:
-        raise StartupError(f"--deadline {text!r}: expected an ISO timestamp or HH:MM (today, UTC)") from exc
+        raise StartupError(
+            f"--deadline {text!r}: expected an ISO timestamp or HH:MM (its next occurrence, UTC)"
+        ) from exc
     return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
 
 

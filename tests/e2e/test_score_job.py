@@ -245,3 +245,63 @@ def test_a_query_is_scored_into_a_table_and_assembling_again_replaces_the_jobs_r
     ids = {r["request_id"] for r in query(url, "SELECT request_id FROM prediction.decision_ledger "
                                                "WHERE request_id LIKE 'nightly-1:%'")}
     assert len(ids) == 1_500
+
+
+def job_line(stderr: str) -> str:
+    """The job id the command printed first (``job ID: input (N rows) -> output``)."""
+    return next(line for line in stderr.splitlines() if line.startswith("job ")).split(":")[0].removeprefix("job ")
+
+
+def test_a_repeated_key_is_refused_before_anything_is_sent_and_the_fixed_file_is_the_same_job(
+        scored_pair, credit_holdout, tmp_path):
+    """Keys repeated within chunk 0 and across chunks: exit 2 naming them and their rows, nothing
+    decided, no job state. The fixed file (another size and mtime) is the same job; a column the
+    schema does not know is one warning for the job, and the key column none; the finished job
+    written to another output needs no service; a file replaced by other rows is refused."""
+    url = scored_pair.crm_url
+    table = applications(credit_holdout, 1_200, seed=9).append_column("Incme", pa.array([1.0] * 1_200))
+    keys = table.column("loan_id").to_pylist()
+    bad = list(keys)
+    bad[5] = bad[2]  # in chunk 0
+    bad[1_000] = bad[10]  # across chunks
+    source = tmp_path / "applications.parquet"
+    pq.write_table(table.set_column(0, "loan_id", pa.array(bad)), source)
+    output = tmp_path / "decisions.parquet"
+    argv = score(scored_pair.prediction.address, tmp_path, "--input", str(source), "--key", "loan_id",
+                 "--output", str(output), "--chunk-rows", "400", "--parallel", "2")
+    before, _ = counts(url, "prediction.decision_ledger")
+
+    refused = run_score(argv)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"mlpair: score: {source}: --key loan_id repeats 2 key(s): '{keys[2]}' in rows 2, 5; '{keys[10]}' in rows "
+        "10, 1000: each row needs a key of its own (two rows would share a request id); nothing was sent: fix the "
+        "input and rerun")
+    assert counts(url, "prediction.decision_ledger")[0] == before and not (tmp_path / "jobs").exists()
+
+    time.sleep(0.01)
+    pq.write_table(table, source)  # fixed
+    done = run_score(argv)
+    assert done.returncode == 0, done.stderr
+    job_id = job_line(done.stderr)
+    assert job_id == job_line(refused.stderr)
+    assert counts(url, "prediction.decision_ledger")[0] == before + 1_200
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "UNKNOWN_ATTRIBUTE Incme" in warnings[0], done.stderr
+    status = run_score(score(scored_pair.prediction.address, tmp_path, "--status", job_id))
+    assert "warning: UNKNOWN_ATTRIBUTE Incme" in status.stdout
+
+    # the finished job to another output: nothing left to send, so no PredictionService is needed
+    elsewhere = tmp_path / "again.csv"
+    offline = run_score([a if a != str(output) else str(elsewhere) for a in
+                         score("127.0.0.1:9", tmp_path, *argv[argv.index("--state-dir") + 2:], "--wait-s", "5")])
+    assert offline.returncode == 0, offline.stderr
+    assert pacsv.read_csv(elsewhere).num_rows == 1_200
+
+    # a file replaced by other rows under the same path: refused, told to give it its own --job-id
+    pq.write_table(applications(credit_holdout, 1_200, seed=1).set_column(
+        0, "loan_id", pa.array([f"other-{i}" for i in range(1_200)])), source)
+    changed = run_score(argv)
+    assert changed.returncode == 1 and "the input changed since job" in changed.stderr
+    assert "--job-id" in changed.stderr
+    assert counts(url, "prediction.decision_ledger")[0] == before + 1_200

@@ -26,9 +26,13 @@ def test_the_documented_score_commands_parse(doc):
         assert args.status or (args.key and args.input and args.output)
 
 
-def test_a_deadline_is_an_iso_timestamp_or_a_time_today_in_utc():
+def test_a_deadline_is_an_iso_timestamp_or_the_next_time_the_utc_clock_reads_hh_mm():
     now = datetime(2024, 5, 1, 3, 0, tzinfo=UTC)
     assert parse_deadline("06:00", now) == datetime(2024, 5, 1, 6, 0, tzinfo=UTC).timestamp()
+    nightly = datetime(2024, 5, 1, 22, 0, tzinfo=UTC)  # a nightly run started at 22:00: tomorrow morning
+    assert parse_deadline("06:00", nightly) == datetime(2024, 5, 2, 6, 0, tzinfo=UTC).timestamp()
+    assert parse_deadline("22:00", nightly) == datetime(2024, 5, 2, 22, 0, tzinfo=UTC).timestamp()
+    assert parse_deadline("23:30", nightly) == datetime(2024, 5, 1, 23, 30, tzinfo=UTC).timestamp()
     assert parse_deadline("2024-05-02T06:00:00Z", now) == datetime(2024, 5, 2, 6, 0, tzinfo=UTC).timestamp()
     assert parse_deadline("2024-05-02T08:00:00+02:00", now) == datetime(2024, 5, 2, 6, 0, tzinfo=UTC).timestamp()
     with pytest.raises(StartupError, match="--deadline"):
@@ -45,3 +49,16 @@ def test_the_estimate_is_late_when_it_falls_past_the_deadline_or_the_deadline_pa
     assert not state.late(now=10.0) and state.late(now=201.0)
     state.finished_at = 300.0
     assert not state.late(now=400.0) and state.estimated_completion(now=400.0) == 300.0
+
+
+def test_without_an_address_ray_starts_a_local_cluster_rather_than_joining_one_recorded_here(monkeypatch, capsys):
+    from mlpair.jobs.ray_engine import cluster_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster_address(None) == "local"
+    assert cluster_address("head:6379") == "head:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "ray-head:6379")  # as KubeRay sets it inside a RayJob
+    assert cluster_address(None) == "ray-head:6379"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["score", "--help"])
+    assert "or local (a new one on this machine)" in " ".join(capsys.readouterr().out.split())
