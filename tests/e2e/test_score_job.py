@@ -305,3 +305,19 @@ def test_a_repeated_key_is_refused_before_anything_is_sent_and_the_fixed_file_is
     assert changed.returncode == 1 and "the input changed since job" in changed.stderr
     assert "--job-id" in changed.stderr
     assert counts(url, "prediction.decision_ledger")[0] == before + 1_200
+
+
+def test_a_querys_null_and_repeated_keys_are_found_in_postgresql_before_anything_is_sent():
+    from mlpair.jobs.keys import check_keys
+    from mlpair.jobs.sources import InputError, open_source
+
+    require_service("PostgreSQL", POSTGRES_HOST, POSTGRES_PORT)
+    url = f"postgresql://postgres@{POSTGRES_HOST}:{POSTGRES_PORT}/postgres"
+    rows = "('a', 1.0), ('b', 2.0), ('a', 3.0), ('c', 4.0), ('c', 5.0)"
+    repeated = open_source(None, f"SELECT * FROM (VALUES {rows}) AS t(id, x)", url, "id", None)
+    with pytest.raises(InputError, match=r"^query: --key id repeats 2 key\(s\): 'a' in rows 0, 1; 'c' in rows 3, 4"):
+        check_keys(repeated, "id", None)
+    null = open_source(None, "SELECT * FROM (VALUES ('a', 1.0), (NULL, 2.0)) AS t(id, x)", url, "id", None)
+    with pytest.raises(InputError, match=r"--key id is null in 1 row\(s\)"):
+        check_keys(null, "id", None)
+    assert check_keys(open_source(None, "SELECT 'a' AS id, 1.0 AS x", url, "id", None), "id", None).rows == 1
