@@ -462,7 +462,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
                             first.decision,
                             first.model_version,
                         )
-                await predictor.drain_background()
+                await predictor.predictor.drain_background()
                 if index > 0:
                     assert await predictor.recorder.wait_delivered(10)
             for family, version in shadows.items():

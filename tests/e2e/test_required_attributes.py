@@ -162,5 +162,5 @@ async def test_c61_a_review_for_missing_data_is_no_disagreement_with_the_shadow(
         broken = [applicant(base, change) for change, _ in BROKEN for base in (SAFE, RISKY)]
         replies = [await stub.Predict(request(f"c61s-{i}", a)) for i, a in enumerate([SAFE, RISKY, *broken])]
         assert [r.decision_label for r in replies[2:]] == ["REVIEW"] * len(broken)
-        await predictor.drain_background()
+        await predictor.predictor.drain_background()
         assert (count("agree") - before[0], count("disagree") - before[1]) == (len(replies), 0)

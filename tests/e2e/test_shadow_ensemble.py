@@ -60,7 +60,7 @@ async def test_shadow_is_compared_in_metrics_and_never_served(all_versions, ense
     async with prediction_service(all_versions, ensemble_repository, tmp_path, models=["credit-risk"],
                                   shadows={"credit-risk": "2"}) as (stub, predictor):
         replies = await asyncio.gather(*(stub.Predict(r) for r in requests("shadow", credit_holdout)))
-        await predictor.drain_background()
+        await predictor.predictor.drain_background()
     primary_p, primary_margin = offline["3"]
     shadow_p, shadow_margin = offline["2"]
     # served: the primary (latest) version only
@@ -85,7 +85,7 @@ async def test_a_failing_shadow_never_fails_the_primary(ensemble_repository, cre
         async with prediction_service(latest_only, ensemble_repository, tmp_path, models=["credit-risk"],
                                       shadows={"credit-risk": "1"}) as (stub, predictor):
             replies = await asyncio.gather(*(stub.Predict(r) for r in requests("shadow-down", credit_holdout, 10)))
-            await predictor.drain_background()
+            await predictor.predictor.drain_background()
     np.testing.assert_allclose([r.probability for r in replies], offline["3"][0][:10], atol=1e-6)
     assert metric("prediction_shadow_failures_total", model="credit-risk", shadow_version="1",
                   cause="VERSION_CONTRACT_BROKEN") - failures0 == 10
