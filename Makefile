@@ -70,18 +70,12 @@ $(VENV)/bin/pgbouncer: | $(STAMP)
 	bash tests/fetch-pgbouncer.sh $@
 
 # ruff's lint on the product, the tests and the benchmarks (pyproject.toml says which rules where),
-# its format check on the product only, and mypy on the product. mypy reads the package as it
-# imports (mlpair.inference is services/inference, …), so it runs in a tree of links to the folders.
-TYPECHECK_TREE := var/typecheck
+# its format check on the product only, and mypy on the product: the `mlpair` namespace package's
+# three portions (mlpair/, services/inference/, services/prediction/), each folder its import path.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mlpair services training tests bench
-	$(VENV)/bin/ruff format --check mlpair services training
-	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/mlpair
-	for f in mlpair/*; do ln -s "$$PWD/$$f" $(TYPECHECK_TREE)/mlpair/; done
-	ln -s "$$PWD/services/inference" $(TYPECHECK_TREE)/mlpair/inference
-	ln -s "$$PWD/services/prediction" $(TYPECHECK_TREE)/mlpair/prediction
-	ln -s "$$PWD/training" $(TYPECHECK_TREE)/mlpair/training
-	cd $(TYPECHECK_TREE) && "$$OLDPWD/$(VENV)/bin/mypy" --config-file "$$OLDPWD/pyproject.toml"
+	$(VENV)/bin/ruff check mlpair services tests bench
+	$(VENV)/bin/ruff format --check mlpair services
+	$(VENV)/bin/mypy --config-file pyproject.toml
 
 test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus $(VENV)/bin/pgbouncer lint
 	$(PY) -m pytest -q

@@ -2,7 +2,7 @@
 
 A benchmark, not a test: it reports numbers and asserts no speed.
 
-The real :class:`~mlpair.prediction.servicer.PredictionServicer` and
+The real :class:`~mlpair.prediction.intake.servicer.PredictionServicer` and
 :class:`~mlpair.prediction.pipeline.Predictor` (as ``build_components`` wires them: cache,
 coalescing, the shared decision ledger and its relay to a CRM database, both in a throw-away
 PostgreSQL database when one is up, else SQLite files with ``synchronous=NORMAL``) with one thing
@@ -107,7 +107,7 @@ def request_reader():
     bytes where the release registers a reader (``converters.read_batch_request``), else the
     strict parse the server makes (``mlpair.wire.parse_strictly``), so releases compare alike."""
     from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-    from mlpair.prediction import converters
+    from mlpair.prediction.intake import converters
     from mlpair.wire import parse_strictly
 
     strict = parse_strictly(pb.BatchPredictRequest.FromString)
@@ -220,28 +220,28 @@ class _StageTimer:
 # (stage, module, attribute path): the functions each stage is made of, in this release or the
 # previous one (absent ones are skipped), so one table compares both.
 STAGES = (
-    ("attribute conversion", "mlpair.prediction.converters", "batch_inputs"),
-    ("attribute conversion", "mlpair.prediction.tables", "read_chunk"),
+    ("attribute conversion", "mlpair.prediction.intake.converters", "batch_inputs"),
+    ("attribute conversion", "mlpair.prediction.intake.tables", "read_chunk"),
     ("assembly and guards", "mlpair.contracts.assembly", "FeatureAssembler.assemble"),
-    ("assembly and guards", "mlpair.prediction.columns", "ColumnAssembler.assemble"),
-    ("assembly and guards", "mlpair.prediction.columns", "ColumnAssembler.guards"),
+    ("assembly and guards", "mlpair.prediction.preparing.columns", "ColumnAssembler.assemble"),
+    ("assembly and guards", "mlpair.prediction.preparing.columns", "ColumnAssembler.guards"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "request_fingerprint"),
-    ("ids and fingerprints", "mlpair.prediction.batch", "request_fingerprint"),
+    ("ids and fingerprints", "mlpair.prediction.preparing.batch", "request_fingerprint"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "Predictor._prepare"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "prepare_items"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "prepare_table"),
-    ("ids and fingerprints", "mlpair.prediction.batch", "request_fingerprints"),
+    ("ids and fingerprints", "mlpair.prediction.preparing.batch", "request_fingerprints"),
     ("scoring (cache, calibration)", "mlpair.prediction.pipeline", "Predictor._score"),
     ("scoring (cache, calibration)", "mlpair.prediction.pipeline", "score_groups"),
     ("decision and record", "mlpair.prediction.pipeline", "Predictor._decide"),
     ("decision and record", "mlpair.prediction.pipeline", "Predictor._fallback"),
     ("decision and record", "mlpair.prediction.pipeline", "decide_columns"),
     ("decision and record", "mlpair.prediction.pipeline", "Predictor._record"),
-    ("drift and signals", "mlpair.prediction.drift", "DriftMonitors.observe"),
-    ("drift and signals", "mlpair.prediction.drift", "DriftMonitors.observe_many"),
-    ("ledger commit", "mlpair.prediction.crm.recorder", "DecisionRecorder.record_many"),
-    ("response", "mlpair.prediction.converters", "batch_response"),
-    ("response", "mlpair.prediction.tables", "write_decisions"),
+    ("drift and signals", "mlpair.prediction.monitoring.drift", "DriftMonitors.observe"),
+    ("drift and signals", "mlpair.prediction.monitoring.drift", "DriftMonitors.observe_many"),
+    ("ledger commit", "mlpair.prediction.recording.recorder", "DecisionRecorder.record_many"),
+    ("response", "mlpair.prediction.intake.converters", "batch_response"),
+    ("response", "mlpair.prediction.intake.tables", "write_decisions"),
 )
 
 
@@ -377,7 +377,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
     from mlpair.client import to_attributes
     from mlpair.collector import tune_collector
     from mlpair.prediction import server
-    from mlpair.prediction.servicer import PredictionServicer
+    from mlpair.prediction.intake.servicer import PredictionServicer
     from mlpair.prediction.settings import PredictionSettings
 
     root = Path(args.model_repository).resolve()
@@ -417,7 +417,7 @@ async def measure(args, crm_url: str, ledger_url: str, workdir: Path, relay: Rel
 
     async def one(raw: bytes) -> int:
         if args.rpc == "columns":  # what the servicer does per chunk of the stream
-            from mlpair.prediction import tables
+            from mlpair.prediction.intake import tables
 
             chunk_reply = await tables.decide_chunk(
                 predictor, pb.PredictColumnsRequest.FromString(raw), args.batch_items, None)

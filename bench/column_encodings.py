@@ -7,7 +7,7 @@ A benchmark, not a test: it reports numbers and asserts no speed.
 For one chunk of real holdout applicants (resampled to ``--rows`` rows, a fresh id each) it times,
 in CPU µs per row, the client's side (a ``pyarrow.Table`` → the request's bytes: what a data team
 holding Parquet, pandas or Polars starts from) and the service's side (the bytes → the message →
-one Python list per column, what the assembler reads: :func:`mlpair.prediction.tables.read_chunk`
+one Python list per column, what the assembler reads: :func:`mlpair.prediction.intake.tables.read_chunk`
 for Arrow). The encodings alternate within each round; medians of ``--rounds`` rounds.
 
     .venv/bin/python -m bench.column_encodings --rows 10000 --rounds 7
@@ -27,7 +27,7 @@ import pyarrow as pa
 from mlpair.api.oip import grpc_predict_v2_pb2 as oip
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client.tables import to_ipc
-from mlpair.prediction.tables import read_chunk
+from mlpair.prediction.intake.tables import read_chunk
 from tests.support import pair as harness
 
 

@@ -14,9 +14,9 @@ The transformer does PredictionService's business work with PredictionService's 
 the same model version: the raw applicant attributes (one JSON object, input ``applicant``
 BYTES [1]) are assembled into the feature row by the model's fitted preprocessing, guards
 included (:class:`mlpair.contracts.assembly.FeatureAssembler`); the predictor's logits are
-calibrated by the manifest's calibration (:class:`mlpair.prediction.calibration.Calibrator`);
+calibrated by the manifest's calibration (:class:`mlpair.prediction.scoring.calibration.Calibrator`);
 the policy file's bands, thresholds and reason codes decide
-(:class:`mlpair.prediction.policy.DecisionPolicy`, with the defaulted-feature fraction of the
+(:class:`mlpair.prediction.deciding.policy.DecisionPolicy`, with the defaulted-feature fraction of the
 guards). Outputs: ``probability`` FP32 [1], ``decision`` BYTES [1], ``reason_codes`` BYTES [1]
 (comma-separated). What PredictionService does beyond that and the chain does not: the durable
 decision record (ledger and CRM), the cache, the circuit breaker, coalescing of concurrent rows,
@@ -56,10 +56,8 @@ DEFAULTED_KEY, GUARDS_KEY = "x-chain-defaulted-fraction", "x-chain-guard-codes"
 def _import_project() -> None:
     """Makes ``mlpair.contracts`` and ``mlpair.prediction`` importable from the source tree in the
     KServe venv (they need numpy and pydantic, which it has; nothing of the project's protobuf)."""
-    sys.path.insert(0, str(REPO))
-    import mlpair
-
-    mlpair.__path__.append(str(REPO / "services"))  # mlpair.prediction = services/prediction
+    for portion in (REPO, REPO / "services" / "prediction"):  # mlpair, a namespace package in portions
+        sys.path.insert(0, str(portion))
 
 
 def _decider(model_dir: Path, policy_path: Path):
@@ -69,8 +67,8 @@ def _decider(model_dir: Path, policy_path: Path):
 
     from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, FeatureAssembler
     from mlpair.contracts.manifest import load_entry
-    from mlpair.prediction.calibration import Calibrator
-    from mlpair.prediction.policy import DecisionPolicy
+    from mlpair.prediction.deciding.policy import DecisionPolicy
+    from mlpair.prediction.scoring.calibration import Calibrator
 
     entry = load_entry(model_dir)
     assembler = FeatureAssembler(entry.preprocessing)

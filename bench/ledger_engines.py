@@ -3,14 +3,14 @@
 Not a test: one run prints JSON lines and a table (docs/design.md, "The decision ledger", quotes
 them). Each engine does what the ledger needs per decision, on 127.0.0.1:
 
-* **postgresql** — :class:`mlpair.prediction.crm.ledger_postgres.PostgresLedger` itself: the
+* **postgresql** — :class:`mlpair.prediction.recording.ledger_postgres.PostgresLedger` itself: the
   group commit ``INSERT … ON CONFLICT (request_id) DO NOTHING RETURNING`` (+ a read of what was on
   record), ``synchronous_commit`` as the server has it;
 * **nats-jetstream** — the design the JetStream option implies: a key-value bucket as the
   request-id index (``kv.create``: fails if the id exists, then the recorded value is read), and
   the decision published to a stream with ``Nats-Msg-Id`` = request id (de-duplication) for the
   relay to consume; file storage, one replica (what runs here);
-* **sqlite** — :class:`mlpair.prediction.crm.ledger_sqlite.SqliteLedger` (one machine), FULL.
+* **sqlite** — :class:`mlpair.prediction.recording.ledger_sqlite.SqliteLedger` (one machine), FULL.
 
 Per engine: the latency of recording one decision with nothing else in flight (p50/p99), and
 with 32 decisions in flight (p50/p99, decisions/s), plus the share of a retried id's answer.
@@ -60,7 +60,7 @@ async def measure(record, n: int, concurrency: int) -> dict:
 
 
 async def ledger_engine(url: str) -> tuple:
-    from mlpair.prediction.crm.ledger import open_ledger
+    from mlpair.prediction.recording.ledger import open_ledger
 
     ledger = open_ledger(url)
     await ledger.open()
@@ -83,7 +83,7 @@ async def jetstream_engine(servers: str) -> tuple:
     await js.add_stream(name=name, subjects=[f"{name}.decisions"], storage="file", duplicate_window=120.0)
     kv = await js.create_key_value(bucket=f"{name}_IDS", storage="file", history=1)
 
-    from mlpair.prediction.crm.codecs import to_json
+    from mlpair.prediction.recording.codecs import to_json
 
     async def record(rid: str) -> None:
         payload = to_json(decision(rid)).encode()
@@ -106,7 +106,7 @@ async def jetstream_engine(servers: str) -> tuple:
 async def run(args, pg: str | None) -> list[dict]:
     results = []
     engines = []
-    from mlpair.prediction.crm.admin import migrate
+    from mlpair.prediction.recording.admin import migrate
 
     sqlite_dir = Path(args.workdir)
     sqlite_dir.mkdir(parents=True, exist_ok=True)

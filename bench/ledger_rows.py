@@ -6,7 +6,7 @@ A benchmark, not a test: it reports numbers and asserts no speed.
 Each pass records ``--rows`` decisions through the PostgreSQL ledger (``DecisionLedger.record_many``
 with :class:`~mlpair.prediction.records.DecisionColumns` of ``--chunk`` rows each, one chunk after
 another: the bulk path a BatchPredict or a PredictColumns chunk takes), then delivers all of them
-to the CRM through the relay (:class:`~mlpair.prediction.crm.relay.LedgerRelay`: claims of its
+to the CRM through the relay (:class:`~mlpair.prediction.recording.relay.LedgerRelay`: claims of its
 ``batch_size`` until none is left). For each of the two steps it reports, per row:
 
 * ``service_cpu_us``: ``time.process_time()`` of this process (every thread: the event loop and
@@ -106,10 +106,10 @@ class Side:
 
     async def open(self) -> None:
         from bench.batch_cpu import PostgresCpu
-        from mlpair.prediction.crm.admin import migrate
-        from mlpair.prediction.crm.ledger import open_ledger
-        from mlpair.prediction.crm.relay import LedgerRelay
-        from mlpair.prediction.crm.store import CrmStore
+        from mlpair.prediction.recording.admin import migrate
+        from mlpair.prediction.recording.ledger import open_ledger
+        from mlpair.prediction.recording.relay import LedgerRelay
+        from mlpair.prediction.recording.store import CrmStore
 
         await migrate(self.url, self.url)
         self.ledger = open_ledger(self.url, timeout_s=60.0, pool_size=4)
@@ -149,12 +149,12 @@ class Side:
 
 async def serve_passes(url: str, lines) -> None:
     """A worker: one side set up, then a pass per ``pass ROWS CHUNK`` line, one JSON line each."""
-    import mlpair
+    import mlpair.contracts
 
     side = Side(url)
     await side.open()
     try:
-        print(json.dumps({"ready": str(Path(mlpair.__file__).resolve().parent.parent)}), flush=True)
+        print(json.dumps({"ready": str(Path(mlpair.contracts.__file__).resolve().parents[2])}), flush=True)
         loop = asyncio.get_running_loop()
         while (line := await loop.run_in_executor(None, lines.readline)).startswith("pass"):
             _, rows, chunk = line.split()

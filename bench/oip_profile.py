@@ -9,9 +9,9 @@ CPU µs per request (psutil, process tree, over the load window) split by what t
 were running, innermost known frame first:
 
 * ``tracing and log context`` — ``mlpair/observability``, ``mlpair/logs.py``, OpenTelemetry;
-* ``metrics and statistics`` — ``prometheus_client``, ``services/inference/statistics.py``;
-* ``model compute`` — the runtime (``services/inference/runtimes``, ONNX Runtime);
-* ``batcher`` — queue, timer, concatenate and scatter (``services/inference/batcher.py``);
+* ``metrics and statistics`` — ``prometheus_client``, ``services/inference/mlpair/inference/statistics.py``;
+* ``model compute`` — the runtime (``services/inference/mlpair/inference/runtimes``, ONNX Runtime);
+* ``batcher`` — queue, timer, concatenate and scatter (``services/inference/mlpair/inference/batcher.py``);
 * ``checks`` — the engine's checks and the tensor's validation (``engine.py``, ``validation.py``);
 * ``conversion`` — request and response messages ⇄ domain (``converters.py``, ``oip_extensions.py``,
   the servicer, ``mlpair/rpc/servicers.py``'s error guard); the null server's own ``ModelInfer`` is here;

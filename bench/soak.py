@@ -182,8 +182,8 @@ class Soak:
         """request id → the decisions the CRM holds for it (one, if all is well)."""
         from sqlalchemy import select
 
-        from mlpair.prediction.crm.models import DecisionRecord
-        from mlpair.prediction.crm.store import make_engine
+        from mlpair.prediction.recording.models import DecisionRecord
+        from mlpair.prediction.recording.store import make_engine
 
         engine = make_engine(self.direct_crm_url, timeout_s=10)
         try:
@@ -558,7 +558,7 @@ def count(sources: list[str]) -> dict[str, int]:
 async def ledger_has(ledger_url: str, request_ids: list[str]) -> dict[str, Answer]:
     """request id → (decision id, decision, probability), for those of ``request_ids`` the shared
     ledger holds."""
-    from mlpair.prediction.crm.ledger import open_ledger
+    from mlpair.prediction.recording.ledger import open_ledger
 
     ledger = open_ledger(ledger_url)
     await ledger.open()

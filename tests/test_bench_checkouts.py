@@ -17,8 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOW = (
-    "import json, mlpair, mlpair.prediction, mlpair.prediction.crm;"
-    "print(json.dumps([mlpair.MARK, mlpair.prediction.MARK, mlpair.prediction.crm.MARK]))"
+    "import json, mlpair, mlpair.prediction, mlpair.prediction.recording;"
+    "print(json.dumps([mlpair.MARK, mlpair.prediction.MARK, mlpair.prediction.recording.MARK]))"
 )
 
 
@@ -34,8 +34,8 @@ def test_the_a_side_imports_the_project_from_the_other_checkout(tmp_path) -> Non
     for name, folder in folders.items():
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
         (tmp_path / folder / "__init__.py").write_text(f"MARK = 'other {name}'\n")
-    (tmp_path / folders["mlpair.prediction"] / "crm").mkdir()
-    (tmp_path / folders["mlpair.prediction"] / "crm" / "__init__.py").write_text("MARK = 'other crm'\n")
+    (tmp_path / folders["mlpair.prediction"] / "recording").mkdir()
+    (tmp_path / folders["mlpair.prediction"] / "recording" / "__init__.py").write_text("MARK = 'other recording'\n")
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     env = {
         **os.environ,
@@ -43,11 +43,11 @@ def test_the_a_side_imports_the_project_from_the_other_checkout(tmp_path) -> Non
         "MLPAIR_AB_TREE": str(tmp_path),
     }
 
-    assert imported(env) == ["other mlpair", "other mlpair.prediction", "other crm"]
+    assert imported(env) == ["other mlpair", "other mlpair.prediction", "other recording"]
 
     env.pop("MLPAIR_AB_TREE")  # without it, this checkout's project as always
     done = subprocess.run(
-        [sys.executable, "-c", "import mlpair.prediction.crm as c; print(c.__file__)"],
+        [sys.executable, "-c", "import mlpair.prediction.recording as c; print(c.__file__)"],
         env=env,
         capture_output=True,
         text=True,

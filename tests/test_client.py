@@ -31,7 +31,7 @@ from mlpair.client import (
     wait_until_serving,
 )
 from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.prediction.policy import DecisionPolicy
+from mlpair.prediction.deciding.policy import DecisionPolicy
 from mlpair.rpc import error_info
 from tests.e2e.conftest import prediction_server
 from tests.support import CONFIG_DIR, defaulted

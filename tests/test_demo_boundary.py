@@ -43,10 +43,10 @@ def test_the_check_finds_internal_imports_wherever_they_are():
         "from typing import TYPE_CHECKING\nimport numpy as np\nfrom mlpair.client import PredictionClient\n"
         "from mlpair import contracts\n"
         "if TYPE_CHECKING:\n    from mlpair.inference.settings import InferenceSettings\n"
-        "def f():\n    from mlpair.prediction.converters import to_attributes\n    import mlpair.rpc\n"
+        "def f():\n    from mlpair.prediction.intake.converters import to_attributes\n    import mlpair.rpc\n"
         "    from . import workers\n"
     )
-    assert internals(source) == ["mlpair.inference.settings", "mlpair.prediction.converters", "mlpair.rpc",
+    assert internals(source) == ["mlpair.inference.settings", "mlpair.prediction.intake.converters", "mlpair.rpc",
                                  "mlpair.workers"]
 
 
@@ -63,7 +63,7 @@ def test_the_demo_uses_the_public_client():
 
 def test_the_crm_table_the_demo_counts_is_the_one_prediction_service_writes():
     from mlpair.demo import CRM_TABLE
-    from mlpair.prediction.crm.models import DecisionRecord
+    from mlpair.prediction.recording.models import DecisionRecord
 
     assert DecisionRecord.__tablename__ == CRM_TABLE
     assert DecisionRecord.__table__.c.request_id.unique

@@ -13,7 +13,7 @@ from tests.support import REPO_ROOT, requirement_closure, slim_environment
 # What the demo runs in its own process (the services are the same modules in child processes).
 DEMO_IMPORTS = ("mlpair.cli", "mlpair.commands.serve", "mlpair.commands.models", "mlpair.demo", "mlpair.report",
                 "mlpair.training.pipeline", "mlpair.training.baseline",
-                "mlpair.inference.server", "mlpair.prediction.server", "mlpair.prediction.crm.admin",
+                "mlpair.inference.server", "mlpair.prediction.server", "mlpair.prediction.recording.admin",
                 "mlpair.inference.runtimes.onnx", "matplotlib.pyplot")
 BUILD = "import setuptools.build_meta as backend, sys; print(backend.build_wheel(sys.argv[1]))"
 
@@ -23,7 +23,7 @@ def test_the_wheel_carries_the_migrations_without_setuptools_warnings(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, source)
-    for folder in ("mlpair", "services", "training"):
+    for folder in ("mlpair", "services"):
         shutil.copytree(REPO_ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path)], cwd=source, capture_output=True, text=True,
                          timeout=120)
@@ -32,10 +32,10 @@ def test_the_wheel_carries_the_migrations_without_setuptools_warnings(tmp_path):
     wheel = out.stdout.split()[-1]
     assert wheel.endswith("-py3-none-any.whl"), f"{wheel}: the project is pure Python, one wheel for every platform"
     names = set(zipfile.ZipFile(tmp_path / wheel).namelist())
-    migrations = "mlpair/prediction/crm/migrations/"
+    migrations = "mlpair/prediction/recording/migrations/"
     shipped = {n for n in names if n.startswith(migrations)}
-    on_disk = {migrations + str(p.relative_to(REPO_ROOT / "services/prediction/crm/migrations"))
-               for p in (REPO_ROOT / "services/prediction/crm/migrations").rglob("*")
+    on_disk = {migrations + str(p.relative_to(REPO_ROOT / "services/prediction/mlpair/prediction/recording/migrations"))
+               for p in (REPO_ROOT / "services/prediction/mlpair/prediction/recording/migrations").rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     assert on_disk and on_disk <= shipped, on_disk - shipped
 

@@ -10,6 +10,7 @@ that had C parts must have them built in place (``setup.py build_ext --inplace``
 """
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -27,6 +28,10 @@ class _OtherCheckout(importlib.abc.MetaPathFinder):
         folder = self.packages.get(fullname)
         if folder is None:  # a subpackage or module: found through its parent's __path__
             return None
+        if not (folder / "__init__.py").exists():  # a namespace package (mlpair, from the layout by portions)
+            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = [str(folder)]
+            return spec
         return importlib.util.spec_from_file_location(
             fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
         )

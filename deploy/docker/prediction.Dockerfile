@@ -20,7 +20,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY mlpair ./mlpair
 COPY services ./services
-COPY training ./training
 # DL3013 wants `pip install name==version`; this installs the local project, whose dependency
 # bounds live in pyproject.toml.
 # hadolint ignore=DL3013

@@ -65,7 +65,7 @@ def migrate(args: argparse.Namespace) -> int:
 
     from mlpair.cli import debug_enabled
     from mlpair.logs import configure_logging
-    from mlpair.prediction.crm.admin import migrate
+    from mlpair.prediction.recording.admin import migrate
     from mlpair.prediction.settings import PredictionSettings
 
     configure_logging("prediction", "WARNING")

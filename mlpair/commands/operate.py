@@ -23,7 +23,7 @@ def drift_report(args: argparse.Namespace) -> int:
     """
     import urllib.request
 
-    from mlpair.prediction.drift_report import render, reports_from_metrics, to_json
+    from mlpair.prediction.monitoring.drift_report import render, reports_from_metrics, to_json
 
     try:
         with urllib.request.urlopen(args.metrics_url, timeout=args.timeout_s) as reply:

@@ -186,7 +186,7 @@ def _prediction_configuration(settings: PredictionSettings) -> None:
     import asyncio
 
     from mlpair.prediction.composition import load_families
-    from mlpair.prediction.crm.pooler import check_poolers
+    from mlpair.prediction.recording.pooler import check_poolers
 
     load_families(settings)
     asyncio.run(check_poolers(settings))

@@ -1,7 +1,7 @@
 """Feature assembly: raw business attributes → guarded ``[n_features] float32`` vectors.
 
 The one code path used by training (on the training split) and by PredictionService (on
-live requests), so there is no training/serving skew. Each value is first converted by its
+live requests), so there is no mlpair/training/serving skew. Each value is first converted by its
 feature's explicit rules (:mod:`mlpair.contracts.conversion`); a value no rule converts is a
 :class:`ConversionError` and the whole request is refused with every such attribute named at
 once. Guards never raise for a convertible value: missing and sentinel values take the schema

@@ -1,7 +1,7 @@
 """Logits → calibrated probability of the positive class: the formulas and their fitting.
 
 Shared by training (which fits and evaluates) and PredictionService (which applies, see
-``mlpair.prediction.calibration``), so the probabilities a manifest reports are computed by
+``mlpair.prediction.scoring.calibration``), so the probabilities a manifest reports are computed by
 the same code that serves. Every map here is finite, in [0, 1] and non-decreasing in the
 positive-class margin ``z_pos - max(other z)``, extreme logits included.
 

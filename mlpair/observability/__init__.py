@@ -8,5 +8,5 @@
 - :mod:`.redaction`: what keeps personal data out of log lines and error details.
 
 Log formatting lives in :mod:`mlpair.logs`; metrics in each service's ``metrics.py``; drift
-in :mod:`mlpair.prediction.drift`. Alert rules and dashboards: ``deploy/observability/``.
+in :mod:`mlpair.prediction.monitoring.drift`. Alert rules and dashboards: ``deploy/observability/``.
 """

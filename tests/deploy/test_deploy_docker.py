@@ -312,9 +312,9 @@ def test_dockerignore_lets_in_exactly_the_build_inputs() -> None:
         "pyproject.toml",
         "README.md",
         "mlpair/__init__.py",
-        "services/inference/engine.py",
-        "services/prediction/crm/__init__.py",
-        "training/pipeline.py",
+        "services/inference/mlpair/inference/engine.py",
+        "services/prediction/mlpair/prediction/recording/__init__.py",
+        "mlpair/training/pipeline.py",
     ]:
         assert not dockerignore_excludes(path, patterns), f"{path} is kept out of the build context"
     for path in [
@@ -324,7 +324,7 @@ def test_dockerignore_lets_in_exactly_the_build_inputs() -> None:
         "tests/conftest.py",
         "deploy/k8s/base/kustomization.yaml",
         "mlpair/__pycache__/cli.cpython-311.pyc",
-        "services/inference/__pycache__/engine.cpython-311.pyc",
+        "services/inference/mlpair/inference/__pycache__/engine.cpython-311.pyc",
         "mlpair.egg-info/PKG-INFO",
         "mlpair/_speedups.cpython-311-x86_64-linux-gnu.so",
         ".env",

@@ -28,7 +28,7 @@ LIVENESS = "liveness"
 READINESS = {
     "inference": "mlpair.inference.v1.InferenceService",
     "prediction": "mlpair.prediction.v1.PredictionService",
-    dc.RELAY: "relay",  # services/prediction/relay_server.py: SERVING while the ledger answers
+    dc.RELAY: "relay",  # services/prediction/mlpair/prediction/relay_server.py: SERVING while the ledger answers
 }
 # What the startup probe waits for: InferenceService's own start-up (load and warm-up of every
 # version) is its readiness; PredictionService has started once it answers, and its readiness

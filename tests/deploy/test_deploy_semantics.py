@@ -85,7 +85,7 @@ def test_prediction_runs_on_the_cpu_pool_without_gpu(objects: list) -> None:
 def shutdown_budget_s(workload: dict, objects: list) -> float:
     """Seconds the app may take after SIGTERM: the drain of in-flight calls, and for
     PredictionService then the delivery of what it recorded in the ledger and not yet delivered
-    (services/prediction/server.py stops the relay after min(shutdown_grace_s,
+    (services/prediction/mlpair/prediction/server.py stops the relay after min(shutdown_grace_s,
     SHUTDOWN_DELIVERY_S))."""
     settings = dc.settings_of(workload, objects)
     drain_s = float(settings[f"{PREFIX[app(workload)]}_SHUTDOWN_GRACE_S"])

@@ -20,8 +20,8 @@ from sqlalchemy import func, make_url, select
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import to_attributes
-from mlpair.prediction.crm.models import DecisionRecord
-from mlpair.prediction.crm.store import make_engine
+from mlpair.prediction.recording.models import DecisionRecord
+from mlpair.prediction.recording.store import make_engine
 from mlpair.rpc import error_info
 from tests.support.pair import Pair, Service, TcpProxy, free_port, pair
 

@@ -208,7 +208,7 @@ async def test_responses_read_from_the_columns_equal_the_ones_built_from_each_re
     """``converters.batch_response`` reads fresh decisions straight from their columns; on a call
     with every kind of outcome (fresh, warned, explained, replayed, refused, two families) the
     response equals the one built from each item's result object, as Predict encodes it."""
-    from mlpair.prediction import converters
+    from mlpair.prediction.intake import converters
     from mlpair.prediction.outcomes import PredictInput, PredictionResult
 
     predictor = prediction[1].predictor

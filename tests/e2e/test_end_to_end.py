@@ -14,9 +14,9 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from mlpair.contracts.manifest import ModelEntry
 from mlpair.prediction.composition import build_components
+from mlpair.prediction.deciding.policy import DecisionPolicy
 from mlpair.prediction.errors import InferenceContractError
 from mlpair.prediction.pipeline import ConfigurationError, ModelFamily, PredictInput
-from mlpair.prediction.policy import DecisionPolicy
 from mlpair.prediction.settings import PredictionSettings
 from tests.e2e.conftest import crm_count, prediction_service
 from tests.support import CONFIG_DIR, defaulted, migrate_for

@@ -20,8 +20,8 @@ from sqlalchemy import func, make_url, select
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from mlpair.prediction.crm.models import DecisionRecord
-from mlpair.prediction.crm.store import make_engine
+from mlpair.prediction.recording.models import DecisionRecord
+from mlpair.prediction.recording.store import make_engine
 from tests.e2e.replicas import crm_rows
 from tests.fault_support import TcpProxy, eventually, free_port, health_of, prediction_service, prediction_settings
 

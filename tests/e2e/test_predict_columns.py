@@ -15,7 +15,7 @@ from google.rpc import code_pb2
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import predict_request
 from mlpair.client.tables import DECISION_SCHEMA, ChunkResult, chunk_result, request_chunks, to_ipc
-from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
+from mlpair.prediction.recording.models import LEDGER_SCHEMA, LEDGER_TABLE
 from tests.e2e.conftest import prediction_service
 
 MAX_CHUNK_ROWS = 500

@@ -14,8 +14,8 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.manifest import load_entry
+from mlpair.prediction.deciding.policy import DecisionPolicy
 from mlpair.prediction.families import ConfigurationError, ModelFamily
-from mlpair.prediction.policy import DecisionPolicy
 from tests.e2e.conftest import inference_service, prediction_service
 from tests.support import CONFIG_DIR
 

@@ -18,9 +18,9 @@ from google.rpc import error_details_pb2
 from sqlalchemy import text
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.prediction.crm.models import LEDGER_SCHEMA, LEDGER_TABLE
-from mlpair.prediction.crm.store import make_engine
-from mlpair.prediction.idempotency import request_fingerprint
+from mlpair.prediction.preparing.idempotency import request_fingerprint
+from mlpair.prediction.recording.models import LEDGER_SCHEMA, LEDGER_TABLE
+from mlpair.prediction.recording.store import make_engine
 from tests.e2e.replicas import refusal_reason, request
 
 pytestmark = pytest.mark.timeout(240)

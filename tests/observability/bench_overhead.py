@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -35,6 +34,8 @@ import tempfile
 import time
 from io import BytesIO
 from pathlib import Path
+
+from tests.support.pair import assemble_package
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,10 +53,7 @@ def export_revision(revision: str, into: Path) -> Path:
     with tarfile.open(fileobj=BytesIO(tar)) as archive:
         archive.extractall(src, filter="data")
     pkgs = into / "pkgs"
-    shutil.copytree(src / "mlpair", pkgs / "mlpair")
-    for name, folder in (("inference", "services/inference"), ("prediction", "services/prediction"),
-                         ("training", "training")):
-        shutil.copytree(src / folder, pkgs / "mlpair" / name)
+    assemble_package(src, pkgs)
     return pkgs
 
 

@@ -60,7 +60,7 @@ def near_threshold_applications(entry, records: list[dict], threshold: float, wi
     import onnxruntime as ort
 
     from mlpair.contracts.assembly import FeatureAssembler
-    from mlpair.prediction.calibration import Calibrator
+    from mlpair.prediction.scoring.calibration import Calibrator
 
     assembler, calibrator = FeatureAssembler(entry.preprocessing), Calibrator(entry.manifest)
     session = ort.InferenceSession(str(entry.path / entry.manifest.model_file), providers=["CPUExecutionProvider"])

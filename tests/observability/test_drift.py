@@ -10,9 +10,9 @@ import pytest
 from scipy.stats import ks_2samp
 
 from mlpair.cli import main as cli_main
-from mlpair.prediction.drift import DriftConfig, DriftMonitor
-from mlpair.prediction.drift_report import reports_from_metrics
-from mlpair.prediction.drift_statistics import chi2_against_frequencies, ks_against_quantiles
+from mlpair.prediction.monitoring.drift import DriftConfig, DriftMonitor
+from mlpair.prediction.monitoring.drift_report import reports_from_metrics
+from mlpair.prediction.monitoring.drift_statistics import chi2_against_frequencies, ks_against_quantiles
 from tests.observability.pair import predict_request
 
 CONCURRENCY = 8
@@ -164,7 +164,7 @@ def test_drift_report_command_reads_a_metrics_endpoint(capsys):
 async def test_periodic_evaluation_exports_gauges_until_stopped(credit_entry, credit_holdout):
     from mlpair.contracts.assembly import FeatureAssembler
     from mlpair.prediction import metrics
-    from mlpair.prediction.drift import DriftMonitors
+    from mlpair.prediction.monitoring.drift import DriftMonitors
 
     monitors = DriftMonitors({credit_entry.manifest.model_name: DriftMonitor(credit_entry, DriftConfig(min_rows=10))})
     x = FeatureAssembler(credit_entry.preprocessing).assemble_many(credit_holdout.records[:50])

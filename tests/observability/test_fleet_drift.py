@@ -1,4 +1,4 @@
-"""The distribution signals every replica exports (mlpair.prediction.signals), read back as
+"""The distribution signals every replica exports (mlpair.prediction.monitoring.signals), read back as
 Prometheus samples: rank buckets reproduce the training distribution, the fleet KS statistic
 computed from them is the exact KS at the bucket edges, category counts give the monitor's total
 variation, and decisions just below a threshold are counted against the training share."""
@@ -11,10 +11,10 @@ from prometheus_client import REGISTRY
 
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.prediction import metrics
-from mlpair.prediction.drift_statistics import chi2_against_frequencies, ks_against_quantiles
+from mlpair.prediction.deciding.policy import DecisionPolicy
 from mlpair.prediction.families import ModelFamily
-from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.signals import PROBE_BAND_WIDTH, SCORE, FamilySignals, rank_edges
+from mlpair.prediction.monitoring.drift_statistics import chi2_against_frequencies, ks_against_quantiles
+from mlpair.prediction.monitoring.signals import PROBE_BAND_WIDTH, SCORE, FamilySignals, rank_edges
 from mlpair.training.data import stratified_split
 from tests.support import CONFIG_DIR
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlpair.prediction.crm.admin import migrate
+from mlpair.prediction.recording.admin import migrate
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 from tests.support.pair import scratch_postgres
 

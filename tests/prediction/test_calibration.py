@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlpair.prediction.calibration import Calibrator
 from mlpair.prediction.errors import InferenceFailed
+from mlpair.prediction.scoring.calibration import Calibrator
 
 
 def test_the_served_method_and_parameters_come_from_the_manifest(credit_entry, churn_entry):

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlpair.prediction.checks import MAX_ID_LENGTH, check_id, ids_pass
 from mlpair.prediction.errors import InvalidRequest
+from mlpair.prediction.intake.checks import MAX_ID_LENGTH, check_id, ids_pass
 
 ids = st.one_of(
     st.text(max_size=8),

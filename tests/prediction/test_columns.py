@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from mlpair.contracts.assembly import ConversionError, FeatureAssembler
-from mlpair.prediction.columns import ColumnAssembler
-from mlpair.prediction.idempotency import request_fingerprint, request_fingerprints
-from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.signals import FamilySignals
+from mlpair.prediction.deciding.policy import DecisionPolicy
+from mlpair.prediction.monitoring.signals import FamilySignals
+from mlpair.prediction.preparing.columns import ColumnAssembler
+from mlpair.prediction.preparing.idempotency import request_fingerprint, request_fingerprints
 from tests.support import CONFIG_DIR
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,7 +137,7 @@ def _samples(model: str) -> dict:
 
 
 def test_signals_count_a_batch_as_row_by_row_observations_would(credit_entry, holdout_x):
-    from mlpair.prediction.policy import DecisionPolicy
+    from mlpair.prediction.deciding.policy import DecisionPolicy
 
     signals = FamilySignals(credit_entry, credit_entry, DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml"))
     # besides the holdout: every rank edge exactly, a float32 step either side, and NaN and ±inf
@@ -172,8 +172,8 @@ def _scored_group(entry, records: list[dict], members: int, seed: int, every_row
     probability, fallback, unusable output or error)."""
     from types import SimpleNamespace
 
-    from mlpair.prediction.batch import Group
     from mlpair.prediction.outcomes import PredictInput
+    from mlpair.prediction.preparing.batch import Group
     from mlpair.prediction.scoring.cache import Scored, Source
     from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
@@ -216,9 +216,9 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
     record, reason codes, probability bits, spread, explanation and errors as deciding them all at once."""
     from datetime import datetime
 
-    from mlpair.prediction.batch import Group
-    from mlpair.prediction.columns import SMALL_BATCH
-    from mlpair.prediction.decisions import decide_columns, decide_rows
+    from mlpair.prediction.deciding.decisions import decide_columns, decide_rows
+    from mlpair.prediction.preparing.batch import Group
+    from mlpair.prediction.preparing.columns import SMALL_BATCH
 
     group = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
     assert len(group) >= SMALL_BATCH
@@ -244,7 +244,7 @@ def test_a_group_decided_with_model_output_on_every_row_is_recorded_as_the_gener
     row's record, probability bits, spread, source, calibration method and explanation are the same."""
     from datetime import datetime
 
-    from mlpair.prediction.decisions import decide_columns
+    from mlpair.prediction.deciding.decisions import decide_columns
     from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
     group = _scored_group(credit_entry, credit_holdout.records, members, seed=members, every_row_decided=True)
@@ -336,7 +336,7 @@ def test_a_few_rows_assembled_row_by_row_get_the_columnar_matrix_and_guard_bits(
     """Under ``SMALL_BATCH`` records, ``ColumnAssembler.assemble`` goes row by row through the shared
     assembler; the matrix, the guard bits (so the decoded guards) and the problems are the columnar
     path's, on every holdout record."""
-    from mlpair.prediction.columns import SMALL_BATCH
+    from mlpair.prediction.preparing.columns import SMALL_BATCH
 
     columns = ColumnAssembler(FeatureAssembler(credit_entry.preprocessing))
     records = [dict(r) for r in credit_holdout.records]
@@ -364,7 +364,7 @@ values_ = st.one_of(st.none(), st.floats(allow_nan=True), st.text(max_size=5), s
 def test_attribute_columns_are_each_records_values(records, names):
     """Records with names missing, extra or in any order: each column holds each record's value
     (None where it lacks the name), and the records holding a name that is not read are listed."""
-    from mlpair.prediction.columns import AttributeColumns, attribute_columns
+    from mlpair.prediction.preparing.columns import AttributeColumns, attribute_columns
 
     names = list(dict.fromkeys([*names, *(records[0] if records else ())]))
     expected = AttributeColumns(
@@ -378,7 +378,7 @@ def test_attribute_columns_are_each_records_values(records, names):
 def test_attribute_columns_of_records_that_are_not_dicts_are_read_as_mappings():
     from types import MappingProxyType
 
-    from mlpair.prediction.columns import attribute_columns
+    from mlpair.prediction.preparing.columns import attribute_columns
 
     records = [{"a": 1.0}, MappingProxyType({"a": 2.0, "b": "x"})]
     assert attribute_columns(records, ["a", "b"]).values == [[1.0, 2.0], [None, "x"]]

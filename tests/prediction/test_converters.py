@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from mlpair.prediction import converters
+from mlpair.prediction.deciding.explain import Contribution, Explanation
 from mlpair.prediction.errors import InvalidRequest, UnknownModel
-from mlpair.prediction.explain import Contribution, Explanation
+from mlpair.prediction.intake import converters
 from mlpair.prediction.pipeline import PredictionResult, UnexpectedFailure
 from mlpair.prediction.records import StoredDecision
 

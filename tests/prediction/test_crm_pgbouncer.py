@@ -26,7 +26,7 @@ import grpc
 import pytest
 from sqlalchemy import make_url, text
 
-from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.recording.store import CrmStore
 from tests.support.ledger import crm_decision
 from tests.support.pair import reachable
 

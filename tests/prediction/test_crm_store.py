@@ -9,9 +9,9 @@ from datetime import UTC
 import pytest
 from sqlalchemy import inspect, text
 
-from mlpair.prediction.crm.codecs import to_row
-from mlpair.prediction.crm.migrate import current_revision
-from mlpair.prediction.crm.store import CrmStore, make_engine
+from mlpair.prediction.recording.codecs import to_row
+from mlpair.prediction.recording.migrate import current_revision
+from mlpair.prediction.recording.store import CrmStore, make_engine
 from mlpair.prediction.records import StoredDecision, decision_id_for
 from tests.support.ledger import crm_decision
 
@@ -116,7 +116,7 @@ def varied_decisions(prefix: str) -> list[StoredDecision]:
 async def test_postgresql_column_array_delivery_stores_what_a_row_insert_stores(postgres_url):
     from sqlalchemy.dialects import postgresql
 
-    from mlpair.prediction.crm.models import DecisionRecord
+    from mlpair.prediction.recording.models import DecisionRecord
 
     crm = CrmStore(postgres_url)
     try:

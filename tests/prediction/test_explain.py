@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlpair.prediction.explain import explain, explanation_rows
+from mlpair.prediction.deciding.explain import explain, explanation_rows
 
 
 def test_contributions_are_ordered_and_phrased_in_business_language(credit_schema):

@@ -166,8 +166,8 @@ def test_still_serving_and_every_fuzzed_decision_reached_the_crm_once(served, de
 
     from sqlalchemy import func, select
 
-    from mlpair.prediction.crm.models import DecisionRecord
-    from mlpair.prediction.crm.store import make_engine
+    from mlpair.prediction.recording.models import DecisionRecord
+    from mlpair.prediction.recording.store import make_engine
 
     services, channel = served
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)

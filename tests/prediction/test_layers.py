@@ -82,7 +82,8 @@ def test_the_scoring_package_holds_the_request_path_and_its_docstring_gives_the_
     modules = {name for name in product_modules() if name == SCORING or name.startswith(SCORING + ".")}
     assert modules == {
         SCORING,
-        *(f"{SCORING}.{m}" for m in ("backends", "cache", "client", "coalescer", "factory", "keys", "redis_backend",
+        *(f"{SCORING}.{m}" for m in ("backends", "cache", "calibration", "client", "coalescer", "factory", "keys",
+                                     "redis_backend",
                                      "resilience", "rows", "scorer")),
     }
     doc = ast.get_docstring(tree(SCORING)) or ""
@@ -105,7 +106,7 @@ def test_each_scoring_layer_is_built_only_by_the_factory_and_knows_only_the_next
 @pytest.mark.parametrize("module", ["mlpair.prediction.pipeline", "mlpair.prediction.records"])
 def test_the_decision_path_loads_no_database_layer(module):
     closure = import_time_closure(module)
-    assert not {m for m in closure if m.startswith("mlpair.prediction.crm")}, sorted(closure)
+    assert not {m for m in closure if m.startswith("mlpair.prediction.recording")}, sorted(closure)
     loading_sqlalchemy = {m for m in closure if "sqlalchemy" in imported_roots(m, at_import_time=True)}
     assert loading_sqlalchemy == set()
 
@@ -115,9 +116,9 @@ def test_records_import_no_database_code_anywhere_and_codecs_encode_them():
     assert not any("crm" in m for m in import_graph(product_modules())["mlpair.prediction.records"])
     defined = {n.name for n in tree("mlpair.prediction.records").body if isinstance(n, ast.ClassDef)}
     assert {"StoredDecision", "Recorded", "DecisionColumns", "RecordedBatch"} <= defined
-    codecs = {n.name for n in tree("mlpair.prediction.crm.codecs").body if isinstance(n, ast.FunctionDef)}
+    codecs = {n.name for n in tree("mlpair.prediction.recording.codecs").body if isinstance(n, ast.FunctionDef)}
     assert {"from_record", "to_row", "crm_row", "to_json", "from_json", "ledger_arrays"} <= codecs
-    assert "mlpair.prediction.crm.columns" not in product_modules()
+    assert "mlpair.prediction.recording.columns" not in product_modules()
 
 
 def test_the_feature_version_key_is_spelled_once_in_the_product():

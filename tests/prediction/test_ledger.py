@@ -16,14 +16,14 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import make_url
 
-from mlpair.prediction.crm import codecs
-from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.ledger import open_ledger
-from mlpair.prediction.crm.migrate import SchemaNotReady
-from mlpair.prediction.crm.recorder import DecisionRecorder
-from mlpair.prediction.crm.relay import LedgerRelay
-from mlpair.prediction.crm.store import CrmStore
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.recording import codecs
+from mlpair.prediction.recording.admin import migrate
+from mlpair.prediction.recording.ledger import open_ledger
+from mlpair.prediction.recording.migrate import SchemaNotReady
+from mlpair.prediction.recording.recorder import DecisionRecorder
+from mlpair.prediction.recording.relay import LedgerRelay
+from mlpair.prediction.recording.store import CrmStore
 from mlpair.prediction.records import StoredDecision, decision_id_for, decision_ids_for
 from tests.fault_support import TcpProxy, eventually
 from tests.support.ledger import SLOW_MACHINE_S, crm_rows, decision, opened_ledger
@@ -397,7 +397,7 @@ async def test_a_failed_delivery_names_the_database_that_failed(failing, caplog)
             raise ConnectionRefusedError
 
     relay = LedgerRelay(Ledger(), Crm(), poll_s=0.01, linger_s=0, backoff_base_s=0.01, backoff_max_s=0.01)
-    with caplog.at_level(logging.WARNING, logger="mlpair.prediction.crm.relay"):
+    with caplog.at_level(logging.WARNING, logger="mlpair.prediction.recording.relay"):
         relay.start()
 
         async def logged() -> bool:
@@ -469,7 +469,7 @@ async def test_a_decision_the_crm_refuses_waits_in_the_ledger_while_the_others_a
     the CRM takes it; every decision ends in the CRM exactly once."""
     from sqlalchemy import text
 
-    from mlpair.prediction.crm import ledger_sqlite
+    from mlpair.prediction.recording import ledger_sqlite
 
     monkeypatch.setattr(ledger_sqlite, "REQUEUE_AFTER_S", 0.2)  # SQLite holds a refused decision back 30 s
     sqlite = databases.crm_url.startswith("sqlite")

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from mlpair.prediction.crm.recorder import DecisionRecorder
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.recording.recorder import DecisionRecorder
 from mlpair.prediction.records import DecisionColumns, RecordedBatch, decision_id_for
 from tests.support.ledger import opened_ledger
 

@@ -18,15 +18,15 @@ from alembic import command
 from prometheus_client import REGISTRY
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from mlpair.prediction.crm import ledger_sql
-from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.codecs import CRM_COLUMNS
-from mlpair.prediction.crm.ledger import open_ledger
-from mlpair.prediction.crm.migrate import alembic_config, current_revision
-from mlpair.prediction.crm.models import LEDGER_SCHEMA
-from mlpair.prediction.crm.packed import SEP
-from mlpair.prediction.crm.relay import LedgerRelay
-from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.recording import ledger_sql
+from mlpair.prediction.recording.admin import migrate
+from mlpair.prediction.recording.codecs import CRM_COLUMNS
+from mlpair.prediction.recording.ledger import open_ledger
+from mlpair.prediction.recording.migrate import alembic_config, current_revision
+from mlpair.prediction.recording.models import LEDGER_SCHEMA
+from mlpair.prediction.recording.packed import SEP
+from mlpair.prediction.recording.relay import LedgerRelay
+from mlpair.prediction.recording.store import CrmStore
 from tests.fault_support import eventually
 from tests.support.ledger import SLOW_MACHINE_S, decision, in_crm, opened_ledger, record_all
 

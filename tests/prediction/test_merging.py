@@ -1,4 +1,4 @@
-"""Concurrent Predict calls decided together (services/prediction/merging.py), through the real
+"""Concurrent Predict calls decided together (services/prediction/mlpair/prediction/intake/merging.py), through the real
 InferenceService behind a counting forwarder: exact batch counts, and every caller's outcome is
 the one it gets alone.
 
@@ -150,7 +150,7 @@ async def test_a_short_deadline_is_not_merged_with_long_ones_and_gets_its_fallba
 
 async def test_near_deadlines_share_a_batch_only_within_the_window_and_batches_stop_at_max_calls():
     """The merger alone, with a stand-in for the pipeline: which calls go out together."""
-    from mlpair.prediction.merging import PredictMerger
+    from mlpair.prediction.intake.merging import PredictMerger
     from mlpair.prediction.outcomes import PredictInput
 
     batches: list[list[str]] = []
@@ -184,7 +184,7 @@ async def test_near_deadlines_share_a_batch_only_within_the_window_and_batches_s
 
 
 async def test_below_wait_from_calls_no_call_waits_for_company():
-    from mlpair.prediction.merging import PredictMerger
+    from mlpair.prediction.intake.merging import PredictMerger
     from mlpair.prediction.outcomes import PredictInput
 
     batches: list[list[str]] = []
@@ -215,7 +215,7 @@ async def test_decided_calls_leave_nothing_for_the_cyclic_collector():
     frees, and under load those were a fifth of what each young collection scanned."""
     import gc
 
-    from mlpair.prediction.merging import MergedCall, PredictMerger
+    from mlpair.prediction.intake.merging import MergedCall, PredictMerger
     from mlpair.prediction.outcomes import PredictInput
 
     class Outcome:

@@ -23,8 +23,8 @@ from sqlalchemy import make_url
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client import to_attributes
-from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.migrate import SchemaNotReady
+from mlpair.prediction.recording.admin import migrate
+from mlpair.prediction.recording.migrate import SchemaNotReady
 from tests.fault_support import free_port, prediction_service, prediction_settings
 from tests.support import pair as harness
 from tests.support.ledger import mlpair_cli
@@ -180,8 +180,8 @@ async def test_import_outbox_brings_the_previous_release_decisions_into_the_ledg
     replay, the undelivered ones are delivered by this release's relay."""
     import sqlite3
 
-    from mlpair.prediction.crm.codecs import to_json
-    from mlpair.prediction.crm.ledger import open_ledger
+    from mlpair.prediction.recording.codecs import to_json
+    from mlpair.prediction.recording.ledger import open_ledger
     from mlpair.prediction.records import StoredDecision
 
     outbox = tmp_path / "outbox.sqlite"

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlpair.prediction.crm import packed
+from mlpair.prediction.recording import packed
 from tests.support.ledger import float_sweep
 
 awkward_texts = st.one_of(

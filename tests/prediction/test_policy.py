@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlpair.prediction.policy import DecisionPolicy
+from mlpair.prediction.deciding.policy import DecisionPolicy
 from tests.support import CONFIG_DIR
 
 

@@ -21,9 +21,9 @@ from sqlalchemy import func, make_url, select
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from mlpair.prediction.crm.admin import migrate
-from mlpair.prediction.crm.models import DecisionRecord
-from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.recording.admin import migrate
+from mlpair.prediction.recording.models import DecisionRecord
+from mlpair.prediction.recording.store import CrmStore
 from tests.fault_support import TcpProxy, eventually, health_of, prediction_service, prediction_settings
 from tests.support.ledger import decision, in_crm, opened_ledger, record_all, relay_process
 
@@ -239,7 +239,7 @@ def test_a_relay_process_claims_with_the_connections_a_server_keeps_for_commits(
     """Nothing commits in ``mlpair relay``: with the default ledger pool of 4 its relay claims three
     batches at once (one connection kept for health's reads) where a serving process's relay, next to
     its three commit connections, claims one. No I/O: the pools are only built."""
-    from mlpair.prediction.crm.recorder import recorder_for
+    from mlpair.prediction.recording.recorder import recorder_for
     from mlpair.prediction.relay_server import build_recorder
     from mlpair.prediction.settings import PredictionSettings
 

@@ -1,4 +1,4 @@
-"""Scoring merged Predicts' items (services/prediction/scoring/scorer.py, ``score_groups`` with
+"""Scoring merged Predicts' items (services/prediction/mlpair/prediction/scoring/scorer.py, ``score_groups`` with
 ``callers``): each item's row is scored in its own caller's task, and the rows that were scored
 are calibrated together afterwards. Calibration is row-wise, so each item must get, bit for bit,
 the probability the BatchPredict path (calls of many rows) gives it, and a row that cannot be
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.prediction.batch import Group
-from mlpair.prediction.calibration import Calibrator
-from mlpair.prediction.columns import ColumnAssembler
 from mlpair.prediction.errors import InferenceFailed
-from mlpair.prediction.merging import MergedCall
+from mlpair.prediction.intake.merging import MergedCall
 from mlpair.prediction.outcomes import PredictInput
+from mlpair.prediction.preparing.batch import Group
+from mlpair.prediction.preparing.columns import ColumnAssembler
+from mlpair.prediction.scoring.calibration import Calibrator
 from mlpair.prediction.scoring.rows import ScoredRows, Source
 from mlpair.prediction.scoring.scorer import score_groups
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 from prometheus_client import REGISTRY
 
-from mlpair.prediction import shadow as shadow_module
-from mlpair.prediction.policy import DecisionPolicy
-from mlpair.prediction.shadow import ServedRow, ShadowComparison
+from mlpair.prediction.deciding.policy import DecisionPolicy
+from mlpair.prediction.monitoring import shadow as shadow_module
+from mlpair.prediction.monitoring.shadow import ServedRow, ShadowComparison
 from tests.support import CONFIG_DIR
 
 

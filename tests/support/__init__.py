@@ -65,7 +65,7 @@ def require_service(name: str, host: str, port: int) -> None:
 
 async def migrate_for(settings) -> None:
     """What the pre-deploy job does (`mlpair migrate`) for the settings' ledger and CRM."""
-    from mlpair.prediction.crm.admin import migrate
+    from mlpair.prediction.recording.admin import migrate
 
     await migrate(settings.ledger_url, settings.crm_url)
 

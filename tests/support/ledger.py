@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from mlpair.prediction.crm.store import CrmStore
+from mlpair.prediction.recording.store import CrmStore
 from mlpair.prediction.records import StoredDecision
 from tests.fault_support import eventually, free_port, health_of
 from tests.support import REPO_ROOT
@@ -41,8 +41,8 @@ def crm_decision(request_id: str, probability: float | None = 0.3, **fields) -> 
 @contextlib.asynccontextmanager
 async def opened_ledger(url: str, **options):
     """The decision ledger at ``url``, opened with a statement timeout a loaded machine meets
-    (``options`` are :func:`~mlpair.prediction.crm.ledger.open_ledger`'s), closed on the way out."""
-    from mlpair.prediction.crm.ledger import open_ledger
+    (``options`` are :func:`~mlpair.prediction.recording.ledger.open_ledger`'s), closed on the way out."""
+    from mlpair.prediction.recording.ledger import open_ledger
 
     ledger = open_ledger(url, timeout_s=SLOW_MACHINE_S, **options)
     await ledger.open()
@@ -61,7 +61,7 @@ async def record_all(ledger, request_ids: list[str], fingerprint: str = "fp") ->
 async def crm_rows(crm: CrmStore, request_ids: list[str]) -> tuple[int, int]:
     from sqlalchemy import func, select
 
-    from mlpair.prediction.crm.models import DecisionRecord
+    from mlpair.prediction.recording.models import DecisionRecord
 
     async with crm.engine.connect() as conn:
         total, distinct = (await conn.execute(

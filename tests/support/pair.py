@@ -470,11 +470,28 @@ def previous_release(dest: Path, ref: str = PREVIOUS_RELEASE) -> Path | None:
         return None
     source, package = dest / "source", dest / "package"
     source.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "mlpair", "services", "training", "config"],
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "mlpair", "services", "config"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    if subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{ref}:training"], capture_output=True).returncode == 0:
+        old = subprocess.run(["git", "-C", str(REPO), "archive", ref, "training"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(source)], input=old, check=True)
+    assemble_package(source, package)
+    return dest
+
+
+def assemble_package(source: Path, package: Path) -> None:
+    """A checkout's ``mlpair`` package as one folder under ``package``, in either layout: the
+    namespace package's portions (``mlpair/``, ``services/*/mlpair/``) merged, or, for a release
+    before that layout, ``services/inference``, ``services/prediction`` and ``training`` copied to
+    their import paths."""
+    import shutil
+
     shutil.copytree(source / "mlpair", package / "mlpair")
+    if (source / "services" / "prediction" / "mlpair").is_dir():
+        for service in ("inference", "prediction"):
+            shutil.copytree(source / "services" / service / "mlpair", package / "mlpair", dirs_exist_ok=True)
+        return
     for folder, name in (("services/prediction", "prediction"), ("services/inference", "inference"),
                          ("training", "training")):
         shutil.copytree(source / folder, package / "mlpair" / name)
-    return dest

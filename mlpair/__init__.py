@@ -1,1 +1,0 @@
-"""mlpair: a gRPC serving pair that splits inference (raw logits) from prediction (decisions)."""

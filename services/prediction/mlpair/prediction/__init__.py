@@ -1,0 +1,17 @@
+"""PredictionService: raw business attributes → recorded, explained decision.
+
+Its folders are the stages a call goes through, in order (``composition.py`` builds them, and
+``pipeline.py`` runs them):
+
+1. ``intake/`` — the request read and checked (Predict, BatchPredict, PredictColumns), concurrent
+   Predicts merged into one batch, the answer encoded;
+2. ``preparing/`` — each family's rows assembled into one guarded feature matrix, fingerprinted;
+3. ``scoring/`` — cache → coalescer → resilience → InferenceService client, then calibration;
+4. ``deciding/`` — the family's policy: thresholds, reason codes, explanations, replays;
+5. ``recording/`` — the decision ledger every replica shares, its relay, the CRM;
+6. ``monitoring/`` — drift, fleet-wide signals, the shadow version's comparison.
+
+Beside them: ``server.py`` (the process), ``settings.py``, ``families.py`` (what each family
+decides with), ``records.py`` and ``outcomes.py`` (the domain's values), ``errors.py``,
+``metrics.py``, ``health.py``, ``relay_server.py`` (``mlpair relay``).
+"""

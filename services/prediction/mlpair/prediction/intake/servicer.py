@@ -1,0 +1,70 @@
+"""The ``mlpair.prediction.v1.PredictionService`` servicer: converts and delegates, nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+from mlpair.prediction import metrics
+from mlpair.prediction.intake import converters, tables
+from mlpair.prediction.pipeline import Predictor
+
+DECIDING_METHODS = frozenset({"PredictionServicer.Predict", "PredictionServicer.BatchPredict"})
+
+
+def count_refused_calls(predictor: Predictor):
+    """The hook :func:`mlpair.rpc.guard_servicer` calls for a call refused before its method ran
+    (malformed message, unknown fields, conflicting metadata, the drain): a Predict or BatchPredict
+    among them is counted once in ``prediction_requests_total`` with its code, under the family it
+    named when that family is served, else ``unknown`` (the pipeline counts the calls it decides)."""
+
+    def refused(method: str, request: object, code: str) -> None:
+        if method not in DECIDING_METHODS:
+            return
+        name = (request.model_name or predictor.default_model) if isinstance(request, pb.PredictRequest) else ""
+        metrics.labelled(metrics.REQUESTS, name if name in predictor.families else "unknown", code).inc()
+
+    return refused
+
+
+class PredictionServicer(pb_grpc.PredictionServiceServicer):
+    """Thin gRPC adapter over :class:`Predictor`; errors are mapped to statuses by
+    :func:`mlpair.rpc.guard_servicer`."""
+
+    def __init__(self, predictor: Predictor, max_chunk_rows: int = 10_000) -> None:
+        self.predictor = predictor
+        self.max_chunk_rows = max_chunk_rows
+
+    async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
+        """Decides one request (or returns the decision on record for its ``request_id``).
+
+        Raises:
+            PredictionError: as :meth:`Predictor.predict` raises it (invalid request, unknown model,
+                reused idempotency key, InferenceService refused or failed, ledger unavailable); the
+                guard turns it into the call's status with its ErrorInfo.
+        """
+        result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
+        return converters.predict_response(result)
+
+    async def BatchPredict(
+        self, request: pb.BatchPredictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchPredictResponse:
+        """Decides each item of a batch; every item gets its own response or error status, in order.
+
+        Raises:
+            InvalidRequest: more items than ``max_batch_items`` (nothing is decided).
+        """
+        outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
+        return converters.batch_response(outcomes)
+
+    async def PredictColumns(
+        self, requests: AsyncIterator[pb.PredictColumnsRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """One response per request chunk, in order; a chunk refused as a whole is answered with
+        its error and the stream goes on (:mod:`mlpair.prediction.intake.tables`)."""
+        deadline = converters.deadline(context)
+        async for request in requests:
+            await context.write(await tables.decide_chunk(self.predictor, request, self.max_chunk_rows, deadline))

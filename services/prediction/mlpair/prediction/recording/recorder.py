@@ -1,0 +1,206 @@
+"""Durable, exactly-once decision recording: the shared decision ledger now, the CRM database soon after.
+
+The one object the prediction core talks to about decisions on record:
+:meth:`DecisionRecorder.record_many` returns only after the decisions are committed to the ledger
+(or what another replica recorded first for the same request id), and the relay delivers them to
+the CRM database whether that is up now or comes back later: this process's relay, or, with
+``relay_in_process`` off, ``mlpair relay`` in a process of its own (:mod:`mlpair.prediction.relay_server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.recording.ledger import DecisionLedger, open_ledger
+from mlpair.prediction.recording.migrate import CRM_BRANCH, SchemaNotReady, check_columns
+from mlpair.prediction.recording.relay import LedgerRelay
+from mlpair.prediction.recording.store import CrmStore
+from mlpair.prediction.records import Recorded, StoredDecision
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+    from mlpair.prediction.settings import PredictionSettings
+
+logger = logging.getLogger(__name__)
+
+
+BACKLOG_POLL_S = 0.1  # how often wait_delivered looks at the backlog when another process delivers it
+
+
+class DecisionRecorder:
+    """The decision ledger, its relay and the CRM database, started and stopped together.
+
+    ``relay`` None: this process only records; another process (``mlpair relay``) delivers the
+    ledger to the CRM. The CRM database is still opened, for the schema check at start-up and the
+    health check (:mod:`mlpair.prediction.health`).
+    """
+
+    def __init__(self, ledger: DecisionLedger, crm: CrmStore, relay: LedgerRelay | None) -> None:
+        self.ledger = ledger
+        self.crm = crm
+        self.relay = relay
+        self._tracer: Tracer | None = None  # set by instrument(): spans for the durable write of each decision
+
+    def instrument(self, tracer_provider=None) -> None:
+        """Traces each ledger commit (``ledger INSERT``, child of the Predict span: the durable
+        write the response waits for) and each CRM statement of the relay (``crm INSERT``, in the
+        relay's own trace, since delivery happens after the response)."""
+        from opentelemetry import trace
+
+        from mlpair.observability.tracing import INSTRUMENTATION_NAME, instrument_engine
+
+        self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        instrument_engine(self.crm.engine, tracer_provider)
+
+    @classmethod
+    def open(
+        cls,
+        ledger_url: str,
+        crm_url: str,
+        *,
+        ledger_timeout_s: float = 2.0,
+        synchronous: str = "FULL",
+        pool_size: int = 4,
+        statement_cache_size: int = 100,
+        crm_timeout_s: float = 5.0,
+        batch_size: int = 2048,
+        linger_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        crm_statement_cache_size: int = 100,
+        relay_concurrency: int = 3,
+        relay_poll_s: float = 1.0,
+        relay_in_process: bool = True,
+        relay_only: bool = False,
+    ) -> DecisionRecorder:
+        """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments and
+        :func:`~mlpair.prediction.recording.store.make_engine` for ``crm_statement_cache_size``;
+        ``relay_poll_s`` is the relay's ``poll_s`` (:class:`LedgerRelay`); ``relay_in_process`` False
+        builds no relay (``mlpair relay`` delivers); ``relay_only``: this process only delivers
+        (``mlpair relay``), so the relay's claims may use the ledger connections commits would keep."""
+        ledger = open_ledger(
+            ledger_url,
+            timeout_s=ledger_timeout_s,
+            synchronous=synchronous,
+            pool_size=pool_size,
+            statement_cache_size=statement_cache_size,
+            relay_only=relay_only,
+        )
+        crm = CrmStore(crm_url, timeout_s=crm_timeout_s, statement_cache_size=crm_statement_cache_size)
+        relay = LedgerRelay(
+            ledger,
+            crm,
+            batch_size=batch_size,
+            linger_s=linger_s,
+            backoff_max_s=backoff_max_s,
+            poll_s=relay_poll_s,
+            concurrency=relay_concurrency,
+        )
+        return cls(ledger, crm, relay if relay_in_process else None)
+
+    async def start(self) -> None:
+        """Opens the ledger, checks both schemas where reachable, and starts the relay (if this
+        process runs one). Nothing is
+        migrated here (``mlpair migrate`` does that, with a schema-owner role). The CRM database
+        may be down: decisions then wait in the ledger.
+
+        Raises:
+            SchemaNotReady: the ledger or the CRM database lacks what this release uses.
+        """
+        await self.ledger.open()
+        try:
+            await check_columns(self.crm.engine, CRM_BRANCH)
+        except SchemaNotReady:
+            raise
+        except Exception as exc:  # noqa: BLE001  (down now: the relay keeps trying)
+            logger.warning(
+                "CRM database not reachable at start-up (%s); decisions wait in the ledger", type(exc).__name__
+            )
+        if self.relay is not None:
+            self.relay.start()
+
+    async def record_many(
+        self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
+    ) -> Sequence[Recorded | LedgerUnavailable]:
+        """Commits the decisions to the ledger together; each outcome is what is on record for
+        its request id (:class:`Recorded`), or the :class:`LedgerUnavailable` that kept it from
+        being recorded (so it must not be returned)."""
+        span: contextlib.AbstractContextManager[object]
+        if self._tracer is None:
+            span = contextlib.nullcontext()
+        else:
+            from opentelemetry.trace import SpanKind
+
+            span = self._tracer.start_as_current_span(
+                "ledger INSERT",
+                kind=SpanKind.CLIENT,
+                attributes={"db.system": self.ledger.db_system, "db.operation.name": "INSERT"},
+            )
+        with span:
+            return await self.ledger.record_many(decisions, fingerprints)
+
+    async def wait_delivered(self, timeout_s: float) -> bool:
+        """Waits until every decision on record is in the CRM database, delivered by this process's
+        relay or by another process; False on timeout (``timeout_s`` in seconds)."""
+        if self.relay is not None:
+            return await self.relay.wait_delivered(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if (await self.ledger.backlog())[0] == 0:
+                    return True
+            except Exception:  # noqa: BLE001  (the ledger is unreachable: keep waiting)
+                logger.debug("ledger backlog unavailable", exc_info=True)
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(BACKLOG_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    async def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Stops the relay after delivering what it can within ``drain_timeout_s``; what is left
+        stays in the ledger, where any replica's relay delivers it. Without a relay of its own the
+        process waits for no delivery: the ledger holds the rows for ``mlpair relay``."""
+        if self.relay is not None:
+            await self.relay.stop(drain_timeout_s)
+        try:
+            backlog, _ = await self.ledger.backlog()
+        except Exception:  # noqa: BLE001
+            backlog = 0
+        if backlog:
+            logger.info("%d decision(s) not yet in the CRM wait in the ledger for any relay", backlog)
+        await self.ledger.close()
+        await self.crm.close()
+
+
+def recorder_for(
+    settings: PredictionSettings, *, relay_poll_s: float = 1.0, relay: bool | None = None, relay_only: bool = False
+) -> DecisionRecorder:
+    """:meth:`DecisionRecorder.open` with the ledger, CRM and relay settings of ``settings`` (no I/O yet).
+
+    Args:
+        relay_poll_s: the relay's longest sleep between looks at the ledger, in seconds.
+        relay: whether to build a relay; None = as ``settings.relay_in_process`` says.
+        relay_only: the process only delivers (``mlpair relay``): see :meth:`DecisionRecorder.open`.
+    """
+    return DecisionRecorder.open(
+        settings.ledger_url,
+        settings.crm_url,
+        ledger_timeout_s=settings.ledger_timeout_ms / 1000,
+        synchronous=settings.ledger_synchronous,
+        pool_size=settings.ledger_pool_size,
+        statement_cache_size=settings.ledger_statement_cache_size,
+        crm_timeout_s=settings.crm_timeout_ms / 1000,
+        crm_statement_cache_size=settings.crm_statement_cache_size,
+        batch_size=settings.relay_batch_size,
+        linger_s=settings.relay_linger_ms / 1000,
+        backoff_max_s=settings.relay_backoff_max_ms / 1000,
+        relay_concurrency=settings.relay_concurrency,
+        relay_poll_s=relay_poll_s,
+        relay_in_process=settings.relay_in_process if relay is None else relay,
+        relay_only=relay_only,
+    )
