@@ -32,7 +32,7 @@ from mlpair.jobs.sources import asyncpg_dsn
 from tests.support import POSTGRES_HOST, POSTGRES_PORT, require_service
 from tests.support.pair import REPO, pair, reachable, scratch_postgres
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 ROWS = 3_000
 BATCH_ROWS = 100
 JOB_ID = "ray-e2e"
@@ -70,7 +70,7 @@ def ray_cluster(ray: Path):
     nodes = [subprocess.Popen([ray, "start", "--block", "--head", f"--port={port}", "--include-dashboard=false",
                                *common()], env=env, start_new_session=True, stdout=log, stderr=log)]
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # two Ray nodes on a loaded 2-core machine
         while not reachable("127.0.0.1", port):
             assert nodes[0].poll() is None and time.monotonic() < deadline, (Path(temp) / "start.log").read_text()
             time.sleep(0.1)
