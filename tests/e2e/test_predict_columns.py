@@ -273,3 +273,39 @@ async def test_the_clients_take_the_tables_data_teams_hold_and_name_any_other_ty
             assert [(r.replayed, r.decisions.num_rows) for r in results] == [(30, 30)]
         await predictor.recorder.wait_delivered(20)
     assert await rows_on_record(postgres_url, "cols-pd-") == (len(records), len(records))
+
+
+async def test_a_row_whose_model_output_is_unusable_gets_the_recorded_fallback_alone_as_in_batch_predict(
+        nonfinite_repository, credit_holdout, tmp_path, postgres_url):
+    """The model gives NaN logits for applicants of 95+ (tests.nonfinite): in a table, such a row gets
+    the policy's fallback (REVIEW, MODEL_OUTPUT_INVALID, no probability), recorded, as a
+    BatchPredict item does, and every other row of the chunk is decided as if sent alone."""
+    import grpc
+
+    from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
+    from tests.e2e.conftest import inference_service, prediction_server
+
+    records = [dict(r) for r in credit_holdout.records[60:70]]
+    for r in records[:3]:
+        r["Age"] = 96.0
+    ids = [f"cols-nan-{i}" for i in range(len(records))]
+    async with inference_service(nonfinite_repository) as inference_target, \
+            prediction_server(inference_target, nonfinite_repository, tmp_path, ledger_url=postgres_url,
+                              crm_url=postgres_url, cache_backend="off") as (target, components):
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.PredictionServiceStub(channel)
+            [result] = await decide(stub, table(ids, records))
+            reply = await stub.BatchPredict(pb.BatchPredictRequest(requests=[
+                item(f"batch-nan-{i}", f"e-{rid}", r) for i, (rid, r) in enumerate(zip(ids, records))]))
+        await components.recorder.wait_delivered(20)
+    rows = result.decisions.to_pylist()
+    assert (result.decided, result.failed) == (len(records), 0)
+    for row in rows[:3]:
+        assert (row["decision"], row["probability"], row["served_from"]) == ("REVIEW", None, "fallback")
+        assert row["reason_codes"][0] == "MODEL_OUTPUT_INVALID"
+    assert all(row["served_from"] == "inference" and 0.0 < row["probability"] < 1.0 for row in rows[3:])
+    for row, single in zip(rows, reply.results):
+        p = single.prediction
+        assert (row["decision"], row["reason_codes"], row["probability"] or 0.0) == \
+            (p.decision_label, list(p.reason_codes), p.probability)
+    assert await rows_on_record(postgres_url, "cols-nan-") == (len(records), len(records))
