@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -235,6 +236,32 @@ def decide_chunk(
             first = decisions.filter(later).slice(0, 1).to_pylist()[0]
             raise RowsNotDecided(n, first["error_code"], first["error_reason"] or "")
     return decisions
+
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Stream failures (and rows not decided now, :class:`RowsNotDecided`) a chunk is sent again after:
+the same request ids, so nothing is decided twice."""
+
+RETRIES = 3
+"""Tries after the first, waiting 0.5 s doubled each time (at most 5 s)."""
+
+
+def decide_chunk_retrying(client: PredictionClient, table: pa.Table, **chunk: Any) -> pa.Table:
+    """:func:`decide_chunk` (``chunk``: its keyword arguments), sent again with the same request ids
+    after a :data:`RETRYABLE` status, up to :data:`RETRIES` times.
+
+    Raises:
+        grpc.RpcError: a status that is not retryable, or one still failing after the retries;
+            otherwise as :func:`decide_chunk`.
+    """
+    for attempt in range(RETRIES + 1):
+        try:
+            return decide_chunk(client, table, **chunk)
+        except grpc.RpcError as exc:
+            if exc.code() not in RETRYABLE or attempt == RETRIES:
+                raise
+            time.sleep(min(0.5 * 2**attempt, 5.0))
+    raise AssertionError("unreachable")
 
 
 def decisions_with_key(result: Any, keys: pa.Array | pa.ChunkedArray, key_column: str) -> pa.Table:

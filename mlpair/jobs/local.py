@@ -23,7 +23,7 @@ import grpc
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mlpair.jobs.chunks import ChunkRefused, decide_chunk
+from mlpair.jobs.chunks import ChunkRefused, decide_chunk_retrying
 from mlpair.jobs.keys import check_keys
 from mlpair.jobs.metrics import JobMetrics
 from mlpair.jobs.outputs import assemble, write_part
@@ -31,10 +31,6 @@ from mlpair.jobs.progress import Progress
 from mlpair.jobs.sources import Source
 from mlpair.jobs.state import ChunkRecord, JobState, iso
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-"""Stream failures a chunk is sent again after (same request ids: nothing decided twice)."""
-
-RETRIES = 3
 MAX_MESSAGE_BYTES = 256 << 20
 """The largest chunk or answer the job's channel carries (a chunk of many wide rows)."""
 
@@ -267,23 +263,16 @@ class _Run:
     def _decide(self, client: Any, table: pa.Table) -> tuple[pa.Table, set[str]]:
         spec = self.spec
         warnings: set[str] = set()
-        for attempt in range(RETRIES + 1):
-            try:
-                decisions = decide_chunk(
-                    client,
-                    table,
-                    job_id=spec.job_id,
-                    key_column=spec.key_column,
-                    entity_column=spec.entity_column,
-                    model_name=spec.model,
-                    warnings=warnings,
-                )
-                return decisions, warnings
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt == RETRIES:
-                    raise
-                time.sleep(min(0.5 * 2**attempt, 5.0))
-        raise AssertionError("unreachable")
+        decisions = decide_chunk_retrying(
+            client,
+            table,
+            job_id=spec.job_id,
+            key_column=spec.key_column,
+            entity_column=spec.entity_column,
+            model_name=spec.model,
+            warnings=warnings,
+        )
+        return decisions, warnings
 
     def _keep(self, n: int, future: Future[tuple[pa.Table, set[str]]], table: pa.Table) -> None:
         rows = f"rows {n * self.state.chunk_rows:,}-{n * self.state.chunk_rows + table.num_rows - 1:,}"

@@ -33,8 +33,8 @@ from typing import Any, TextIO
 import grpc
 import pyarrow as pa
 
-from mlpair.jobs.chunks import ChunkRefused, check_job_id, decide_chunk, describe_refusal
-from mlpair.jobs.local import MAX_MESSAGE_BYTES, RETRIES, RETRYABLE, JobStopped
+from mlpair.jobs.chunks import ChunkRefused, check_job_id, decide_chunk_retrying, describe_refusal
+from mlpair.jobs.local import MAX_MESSAGE_BYTES, JobStopped
 
 DEFAULT_BATCH_ROWS = 10_000
 DEFAULT_ACTORS = 2
@@ -126,7 +126,7 @@ class DecideBatches:
         """Decides one batch as one ``PredictColumns`` chunk and returns the key column followed by
         the decision columns (:data:`~mlpair.client.tables.DECISION_SCHEMA`), one row per input row, in
         order. A retryable status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) is retried up to
-        ``RETRIES`` times with the same request ids, waiting 0.5 s doubled each time (at most 5 s).
+        :data:`~mlpair.jobs.chunks.RETRIES` times with the same request ids, waiting 0.5 s doubled each time (at most 5 s).
 
         Raises:
             ChunkRefused: the service refused the batch as a whole (it pickles whole, so it reaches
@@ -134,21 +134,14 @@ class DecideBatches:
             grpc.RpcError: a status that is not retryable, or one still failing after the retries.
         """
         spec = self.spec
-        for attempt in range(RETRIES + 1):
-            try:
-                return decide_chunk(
-                    self.client,
-                    batch,
-                    job_id=spec.job_id,
-                    key_column=spec.key_column,
-                    entity_column=spec.entity_column,
-                    model_name=spec.model,
-                )
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt == RETRIES:
-                    raise
-                time.sleep(min(0.5 * 2**attempt, 5.0))
-        raise AssertionError("unreachable")
+        return decide_chunk_retrying(
+            self.client,
+            batch,
+            job_id=spec.job_id,
+            key_column=spec.key_column,
+            entity_column=spec.entity_column,
+            model_name=spec.model,
+        )
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)
