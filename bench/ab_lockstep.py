@@ -68,14 +68,21 @@ def checkout(baseline: str) -> Path:
     return tree
 
 
+def tree_env(tree: Path | None) -> dict[str, str]:
+    """This process's environment for a worker that imports the project from ``tree`` (another
+    checkout, through ``bench/ab_tree``), or from this checkout when ``tree`` is None."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench" / "ab_tree"), env.get("PYTHONPATH")]))
+        env["MLPAIR_AB_TREE"] = str(tree)
+    return env
+
+
 class Side:
     """One side's worker process: ``--worker`` mode of this script, one JSON line per pass."""
 
     def __init__(self, name: str, tree: Path | None, bench_args: list[str]) -> None:
-        env = dict(os.environ)
-        if tree is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench" / "ab_tree"), env.get("PYTHONPATH")]))
-            env["MLPAIR_AB_TREE"] = str(tree)
+        env = tree_env(tree)
         self.name = name
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", *bench_args],

@@ -177,10 +177,9 @@ class Worker:
     """A worker process of this module (``--worker``), importing the project from ``tree`` when given."""
 
     def __init__(self, name: str, tree: Path | None) -> None:
-        env = dict(os.environ)
-        if tree is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench" / "ab_tree"), env.get("PYTHONPATH")]))
-            env["MLPAIR_AB_TREE"] = str(tree)
+        from bench.ab_lockstep import tree_env
+
+        env = tree_env(tree)
         self.name = name
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.ledger_rows", "--worker"],
