@@ -175,7 +175,7 @@ def _scored_group(entry, records: list[dict], members: int, seed: int, every_row
     from mlpair.prediction.outcomes import PredictInput
     from mlpair.prediction.preparing.batch import Group
     from mlpair.prediction.scoring.cache import Scored, Source
-    from mlpair.prediction.scoring.scorer import UnexpectedFailure
+    from mlpair.prediction.scoring.scorer import GroupScores, UnexpectedFailure
 
     policy = DecisionPolicy.from_toml(CONFIG_DIR / "credit-risk" / "policy.toml")
     schema = entry.preprocessing.feature_schema
@@ -198,11 +198,11 @@ def _scored_group(entry, records: list[dict], members: int, seed: int, every_row
                        for k, s in enumerate(served)])
     errors = {} if every_row_decided else {7: UnexpectedFailure("internal error")}
     group = Group(family, list(range(n)), [PredictInput(f"r{k}", f"e{k}", records[k]) for k in range(n)],
-                  assembled.matrix, columns.guards(assembled.actions), [f"fp{k}" for k in range(n)],
-                  served=served, probabilities=np.where(usable, probabilities, 0.0), usable=usable,
-                  model_versions=[s.model_version for s in served], errors=errors)
-    group.occluded = {k: rng.uniform(0, 1, (members, family.n_schema_features)) for k in range(0, n, 13) if usable[k]}
-    return group
+                  assembled.matrix, columns.guards(assembled.actions), [f"fp{k}" for k in range(n)])
+    occluded = {k: rng.uniform(0, 1, (members, family.n_schema_features)) for k in range(0, n, 13) if usable[k]}
+    scores = GroupScores(served, np.where(usable, probabilities, 0.0), usable, np.zeros(n),
+                         [s.model_version for s in served], occluded, errors)
+    return group, scores
 
 
 def _decided(d) -> list:
@@ -219,21 +219,22 @@ def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(memb
     from mlpair.prediction.deciding.decisions import decide_columns, decide_rows
     from mlpair.prediction.preparing.batch import Group
     from mlpair.prediction.preparing.columns import SMALL_BATCH
+    from mlpair.prediction.scoring.scorer import GroupScores
 
-    group = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
+    group, scores = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
     assert len(group) >= SMALL_BATCH
     at = datetime(2026, 1, 2, tzinfo=UTC)
-    columnar_ = decide_columns(group, at, 3, {})
-    row_wise_ = decide_rows(group, at, 3)
+    columnar_ = decide_columns(group, scores, at, 3, {})
+    row_wise_ = decide_rows(group, scores, at, 3)
     assert _decided(row_wise_) == _decided(columnar_)
     assert {k: str(e) for k, e in row_wise_.errors.items()} == {k: str(e) for k, e in columnar_.errors.items()}
     assert len(columnar_.errors) > 3 and columnar_.explanations and columnar_.without_model
     probs = [p for p in columnar_.columns.probability if p is not None]
     assert [p.hex() for p in probs] == [p.hex() for p in row_wise_.columns.probability if p is not None]
-    one = Group(group.family, [0], group.requests[:1], group.vectors[:1], group.guards[:1], group.fingerprints[:1],
-                served=group.served[:1], probabilities=group.probabilities[:, :1], usable=group.usable[:1],
-                model_versions=group.model_versions[:1], occluded={k: v for k, v in group.occluded.items() if k == 0})
-    assert _decided(decide_columns(one, at, 3, {})) == _decided(columnar_)[:1]  # one row takes the row-wise path
+    one = Group(group.family, [0], group.requests[:1], group.vectors[:1], group.guards[:1], group.fingerprints[:1])
+    one_scores = GroupScores(scores.served[:1], scores.probabilities[:, :1], scores.usable[:1], scores.margins[:1],
+                             scores.model_versions[:1], {k: v for k, v in scores.occluded.items() if k == 0})
+    assert _decided(decide_columns(one, one_scores, at, 3, {})) == _decided(columnar_)[:1]  # one row: row-wise path
 
 
 @pytest.mark.parametrize("members", [1, 3])
@@ -242,18 +243,19 @@ def test_a_group_decided_with_model_output_on_every_row_is_recorded_as_the_gener
     """A group whose every row has model output takes a column-at-once path to its records; one
     failed row sends the same group through the general, row-by-row bookkeeping, and every other
     row's record, probability bits, spread, source, calibration method and explanation are the same."""
+    from dataclasses import replace
     from datetime import datetime
 
     from mlpair.prediction.deciding.decisions import decide_columns
     from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
-    group = _scored_group(credit_entry, credit_holdout.records, members, seed=members, every_row_decided=True)
+    group, scores = _scored_group(credit_entry, credit_holdout.records, members, seed=members, every_row_decided=True)
     at = datetime(2026, 1, 2, tzinfo=UTC)
-    whole = decide_columns(group, at, 3, {})
+    whole = decide_columns(group, scores, at, 3, {})
     assert len(whole.rows) == len(group) and not whole.errors and not whole.without_model
     assert whole.explanations and any(whole.from_cache) and not all(whole.from_cache)
-    group.errors = {len(group) - 1: UnexpectedFailure("internal error")}
-    general = decide_columns(group, at, 3, {})
+    failed = replace(scores, errors={len(group) - 1: UnexpectedFailure("internal error")})
+    general = decide_columns(group, failed, at, 3, {})
     assert general.rows == whole.rows[:-1]
     assert _decided(general) == _decided(whole)[:-1]
     assert [p.hex() for p in general.columns.probability] == [p.hex() for p in whole.columns.probability[:-1]]
@@ -268,13 +270,12 @@ def _member_answers(members: int, rows: int) -> list:
                                   r % 3) for r in range(rows)], 2) for m in range(members)]
 
 
-def _unscored_group(entry, records: list[dict], members: int):
-    """:func:`_scored_group`'s group with its scoring columns as scoring starts them (nothing filled)."""
-    group = _scored_group(entry, records, members, seed=0)
-    n = len(group)
-    group.served, group.model_versions, group.occluded = [None] * n, [""] * n, {}
-    group.probabilities, group.usable, group.margins = np.zeros((members, n)), np.zeros(n, bool), np.zeros(n)
-    return group
+def _unscored(entry, records: list[dict], members: int):
+    """Scores of :func:`_scored_group`'s group as scoring starts them (nothing filled)."""
+    from mlpair.prediction.scoring.scorer import GroupScores
+
+    n = len(records)
+    return GroupScores([None] * n, np.zeros((members, n)), np.zeros(n, bool), np.zeros(n), [""] * n)
 
 
 @pytest.mark.parametrize("explained", [True, False])
@@ -294,12 +295,12 @@ def test_scoring_fills_a_few_rows_as_the_columnar_fill_does(members, explained, 
     margins = rng.normal(size=total)
     filled = []
     for fill in (_fill, _fill_rows):
-        group = _unscored_group(credit_entry, records, members)
-        n = len(group)
-        fill(group, range(n), ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
-        served = [(s.source, s.model_version, s.age_ms, s.degraded_reason, s.logits is None) for s in group.served]
-        filled.append((served, group.model_versions, group.probabilities.tobytes(), group.usable.tobytes(),
-                       group.margins.tobytes(), {k: v.tobytes() for k, v in group.occluded.items()}))
+        scores = _unscored(credit_entry, records, members)
+        n = len(scores.served)
+        fill(scores, range(n), ChunkScores(answers, probabilities, usable, margins, offsets, sizes))
+        served = [(s.source, s.model_version, s.age_ms, s.degraded_reason, s.logits is None) for s in scores.served]
+        filled.append((served, scores.model_versions, scores.probabilities.tobytes(), scores.usable.tobytes(),
+                       scores.margins.tobytes(), {k: v.tobytes() for k, v in scores.occluded.items()}))
     assert filled[0] == filled[1]
     assert 0 < sum(np.frombuffer(filled[0][3], bool)) < len(records) and bool(filled[0][5]) is explained
 
@@ -316,19 +317,19 @@ def test_scoring_fills_any_list_of_items_as_row_by_row_and_leaves_the_others(mem
     rng = np.random.default_rng(members)
     answers = _member_answers(members, len(items))
     probabilities, usable = rng.uniform(0, 1, (members, len(items))), rng.uniform(0, 1, len(items)) > 0.1
-    scores = ChunkScores(answers, probabilities, usable, rng.normal(size=len(items)), range(len(items)), None)
+    chunk = ChunkScores(answers, probabilities, usable, rng.normal(size=len(items)), range(len(items)), None)
     filled = []
     for fill in (_fill, _fill_rows):
-        group = _unscored_group(credit_entry, records, members)
-        n = len(group)
-        fill(group, items, scores)
+        scores = _unscored(credit_entry, records, members)
+        n = len(scores.served)
+        fill(scores, items, chunk)
         skipped = [k for k in range(n) if k not in items]
-        assert all(group.served[k] is None and group.model_versions[k] == "" for k in skipped)
-        assert not group.usable[skipped].any() and not group.probabilities[:, skipped].any()
-        filled.append(([group.served[k][1:] for k in items], group.model_versions, group.probabilities.tobytes(),
-                       group.usable.tobytes(), group.margins.tobytes()))
+        assert all(scores.served[k] is None and scores.model_versions[k] == "" for k in skipped)
+        assert not scores.usable[skipped].any() and not scores.probabilities[:, skipped].any()
+        filled.append(([scores.served[k][1:] for k in items], scores.model_versions, scores.probabilities.tobytes(),
+                       scores.usable.tobytes(), scores.margins.tobytes()))
         decided = [k for j, k in enumerate(items) if usable[j] and all(a.sources[j] is not Source.FALLBACK for a in answers)]
-        np.testing.assert_array_equal(group.usable[items], [k in decided for k in items])
+        np.testing.assert_array_equal(scores.usable[items], [k in decided for k in items])
     assert filled[0] == filled[1]
 
 

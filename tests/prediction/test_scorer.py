@@ -69,8 +69,8 @@ def _callers(group: Group) -> list[MergedCall]:
 async def test_merged_items_get_bit_for_bit_the_probabilities_of_a_batch(members, credit_entry, credit_holdout):
     records = credit_holdout.records[:120]
     batch, merged = _group(credit_entry, records, members), _group(credit_entry, records, members)
-    await score_groups([batch], _infer, max_rows=64)  # the BatchPredict path: two calls of many rows
-    await score_groups([merged], _infer, max_rows=64, callers=_callers(merged))
+    [batch] = await score_groups([batch], _infer, max_rows=64)  # the BatchPredict path: two calls of many rows
+    [merged] = await score_groups([merged], _infer, max_rows=64, callers=_callers(merged))
     assert merged.probabilities.tobytes() == batch.probabilities.tobytes()
     assert merged.usable.all() and merged.usable.tobytes() == batch.usable.tobytes()
     assert [s.source for s in merged.served] == [Source.INFERENCE] * len(records)
@@ -80,14 +80,13 @@ async def test_merged_items_get_bit_for_bit_the_probabilities_of_a_batch(members
 
 async def test_a_row_calibration_refuses_fails_its_own_item_alone(credit_entry, credit_holdout):
     records = credit_holdout.records[:20]
-    alone = _group(credit_entry, records, 1)
-    await score_groups([alone], _infer, max_rows=64)
-    merged = _group(credit_entry, records, 1)
-    merged.family.poisoned_rows = [merged.vectors[3], merged.vectors[11]]
-    poisoned = [k for k, row in enumerate(merged.vectors) if (row == merged.vectors[3]).all() or
-                (row == merged.vectors[11]).all()]
+    [alone] = await score_groups([_group(credit_entry, records, 1)], _infer, max_rows=64)
+    group = _group(credit_entry, records, 1)
+    group.family.poisoned_rows = [group.vectors[3], group.vectors[11]]
+    poisoned = [k for k, row in enumerate(group.vectors) if (row == group.vectors[3]).all() or
+                (row == group.vectors[11]).all()]
     assert poisoned == [3, 11]  # no other record shares their features
-    await score_groups([merged], _infer, max_rows=64, callers=_callers(merged))
+    [merged] = await score_groups([group], _infer, max_rows=64, callers=_callers(group))
     assert sorted(merged.errors) == [3, 11]
     assert all(e.code == "INTERNAL" and "calibrated" in e.message for e in merged.errors.values())
     kept = [k for k in range(len(records)) if k not in (3, 11)]

@@ -50,7 +50,7 @@ from mlpair.prediction.deciding.decisions import (
     decide_columns,
 )
 from mlpair.prediction.deciding.replays import recorded_maps, replayed
-from mlpair.prediction.errors import CallerLeft, InvalidRequest, PredictionError, UnknownModel
+from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
 from mlpair.prediction.intake.checks import MAX_ECHO, RequestWarning
 from mlpair.prediction.intake.merging import MergedCall, PredictMerger
@@ -248,17 +248,12 @@ class Predictor:
         """Scores (through ``infer``, by default :meth:`_infer`), decides and records the prepared
         ``groups`` of ``requests``; ``slots`` holds the errors of the items refused while
         preparing, and gets every other item's outcome."""
-        await score_groups(groups, infer or self._infer, self.max_inference_rows, callers)
-        if callers is not None:
-            for group in groups:  # left while the batch was scored (its scoring cancelled): not decided or recorded
-                for k, index in enumerate(group.index):
-                    if callers[index].gone and k not in group.errors:
-                        group.errors[k] = CallerLeft("the caller left before its item was decided")
+        every_scores = await score_groups(groups, infer or self._infer, self.max_inference_rows, callers)
         decided_at = datetime.now(UTC)
         decided: list[Decided] = []
-        for group in groups:
+        for group, scores in zip(groups, every_scores):
             try:
-                d = decide_columns(group, decided_at, self.explain_top_k, self._verdicts[group.family.name])
+                d = decide_columns(group, scores, decided_at, self.explain_top_k, self._verdicts[group.family.name])
             except Exception as exc:  # noqa: BLE001  (one family's failure must not fail the batch)
                 error = as_item_error(exc)
                 for index in group.index:
@@ -336,7 +331,7 @@ class Predictor:
                     self.shadows.start(
                         group.family,
                         [
-                            ServedRow(group.vectors[k], float(group.margins[k]), band(float(p)).decision)
+                            ServedRow(group.vectors[k], float(d.scores.margins[k]), band(float(p)).decision)
                             for k, p in zip(rows, probabilities)
                         ],
                     )

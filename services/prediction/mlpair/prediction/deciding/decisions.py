@@ -1,6 +1,7 @@
 """Deciding a scored group at once: policy bands, reason codes and the records, as columns.
 
-For each row of a :class:`~mlpair.prediction.preparing.batch.Group` the same decision as deciding it alone:
+For each row of a :class:`~mlpair.prediction.preparing.batch.Group`, from its
+:class:`~mlpair.prediction.scoring.scorer.GroupScores`, the same decision as deciding it alone:
 
 * a row with usable model output: the mean of the members' calibrated probabilities (summed in
   member order, as ``ndarray.mean`` does for fewer than eight members), the ensemble spread
@@ -33,7 +34,7 @@ from mlpair.prediction.preparing.batch import Group, defaulted_features
 from mlpair.prediction.preparing.columns import SMALL_BATCH
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Source
-from mlpair.prediction.scoring.scorer import as_item_error
+from mlpair.prediction.scoring.scorer import GroupScores, as_item_error
 
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
 INVALID_OUTPUT_REASON = "MODEL_OUTPUT_INVALID"  # reason code and degraded reason of a row with unusable output
@@ -51,6 +52,7 @@ class Decided:
     """One group's decisions: the records of its decided rows and what responses add to them.
 
     Attributes:
+        group, scores: what was decided: the prepared rows and how they were scored.
         rows: the group's rows that were decided, in order (others are in ``errors``).
         columns: their records, in the same order.
         spread, from_cache: per decided row. calibration_method: per decided row ("" without model output).
@@ -60,6 +62,7 @@ class Decided:
     """
 
     group: Group
+    scores: GroupScores
     rows: list[int]
     columns: DecisionColumns
     spread: list[float]
@@ -71,21 +74,25 @@ class Decided:
 
 
 def decide_columns(
-    group: Group, decided_at: datetime, explain_top_k: int, memo: dict[tuple[int, bool, tuple[str, ...]], Verdict]
+    group: Group,
+    scores: GroupScores,
+    decided_at: datetime,
+    explain_top_k: int,
+    memo: dict[tuple[int, bool, tuple[str, ...]], Verdict],
 ) -> Decided:
-    """Decides every scored row of ``group`` (see the module docstring); ``memo`` keeps the
+    """Decides every row of ``group`` as ``scores`` say it was scored (see the module docstring); ``memo`` keeps the
     (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls.
     A group of fewer than ``SMALL_BATCH`` rows goes through :func:`decide_rows` (the same
     decisions; NumPy's per-call cost would dominate)."""
     if len(group) < SMALL_BATCH:
-        return decide_rows(group, decided_at, explain_top_k)
+        return decide_rows(group, scores, decided_at, explain_top_k)
     family, policy = group.family, group.family.policy
     n = len(group)
-    errors: dict[int, Exception] = dict(group.errors)
-    usable = group.usable.copy()
+    errors: dict[int, Exception] = dict(scores.errors)
+    usable = scores.usable.copy()
     if errors:
         usable[list(errors)] = False
-    probs = group.probabilities
+    probs = scores.probabilities
     if len(probs) == 1:
         probability, spread = probs[0], np.zeros(n)
     elif len(probs) < 8:
@@ -112,7 +119,7 @@ def decide_columns(
     found: list[Verdict | None] = [None] * n
     stale_cache, get = Source.STALE_CACHE, memo.get
     requiring = policy.missing_data.decision if policy.missing_data is not None else None
-    for k, (verdict, served, guards) in enumerate(zip(verdicts.tolist(), group.served, group.guards)):
+    for k, (verdict, served, guards) in enumerate(zip(verdicts.tolist(), scores.served, group.guards)):
         if verdict >= 0:
             assert served is not None  # a row with a verdict was scored (its call did not fail)
             key = (verdict, served.source is stale_cache, guards.reason_codes)
@@ -131,10 +138,10 @@ def decide_columns(
                 stale = (STALE_REASON,) if key[1] else ()
                 hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
             found[k] = hit
-    return _records(group, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
+    return _records(group, scores, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
 
 
-def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decided:
+def decide_rows(group: Group, scores: GroupScores, decided_at: datetime, explain_top_k: int) -> Decided:
     """:func:`decide_columns` row by row, with :meth:`DecisionPolicy.decide
     <mlpair.prediction.deciding.policy.DecisionPolicy.decide>` (the code a single Predict used before the
     columnar path): the same decisions, records and metrics, for groups too small for NumPy to pay.
@@ -142,11 +149,11 @@ def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decid
     and divided by their number, ``ndarray.mean`` from eight members on), so bit for bit the same."""
     family, policy = group.family, group.family.policy
     n, n_schema = len(group), family.n_schema_features
-    errors: dict[int, Exception] = dict(group.errors)
+    errors: dict[int, Exception] = dict(scores.errors)
     found: list[Verdict | None] = [None] * n
     probability, spread = [0.0] * n, [0.0] * n
-    columns, usable = group.probabilities.T.tolist(), group.usable.tolist()
-    for k, (members, ok, served, guards) in enumerate(zip(columns, usable, group.served, group.guards)):
+    columns, usable = scores.probabilities.T.tolist(), scores.usable.tolist()
+    for k, (members, ok, served, guards) in enumerate(zip(columns, usable, scores.served, group.guards)):
         if not ok or k in errors:
             continue
         assert served is not None  # a usable row was scored (its call did not fail)
@@ -158,7 +165,7 @@ def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decid
                 p += member
             p, s = p / len(members), max(members) - min(members)
         else:
-            p, s = float(group.probabilities[:, k].mean()), max(members) - min(members)
+            p, s = float(scores.probabilities[:, k].mean()), max(members) - min(members)
         try:
             missing = defaulted_features(guards) if guards.defaulted else ()
             verdict = policy.decide(p, s, guards.defaulted / n_schema, missing)
@@ -172,11 +179,12 @@ def decide_rows(group: Group, decided_at: datetime, explain_top_k: int) -> Decid
         stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
         found[k] = verdict.decision, (*verdict.reason_codes, *stale, *guards.reason_codes)
         probability[k], spread[k] = p, s
-    return _records(group, decided_at, explain_top_k, found, probability, spread, errors)
+    return _records(group, scores, decided_at, explain_top_k, found, probability, spread, errors)
 
 
 def _records(
     group: Group,
+    scores: GroupScores,
     decided_at: datetime,
     explain_top_k: int,
     verdicts: list[Verdict | None],
@@ -187,7 +195,7 @@ def _records(
     """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
     if verdicts and not errors and None not in verdicts:
         every = cast(list[Verdict], verdicts)  # no None among them, just checked
-        return _records_all_scored(group, decided_at, explain_top_k, every, probability_list, spread_list)
+        return _records_all_scored(group, scores, decided_at, explain_top_k, every, probability_list, spread_list)
     family, policy = group.family, group.family.policy
     fallback_decision = policy.fallback_decision
     out_rows: list[int] = []
@@ -202,7 +210,7 @@ def _records(
     methods: list[str] = []
     without_model: dict[int, str] = {}
     method = family.calibration_method
-    for k, (found, served, guards) in enumerate(zip(verdicts, group.served, group.guards)):
+    for k, (found, served, guards) in enumerate(zip(verdicts, scores.served, group.guards)):
         if k in errors:
             continue
         assert served is not None  # only a row whose call failed (in errors) was not scored
@@ -233,7 +241,7 @@ def _records(
     m = len(out_rows)
     requests = group.requests
     request_ids = [requests[k].request_id for k in out_rows]
-    versions = group.model_versions
+    versions = scores.model_versions
     columns = DecisionColumns(
         request_ids,
         decision_ids_for(request_ids),
@@ -251,12 +259,13 @@ def _records(
         [decided_at] * m,
         [group.fingerprints[k] for k in out_rows],
     )
-    explanations = _explanations(group, out_rows, prob, explain_top_k)
-    return Decided(group, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
+    explanations = _explanations(group, scores, out_rows, prob, explain_top_k)
+    return Decided(group, scores, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
 
 
 def _records_all_scored(
     group: Group,
+    scores: GroupScores,
     decided_at: datetime,
     explain_top_k: int,
     verdicts: list[Verdict],
@@ -266,7 +275,7 @@ def _records_all_scored(
     """:func:`_records` when every row was decided with model output (no error, no fallback): the
     same records, each column built in one pass over the rows instead of ten appends per row."""
     family, policy, n = group.family, group.family.policy, len(group)
-    _, _, sources, age, degraded = zip(*group.served)
+    _, _, sources, age, degraded = zip(*scores.served)
     requests = group.requests
     request_ids = list(map(_REQUEST_ID, requests))  # map with a getter: no Python frame per row
     columns = DecisionColumns(
@@ -274,7 +283,7 @@ def _records_all_scored(
         decision_ids_for(request_ids),
         list(map(_ENTITY_ID, requests)),
         [family.name] * n,
-        list(group.model_versions),
+        list(scores.model_versions),
         [family.feature_version] * n,
         [policy.version] * n,
         list(probability),
@@ -288,22 +297,22 @@ def _records_all_scored(
     )
     rows = list(range(n))
     cached = [s in _FROM_CACHE for s in sources]
-    explanations = _explanations(group, rows, probability, explain_top_k)
-    return Decided(group, rows, columns, spread, cached, [family.calibration_method] * n, explanations, {}, {})
+    explanations = _explanations(group, scores, rows, probability, explain_top_k)
+    return Decided(group, scores, rows, columns, spread, cached, [family.calibration_method] * n, explanations, {}, {})
 
 
 def _explanations(
-    group: Group, rows: list[int], probability: Sequence[float | None], explain_top_k: int
+    group: Group, scores: GroupScores, rows: list[int], probability: Sequence[float | None], explain_top_k: int
 ) -> dict[int, Explanation]:
     """Decided row → its explanation, for the rows of ``rows`` (group rows) explained with model output."""
     explanations: dict[int, Explanation] = {}
-    if not group.occluded:
+    if not scores.occluded:
         return explanations
     family = group.family
     for j, k in enumerate(rows):
         p = probability[j]  # None: no model output (in without_model), nothing to explain
-        if k in group.occluded and p is not None:
-            occluded = group.occluded[k]
+        if k in scores.occluded and p is not None:
+            occluded = scores.occluded[k]
             explanations[j] = explain(family.schema, p, occluded.mean(axis=0), explain_top_k)
     if explanations:
         metrics.EXPLANATIONS.labels(family.name).inc(len(explanations))

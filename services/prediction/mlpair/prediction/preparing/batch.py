@@ -3,8 +3,8 @@
 :func:`prepare_items` checks every item (ids, duplicates, model family), assembles each family's
 rows into one guarded matrix (:mod:`~mlpair.prediction.preparing.columns`) and fingerprints each request;
 an item that fails gets its own error and leaves the batch. What remains of each family is one
-:class:`Group`, which scoring (:mod:`~mlpair.prediction.scoring.scorer`) and the decisions
-(:mod:`~mlpair.prediction.deciding.decisions`) fill and read column by column.
+:class:`Group`, an immutable value that scoring (:mod:`~mlpair.prediction.scoring.scorer`) and the
+decisions (:mod:`~mlpair.prediction.deciding.decisions`) read column by column.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
-from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.explain import explanation_rows
 from mlpair.prediction.errors import InvalidRequest, PredictionError
@@ -36,7 +35,6 @@ from mlpair.prediction.preparing.columns import (
     RowGuards,
 )
 from mlpair.prediction.preparing.idempotency import request_fingerprints
-from mlpair.prediction.scoring.rows import Scored
 
 if TYPE_CHECKING:
     from mlpair.prediction.pipeline import PredictInput
@@ -49,9 +47,11 @@ def defaulted_features(guards: RowGuards) -> frozenset[str]:
     return frozenset(e.feature for e in guards.events if e.action in DEFAULTED_ACTIONS)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Group:
-    """The accepted items of one model family in one call, in request order.
+    """The accepted items of one model family in one call, in request order: what preparing hands
+    to scoring (which answers with its own value, :class:`~mlpair.prediction.scoring.scorer.GroupScores`)
+    and to deciding, never changed after it is made.
 
     Attributes:
         family: the family that decides them.
@@ -73,17 +73,6 @@ class Group:
     fingerprints: list[str]
     warnings: dict[int, tuple] = field(default_factory=dict)
     explained: frozenset[int] = frozenset()
-    # filled by scoring (empty until then): per row, how the own row was scored and the calibrated result
-    served: list[Scored | None] = field(default_factory=list)  # None: the row's call failed (see errors)
-    # [n_members, n] calibrated, own rows (0 where unusable)
-    probabilities: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    # [n] bool: every member's output for the own row is usable
-    usable: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    occluded: dict[int, np.ndarray] = field(default_factory=dict)  # row → [n_members, n_schema] (complete only)
-    # [n] first member's margin (shadow comparison), 0 where unusable
-    margins: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    model_versions: list[str] = field(default_factory=list)
-    errors: dict[int, ServiceError] = field(default_factory=dict)  # row → its call's error
 
     def __len__(self) -> int:
         return len(self.index)

@@ -6,7 +6,8 @@ of an ensemble scores the same matrix, and its logits come back as one matrix ``
 float32`` (:class:`~.rows.ScoredRows`) that is calibrated as it is. Calibration is row-wise: a row whose output is unusable (a
 non-finite logit, a probability outside [0, 1]) is marked so alone, and every other row of the same
 call is calibrated exactly as if it had been sent alone. A call that fails gives its error to the
-items whose rows it carried, and to no others.
+items whose rows it carried, and to no others. Scoring reads each prepared
+:class:`~mlpair.prediction.preparing.batch.Group` and answers with a :class:`GroupScores` of its own.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from mlpair.errors import ServiceError
-from mlpair.prediction.errors import PredictionError
+from mlpair.prediction.errors import CallerLeft, PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
 from mlpair.prediction.preparing.batch import Group
 from mlpair.prediction.preparing.columns import SMALL_BATCH
@@ -35,56 +37,87 @@ logger = logging.getLogger(__name__)
 Infer = Callable[[ModelFamily, ModelVersion, np.ndarray, float | None], Awaitable[ScoredRows]]
 
 
+@dataclass(frozen=True, eq=False)
+class GroupScores:
+    """How each row of a :class:`~mlpair.prediction.preparing.batch.Group` was scored, row for row.
+
+    Attributes:
+        served: per row, how its own row was scored (:class:`~.rows.Scored`); None where the
+            row's call failed (see ``errors``).
+        probabilities: ``[n_members, n] float64`` calibrated, own rows (0 where not usable).
+        usable: ``[n] bool``: every member's output for the row is usable.
+        margins: ``[n] float64`` the first member's margin (shadow comparison), 0 where not usable.
+        model_versions: per row, the version(s) that scored it ("" where not usable).
+        occluded: row → ``[n_members, n_schema_features]`` its occlusions' probabilities (explained
+            rows with every occlusion scored).
+        errors: row → why it could not be scored (its call's error, or :class:`CallerLeft`).
+    """
+
+    served: list[Scored | None]
+    probabilities: np.ndarray
+    usable: np.ndarray
+    margins: np.ndarray
+    model_versions: list[str]
+    occluded: dict[int, np.ndarray] = field(default_factory=dict)
+    errors: dict[int, ServiceError] = field(default_factory=dict)
+
+
 async def score_groups(
     groups: list[Group], infer: Infer, max_rows: int, callers: Sequence[MergedCall] | None = None
-) -> None:
-    """Fills each group's scoring columns (``served``, ``probabilities``, ``usable``, ``occluded``,
-    ``margins``, ``model_versions``, ``errors``) through ``infer`` in calls of at most ``max_rows`` rows.
+) -> list[GroupScores]:
+    """Each group's :class:`GroupScores`, in order, through ``infer`` in calls of at most ``max_rows`` rows.
 
     ``callers``: when the call's items are separate callers' Predicts decided together
     (:mod:`mlpair.prediction.intake.merging`), each item's caller by position in the call. Each item is
     then scored on its own, in its caller's context and with its own deadline, as if it had been
     sent alone (the inference coalescer still merges the rows into shared Infer calls); a caller
-    that leaves cancels its own item's scoring (the pipeline then drops the item, :class:`CallerLeft`)."""
+    that leaves cancels its own item's scoring, and the item gets :class:`CallerLeft` (neither
+    decided nor recorded)."""
     if callers is not None:
-        await _score_callers(groups, infer, callers)
-        return
+        return await _score_callers(groups, infer, callers)
+    every = [_new_scores(group) for group in groups]
     calls = []
-    for group in groups:
-        _start_columns(group)
-        calls += [_score_chunk(group, start, end, infer) for start, end in pack(group, max_rows)]
+    for group, scores in zip(groups, every):
+        calls += [_score_chunk(group, scores, start, end, infer) for start, end in pack(group, max_rows)]
     await gather(calls)
+    return every
 
 
-async def _score_callers(groups: list[Group], infer: Infer, callers: Sequence[MergedCall]) -> None:
+async def _score_callers(groups: list[Group], infer: Infer, callers: Sequence[MergedCall]) -> list[GroupScores]:
     """Each item's row scored in a task of its own, in its caller's context and with its deadline;
     then the rows of a group that were scored calibrated together (calibration is row-wise, so
     each row's probability is the one it would get alone, for far less than a call per row:
     docs/decisions/0006-merged-predicts.md)."""
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []
-    scored: list[tuple[Group, list[list[ScoredRows] | None]]] = []
+    scored: list[tuple[Group, GroupScores, list[list[ScoredRows] | None]]] = []
     for group in groups:
-        _start_columns(group)
+        scores = _new_scores(group)
         answers: list[list[ScoredRows] | None] = [None] * len(group)  # per item, each member's row
-        scored.append((group, answers))
+        scored.append((group, scores, answers))
         for k, index in enumerate(group.index):
             caller = callers[index]
             if k in group.explained:  # an explanation's occlusions are scored and calibrated as one chunk
-                item = _score_chunk(group, k, k + 1, infer)
+                item = _score_chunk(group, scores, k, k + 1, infer)
             else:
-                item = _score_item(group, k, infer, answers)
+                item = _score_item(group, scores, k, infer, answers)
             task = loop.create_task(item, context=caller.context)
             caller.future.add_done_callback(functools.partial(_cancel_if_left, task))
             tasks.append(task)
     await asyncio.gather(*tasks, return_exceptions=True)  # a left caller's task ends cancelled
-    for group, answers in scored:
+    for group, scores, answers in scored:
         done = [(k, a) for k, a in enumerate(answers) if a is not None]
         if done:
-            _calibrate_items(group, [k for k, _ in done], [a for _, a in done])
+            _calibrate_items(group, scores, [k for k, _ in done], [a for _, a in done])
+        for k, index in enumerate(group.index):  # left while the batch was scored: its scoring cancelled
+            if callers[index].gone and k not in scores.errors:
+                scores.errors[k] = CallerLeft("the caller left before its item was decided")
+    return [scores for _, scores, _ in scored]
 
 
-async def _score_item(group: Group, k: int, infer: Infer, answers: list[list[ScoredRows] | None]) -> None:
+async def _score_item(
+    group: Group, scores: GroupScores, k: int, infer: Infer, answers: list[list[ScoredRows] | None]
+) -> None:
     """Scores item ``k``'s own row with every member into ``answers[k]``, or records its error."""
     family = group.family
     try:
@@ -92,25 +125,25 @@ async def _score_item(group: Group, k: int, infer: Infer, answers: list[list[Sco
             [infer(family, m, group.vectors[k : k + 1], group.requests[k].deadline) for m in family.members]
         )
     except ServiceError as exc:
-        group.errors[k] = exc
+        scores.errors[k] = exc
     except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
-        group.errors[k] = as_item_error(exc)
+        scores.errors[k] = as_item_error(exc)
 
 
-def _calibrate_items(group: Group, items: list[int], answers: list[list[ScoredRows]]) -> None:
+def _calibrate_items(group: Group, scores: GroupScores, items: list[int], answers: list[list[ScoredRows]]) -> None:
     """Calibrates and fills the scored rows of items ``items`` (one row each) together; should
     that fail, item by item, so a failure stays with the item whose row caused it."""
     members = range(len(group.family.members))
     try:
-        scores = _calibrated(group.family, [ScoredRows.concat([a[m] for a in answers]) for m in members])
+        chunk = _calibrated(group.family, [ScoredRows.concat([a[m] for a in answers]) for m in members])
     except Exception as exc:  # noqa: BLE001  (one item's failure must not fail the batch)
         if len(items) > 1:  # which row caused it: one item at a time
             for k, own in zip(items, answers):
-                _calibrate_items(group, [k], [own])
+                _calibrate_items(group, scores, [k], [own])
         else:
-            group.errors[items[0]] = exc if isinstance(exc, ServiceError) else as_item_error(exc)
+            scores.errors[items[0]] = exc if isinstance(exc, ServiceError) else as_item_error(exc)
         return
-    _fill(group, items, scores)
+    _fill(scores, items, chunk)
 
 
 def _cancel_if_left(task: asyncio.Task, future: asyncio.Future) -> None:
@@ -118,13 +151,16 @@ def _cancel_if_left(task: asyncio.Task, future: asyncio.Future) -> None:
         task.cancel()
 
 
-def _start_columns(group: Group) -> None:
+def _new_scores(group: Group) -> GroupScores:
+    """Scores for ``group`` before any row is scored: nothing served, usable or versioned yet."""
     n, members = len(group), len(group.family.members)
-    group.served = [None] * n  # stays None where the row's call fails
-    group.probabilities = np.zeros((members, n), dtype=np.float64)
-    group.usable = np.zeros(n, dtype=bool)
-    group.margins = np.zeros(n, dtype=np.float64)
-    group.model_versions = [""] * n
+    return GroupScores(
+        [None] * n,  # stays None where the row's call fails
+        np.zeros((members, n), dtype=np.float64),
+        np.zeros(n, dtype=bool),
+        np.zeros(n, dtype=np.float64),
+        [""] * n,
+    )
 
 
 def pack(group: Group, max_rows: int) -> list[tuple[int, int]]:
@@ -145,7 +181,7 @@ def pack(group: Group, max_rows: int) -> list[tuple[int, int]]:
     return chunks
 
 
-async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None:
+async def _score_chunk(group: Group, scores: GroupScores, start: int, end: int, infer: Infer) -> None:
     family = group.family
     explained = [k for k in range(start, end) if k in group.explained]
     if explained:
@@ -158,16 +194,16 @@ async def _score_chunk(group: Group, start: int, end: int, infer: Infer) -> None
     deadline = min(deadlines) if deadlines else None
     try:
         answers: list[ScoredRows] = await gather([infer(family, m, matrix, deadline) for m in family.members])
-        scores = _calibrated(family, answers, offsets, sizes)
+        chunk = _calibrated(family, answers, offsets, sizes)
     except ServiceError as exc:
         error: ServiceError = exc
     except Exception as exc:  # noqa: BLE001  (one chunk's failure must not fail the batch)
         error = as_item_error(exc)
     else:
-        _fill(group, range(start, end), scores)
+        _fill(scores, range(start, end), chunk)
         return
     for k in range(start, end):
-        group.errors[k] = error
+        scores.errors[k] = error
 
 
 def _calibrated(
@@ -204,34 +240,34 @@ class ChunkScores(NamedTuple):
     sizes: list[int] | None  # per item, its rows (own and occluded); None when no item is explained
 
 
-def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
+def _fill(scores: GroupScores, items: Sequence[int], chunk: ChunkScores) -> None:
     """Each item's own row: how it was scored and, where usable, its calibrated probabilities
-    (``items``: the group's items the scores are of, in order: a ``range``, or any list)."""
+    (``items``: the group's items ``chunk`` is of, in order: a ``range``, or any list)."""
     if len(items) < SMALL_BATCH:
-        _fill_rows(group, items, scores)
+        _fill_rows(scores, items, chunk)
         return
-    answers, probabilities, usable, margins, offsets, sizes = scores
+    answers, probabilities, usable, margins, offsets, sizes = chunk
     single, first = len(answers) == 1, answers[0]
     own = _rows_at(first, offsets) if single else [_served([a.row(o) for a in answers]) for o in offsets]
     at: slice | list[int]
     if isinstance(items, range):
         at = slice(items.start, items.stop)
-        group.served[at] = own
+        scores.served[at] = own
     else:
         at = list(items)
         for k, served in zip(at, own):
-            group.served[k] = served
+            scores.served[k] = served
     rows = np.asarray(offsets, dtype=np.intp) if sizes is not None else slice(0, len(items))
     if single and offsets == range(len(first)) and Source.FALLBACK not in first.sources:  # the usual call
         fallback = np.zeros(len(own), dtype=bool)
     else:
         fallback = np.fromiter((s.source is Source.FALLBACK for s in own), dtype=bool, count=len(own))
     decided = usable[rows] & ~fallback  # fallback first: a row without output is not "invalid"
-    group.usable[at] = decided
-    group.probabilities[:, at] = np.where(decided, probabilities[:, rows], 0.0)
+    scores.usable[at] = decided
+    scores.probabilities[:, at] = np.where(decided, probabilities[:, rows], 0.0)
     if margins is not None:
-        group.margins[at] = np.where(decided, margins[rows], 0.0)
-    versions = group.model_versions
+        scores.margins[at] = np.where(decided, margins[rows], 0.0)
+    versions = scores.model_versions
     if single and sizes is None:  # one member, nothing explained: only the versions to copy
         if isinstance(at, slice) and offsets == range(len(first)) and decided.all():  # the whole answer, in order
             versions[at] = first.model_versions
@@ -246,7 +282,7 @@ def _fill(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
         versions[k] = served.model_version if single else "+".join(a.model_versions[o] for a in answers)
         n = 1 if sizes is None else sizes[j]
         if n > 1 and usable[o : o + n].all():  # an explanation needs every occluded row scored
-            group.occluded[k] = probabilities[:, o + 1 : o + n]
+            scores.occluded[k] = probabilities[:, o + 1 : o + n]
 
 
 def _rows_at(answer: ScoredRows, offsets: Sequence[int]) -> list[Scored]:
@@ -266,24 +302,24 @@ def _rows_at(answer: ScoredRows, offsets: Sequence[int]) -> list[Scored]:
     ]
 
 
-def _fill_rows(group: Group, items: Sequence[int], scores: ChunkScores) -> None:
+def _fill_rows(scores: GroupScores, items: Sequence[int], chunk: ChunkScores) -> None:
     """:func:`_fill` row by row, for chunks too small for NumPy to pay: the same columns, the
-    same values (rows left unusable keep the zeros :func:`score_groups` put there)."""
-    answers, probabilities, usable, margins, offsets, sizes = scores
+    same values (rows left unusable keep the zeros :func:`_new_scores` put there)."""
+    answers, probabilities, usable, margins, offsets, sizes = chunk
     single, ok = len(answers) == 1, usable.tolist()
     for j, (k, o) in enumerate(zip(items, offsets)):
         own = [a.row(o) for a in answers]
-        served = group.served[k] = own[0] if single else _served(own)
+        served = scores.served[k] = own[0] if single else _served(own)
         if served.source is Source.FALLBACK or not ok[o]:  # fallback first, as in _fill
             continue
-        group.usable[k] = True
-        group.probabilities[:, k] = probabilities[:, o]
+        scores.usable[k] = True
+        scores.probabilities[:, k] = probabilities[:, o]
         if margins is not None:
-            group.margins[k] = margins[o]
-        group.model_versions[k] = served.model_version if single else "+".join(r.model_version for r in own)
+            scores.margins[k] = margins[o]
+        scores.model_versions[k] = served.model_version if single else "+".join(r.model_version for r in own)
         n = 1 if sizes is None else sizes[j]
         if n > 1 and all(ok[o : o + n]):  # an explanation needs every occluded row scored
-            group.occluded[k] = probabilities[:, o + 1 : o + n]
+            scores.occluded[k] = probabilities[:, o + 1 : o + n]
 
 
 async def gather(calls: list) -> list:
