@@ -127,7 +127,7 @@ async def test_c40_two_ledger_clients_on_one_database_make_one_decision_per_requ
     for rid in ids:
         assert answers_a[rid].decision == answers_b[rid].decision
         assert answers_a[rid].replayed != answers_b[rid].replayed  # exactly one of them made it
-    assert sum(not r.replayed for r in from_a + from_b) == 50
+    assert sum(not r.replayed for r in [*from_a, *from_b]) == 50
 
 
 async def test_concurrent_decisions_share_commits(ledger):
@@ -153,7 +153,7 @@ async def test_a_call_larger_than_one_commit_gets_every_outcome_in_order(ledger)
                                                           ledger.record_many(large, ["fp"] * len(large)))
     assert [r.decision.request_id for r in recorded_first] == [d.request_id for d in first]
     assert [r.decision.request_id for r in recorded_large] == [d.request_id for d in large]
-    assert not any(r.replayed for r in recorded_first + recorded_large)
+    assert not any(r.replayed for r in [*recorded_first, *recorded_large])
 
 
 async def test_recording_nothing_returns_at_once(ledger):

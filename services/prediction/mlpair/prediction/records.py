@@ -11,7 +11,9 @@ decisions does not either.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -208,3 +210,17 @@ class RecordedBatch(Sequence[Recorded | LedgerUnavailable]):
         if i in self.replays:
             return self.replays[i]
         return Recorded(self.decisions[i], False, self.decisions.fingerprints[i])
+
+    def split(self, parts: Sequence[DecisionColumns]) -> list[RecordedBatch]:
+        """The outcome of each of ``parts``: the batches this one concatenates, in order."""
+        if len(parts) == 1:
+            return [self]
+        split = [RecordedBatch(part) for part in parts]
+        starts = list(itertools.accumulate(map(len, parts), initial=0))
+        for i, recorded in self.replays.items():
+            k = bisect.bisect_right(starts, i) - 1
+            split[k].replays[i - starts[k]] = recorded
+        for i, error in self.errors.items():
+            k = bisect.bisect_right(starts, i) - 1
+            split[k].errors[i - starts[k]] = error
+        return split

@@ -14,10 +14,13 @@ reads from it what any replica recorded first for the same request id (the idemp
 * **Durable before acknowledged.** :meth:`DecisionLedger.record_many` returns once the commit is
   durable; a failed commit is :class:`LedgerUnavailable` for each of its decisions, which are then
   never returned (fail closed: no answer the ledger could later contradict).
-* **Group commit.** Decisions arriving while a commit is in progress go together into the next
-  transaction, so the per-request cost stays near one commit however many requests are in flight.
-  An engine may run a few commits at once (``commit_concurrency``): PostgreSQL then flushes
-  their WAL together, and a decision never waits for a whole commit before its own starts.
+* **One way to commit, grouped.** Every commit is a batch of decisions as columns
+  (:class:`DecisionColumns`) written by the engine's one statement (``_commit_rows``). Calls
+  arriving while a commit is in progress go together into the next one (group commit), so the
+  per-request cost stays near one commit however many requests are in flight; a call of at
+  least ``bulk_rows`` decisions (a BatchPredict) is already a group and commits at once. An
+  engine may run a few commits at once (``commit_concurrency``): PostgreSQL then flushes their
+  WAL together, and a decision never waits for a whole commit before its own starts.
 * **It is the CRM's outbox.** Rows start undelivered; :mod:`mlpair.prediction.recording.relay` on any
   replica claims a batch (:meth:`DecisionLedger.claim`), delivers it to the CRM database with
   ``INSERT … ON CONFLICT DO NOTHING`` and marks it delivered in the same claim.
@@ -35,7 +38,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -51,9 +54,6 @@ logger = logging.getLogger(__name__)
 DECISION_COLUMNS = ("request_id", "fingerprint", *DecisionColumns.FIELDS[1:])
 _REASON_CODES = DECISION_COLUMNS.index("reason_codes") - 3  # its place after request id, fingerprint, decision id
 NOT_RECORDED = "the decision could not be recorded; retry with the same request_id"
-
-
-Entry = tuple[StoredDecision, str]  # a decision and the fingerprint of its request
 
 
 def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[[datetime], Any]) -> tuple:
@@ -76,27 +76,6 @@ def on_record(row: Sequence, decided_at: Callable[[Any], datetime]) -> Recorded:
     """What a ledger row holds, as a :class:`Recorded` replay (its :data:`DECISION_COLUMNS` values)."""
     decision, fingerprint = decision_from_row(row, decided_at)
     return Recorded(decision, True, fingerprint)
-
-
-def settle(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list[Recorded]:
-    """Each entry's outcome, given what is on record per request id after the commit; a request
-    id repeated within one group commit is a retry of its first occurrence."""
-    outcomes, seen = [], set()
-    for decision, _ in entries:
-        first = on_record[decision.request_id]
-        outcomes.append(first if decision.request_id not in seen else Recorded(first.decision, True, first.fingerprint))
-        seen.add(decision.request_id)
-    return outcomes
-
-
-def unique_new(entries: Sequence[Entry], on_record: dict[str, Recorded]) -> list[Entry]:
-    """The first entry of each request id not on record yet, sorted by request id (concurrent
-    transactions then take the unique index's locks in one order and cannot deadlock)."""
-    first: dict[str, Entry] = {}
-    for entry in entries:
-        if entry[0].request_id not in on_record:
-            first.setdefault(entry[0].request_id, entry)
-    return [first[k] for k in sorted(first)]
 
 
 Requeue = Callable[[list[str]], Awaitable[None]]
@@ -142,9 +121,9 @@ class DecisionLedger(abc.ABC):
     def __init__(self) -> None:
         self.committed = asyncio.Event()
         self.reachable = True
-        self._pending: list[tuple[Entry, _Caller, int]] = []  # entry, its caller, its index there
+        self._pending: list[tuple[DecisionColumns, asyncio.Future[RecordedBatch]]] = []  # calls waiting
         self._writers: set[asyncio.Task] = set()
-        self._bulk_slots: asyncio.Semaphore | None = None  # bulk commits in progress at once: commit_concurrency
+        self._slots: asyncio.Semaphore | None = None  # commits in progress at once: commit_concurrency
 
     @abc.abstractmethod
     async def open(self) -> None:
@@ -163,10 +142,12 @@ class DecisionLedger(abc.ABC):
     async def record_many(
         self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
     ) -> Sequence[Recorded | LedgerUnavailable]:
-        """Commits the decisions not yet on record, all in one group commit when they fit.
+        """Commits the decisions not yet on record: with the calls waiting beside it (group commit),
+        or at once when it holds ``bulk_rows`` decisions or more.
 
         Args:
-            decisions: the decisions made; an empty ``decision_id`` becomes :func:`decision_id_for`
+            decisions: the decisions made (a :class:`DecisionColumns`, or any sequence of
+                :class:`StoredDecision`); an empty ``decision_id`` becomes :func:`decision_id_for`
                 the request id, an unset ``decided_at`` now (UTC).
             fingerprints: the fingerprint of each decision's request.
 
@@ -176,18 +157,19 @@ class DecisionLedger(abc.ABC):
         """
         if not decisions:
             return []
-        if self.bulk_rows and isinstance(decisions, DecisionColumns) and len(decisions) >= self.bulk_rows:
-            return await self._record_bulk(decisions)
+        batch = as_columns(decisions, fingerprints)
+        if self.bulk_rows and len(batch) >= self.bulk_rows:
+            return await self._record_columns(batch)
         loop = asyncio.get_running_loop()
-        caller = _Caller(loop.create_future(), [None] * len(decisions), len(decisions))
-        self._pending.extend(((complete(d), f), caller, k) for k, (d, f) in enumerate(zip(decisions, fingerprints)))
+        future: asyncio.Future[RecordedBatch] = loop.create_future()
+        self._pending.append((batch, future))
         # a writer that is not done re-reads the pending list after its commit: one is enough unless
         # the engine takes more commits at once (done ones are discarded only by a later callback)
         if sum(not w.done() for w in self._writers) < self.commit_concurrency:
             writer = loop.create_task(self._write_pending())
             self._writers.add(writer)
             writer.add_done_callback(self._writers.discard)
-        return await caller.future
+        return await future
 
     @abc.abstractmethod
     async def find(self, request_id: str) -> Recorded | None:
@@ -222,13 +204,9 @@ class DecisionLedger(abc.ABC):
         """Adds decisions recorded elsewhere (an old outbox, the CRM) with an unknown fingerprint;
         request ids already on record are left alone. Returns how many were added."""
 
-    @abc.abstractmethod
-    async def _commit(self, entries: list[Entry]) -> list[Recorded]:
-        """One commit: inserts what is new atomically, then reads back what was on record (see :func:`settle`)."""
-
-    async def _record_bulk(self, batch: DecisionColumns) -> RecordedBatch:
-        """A whole batch in its own transactions (``max_commit_rows`` rows each), its columns sent as
-        they are: already a group, it has nothing to wait for. The same outcomes as the group commit."""
+    async def _record_columns(self, batch: DecisionColumns) -> RecordedBatch:
+        """Commits ``batch`` in transactions of at most ``max_commit_rows`` rows, its columns sent as
+        they are. A request id repeated within the batch is a retry of its first occurrence."""
         outcome = RecordedBatch(batch)
         first: dict[str, int] = {}
         for i, request_id in enumerate(batch.request_id):
@@ -238,14 +216,12 @@ class DecisionLedger(abc.ABC):
         columns = ledger_columns(batch)  # encoded once for all of the batch's transactions
         for start in range(0, len(order), self.max_commit_rows):
             rows = order[start : start + self.max_commit_rows]
-            if self._bulk_slots is None:
-                self._bulk_slots = asyncio.Semaphore(self.commit_concurrency)
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.commit_concurrency)
             started = time.perf_counter()
             try:
-                async with (
-                    self._bulk_slots
-                ):  # as many transactions as the group commit runs: the relay keeps a connection
-                    replays = await self._commit_bulk(batch, rows, columns)
+                async with self._slots:  # commit_concurrency transactions at most: the relay keeps a connection
+                    replays = await self._commit_rows(batch, rows, columns)
             except Exception as exc:  # noqa: BLE001  (every row of the transaction gets a retryable error)
                 self.reachable = False
                 logger.warning(
@@ -271,32 +247,47 @@ class DecisionLedger(abc.ABC):
                     outcome.replays[i] = Recorded(recorded.decision, True, recorded.fingerprint)
         return outcome
 
-    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+    @abc.abstractmethod
+    async def _commit_rows(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
         """One transaction inserting rows ``rows`` of ``batch`` (distinct request ids, sorted;
-        ``columns``: all of the batch as the ledger's columns, :func:`~mlpair.prediction.recording.codecs.ledger_columns`);
-        returns row → what was on record before, for the rows that were."""
-        raise NotImplementedError
+        ``columns``: all of the batch as the ledger's columns, :func:`~mlpair.prediction.recording.codecs.ledger_columns`)
+        atomically; returns row → what was on record before, for the rows that were."""
 
     async def _write_pending(self) -> None:
+        """Commits the waiting calls' decisions together, ``max_commit_rows`` at a time, and hands
+        each call its own part of the outcome."""
         while self._pending:
-            batch, self._pending = self._pending[: self.max_commit_rows], self._pending[self.max_commit_rows :]
-            started = time.perf_counter()
+            taken, rows = 0, 0
+            while taken < len(self._pending) and (
+                not taken or rows + len(self._pending[taken][0]) <= self.max_commit_rows
+            ):
+                rows += len(self._pending[taken][0])
+                taken += 1
+            calls, self._pending = self._pending[:taken], self._pending[taken:]
             try:
-                outcomes = await self._commit([entry for entry, _, _ in batch])
-            except Exception as exc:  # noqa: BLE001  (every waiting caller gets a retryable error)
-                self.reachable = False
-                logger.warning(
-                    "decision ledger commit failed (%s); %d decision(s) not recorded", type(exc).__name__, len(batch)
-                )
-                for _, caller, k in batch:
-                    caller.settle(k, LedgerUnavailable(NOT_RECORDED))
+                outcome = await self._record_columns(DecisionColumns.concat([batch for batch, _ in calls]))
+            except Exception as exc:  # noqa: BLE001  (a failure here must not leave a caller waiting)
+                for _, future in calls:
+                    if not future.done():
+                        future.set_exception(exc)
                 continue
-            self.reachable = True
-            metrics.LEDGER_COMMIT_DURATION.observe(time.perf_counter() - started)
-            metrics.LEDGER_COMMIT_ROWS.observe(len(batch))
-            self.committed.set()
-            for (_, caller, k), outcome in zip(batch, outcomes, strict=True):
-                caller.settle(k, outcome)
+            for (_, future), part in zip(calls, outcome.split([batch for batch, _ in calls])):
+                if not future.done():  # a caller that went away still has its decisions on record
+                    future.set_result(part)
+
+
+def as_columns(decisions: Sequence[StoredDecision], fingerprints: Sequence[str]) -> DecisionColumns:
+    """``decisions`` with ``fingerprints`` as one :class:`DecisionColumns`, each with its id and
+    time set (:func:`complete`)."""
+    if (  # as the pipeline makes them
+        isinstance(decisions, DecisionColumns) and "" not in decisions.decision_id and None not in decisions.decided_at
+    ):
+        return (
+            decisions if fingerprints is decisions.fingerprints else replace(decisions, fingerprints=list(fingerprints))
+        )
+    completed = list(map(complete, decisions))
+    columns = {name: [getattr(d, name) for d in completed] for name in DecisionColumns.FIELDS}
+    return DecisionColumns(**columns, fingerprints=list(fingerprints))
 
 
 def complete(decision: StoredDecision) -> StoredDecision:
@@ -308,23 +299,6 @@ def complete(decision: StoredDecision) -> StoredDecision:
         decision_id=decision.decision_id or decision_id_for(decision.request_id),
         decided_at=decision.decided_at or datetime.now(UTC),
     )
-
-
-@dataclass(eq=False)
-class _Caller:
-    """One ``record_many`` call waiting for its decisions' commits (one future per call, not per
-    decision: a future per decision was a measurable share of a bulk row's CPU; docs/decisions/0005)."""
-
-    future: asyncio.Future[list[Recorded | LedgerUnavailable]]
-    outcomes: list[Recorded | LedgerUnavailable | None]
-    remaining: int  # decisions whose commit has not ended yet
-
-    def settle(self, index: int, outcome: Recorded | LedgerUnavailable) -> None:
-        """Records one decision's outcome; the call resumes once every decision has one."""
-        self.outcomes[index] = outcome
-        self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():  # a caller that went away still has its decisions on record
-            self.future.set_result([o for o in self.outcomes if o is not None])  # none is None by now
 
 
 def open_ledger(

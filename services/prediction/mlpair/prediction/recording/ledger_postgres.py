@@ -272,30 +272,15 @@ class PostgresLedger(ledger.DecisionLedger):
             status = await conn.execute(IMPORT, *_columns(rows), delivered)
         return int(status.rsplit(" ", 1)[-1])
 
-    async def _commit(self, entries: list[ledger.Entry]) -> list[Recorded]:
-        new = ledger.unique_new(entries, {})
-        # One statement, committed on its own (no BEGIN/COMMIT round trips): the insert is atomic
-        # and durable when it returns. Under READ COMMITTED a conflicting insert has waited for the
-        # other transaction's commit, so the read that follows sees the row that won.
-        async with self._connection() as conn:
-            inserted = {
-                r[0] for r in await conn.fetch(INSERT, *_columns([ledger.row_values(d, f, _same) for d, f in new]))
-            }
-            held = {d.request_id: Recorded(d, False, f) for d, f in new if d.request_id in inserted}
-            if len(inserted) < len(new):
-                for row in await conn.fetch(
-                    SELECT_RECORDED, [d.request_id for d, _ in new if d.request_id not in inserted]
-                ):
-                    recorded = ledger.on_record(row, _same)
-                    held[recorded.decision.request_id] = recorded
-        return ledger.settle(entries, held)
-
-    async def _commit_bulk(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+    async def _commit_rows(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
         try:
             texts: list[str] | None = _packed(columns, rows)
         except packed.Unpackable:
             texts = None
-        async with self._connection() as conn:  # one self-committing statement, as in _commit
+        # One statement, committed on its own (no BEGIN/COMMIT round trips): the insert is atomic
+        # and durable when it returns. Under READ COMMITTED a conflicting insert has waited for the
+        # other transaction's commit, so the read that follows sees the row that won.
+        async with self._connection() as conn:
             if texts is not None:  # answers with the request ids already on record
                 on_record = {r[0] for r in await conn.fetch(INSERT_PACKED, *texts)}
             else:  # the columns as they are; answers with the request ids inserted

@@ -30,7 +30,7 @@ from sqlalchemy import make_url
 from mlpair.prediction.recording import ledger
 from mlpair.prediction.recording.migrate import SchemaNotReady
 from mlpair.prediction.recording.models import LEDGER_TABLE
-from mlpair.prediction.records import Recorded, StoredDecision
+from mlpair.prediction.records import DecisionColumns, Recorded, StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
 REQUEUE_AFTER_S = 30.0  # a decision the CRM refused is claimed again after this (not before the others)
@@ -178,8 +178,8 @@ class SqliteLedger(ledger.DecisionLedger):
             rows,
         )
 
-    async def _commit(self, entries: list[ledger.Entry]) -> list[Recorded]:
-        return await self._run(self._commit_sync, entries)
+    async def _commit_rows(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+        return await self._run(self._commit_rows_sync, batch.request_id, rows, columns)
 
     # Everything below runs on the ledger thread, one call at a time.
 
@@ -241,21 +241,20 @@ class SqliteLedger(ledger.DecisionLedger):
                 self._db.execute("ROLLBACK")
             raise
 
-    def _commit_sync(self, entries: list[ledger.Entry]) -> list[Recorded]:
-        request_ids = list(dict.fromkeys(d.request_id for d, _ in entries))
-        with self._transaction():
-            rows = self._db.execute(f"{_SELECT} WHERE request_id IN ({_marks(request_ids)})", request_ids).fetchall()
-            held = {r.decision.request_id: r for r in (ledger.on_record(row, datetime.fromisoformat) for row in rows)}
-            new = ledger.unique_new(entries, held)
+    def _commit_rows_sync(self, request_ids: list[str], rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+        ids = [request_ids[i] for i in rows]
+        with self._transaction():  # the write lock first: what is on record cannot change before the insert
+            found = self._db.execute(f"{_SELECT} WHERE request_id IN ({_marks(ids)})", ids).fetchall()
+            held = {r.decision.request_id: r for r in (ledger.on_record(row, datetime.fromisoformat) for row in found)}
+            new = [i for i in rows if request_ids[i] not in held] if held else rows
             if new:
                 now = time.time()
+                *fields, decided_at = columns
                 self._db.executemany(
                     f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(ledger.DECISION_COLUMNS)}, ?)",
-                    [(*ledger.row_values(d, f, _iso), now) for d, f in new],
+                    [(*(column[i] for column in fields), decided_at[i].isoformat(), now) for i in new],
                 )
-        for decision, fingerprint in new:
-            held[decision.request_id] = Recorded(decision, False, fingerprint)
-        return ledger.settle(entries, held)
+        return {i: held[request_ids[i]] for i in rows if request_ids[i] in held} if held else {}
 
 
 def _marks(values: Sequence) -> str:
