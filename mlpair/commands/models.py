@@ -16,12 +16,14 @@ def train(args: argparse.Namespace) -> int:
     ``--model-repository`` and logs its holdout metrics.
 
     Returns:
-        0, or 2 when a feature schema file is missing (the line says where it was looked for).
+        0; 2 when a feature schema file is missing (the line says where it was looked for) or its
+        data is refused (:class:`~mlpair.training.data.DataError`: one line naming the problem).
     """
     import dataclasses
     import logging
 
     from mlpair.logs import configure_logging
+    from mlpair.training.data import DataError
     from mlpair.training.pipeline import load_train_config, train_family
 
     configure_logging("training", "INFO")
@@ -37,7 +39,11 @@ def train(args: argparse.Namespace) -> int:
         config = load_train_config(Path(schema))
         if args.seed is not None:
             config = dataclasses.replace(config, seed=args.seed)
-        entry, fresh = train_family(Path(schema), Path(args.model_repository), config, force=args.force)
+        try:
+            entry, fresh = train_family(Path(schema), Path(args.model_repository), config, force=args.force)
+        except DataError as exc:
+            print(f"mlpair train: {schema}: {exc}", file=sys.stderr)
+            return 2
         m = entry.manifest
         cal = m.metrics["holdout_calibrated"]
         logging.getLogger("mlpair").info(

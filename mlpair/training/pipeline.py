@@ -42,7 +42,7 @@ from mlpair.contracts.manifest import (
 )
 from mlpair.contracts.preprocessing import Preprocessing
 from mlpair.contracts.schema import FeatureSchema
-from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
+from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, public_source, stratified_split
 from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx, export_torch_program
 from mlpair.training.model import MLPClassifier, TrainConfig, TrainingRun, predict_logits, train_classifier
 
@@ -182,7 +182,7 @@ def train_family(
     """
     schema = FeatureSchema.from_toml(schema_path)
     config = config or load_train_config(schema_path)
-    data = load_dataset(schema)
+    data = load_dataset(schema, schema_path.parent)
     print_ = fingerprint(schema, data.sha256, config)
     if not force and (entry := find_reusable(root, schema.name, print_)) is not None:
         logger.info("reusing %s version %s (same fingerprint)", schema.name, entry.manifest.model_version)
@@ -232,7 +232,7 @@ def train_family(
             },
             metrics=holdout_metrics(cal, predict_logits(model, x["holdout"]), splits["holdout"].labels, positive),
             data_source={
-                "source": schema.source,
+                "source": public_source(schema.source),
                 "sha256": data.sha256,
                 "rows": len(data.records),
                 "target": f"{schema.target.column} == {schema.target.positive!r}",
