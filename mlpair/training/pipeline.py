@@ -251,7 +251,7 @@ def train_family(
             },
         )
         write_manifest(staging, manifest)
-        _readable_by_all(staging)
+        readable_by_all(staging)
         staging.rename(target)  # atomic: a half-written entry is never visible
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -261,7 +261,7 @@ def train_family(
     return entry, True
 
 
-def _readable_by_all(folder: Path) -> None:
+def readable_by_all(folder: Path) -> None:
     """Folders 0755, files 0644: the services may run as another user than training (the images
     run as uid 10001), and ``tempfile.mkdtemp`` creates the staging folder 0700."""
     for path in (folder, *folder.rglob("*")):
