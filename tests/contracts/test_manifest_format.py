@@ -110,3 +110,12 @@ def test_a_manifest_off_the_format_is_never_written(credit_entry, tmp_path):
     with pytest.raises(FormatError, match="content_digest"):
         write_manifest(tmp_path, bad)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_the_format_document_lists_every_field_of_the_schema():
+    doc = (REPO_ROOT / "docs" / "model-format.md").read_text()
+    table = doc.split("## The manifest, format 1", 1)[1].split("### Change policy", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    documented = {name.strip(" `") for row in rows for name in row.split(",")}
+    assert documented == set(manifest_schema()["properties"])
+    assert "absent = 1" in table and f"\"format_version\": {FORMAT_VERSION}" in table
