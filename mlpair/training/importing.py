@@ -184,7 +184,9 @@ def read_calibration_set(path: Path, schema: FeatureSchema):
     if kind is None:
         raise DataError(f"calibration set {path}: expected a .csv or .parquet file")
     frame = read_table(f"{kind}: {path}")
-    return dataset_from_frame(frame, schema, f"calibration set {path}", min_rows=MIN_CALIBRATION_ROWS)
+    return dataset_from_frame(
+        frame, schema, f"calibration set {path}", min_rows=MIN_CALIBRATION_ROWS, allow_extra=False
+    )
 
 
 def import_model(

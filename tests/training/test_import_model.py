@@ -128,6 +128,8 @@ def test_a_model_that_does_not_fit_the_schema_is_refused_with_one_line(case, bri
      "calibration set {f}/no-target.csv has no target column 'Status'"),
     (lambda a, f: [x if x != str(f / "calibration.csv") else str(f / "few.csv") for x in a],
      "calibration set {f}/few.csv has 49 rows; at least 50 are needed"),
+    (lambda a, f: [x if x != str(f / "calibration.csv") else str(f / "extra.csv") for x in a],
+     "calibration set {f}/extra.csv has column(s) the schema does not name: Branch"),
     (lambda a, f: [x if x != str(f / "calibration.csv") else str(f / "calibration.xlsx") for x in a],
      "calibration set {f}/calibration.xlsx: expected a .csv or .parquet file"),
 ])
@@ -137,6 +139,7 @@ def test_bad_files_are_refused_with_one_line(change, expected, bring, tables, ca
     (folder / "garbage.onnx").write_bytes(b"not a model")
     tables["calibration"].drop(columns=["Status"]).to_csv(folder / "no-target.csv", index=False)
     tables["calibration"].head(49).to_csv(folder / "few.csv", index=False)
+    tables["calibration"].assign(Branch="north").to_csv(folder / "extra.csv", index=False)
     (folder / "calibration.xlsx").write_bytes(b"PK")
     code = cli.main(change(args, folder))
     err = capsys.readouterr().err
