@@ -1,4 +1,4 @@
-"""The ``mlpair`` command: train, migrate, serve inference, serve prediction, relay, predict, attributes,
+"""The ``mlpair`` command: train, import-model, migrate, serve inference, serve prediction, relay, predict, attributes,
 demo, health, drift-report, check-model, score.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
@@ -87,6 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
         "the data split stays the same)",
     )
     train.set_defaults(func=models.train)
+
+    imports = sub.add_parser(
+        "import-model",
+        help="make an ONNX model trained elsewhere the next version of its family: signature checked against the "
+        "schema, calibration fitted on your calibration set (docs/model-format.md)",
+    )
+    imports.add_argument(
+        "--model", required=True, help="the ONNX file: [batch, n_features] float32 -> logits [batch, 2]"
+    )
+    imports.add_argument("--schema", required=True, help="the family's feature schema file")
+    imports.add_argument(
+        "--preprocessing", required=True, help="the fitted preprocessing.json the model's inputs were built with"
+    )
+    imports.add_argument(
+        "--calibration-data", required=True, help="rows with the target the model never trained on (.csv or .parquet)"
+    )
+    imports.add_argument(
+        "--output", default=None, help="the graph output holding the logits [default: the only float one]"
+    )
+    imports.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
+    imports.set_defaults(func=models.import_model)
 
     migrate = sub.add_parser(
         "migrate",

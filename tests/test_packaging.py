@@ -38,6 +38,7 @@ def test_the_wheel_carries_the_migrations_without_setuptools_warnings(tmp_path):
                for p in (REPO_ROOT / "services/prediction/mlpair/prediction/recording/migrations").rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     assert on_disk and on_disk <= shipped, on_disk - shipped
+    assert "mlpair/contracts/manifest.schema.json" in names, "the manifest's format is read on every load"
 
 
 def test_the_demo_runs_on_the_demo_extra_alone(tmp_path):

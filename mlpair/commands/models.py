@@ -1,5 +1,5 @@
-"""``mlpair train`` and ``mlpair migrate``: what runs before a deploy (models into the repository,
-the decision ledger and CRM schemas up to date); the services do neither at start-up."""
+"""``mlpair train``, ``mlpair import-model`` and ``mlpair migrate``: what runs before a deploy (models
+into the repository, the decision ledger and CRM schemas up to date); the services do none of them at start-up."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ def train(args: argparse.Namespace) -> int:
     ``--model-repository`` and logs its holdout metrics.
 
     Returns:
-        0, or 2 when a feature schema file is missing (the line says where it was looked for).
+        0; 2 when a feature schema file is missing (the line says where it was looked for) or its
+        data is refused (:class:`~mlpair.training.data.DataError`: one line naming the problem).
     """
     import dataclasses
     import logging
 
     from mlpair.logs import configure_logging
+    from mlpair.training.data import DataError
     from mlpair.training.pipeline import load_train_config, train_family
 
     configure_logging("training", "INFO")
@@ -37,7 +39,11 @@ def train(args: argparse.Namespace) -> int:
         config = load_train_config(Path(schema))
         if args.seed is not None:
             config = dataclasses.replace(config, seed=args.seed)
-        entry, fresh = train_family(Path(schema), Path(args.model_repository), config, force=args.force)
+        try:
+            entry, fresh = train_family(Path(schema), Path(args.model_repository), config, force=args.force)
+        except DataError as exc:
+            print(f"mlpair train: {schema}: {exc}", file=sys.stderr)
+            return 2
         m = entry.manifest
         cal = m.metrics["holdout_calibrated"]
         logging.getLogger("mlpair").info(
@@ -50,6 +56,49 @@ def train(args: argparse.Namespace) -> int:
             cal["ece_15"],
             m.calibration.method,
         )
+    return 0
+
+
+def import_model(args: argparse.Namespace) -> int:
+    """``mlpair import-model``: an ONNX model trained elsewhere, with its schema, preprocessing and a
+    calibration set, written as the family's next version (:mod:`mlpair.training.importing`); prints
+    one summary line.
+
+    Returns:
+        0; 2 when the model, its files or the calibration set are refused (one line naming the problem).
+    """
+    from mlpair.training.data import DataError
+    from mlpair.training.importing import ImportRefused
+    from mlpair.training.importing import import_model as run_import
+
+    paths = {
+        "--model": args.model,
+        "--schema": args.schema,
+        "--preprocessing": args.preprocessing,
+        "--calibration-data": args.calibration_data,
+    }
+    if missing := [f"{flag} {path}" for flag, path in paths.items() if not Path(path).is_file()]:
+        print(f"mlpair import-model: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        entry = run_import(
+            Path(args.model),
+            Path(args.schema),
+            Path(args.preprocessing),
+            Path(args.calibration_data),
+            Path(args.model_repository),
+            output=args.output,
+        )
+    except (ImportRefused, DataError) as exc:
+        print(f"mlpair import-model: {args.model}: {exc}", file=sys.stderr)
+        return 2
+    m = entry.manifest
+    fitted = m.metrics["calibration_set_calibrated"]
+    print(
+        f"{m.model_name} version {m.model_version} imported from {args.model} into {entry.path}: calibration set "
+        f"ROC AUC {fitted['roc_auc']:.4f}, Brier {fitted['brier']:.4f}, ECE {fitted['ece_15']:.4f} "
+        f"(calibration {m.calibration.method}, {m.calibration.n_samples} rows)"
+    )
     return 0
 
 

@@ -3,7 +3,9 @@
 Layout (Triton-style): ``<root>/<model_name>/<version>/`` with ``model.onnx``,
 ``preprocessing.json`` (:class:`~mlpair.contracts.preprocessing.Preprocessing`) and
 ``manifest.json`` (:class:`Manifest`). Versions are positive integers; the highest is the
-latest. :func:`load_entry` checks the version triple before anything serves from an entry.
+latest. :func:`load_entry` checks the manifest against its published format
+(:mod:`mlpair.contracts.manifest_format`, ``docs/model-format.md``) and the version triple
+before anything serves from an entry.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlpair.contracts import calibration
+from mlpair.contracts.manifest_format import FORMAT_VERSION, FormatError, check_manifest
 from mlpair.contracts.preprocessing import Preprocessing
 
 MANIFEST_FILE = "manifest.json"
@@ -129,8 +132,10 @@ class Calibration(_Model):
 
 
 class Manifest(_Model):
-    """Everything a server needs to know about one model version."""
+    """Everything a server needs to know about one model version (format: ``manifest.schema.json``)."""
 
+    format_version: int = FORMAT_VERSION
+    """The manifest format (:mod:`mlpair.contracts.manifest_format`); absent in older files, read as 1."""
     model_name: str
     versions: VersionTriple
     model_file: str = "model.onnx"
@@ -147,6 +152,10 @@ class Manifest(_Model):
     metrics: dict[str, dict[str, float]]
     data_source: dict[str, object]
     training: dict[str, object]
+    files: dict[str, str] | None = None
+    """Optional content pinning: relative path → ``sha256:<hex>`` of every file of the version."""
+    content_digest: str | None = None
+    """Optional ``sha256:<hex>`` over the version's content."""
 
     @property
     def model_version(self) -> str:
@@ -200,7 +209,14 @@ def load_entry(path: Path) -> ModelEntry:
         ManifestError: naming the first inconsistency found.
     """
     try:
-        manifest = Manifest.model_validate_json((path / MANIFEST_FILE).read_text())
+        raw = json.loads((path / MANIFEST_FILE).read_text())
+        check_manifest(raw)
+    except FormatError as exc:
+        raise ManifestError(f"{path}: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path}: unreadable model entry ({type(exc).__name__}: {exc})") from exc
+    try:
+        manifest = Manifest.model_validate(raw)
         preprocessing = Preprocessing.load(path / PREPROCESSING_FILE)
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path}: unreadable model entry ({type(exc).__name__}: {exc})") from exc
@@ -243,5 +259,12 @@ def load_latest(root: Path, model_name: str) -> ModelEntry:
 
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
-    """Writes ``manifest.json`` into an entry folder."""
-    (path / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+    """Writes ``manifest.json`` into an entry folder (the optional pinning fields only when set).
+
+    Raises:
+        FormatError: the manifest would not follow its format (never written then).
+    """
+    unset = {name for name in ("files", "content_digest") if getattr(manifest, name) is None}
+    raw = manifest.model_dump(mode="json", exclude=unset)
+    check_manifest(raw)
+    (path / MANIFEST_FILE).write_text(json.dumps(raw, indent=2) + "\n")

@@ -42,7 +42,7 @@ from mlpair.contracts.manifest import (
 )
 from mlpair.contracts.preprocessing import Preprocessing
 from mlpair.contracts.schema import FeatureSchema
-from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, stratified_split
+from mlpair.training.data import SPLIT_FRACTIONS, Dataset, load_dataset, public_source, stratified_split
 from mlpair.training.export import INPUT_NAME, OUTPUT_NAME, check_parity, export_onnx, export_torch_program
 from mlpair.training.model import MLPClassifier, TrainConfig, TrainingRun, predict_logits, train_classifier
 
@@ -182,7 +182,7 @@ def train_family(
     """
     schema = FeatureSchema.from_toml(schema_path)
     config = config or load_train_config(schema_path)
-    data = load_dataset(schema)
+    data = load_dataset(schema, schema_path.parent)
     print_ = fingerprint(schema, data.sha256, config)
     if not force and (entry := find_reusable(root, schema.name, print_)) is not None:
         logger.info("reusing %s version %s (same fingerprint)", schema.name, entry.manifest.model_version)
@@ -232,7 +232,7 @@ def train_family(
             },
             metrics=holdout_metrics(cal, predict_logits(model, x["holdout"]), splits["holdout"].labels, positive),
             data_source={
-                "source": schema.source,
+                "source": public_source(schema.source),
                 "sha256": data.sha256,
                 "rows": len(data.records),
                 "target": f"{schema.target.column} == {schema.target.positive!r}",
@@ -251,7 +251,7 @@ def train_family(
             },
         )
         write_manifest(staging, manifest)
-        _readable_by_all(staging)
+        readable_by_all(staging)
         staging.rename(target)  # atomic: a half-written entry is never visible
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -261,7 +261,7 @@ def train_family(
     return entry, True
 
 
-def _readable_by_all(folder: Path) -> None:
+def readable_by_all(folder: Path) -> None:
     """Folders 0755, files 0644: the services may run as another user than training (the images
     run as uid 10001), and ``tempfile.mkdtemp`` creates the staging folder 0700."""
     for path in (folder, *folder.rglob("*")):
