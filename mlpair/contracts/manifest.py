@@ -260,11 +260,15 @@ def load_latest(root: Path, model_name: str) -> ModelEntry:
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Writes ``manifest.json`` into an entry folder (the optional pinning fields only when set).
+    Format 1 is written without ``format_version`` (absent reads as 1): releases from before the
+    format was published refuse a field they do not know, and keep reading versions written now.
 
     Raises:
         FormatError: the manifest would not follow its format (never written then).
     """
     unset = {name for name in ("files", "content_digest") if getattr(manifest, name) is None}
+    if manifest.format_version == 1:
+        unset.add("format_version")
     raw = manifest.model_dump(mode="json", exclude=unset)
     check_manifest(raw)
     (path / MANIFEST_FILE).write_text(json.dumps(raw, indent=2) + "\n")

@@ -1,7 +1,7 @@
 """The model manifest's published format: a JSON Schema (``manifest.schema.json``, package data) and its version.
 
-Every manifest written carries ``format_version`` (:data:`FORMAT_VERSION`); one without it was
-written before the format was published and is read as format 1. A reader checks the raw JSON
+A manifest without ``format_version`` is format 1 (what releases before the format's publication
+wrote, and what is written while the format is 1); a later format names itself. A reader checks the raw JSON
 against the schema of the version it names before anything else reads it, and refuses a version
 newer than it knows. The layout, the fields and the change policy: ``docs/model-format.md``.
 """
