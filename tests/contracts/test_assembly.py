@@ -324,7 +324,7 @@ def test_wire_numbers_convert_exactly_as_other_numbers(assemblers, datasets):
 @pytest.mark.parametrize(("given", "suggested"), [("income", "Income"), ("Incme", "Income"), ("HOME", "Home"),
                                                   ("Shoe size", None)])
 def test_an_unknown_attribute_names_the_closest_known_one(credit_schema, given, suggested):
-    from mlpair.prediction.intake.checks import _did_you_mean
+    from mlpair.prediction.preparing.batch import _did_you_mean
 
     hint = _did_you_mean(given, credit_schema.attribute_names)
     assert hint == (f" (did you mean {suggested!r}?)" if suggested else "")

@@ -1,7 +1,7 @@
 """A whole call's ids checked at once (``ids_pass``) pass exactly when each passes ``check_id``.
 
 BatchPredict checks the ids of a call of eight or more items with one pass per check
-(``batch._families_at_once``) and falls back to ``check_id`` per item, for each item's own
+(``checks.admit``) and falls back to ``check_id`` per item, for each item's own
 error, only when that says no; so the two must agree on every list of ids.
 """
 

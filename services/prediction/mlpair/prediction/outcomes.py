@@ -15,11 +15,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, overload
 
 from mlpair.prediction.deciding.explain import Explanation
 from mlpair.prediction.errors import PredictionError
-from mlpair.prediction.intake.checks import RequestWarning
 from mlpair.prediction.records import StoredDecision
 
 if TYPE_CHECKING:
     from mlpair.prediction.deciding.decisions import Decided
+
+
+@dataclass(frozen=True, slots=True)
+class RequestWarning:
+    """Something about a request that did not stop its decision (``UNKNOWN_ATTRIBUTE``,
+    ``EXPLANATION_NOT_RECORDED``)."""
+
+    code: str
+    field: str
+    message: str
 
 
 class PredictInput(NamedTuple):

@@ -52,13 +52,13 @@ from mlpair.prediction.deciding.decisions import (
 from mlpair.prediction.deciding.replays import recorded_maps, replayed
 from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
 from mlpair.prediction.families import ConfigurationError, ModelFamily, ModelVersion
-from mlpair.prediction.intake.checks import MAX_ECHO, RequestWarning
+from mlpair.prediction.intake.checks import MAX_ECHO, admit
 from mlpair.prediction.intake.merging import MergedCall, PredictMerger
 from mlpair.prediction.intake.tables import Chunk
 from mlpair.prediction.monitoring.drift import DriftMonitors
 from mlpair.prediction.monitoring.shadow import ServedRow, ShadowComparison
-from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, Slot
-from mlpair.prediction.preparing.batch import Group, prepare_items, prepare_table
+from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, RequestWarning, Slot
+from mlpair.prediction.preparing.batch import Group, prepare, rows_of
 from mlpair.prediction.preparing.columns import ColumnAssembler
 from mlpair.prediction.records import DecisionColumns
 from mlpair.prediction.scoring.cache import CachedInference
@@ -215,9 +215,13 @@ class Predictor:
         slots: list[Slot] = [None] * len(requests)
         for k, error in chunk.refusals(assembler.attribute_names).items():
             slots[k] = error
+        admitted = admit(requests, lambda _: family, slots).get(name, (family, []))[1]
+        index = [i for i in admitted if slots[i] is None]  # admitted, and not refused by the chunk
         table = chunk.attribute_columns(assembler.attribute_names)
-        groups = prepare_table(family, assembler, requests, table, self.refuse_unknown_attributes, slots)
-        return await self._decide_groups(requests, groups, slots, infer=self._infer_bulk)
+        if len(index) < len(requests):
+            table = rows_of(table, index)
+        group = prepare(family, assembler, requests, index, self.refuse_unknown_attributes, slots, table)
+        return await self._decide_groups(requests, [group] if group else [], slots, infer=self._infer_bulk)
 
     async def drain_background(self) -> None:
         """Waits for merged Predict batches and background shadow comparisons still running
@@ -232,9 +236,15 @@ class Predictor:
         Predicts decided together (:class:`PredictMerger`): each item is then scored in its caller's
         context, and one whose caller has left is neither decided, recorded nor counted."""
         slots: list[Slot] = [None] * len(requests)
-        groups = prepare_items(
-            requests, self._family, lambda family: self._columns[family.name], self.refuse_unknown_attributes, slots
-        )
+        groups = [
+            group
+            for family, index in admit(requests, self._family, slots).values()
+            if (
+                group := prepare(
+                    family, self._columns[family.name], requests, index, self.refuse_unknown_attributes, slots
+                )
+            )
+        ]
         return await self._decide_groups(requests, groups, slots, callers)
 
     async def _decide_groups(

@@ -30,8 +30,8 @@ import numpy as np
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.explain import Explanation, explain
 from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA, DecisionPolicy
-from mlpair.prediction.preparing.batch import Group, defaulted_features
-from mlpair.prediction.preparing.columns import SMALL_BATCH
+from mlpair.prediction.preparing.batch import Group
+from mlpair.prediction.preparing.columns import SMALL_BATCH, defaulted_features
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Source
 from mlpair.prediction.scoring.scorer import GroupScores, as_item_error

@@ -1,22 +1,27 @@
-"""What PredictionService checks of a request before deciding it, and what it tells the caller.
+"""Intake's checks of a call's items, before anything is prepared: who may be decided here.
 
-Ids (present, at most 128 characters, no control or invisible formatting characters), attributes
-the feature schema does not know (named in the response's warnings, or refused when the service is strict), and
-the refusal of a request id already on record for another payload. Whatever of a client's
-input is repeated in a message is cut to ``MAX_ECHO`` characters.
+:func:`admit` checks each item's ids (present, at most 128 characters, no control or invisible
+formatting characters), that no request id repeats within the call, and that its model family is
+served, and groups the admitted items by family; an item that fails gets its own error and
+leaves the call. Also the refusal of a request id already on record for another payload. Whatever
+of a client's input is repeated in a message is cut to ``MAX_ECHO`` characters.
 """
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from mlpair.prediction.deciding.policy import MissingData
-from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, MissingRequiredAttribute, UnknownAttribute
+from mlpair.prediction.errors import IdempotencyKeyReused, InvalidRequest, PredictionError
 from mlpair.prediction.families import ModelFamily
+from mlpair.prediction.outcomes import RequestWarning
+
+if TYPE_CHECKING:
+    from mlpair.prediction.outcomes import PredictInput
+
+SMALL_CALL = 8  # fewer items than this are checked item by item (a pass per check over the call would cost more)
 
 MAX_ID_LENGTH = 128
 MAX_ECHO = 64  # most characters of a client's value repeated in an error
@@ -31,69 +36,6 @@ _CONTROL = re.compile(
     "[\x00-\x1f\x7f-\x9f\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f"
     "\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestWarning:
-    """Something about a request that did not stop its decision (``UNKNOWN_ATTRIBUTE``)."""
-
-    code: str
-    field: str
-    message: str
-
-
-MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
-
-
-def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
-    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1,
-    each naming the schema's closest attribute when one is close (a misspelling, another case)."""
-    warnings = [
-        RequestWarning(
-            "UNKNOWN_ATTRIBUTE",
-            name[:MAX_ECHO],
-            f"the {family.name!r} feature schema has no attribute of this name; it was ignored"
-            + _did_you_mean(name[:MAX_ECHO], family.schema.attribute_names),  # cut first: the cache keeps it
-        )
-        for name in names[:MAX_WARNINGS]
-    ]
-    if len(names) > MAX_WARNINGS:
-        warnings.append(
-            RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes")
-        )
-    return tuple(warnings)
-
-
-def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
-    """The refusal of a request naming attributes the schema does not know (strict setting), with
-    the hint the warning gives: each name followed by the schema's closest attribute when one is
-    close (``'Incme' (did you mean 'Income'?)``), and in metadata ``did_you_mean``: the
-    ``name=closest`` pairs, comma-separated (absent when no name is close to one)."""
-    named = [n[:MAX_ECHO] for n in names[:MAX_WARNINGS]]
-    known = family.schema.attribute_names
-    shown = ", ".join(repr(n) + _did_you_mean(n, known) for n in named) + (" …" if len(names) > MAX_WARNINGS else "")
-    metadata = {"attributes": ",".join(named)}
-    if closest := [f"{n}={_closest(n, known)}" for n in named if _closest(n, known)]:
-        metadata["did_you_mean"] = ",".join(closest)
-    return UnknownAttribute(
-        f"the {family.name!r} feature schema has no attribute named {shown}; this service "
-        "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
-        metadata=metadata,
-    )
-
-
-def missing_required_error(
-    family: ModelFamily, rule: MissingData, missing: Collection[str], codes: Sequence[str]
-) -> MissingRequiredAttribute:
-    """The refusal of a request lacking attributes its family's policy requires (``action = "refuse"``):
-    metadata ``attributes`` names the missing attributes the rule names (schema order) and
-    ``reason_codes`` the rule's codes the request broke (``INCOME_REQUIRED_MISSING``, a group's code)."""
-    named = [n for n in family.schema.attribute_names if n in missing and n in rule.attributes]
-    return MissingRequiredAttribute(
-        f"the {family.name!r} decision policy ({family.policy.version}) does not decide without "
-        f"{', '.join(named)}: send {'it' if len(named) == 1 else 'them'} (absent, null, empty and sentinel values are missing)",
-        metadata={"attributes": ",".join(named), "reason_codes": ",".join(codes)},
-    )
 
 
 def explanation_not_recorded(decided_at: datetime | None) -> RequestWarning:
@@ -143,19 +85,64 @@ def ids_pass(values: list[str]) -> bool:
     )
 
 
-def _did_you_mean(name: str, known: tuple[str, ...]) -> str:
-    """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name``, else ``""``."""
-    close = _closest(name, known)
-    return f" (did you mean {close!r}?)" if close else ""
+Admitted = dict[str, tuple[ModelFamily, list[int]]]  # family name → (family, its items' positions in the call)
 
 
-@functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
-def _closest(name: str, known: tuple[str, ...]) -> str:
-    """The known attribute closest to ``name`` (difflib's ratio ≥ 0.8 on lower-cased names), else
-    ``""``. ``name`` comes from a client: callers cut it to ``MAX_ECHO`` characters, so the cache
-    holds no more than that per entry."""
-    import difflib
+def admit(requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily], outcomes: list) -> Admitted:
+    """The call's items that may be decided, by model family, in request order; a failing
+    item's error is put in ``outcomes`` at its position.
 
-    lowered = {k.lower(): k for k in known}
-    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.8)
-    return lowered[close[0]] if close else ""
+    Args:
+        resolve: model name → family (raises :class:`~mlpair.prediction.errors.UnknownModel`).
+    """
+    by_family = _every_item_admitted(requests, resolve) if len(requests) >= SMALL_CALL else None
+    return by_family if by_family is not None else _admit_item_by_item(requests, resolve, outcomes)
+
+
+def _every_item_admitted(requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily]) -> Admitted | None:
+    """Each family's items when every item passes its checks, found with a pass per check over
+    the whole call; None when one does not (:func:`_admit_item_by_item` then gives each
+    failing item its own error, as it would have here)."""
+    request_ids = [r.request_id for r in requests]
+    if len(set(request_ids)) < len(request_ids) or not ids_pass(request_ids):
+        return None
+    if not ids_pass([r.entity_id for r in requests]):
+        return None
+    families = {}
+    names = {r.model_name for r in requests}
+    for name in names:
+        try:
+            families[name] = resolve(name)
+        except PredictionError:
+            return None
+    if len(names) == 1:  # one model named throughout (the usual call): every item in order
+        family = families[names.pop()]
+        return {family.name: (family, list(range(len(requests))))}
+    by_family: Admitted = {}
+    for index, request in enumerate(requests):
+        family = families[request.model_name]
+        by_family.setdefault(family.name, (family, []))[1].append(index)
+    return by_family
+
+
+def _admit_item_by_item(
+    requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily], outcomes: list
+) -> Admitted:
+    """Each family's items, checking item by item; a failing item's error goes in ``outcomes``."""
+    by_family: Admitted = {}
+    seen: set[str] = set()
+    for index, request in enumerate(requests):
+        try:
+            family = resolve(request.model_name)
+            check_id("request_id", request.request_id)
+            check_id("entity_id", request.entity_id)
+            if request.request_id in seen:
+                raise InvalidRequest(
+                    "request_id appears more than once in this batch", metadata={"field": "request_id"}
+                )
+            seen.add(request.request_id)
+        except PredictionError as exc:
+            outcomes[index] = exc
+            continue
+        by_family.setdefault(family.name, (family, []))[1].append(index)
+    return by_family

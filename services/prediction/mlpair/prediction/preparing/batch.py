@@ -1,50 +1,46 @@
-"""A call's items, columnar: what the pipeline knows of each model family's rows, as arrays.
+"""Preparing a family's admitted items: their attributes → one guarded matrix, fingerprints and refusals.
 
-:func:`prepare_items` checks every item (ids, duplicates, model family), assembles each family's
-rows into one guarded matrix (:mod:`~mlpair.prediction.preparing.columns`) and fingerprints each request;
-an item that fails gets its own error and leaves the batch. What remains of each family is one
-:class:`Group`, an immutable value that scoring (:mod:`~mlpair.prediction.scoring.scorer`) and the
-decisions (:mod:`~mlpair.prediction.deciding.decisions`) read column by column.
+:func:`prepare` takes the items of one model family that intake admitted
+(:func:`~mlpair.prediction.intake.checks.admit`), assembles their rows into one guarded matrix
+(:mod:`~mlpair.prediction.preparing.columns`), refuses the items whose attributes cannot be used
+(values no conversion rule accepts, attributes the schema does not know when the service is
+strict, attributes the policy requires that are missing), names unknown attributes in warnings
+otherwise, and fingerprints each request (:mod:`~mlpair.prediction.preparing.idempotency`). A
+refused item gets its own error and leaves the call. What remains is one :class:`Group`, an
+immutable value that scoring (:mod:`~mlpair.prediction.scoring.scorer`) and the decisions
+(:mod:`~mlpair.prediction.deciding.decisions`) read column by column.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mlpair.contracts.assembly import MISSING_DEFAULTED, SENTINEL_DEFAULTED, ConversionError
+from mlpair.contracts.assembly import ConversionError
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.explain import explanation_rows
-from mlpair.prediction.errors import InvalidRequest, PredictionError
+from mlpair.prediction.deciding.policy import MissingData
+from mlpair.prediction.errors import InvalidRequest, MissingRequiredAttribute, PredictionError, UnknownAttribute
 from mlpair.prediction.families import ModelFamily
-from mlpair.prediction.intake.checks import (
-    check_id,
-    ids_pass,
-    missing_required_error,
-    unknown_attribute_warnings,
-    unknown_attributes_error,
-)
+from mlpair.prediction.intake.checks import MAX_ECHO
+from mlpair.prediction.outcomes import RequestWarning
 from mlpair.prediction.preparing.columns import (
-    ACTION_BITS,
     SMALL_BATCH,
     AttributeColumns,
     ColumnAssembler,
     RowGuards,
+    defaulted_features,
 )
 from mlpair.prediction.preparing.idempotency import request_fingerprints
 
 if TYPE_CHECKING:
-    from mlpair.prediction.pipeline import PredictInput
+    from mlpair.prediction.outcomes import PredictInput
 
-DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
-
-
-def defaulted_features(guards: RowGuards) -> frozenset[str]:
-    """The schema features of a row that took their default (missing, or a sentinel)."""
-    return frozenset(e.feature for e in guards.events if e.action in DEFAULTED_ACTIONS)
+MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,61 +84,63 @@ class Group:
         return 1 + self.family.n_schema_features if k in self.explained else 1
 
 
-def prepare_items(
-    requests: Sequence[PredictInput],
-    resolve: Callable[[str], ModelFamily],
-    columns: Callable[[ModelFamily], ColumnAssembler],
-    refuse_unknown: bool,
-    outcomes: list,
-) -> list[Group]:
-    """Checks ids, resolves families and assembles each family's rows; a failing item's error is
-    put in ``outcomes`` at its position and the item leaves the batch.
-
-    Args:
-        resolve: model name → family (raises :class:`~mlpair.prediction.errors.UnknownModel`).
-        columns: family → its :class:`ColumnAssembler`.
-        refuse_unknown: refuse requests naming attributes the schema does not know.
-    """
-    by_family = _families_at_once(requests, resolve) if len(requests) >= SMALL_BATCH else None
-    if by_family is None:
-        by_family = _families_item_by_item(requests, resolve, outcomes)
-    return [
-        group
-        for family, index in by_family.values()
-        if (group := _assemble(family, columns(family), [requests[i] for i in index], index, refuse_unknown, outcomes))
-    ]
-
-
-def prepare_table(
+def prepare(
     family: ModelFamily,
     assembler: ColumnAssembler,
     requests: Sequence[PredictInput],
-    table: AttributeColumns,
+    index: list[int],
     refuse_unknown: bool,
     outcomes: list,
-) -> list[Group]:
-    """:func:`prepare_items` for a table of one family's rows whose attribute values are read
-    already (``table``: the values of ``assembler.attribute_names``, and which rows hold others):
-    the same checks, guards and fingerprints, with no per-row record read. A row whose outcome is
-    in ``outcomes`` already (refused by the caller) is left out."""
-    request_ids = [r.request_id for r in requests]
-    index = list(range(len(requests)))
-    if (
-        len(set(request_ids)) < len(request_ids)
-        or not ids_pass(request_ids)
-        or not ids_pass([r.entity_id for r in requests])
-    ):
-        found = _families_item_by_item(requests, lambda _: family, outcomes)
-        index = found[family.name][1] if found else []
-    if outcomes.count(None) < len(outcomes):
-        index = [i for i in index if outcomes[i] is None]
-    if len(index) < len(requests):
-        table = _rows_of(table, index)
-    group = _assemble(family, assembler, [requests[i] for i in index], index, refuse_unknown, outcomes, table)
-    return [group] if group is not None else []
+    table: AttributeColumns | None = None,
+) -> Group | None:
+    """The admitted items ``index`` of ``requests``, all of ``family``, as their :class:`Group`
+    (None when every one is refused); a refused item's error is put in ``outcomes`` at its position.
+
+    Args:
+        assembler: the family's :class:`ColumnAssembler`.
+        refuse_unknown: refuse requests naming attributes the schema does not know.
+        table: the items' attribute values read already (a table's chunk, rows ``index``), else read here.
+    """
+    if not index:
+        return None
+    items = [requests[i] for i in index] if len(index) < len(requests) else list(requests)
+    attributes = [r.attributes for r in items]
+    if table is None and len(items) >= SMALL_BATCH:
+        table = assembler.columns(attributes)  # read once for assembly and fingerprints
+    assembled = assembler.assemble(attributes, table)
+    every_guards = assembler.guards(assembled.actions)
+    refused, warnings = _refusals(family, assembled.problems, assembled.unknown, every_guards, refuse_unknown)
+    for k, error in refused.items():
+        outcomes[index[k]] = error
+    keep = [k for k in range(len(items)) if k not in refused] if refused else range(len(items))
+    if not keep:
+        return None
+    guards = [every_guards[k] for k in keep] if refused else every_guards
+    assembler.count_guards(family.name, assembled.actions[keep] if refused else assembled.actions, guards)
+    kept = [items[k] for k in keep] if refused else items
+    if table is not None:  # every row's, refused ones too (rare), rather than the columns read again
+        every = request_fingerprints(family.name, [r.entity_id for r in items], attributes, table, family.reading)
+        fingerprints = every if not refused else [every[k] for k in keep]
+    else:
+        fingerprints = request_fingerprints(
+            family.name, [r.entity_id for r in kept], [r.attributes for r in kept], reading=family.reading
+        )
+    if refused:
+        renumber = {k: j for j, k in enumerate(keep)}
+        warnings = {renumber[k]: w for k, w in warnings.items()}
+    return Group(
+        family,
+        [index[k] for k in keep],
+        kept,
+        assembled.matrix if not refused else assembled.matrix[keep],
+        guards,
+        fingerprints,
+        warnings,
+        frozenset(j for j, r in enumerate(kept) if r.explain),
+    )
 
 
-def _rows_of(table: AttributeColumns, index: list[int]) -> AttributeColumns:
+def rows_of(table: AttributeColumns, index: list[int]) -> AttributeColumns:
     """The rows ``index`` of ``table`` (``others`` renumbered)."""
     others = set(table.others)
     return AttributeColumns(
@@ -152,83 +150,25 @@ def _rows_of(table: AttributeColumns, index: list[int]) -> AttributeColumns:
     )
 
 
-def _families_at_once(
-    requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily]
-) -> dict[str, tuple[ModelFamily, list[int]]] | None:
-    """Each family's items when every item passes its checks, found with a pass per check over
-    the whole call; None when one does not (:func:`_families_item_by_item` then gives each
-    failing item its own error, as it would have here)."""
-    request_ids = [r.request_id for r in requests]
-    if len(set(request_ids)) < len(request_ids) or not ids_pass(request_ids):
-        return None
-    if not ids_pass([r.entity_id for r in requests]):
-        return None
-    families = {}
-    names = {r.model_name for r in requests}
-    for name in names:
-        try:
-            families[name] = resolve(name)
-        except PredictionError:
-            return None
-    if len(names) == 1:  # one model named throughout (the usual call): every item in order
-        family = families[names.pop()]
-        return {family.name: (family, list(range(len(requests))))}
-    by_family: dict[str, tuple[ModelFamily, list[int]]] = {}
-    for index, request in enumerate(requests):
-        family = families[request.model_name]
-        by_family.setdefault(family.name, (family, []))[1].append(index)
-    return by_family
-
-
-def _families_item_by_item(
-    requests: Sequence[PredictInput], resolve: Callable[[str], ModelFamily], outcomes: list
-) -> dict[str, tuple[ModelFamily, list[int]]]:
-    """Each family's items, checking item by item; a failing item's error goes in ``outcomes``."""
-    by_family: dict[str, tuple[ModelFamily, list[int]]] = {}
-    seen: set[str] = set()
-    for index, request in enumerate(requests):
-        try:
-            family = resolve(request.model_name)
-            check_id("request_id", request.request_id)
-            check_id("entity_id", request.entity_id)
-            if request.request_id in seen:
-                raise InvalidRequest(
-                    "request_id appears more than once in this batch", metadata={"field": "request_id"}
-                )
-            seen.add(request.request_id)
-        except PredictionError as exc:
-            outcomes[index] = exc
-            continue
-        by_family.setdefault(family.name, (family, []))[1].append(index)
-    return by_family
-
-
-def _assemble(
+def _refusals(
     family: ModelFamily,
-    assembler: ColumnAssembler,
-    requests: list[PredictInput],
-    index: list[int],
+    problems: dict[int, dict[str, str]],
+    unknown: dict[int, tuple[str, ...]],
+    guards: list[RowGuards],
     refuse_unknown: bool,
-    outcomes: list,
-    table: AttributeColumns | None = None,
-) -> Group | None:
-    """The checked items of one family → their :class:`Group` (None when every one is refused);
-    ``table``: their attribute values read already (a table's chunk), else read here."""
-    if not requests:
-        return None
-    attributes = [r.attributes for r in requests]
-    if table is None and len(requests) >= SMALL_BATCH:
-        table = assembler.columns(attributes)  # read once for assembly and fingerprints
-    assembled = assembler.assemble(attributes, table)
+) -> tuple[dict[int, PredictionError], dict[int, tuple[RequestWarning, ...]]]:
+    """(row → why it is refused, row → warnings about it) of assembled rows: values no conversion
+    rule accepts, unknown attributes (refused when ``refuse_unknown``, else warned about), and
+    attributes the policy requires that took their default (``[missing_data] action = "refuse"``)."""
     refused: dict[int, PredictionError] = {
         k: InvalidRequest(
-            f"attribute values cannot be converted: {ConversionError(problems)}",
-            metadata={"attributes": ",".join(sorted(problems))},
+            f"attribute values cannot be converted: {ConversionError(found)}",
+            metadata={"attributes": ",".join(sorted(found))},
         )
-        for k, problems in assembled.problems.items()
+        for k, found in problems.items()
     }
     warnings = {}
-    for k, names in assembled.unknown.items():
+    for k, names in unknown.items():
         if k in refused:
             continue
         metrics.UNKNOWN_ATTRIBUTES.labels(family.name).inc(len(names))
@@ -236,57 +176,77 @@ def _assemble(
             refused[k] = unknown_attributes_error(family, names)
         else:
             warnings[k] = unknown_attribute_warnings(family, names)
-    every_guards = None
     if (rule := family.policy.missing_data) is not None and rule.action == "refuse":
-        every_guards = assembler.guards(assembled.actions)
-        for k, g in enumerate(every_guards):
+        for k, g in enumerate(guards):
             if g.defaulted and k not in refused and (codes := rule.reason_codes(defaulted_features(g))):
                 refused[k] = missing_required_error(family, rule, defaulted_features(g), codes)
-    keep = [k for k in range(len(requests)) if k not in refused] if refused else range(len(requests))
-    for k, error in refused.items():
-        outcomes[index[k]] = error
-    if not keep:
-        return None
-    actions = assembled.actions[keep] if refused else assembled.actions
-    guards = assembler.guards(actions) if every_guards is None else [every_guards[k] for k in keep]
-    _count_guards(family, actions, guards)
-    name = family.name
-    kept = [requests[k] for k in keep]
-    renumber = {k: j for j, k in enumerate(keep)} if refused else None
-    if table is not None:  # every row's, refused ones too (rare), rather than the columns read again
-        every = request_fingerprints(name, [r.entity_id for r in requests], attributes, table, family.reading)
-        fingerprints = every if not refused else [every[k] for k in keep]
-    else:
-        fingerprints = request_fingerprints(
-            name, [r.entity_id for r in kept], [r.attributes for r in kept], reading=family.reading
+    return refused, warnings
+
+
+def unknown_attribute_warnings(family: ModelFamily, names: Sequence[str]) -> tuple[RequestWarning, ...]:
+    """One warning per attribute the schema does not know (names cut short), at most ``MAX_WARNINGS`` + 1,
+    each naming the schema's closest attribute when one is close (a misspelling, another case)."""
+    warnings = [
+        RequestWarning(
+            "UNKNOWN_ATTRIBUTE",
+            name[:MAX_ECHO],
+            f"the {family.name!r} feature schema has no attribute of this name; it was ignored"
+            + _did_you_mean(name[:MAX_ECHO], family.schema.attribute_names),  # cut first: the cache keeps it
         )
-    return Group(
-        family,
-        [index[k] for k in keep],
-        kept,
-        assembled.matrix if not refused else assembled.matrix[keep],
-        guards,
-        fingerprints,
-        warnings if renumber is None else {renumber[k]: w for k, w in warnings.items()},
-        frozenset(j for j, r in enumerate(kept) if r.explain),
+        for name in names[:MAX_WARNINGS]
+    ]
+    if len(names) > MAX_WARNINGS:
+        warnings.append(
+            RequestWarning("UNKNOWN_ATTRIBUTE", "", f"and {len(names) - MAX_WARNINGS} more unknown attributes")
+        )
+    return tuple(warnings)
+
+
+def unknown_attributes_error(family: ModelFamily, names: Sequence[str]) -> UnknownAttribute:
+    """The refusal of a request naming attributes the schema does not know (strict setting), with
+    the hint the warning gives: each name followed by the schema's closest attribute when one is
+    close (``'Incme' (did you mean 'Income'?)``), and in metadata ``did_you_mean``: the
+    ``name=closest`` pairs, comma-separated (absent when no name is close to one)."""
+    named = [n[:MAX_ECHO] for n in names[:MAX_WARNINGS]]
+    known = family.schema.attribute_names
+    shown = ", ".join(repr(n) + _did_you_mean(n, known) for n in named) + (" …" if len(names) > MAX_WARNINGS else "")
+    metadata = {"attributes": ",".join(named)}
+    if closest := [f"{n}={_closest(n, known)}" for n in named if _closest(n, known)]:
+        metadata["did_you_mean"] = ",".join(closest)
+    return UnknownAttribute(
+        f"the {family.name!r} feature schema has no attribute named {shown}; this service "
+        "refuses unknown attributes (PREDICTION_UNKNOWN_ATTRIBUTES=refuse)",
+        metadata=metadata,
     )
 
 
-def _count_guards(family: ModelFamily, actions: np.ndarray, guards: list[RowGuards]) -> None:
-    """``prediction_feature_guards_total`` per feature and action, one per (row, feature, action):
-    from each row's decoded events for a few rows, else a column of guard bits at a time."""
-    if len(guards) < SMALL_BATCH:
-        for g in guards:
-            for event in g.events:
-                metrics.labelled(metrics.FEATURE_GUARDS, family.name, event.feature, event.action).inc()
-        return
-    if not actions.any():
-        return
-    for k, feat in enumerate(family.schema.features):
-        column = actions[:, k]
-        if not column.any():
-            continue
-        for action, bit in ACTION_BITS.items():
-            n = int(np.count_nonzero(column & bit))
-            if n:
-                metrics.labelled(metrics.FEATURE_GUARDS, family.name, feat.name, action).inc(n)
+def missing_required_error(
+    family: ModelFamily, rule: MissingData, missing: Collection[str], codes: Sequence[str]
+) -> MissingRequiredAttribute:
+    """The refusal of a request lacking attributes its family's policy requires (``action = "refuse"``):
+    metadata ``attributes`` names the missing attributes the rule names (schema order) and
+    ``reason_codes`` the rule's codes the request broke (``INCOME_REQUIRED_MISSING``, a group's code)."""
+    named = [n for n in family.schema.attribute_names if n in missing and n in rule.attributes]
+    return MissingRequiredAttribute(
+        f"the {family.name!r} decision policy ({family.policy.version}) does not decide without "
+        f"{', '.join(named)}: send {'it' if len(named) == 1 else 'them'} (absent, null, empty and sentinel values are missing)",
+        metadata={"attributes": ",".join(named), "reason_codes": ",".join(codes)},
+    )
+
+
+def _did_you_mean(name: str, known: tuple[str, ...]) -> str:
+    """``" (did you mean 'Income'?)"`` for the known attribute closest to ``name``, else ``""``."""
+    close = _closest(name, known)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+@functools.lru_cache(maxsize=1024)  # a batch repeats the same unknown names item after item
+def _closest(name: str, known: tuple[str, ...]) -> str:
+    """The known attribute closest to ``name`` (difflib's ratio ≥ 0.8 on lower-cased names), else
+    ``""``. ``name`` comes from a client: callers cut it to ``MAX_ECHO`` characters, so the cache
+    holds no more than that per entry."""
+    import difflib
+
+    lowered = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.8)
+    return lowered[close[0]] if close else ""

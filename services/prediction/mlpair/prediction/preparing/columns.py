@@ -38,6 +38,7 @@ from mlpair.contracts.assembly import (
     GuardEvent,
 )
 from mlpair.contracts.conversion import ConversionProblem, to_category, to_number
+from mlpair.prediction import metrics
 
 # One bit per guard action; a feature's events are listed in this order (the row-wise order).
 ACTION_BITS = {MISSING_DEFAULTED: 1, SENTINEL_DEFAULTED: 2, CLAMPED_MIN: 4, CLAMPED_MAX: 8, UNKNOWN_CATEGORY: 16}
@@ -84,6 +85,12 @@ class RowGuards:
 
 
 NO_GUARDS = RowGuards((), (), 0)
+DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
+
+
+def defaulted_features(guards: RowGuards) -> frozenset[str]:
+    """The schema features of a row that took their default (missing, or a sentinel)."""
+    return frozenset(e.feature for e in guards.events if e.action in DEFAULTED_ACTIONS)
 
 
 @dataclass
@@ -202,6 +209,26 @@ class ColumnAssembler:
                     memo[key] = found
             out[i] = found
         return out
+
+    def count_guards(self, family: str, actions: np.ndarray, guards: list[RowGuards]) -> None:
+        """``prediction_feature_guards_total`` per feature and action, one per (row, feature, action)
+        of rows with guard bits ``actions`` ``[rows, n_schema_features] uint8`` and their ``guards``:
+        from each row's decoded events for a few rows, else a column of guard bits at a time."""
+        if len(guards) < SMALL_BATCH:
+            for g in guards:
+                for event in g.events:
+                    metrics.labelled(metrics.FEATURE_GUARDS, family, event.feature, event.action).inc()
+            return
+        if not actions.any():
+            return
+        for k, feat in enumerate(self.features):
+            column = actions[:, k]
+            if not column.any():
+                continue
+            for action, bit in ACTION_BITS.items():
+                n = int(np.count_nonzero(column & bit))
+                if n:
+                    metrics.labelled(metrics.FEATURE_GUARDS, family, feat.name, action).inc(n)
 
     def _decode(self, bits: np.ndarray) -> RowGuards:
         events = tuple(
