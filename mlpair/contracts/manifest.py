@@ -147,6 +147,11 @@ class Manifest(_Model):
     metrics: dict[str, dict[str, float]]
     data_source: dict[str, object]
     training: dict[str, object]
+    files: dict[str, str] | None = None
+    """Every file of the version but the manifest: relative path → ``sha256:<hex>``; written at publish
+    time (:mod:`mlpair.sources.digest`) and checked after every download."""
+    content_digest: str | None = None
+    """``sha256:<hex>`` over ``files`` (:func:`mlpair.sources.digest.content_digest`): what a version is pinned by."""
 
     @property
     def model_version(self) -> str:
