@@ -61,12 +61,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def moto_s3(log: Path) -> Iterator[str]:
-    """A moto S3 server; yields its endpoint URL (``http://127.0.0.1:PORT``)."""
+def moto_s3(log: Path, port: int = 0) -> Iterator[str]:
+    """A moto S3 server (on ``port``, else a free one); yields its endpoint URL (``http://127.0.0.1:PORT``)."""
     binary = _bin("moto_server")
     if binary is None:
         _missing("moto_server (moto[server])")
-    port = free_port()
+    port = port or free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
