@@ -106,15 +106,18 @@ async def test_unreachable_at_start_is_not_ready_with_the_reason_then_serves_onc
     for key, value in s3_env(f"http://127.0.0.1:{port}").items():
         monkeypatch.setenv(key, value)
     before = source_errors("list")
-    settings = s3_settings(tmp_path, "s3://late/prod", source_retry_max_s=1.0)
+    settings = s3_settings(tmp_path, "s3://late/prod", source_retry_max_s=4.0)
     async with running(settings, load=False) as srv, channel_to(srv) as ch:
         load = asyncio.create_task(srv.load())
-        await asyncio.sleep(2.5)
+        deadline = time.monotonic() + 10
+        while source_errors("list") - before < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # tries at 0, 0.5, 1.5 and 3.5 s failed; the next comes 4 s later, when the bucket is filled
+        assert source_errors("list") - before == 4
         assert not load.done()  # no crash: still trying
         assert await serving_status(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
         reason = srv.engine.conditions()["model_source"]
         assert reason == "model source s3://late/prod: listing credit-risk failed (EndpointConnectionError)"
-        assert source_errors("list") - before >= 3  # 0.5 s, 1 s, 1 s … between tries
         assert f"not ready: {reason}; retrying in" in caplog.text
         with moto_s3(tmp_path / "moto.log", port=port):
             boto3.client("s3").create_bucket(Bucket="late")
