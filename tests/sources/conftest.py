@@ -26,3 +26,18 @@ def bucket(s3_endpoint, monkeypatch) -> str:
     name = f"models-{uuid.uuid4().hex[:10]}"
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory):
+    from tests.support.stores import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as url:
+        yield url
+
+
+@pytest.fixture
+def registry(mlflow_url, monkeypatch) -> str:
+    """MLflow's client pointed at the session's real server (MLFLOW_TRACKING_URI); yields its URL."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_url)
+    return mlflow_url

@@ -160,3 +160,18 @@ def test_unreachable_storage_is_one_line_without_credentials(monkeypatch, tmp_pa
 def test_unsupported_scheme_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"^model repository gs://b/p: unsupported scheme"):
         open_source("gs://user:pw@b/p?token=1", tmp_path, 0)
+
+
+def test_publish_command_publishes_the_latest_of_each_model_and_refuses_an_unknown_version(
+        model_repository, tmp_path, capsys):
+    from mlpair.cli import main
+
+    target = tmp_path / "published"
+    assert main(["publish", "--model-repository", str(model_repository), "--to", str(target)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        f"published churn version 1 to {target}", f"published credit-risk version 1 to {target}"]
+    assert sorted(p.name for p in target.iterdir()) == ["churn", "credit-risk"]
+    assert main(["publish", "--model-repository", str(model_repository), "--to", str(target), "--model", "churn",
+                 "--version", "7"]) == 2
+    assert capsys.readouterr().err == f"mlpair publish: no version 7 of 'churn' under {model_repository}; available: 1\n"
