@@ -93,6 +93,8 @@ async def test_switch_between_versions_published_to_s3_under_load_fails_no_call(
         stop.set()
         await asyncio.gather(*clients)
     versions = [v for _, v in seen]
+    print(f"switch under load: {sent} calls sent, {len(seen)} answered, {versions.count('1')} by version 1, "
+          f"{versions.count('2')} by version 2, {len(failures)} failed")
     assert failures == []
     assert len(seen) == sent and sent >= 200  # every call sent was answered (about 100/s for 3+ s)
     assert versions[:10] == ["1"] * 10 and versions[-10:] == ["2"] * 10
