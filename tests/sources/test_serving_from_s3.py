@@ -202,3 +202,52 @@ async def test_inconsistent_triple_is_refused_and_the_serving_one_stays(credit_e
         assert ("1", "READY") in index
         reply = await stub.ModelInfer(oip_request(holdout_x[:1], feature_version=feature_version))
         assert reply.model_version == "1"
+
+
+@pytest.mark.timeout(90)
+async def test_explicit_load_while_unreachable_is_unavailable_and_the_serving_one_stays(
+        credit_entry, tmp_path, monkeypatch, holdout_x, feature_version):
+    port = free_port()
+    for key, value in s3_env(f"http://127.0.0.1:{port}").items():
+        monkeypatch.setenv(key, value)
+    settings = s3_settings(tmp_path, "s3://away/prod", model_control="explicit")
+    with moto_s3(tmp_path / "moto.log", port=port):
+        boto3.client("s3").create_bucket(Bucket="away")
+        publish(credit_entry.path, "s3://away/prod")
+        server = running(settings)
+        srv = await server.__aenter__()
+    try:
+        async with channel_to(srv) as ch:
+            stub = oip_grpc.GRPCInferenceServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.RepositoryModelLoad(oip.RepositoryModelLoadRequest(model_name=MODEL))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == (
+                "model source s3://away/prod: listing credit-risk failed (EndpointConnectionError)")
+            assert SECRET not in str(err.value.trailing_metadata())
+            reply = await stub.ModelInfer(oip_request(holdout_x[:1], feature_version=feature_version))
+            assert reply.model_version == "1"
+            assert srv.engine.repository.serving() == {MODEL: ["1"]}
+    finally:
+        await server.__aexit__(None, None, None)
+
+
+async def test_every_model_in_the_bucket_serves_when_none_is_named(model_repository, bucket, tmp_path):
+    uri = f"s3://{bucket}/all"
+    for name in ("credit-risk", "churn"):
+        publish(model_repository / name / "1", uri)
+    settings = make_settings(tmp_path / "unused", model_source=uri, model_cache_dir=tmp_path / "cache")
+    async with running(settings) as srv:
+        assert srv.engine.repository.serving() == {"churn": ["1"], "credit-risk": ["1"]}
+        assert srv.engine.repository.expected == {"churn", "credit-risk"}
+
+
+async def test_an_empty_bucket_refuses_the_start_with_the_fix(bucket, tmp_path):
+    from mlpair.startup import StartupError
+
+    settings = make_settings(tmp_path / "unused", model_source=f"s3://{bucket}/none", model_cache_dir=tmp_path / "c")
+    with pytest.raises(StartupError) as err:
+        async with running(settings):
+            pass
+    assert str(err.value) == (f"model source s3://{bucket}/none holds no model: publish one with "
+                              f"`mlpair publish --to s3://{bucket}/none` or point INFERENCE_MODEL_SOURCE elsewhere")

@@ -175,3 +175,18 @@ def test_publish_command_publishes_the_latest_of_each_model_and_refuses_an_unkno
     assert main(["publish", "--model-repository", str(model_repository), "--to", str(target), "--model", "churn",
                  "--version", "7"]) == 2
     assert capsys.readouterr().err == f"mlpair publish: no version 7 of 'churn' under {model_repository}; available: 1\n"
+
+
+def test_a_second_process_on_the_node_reuses_the_cache(credit_entry, bucket, tmp_path):
+    import subprocess
+    import sys
+
+    uri = f"s3://{bucket}/r"
+    publish(credit_entry.path, uri)
+    first = open_source(uri, tmp_path / "cache", 0).fetch(MODEL, "1")
+    boto3.client("s3").delete_object(Bucket=bucket, Key=f"r/{MODEL}/1/model.onnx")  # only the cache has it now
+    code = ("import sys; from pathlib import Path; from mlpair.sources import open_source; "
+            f"print(open_source({uri!r}, Path({str(tmp_path / 'cache')!r}), 0).fetch({MODEL!r}, '1'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(first)
