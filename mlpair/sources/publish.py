@@ -38,18 +38,25 @@ def publish(version_folder: Path, uri: str) -> str:
 
     Raises:
         ManifestError: the version is inconsistent (it would never load).
-        PublishError: the target holds this version number with other content, or the URI is unsupported.
-        Exception: the storage's own client error (its text can carry no credentials of ours).
+        PublishError: the target holds this version number with other content, the URI is unsupported,
+            or the bucket or registry failed (its error's type and code only).
+        ValueError: a malformed ``models:`` or ``s3://`` URI.
     """
     with tempfile.TemporaryDirectory(prefix="mlpair-publish-") as tmp:
         staged = Path(tmp) / version_folder.name
         shutil.copytree(version_folder, staged)
         digest = pin(staged)
         entry = load_entry(staged)
-        if uri.startswith("s3://"):
-            _to_s3(entry, uri, digest)
-        elif uri.startswith("models:"):
-            _to_mlflow(entry, uri, digest)
+        if uri.startswith(("s3://", "models:")):
+            try:
+                (_to_s3 if uri.startswith("s3://") else _to_mlflow)(entry, uri, digest)
+            except (PublishError, ValueError):
+                raise
+            except Exception as exc:  # noqa: BLE001  (a client's text may carry URLs: type and code only)
+                response = getattr(exc, "response", None)
+                code = response.get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
+                kind = type(exc).__name__ + (f" {code}" if code else "")
+                raise PublishError(f"publishing {_label(entry)} to {redact(uri)} failed ({kind})") from None
         elif "://" in uri and not uri.startswith("file://"):
             raise PublishError(f"cannot publish to {redact(uri)}: use a path, s3://bucket/prefix or models:/name")
         else:

@@ -190,3 +190,19 @@ def test_a_second_process_on_the_node_reuses_the_cache(credit_entry, bucket, tmp
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(first)
+
+
+def test_publishing_to_unreachable_storage_is_one_line_without_credentials(credit_entry, monkeypatch, capsys):
+    from mlpair.cli import main
+    from tests.support.pair import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTESTNOTPRINTED")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    repo = credit_entry.path.parent.parent
+    assert main(["publish", "--model-repository", str(repo), "--model", MODEL, "--to", "s3://models/p"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mlpair: publish: PublishError: publishing credit-risk version 1 to s3://models/p failed "
+                          "(EndpointConnectionError)")
+    assert SECRET not in err and "AKID" not in err and err.count("\n") == 1
