@@ -35,7 +35,7 @@ from mlpair.inference.errors import (
 from mlpair.inference.model_health import VersionHealth
 from mlpair.inference.runtimes import Runtime, create_runtime
 from mlpair.inference.settings import InferenceSettings
-from mlpair.inference.sourcing import SourceReader
+from mlpair.inference.sourcing import SourceReader, poll
 from mlpair.inference.versions import (
     LOADING,
     READY,
@@ -264,8 +264,6 @@ class ModelRepository:
     async def poll_forever(self, interval_s: float) -> None:
         """Scans the source every ``interval_s`` and loads what the policy now selects
         (:func:`mlpair.inference.sourcing.poll`)."""
-        from mlpair.inference.sourcing import poll
-
         await poll(self, interval_s)
 
     async def _load_version(self, name: str, version: str) -> None:
