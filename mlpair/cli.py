@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-initialisation seed instead of the family's training.toml one (an ensemble member; "
         "the data split stays the same)",
     )
+    train.add_argument(
+        "--publish",
+        metavar="URI",
+        help="then publish each version trained (or reused) to a path, s3://bucket/prefix or models:/ (see publish)",
+    )
     train.set_defaults(func=models.train)
 
     imports = sub.add_parser(
@@ -108,6 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imports.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
     imports.set_defaults(func=models.import_model)
+    publish = sub.add_parser(
+        "publish",
+        help="publish a trained version, pinned by content digest, to a folder, a bucket or an MLflow registry",
+    )
+    publish.add_argument(
+        "--to",
+        required=True,
+        metavar="URI",
+        help="a path, s3://bucket/prefix (AWS_* variables and files) or models:/, models:/name[@alias] "
+        "(MLFLOW_TRACKING_URI)",
+    )
+    publish.add_argument("--model-repository", default="var/models", help="repository root [default: var/models]")
+    publish.add_argument(
+        "--model", action="append", help="model name (repeatable) [default: every model in the repository]"
+    )
+    publish.add_argument("--version", help="version to publish [default: the latest of each model]")
+    publish.set_defaults(func=models.publish)
 
     migrate = sub.add_parser(
         "migrate",

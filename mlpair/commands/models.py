@@ -1,5 +1,6 @@
-"""``mlpair train``, ``mlpair import-model`` and ``mlpair migrate``: what runs before a deploy (models
-into the repository, the decision ledger and CRM schemas up to date); the services do none of them at start-up."""
+"""``mlpair train``, ``mlpair import-model``, ``mlpair publish`` and ``mlpair migrate``: what runs before a
+deploy (models into the repository and on to where the services read them, the decision ledger and
+CRM schemas up to date); the services do none of it at start-up."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def train(args: argparse.Namespace) -> int:
             cal["ece_15"],
             m.calibration.method,
         )
+        if args.publish:
+            _publish_one(entry.path, args.publish)
     return 0
 
 
@@ -100,6 +103,48 @@ def import_model(args: argparse.Namespace) -> int:
         f"(calibration {m.calibration.method}, {m.calibration.n_samples} rows)"
     )
     return 0
+
+
+def publish(args: argparse.Namespace) -> int:
+    """``mlpair publish``: publishes the latest (or ``--version``) version of each model to ``--to``,
+    one line per version with its content digest.
+
+    Returns:
+        0; 2 when a model or version is not in the repository (one line on stderr).
+
+    Raises:
+        ManifestError: a version is inconsistent; PublishError: the target holds that version with
+            other content (``mlpair`` prints either as one line, exit 1).
+    """
+    from mlpair.contracts.manifest import list_versions
+
+    root = Path(args.model_repository)
+    names = args.model or (
+        sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+    )
+    if not names:
+        print(f"mlpair publish: no model under {root}; run mlpair train first", file=sys.stderr)
+        return 2
+    for name in names:
+        versions = list_versions(root, name)
+        version = args.version or (str(versions[-1]) if versions else "")
+        if not version.isdigit() or int(version) not in versions:
+            available = ", ".join(map(str, versions)) or "none"
+            print(
+                f"mlpair publish: no version {version or '(any)'} of {name!r} under {root}; available: {available}",
+                file=sys.stderr,
+            )
+            return 2
+        _publish_one(root / name / str(int(version)), args.to)
+    return 0
+
+
+def _publish_one(folder: Path, uri: str) -> None:
+    from mlpair.sources import redact
+    from mlpair.sources.publish import publish as publish_version
+
+    digest = publish_version(folder, uri)
+    print(f"published {folder.parent.name} version {folder.name} to {redact(uri)} ({digest})")
 
 
 def migrate(args: argparse.Namespace) -> int:

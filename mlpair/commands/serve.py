@@ -177,7 +177,8 @@ def _inference_configuration(settings: InferenceSettings) -> None:
     (a refusal every worker would print alike, printed once)."""
     from mlpair.startup import require_trained
 
-    require_trained(settings.model_repository, settings.models_to_serve(), "INFERENCE_MODEL_REPOSITORY")
+    if not settings.model_source:  # a remote source is checked by each worker, retried while unreachable
+        require_trained(settings.model_repository, settings.models_to_serve(), "INFERENCE_MODEL_REPOSITORY")
 
 
 def _prediction_configuration(settings: PredictionSettings) -> None:

@@ -153,9 +153,10 @@ class Manifest(_Model):
     data_source: dict[str, object]
     training: dict[str, object]
     files: dict[str, str] | None = None
-    """Optional content pinning: relative path → ``sha256:<hex>`` of every file of the version."""
+    """Every file of the version but the manifest: relative path → ``sha256:<hex>``; written at publish
+    time (:mod:`mlpair.sources.digest`) and checked after every download."""
     content_digest: str | None = None
-    """Optional ``sha256:<hex>`` over the version's content."""
+    """``sha256:<hex>`` over ``files`` (:func:`mlpair.sources.digest.content_digest`): what a version is pinned by."""
 
     @property
     def model_version(self) -> str:

@@ -40,7 +40,7 @@ OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklo
                      "PredictionShadowDisagreement", "ScoreJobWillMissDeadline"}
 # InferenceService health after start (one pod's model version out of rotation, a lost device): each holds a while.
 INFERENCE_HEALTH_ALERTS = {"InferenceModelVersionNotReady", "InferenceRuntimeFailures", "InferenceSelfTestFailing",
-                           "InferenceDeviceLost"}
+                           "InferenceDeviceLost", "InferenceModelSourceUnreachable"}
 # GPU signals (inference_gpu_*, GPU pods only; proven on synthetic series in promtool/gpu.test.yaml): each holds a while.
 GPU_ALERTS = {"InferenceGpuMemoryHigh", "InferenceGpuMemoryFull", "InferenceGpuGhostMemory", "InferenceGpuSaturated",
               "InferenceGpuThrottled"}
@@ -102,7 +102,8 @@ def test_rules_pass_promtool_check(promtool):
 def test_alerts_fire_and_stay_quiet_as_specified_by_promtool_unit_tests(promtool):
     assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml", "operations.test.yaml",
                                                "fleet-drift.test.yaml", "probing-canary.test.yaml",
-                                               "inference-health.test.yaml", "gpu.test.yaml", "score-jobs.test.yaml"}
+                                               "inference-health.test.yaml", "gpu.test.yaml", "score-jobs.test.yaml",
+                                               "model-source.test.yaml"}
     out = subprocess.run([promtool, "test", "rules", *PROMTOOL_TESTS], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -105,10 +105,15 @@ class InferenceEngine:
     async def start(self) -> None:
         """Loads every model (verify, warm up) and starts repository polling if configured.
 
+        An unreadable model source is retried with backoff meanwhile (not ready, condition
+        ``model_source`` with the reason: :mod:`mlpair.inference.sourcing`).
+
         Raises:
-            ManifestError, InferenceError: a model cannot be served; nothing is ready.
+            ManifestError, InferenceError, VersionRefused: a model cannot be served; nothing is ready.
         """
-        await self.repository.load_all()
+        from mlpair.inference.sourcing import with_backoff
+
+        await with_backoff(self.repository.load_all, self.set_condition, self.settings.source_retry_max_s)
         if self.settings.model_control == "poll":
             self._poller = asyncio.get_running_loop().create_task(
                 self.repository.poll_forever(self.settings.repository_poll_s), name="repository-poll"

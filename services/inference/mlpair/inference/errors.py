@@ -95,3 +95,10 @@ class ModelControlDisabled(InferenceError):
 
     code = "FAILED_PRECONDITION"
     reason = "MODEL_CONTROL_DISABLED"
+
+
+class ModelSourceUnavailable(InferenceError):
+    """The model source (bucket, registry) cannot be read now; the versions already serving stay."""
+
+    code = "UNAVAILABLE"
+    reason = "MODEL_SOURCE_UNAVAILABLE"

@@ -74,6 +74,12 @@ MODEL_LOAD_DURATION = Histogram(
 MODEL_LOAD_FAILURES = Counter(
     "inference_model_load_failures_total", "Model versions that failed to load or warm up.", ["model", "version"]
 )
+MODEL_SOURCE_ERRORS = Counter(
+    "inference_model_source_errors_total",
+    "Reads of the model source (bucket, registry) that failed: at start (retried with backoff) or while "
+    "polling (the serving versions stay).",
+    ["operation"],
+)
 MODEL_READY = Gauge(
     "inference_model_ready",
     "1 when a model version is loaded, warmed and serving.",

@@ -1,6 +1,7 @@
 """The model repository as served: loading, publishing and retiring model versions.
 
-Layout on disk: ``<root>/<model_name>/<version>/`` (see :mod:`mlpair.contracts.manifest`).
+Layout: ``<root>/<model_name>/<version>/`` (see :mod:`mlpair.contracts.manifest`), read from the
+source the settings name (:mod:`mlpair.inference.sourcing`: a local folder, a bucket, a registry).
 Which versions serve is the version policy's choice (``latest:N``, ``all``, ``specific:a,b``;
 :mod:`mlpair.inference.versions`, with what a served version and its status are).
 
@@ -20,13 +21,21 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from mlpair.contracts.manifest import ManifestError, ModelEntry, list_versions
+from mlpair.contracts.manifest import ManifestError, ModelEntry
 from mlpair.inference import metrics
 from mlpair.inference.batcher import DynamicBatcher
-from mlpair.inference.errors import InferenceError, ModelLoadFailed, ModelNotFound, ModelNotReady, ModelUnhealthy
+from mlpair.inference.errors import (
+    InferenceError,
+    ModelLoadFailed,
+    ModelNotFound,
+    ModelNotReady,
+    ModelSourceUnavailable,
+    ModelUnhealthy,
+)
 from mlpair.inference.model_health import VersionHealth
 from mlpair.inference.runtimes import Runtime, create_runtime
 from mlpair.inference.settings import InferenceSettings
+from mlpair.inference.sourcing import SourceReader, poll
 from mlpair.inference.versions import (
     LOADING,
     READY,
@@ -36,8 +45,8 @@ from mlpair.inference.versions import (
     VersionPolicy,
     VersionStatus,
 )
-from mlpair.inference.warmup import folder_mtime, open_version
-from mlpair.startup import require_trained
+from mlpair.inference.warmup import open_version
+from mlpair.sources import VersionRefused
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +77,7 @@ class ModelRepository:
     ) -> None:
         self.settings = settings
         self.root = settings.model_repository
+        self.source = SourceReader(settings)
         self.policy = VersionPolicy.parse(settings.version_policy)
         self._factory = runtime_factory
         self._on_change = on_change
@@ -154,8 +164,8 @@ class ModelRepository:
         return sorted(self._status.values(), key=lambda s: (s.name, int(s.version)))
 
     def model_names(self) -> list[str]:
-        """Models to serve: the configured ones, else every folder in the repository."""
-        return self.settings.models_to_serve()
+        """Models to serve: the configured ones, else every model in the repository."""
+        return self.source.model_names()
 
     # -- load and unload -------------------------------------------------------------------
 
@@ -165,12 +175,12 @@ class ModelRepository:
         Raises:
             StartupError: the repository is missing or empty, or a model to serve has no trained
                 version (the message says to run ``mlpair train``).
+            ModelSourceUnavailable: the model source cannot be read now.
             ModelNotFound: a model to serve has no version the policy selects.
             ManifestError: an entry's version triple or files are inconsistent.
             ModelLoadFailed: a runtime failed to load or warm up.
         """
-        names = self.model_names()
-        require_trained(self.root, names, "INFERENCE_MODEL_REPOSITORY")
+        names = await self.source.check_trained()
         self.expected.update(names)
         if self._on_change:
             await self._on_change()
@@ -191,14 +201,15 @@ class ModelRepository:
             The versions serving afterwards.
 
         Raises:
-            ModelNotFound: the policy selects no version of ``name`` on disk.
+            ModelNotFound: the policy selects no version of ``name`` in the repository.
             ModelLoadFailed: a wanted version failed to load (see :meth:`index` for why).
+            ModelSourceUnavailable: the model source cannot be read now (nothing changes).
         """
         async with self._lock:
-            wanted = [str(v) for v in self.policy.select(list_versions(self.root, name))]
+            wanted = [str(v) for v in self.policy.select(await self.source.versions(name))]
             if not wanted:
                 raise ModelNotFound(
-                    f"no version of model {name!r} under {self.root} matches the version "
+                    f"no version of model {name!r} at {self.source.source.uri} matches the version "
                     f"policy {self.settings.version_policy!r}",
                     metadata={"model": name},
                 )
@@ -210,7 +221,7 @@ class ModelRepository:
                     try:
                         await self._load_version(name, version)
                     except Exception as exc:
-                        if strict:
+                        if strict or isinstance(exc, ModelSourceUnavailable):
                             raise
                         reason = self._status[(name, version)].reason
                         failed.append(f"{version}: {reason}")
@@ -251,49 +262,33 @@ class ModelRepository:
                 await self._on_change()
 
     async def poll_forever(self, interval_s: float) -> None:
-        """Scans the repository every ``interval_s`` and loads what the policy now selects.
-
-        A version that failed is retried only after its folder changes.
-        """
-        while True:
-            await asyncio.sleep(interval_s)
-            for name in self.model_names():
-                if self._needs_load(name):
-                    try:
-                        await self.load_model(name)
-                    except InferenceError as exc:
-                        logger.warning("repository poll: %s", exc.message)
-
-    def _needs_load(self, name: str) -> bool:
-        wanted = [str(v) for v in self.policy.select(list_versions(self.root, name))]
-        if not wanted:
-            return False
-        serving = set(self._serving.get(name, {}))
-        for version in wanted:
-            status = self._status.get((name, version))
-            if version in serving:
-                continue
-            changed = status is not None and status.source_mtime != folder_mtime(self.root / name / version)
-            if status is None or status.state != UNAVAILABLE or changed:
-                return True
-        return bool(serving - set(wanted))
+        """Scans the source every ``interval_s`` and loads what the policy now selects
+        (:func:`mlpair.inference.sourcing.poll`)."""
+        await poll(self, interval_s)
 
     async def _load_version(self, name: str, version: str) -> None:
         """Loads, verifies and warms one version in a thread, then publishes it."""
-        path = self.root / name / version
-        status = VersionStatus(name, version, LOADING, source_mtime=folder_mtime(path))
+        status = VersionStatus(name, version, LOADING, source_stamp=self.source.stamp(name, version))
         self._status[(name, version)] = status
         started = time.perf_counter()
         try:
+            path = await self.source.fetch(name, version)
             entry, runtime, max_batch_ms, known = await asyncio.to_thread(
                 open_version, path, self._factory, self.settings
             )
+        except ModelSourceUnavailable:
+            del self._status[(name, version)]  # not the version's fault: tried again at the next poll or load
+            raise
         except Exception as exc:
             status.state = UNAVAILABLE
             status.reason = (
                 exc.message
                 if isinstance(exc, InferenceError)
-                else (str(exc) if isinstance(exc, ManifestError) else f"load failed ({type(exc).__name__})")
+                else (
+                    str(exc)
+                    if isinstance(exc, (ManifestError, VersionRefused))
+                    else f"load failed ({type(exc).__name__})"
+                )
             )
             metrics.MODEL_LOAD_FAILURES.labels(name, version).inc()
             if self._on_change:

@@ -69,7 +69,18 @@ class InferenceSettings(ConnectionSettings):
 
     # -- model repository and versions -----------------------------------------------------
     model_repository: Path = Path("var/models")
-    """Root of ``<model_name>/<version>/`` entries."""
+    """Root of ``<model_name>/<version>/`` entries, read in place (when model_source is empty)."""
+    model_source: str = ""
+    """The repository's URI when it is not a local folder: ``s3://bucket/prefix`` (endpoint, region and
+    credentials from the standard AWS variables and files), ``models:/name``, ``models:/name@alias`` or
+    ``models:/`` (an MLflow registry, from MLFLOW_TRACKING_URI); empty = model_repository."""
+    model_cache_dir: Path = Path("var/model-cache")
+    """Node-local cache of versions downloaded from model_source, keyed by content digest; a restart or
+    another process given the same folder reuses it."""
+    model_cache_max_bytes: int = 4 * 2**30
+    """Bytes model_cache_dir may hold; least recently used versions are evicted beyond it (0 = no bound)."""
+    source_retry_max_s: float = 30.0
+    """Longest wait, in seconds, between tries of an unreachable model_source at start (0.5 s doubling)."""
     models: list[str] = []
     """Model names to load; empty loads every model found in the repository."""
     version_policy: str = "latest:1"

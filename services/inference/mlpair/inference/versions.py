@@ -92,4 +92,4 @@ class VersionStatus:
     version: str
     state: str
     reason: str = ""
-    source_mtime: float = 0.0
+    source_stamp: str = ""

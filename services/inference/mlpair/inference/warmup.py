@@ -51,12 +51,3 @@ def open_version(
             )
     known = KnownAnswer.record(runtime.run, n_features, max_rows, settings.self_test_atol, settings.self_test_rtol)
     return entry, runtime, max_batch_ms, known
-
-
-def folder_mtime(path: Path) -> float:
-    """Newest modification time of ``path``'s files (0.0 when it cannot be read): a changed
-    version folder is retried after a failed load."""
-    try:
-        return max((p.stat().st_mtime for p in path.iterdir()), default=path.stat().st_mtime)
-    except OSError:
-        return 0.0

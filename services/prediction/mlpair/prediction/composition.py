@@ -32,6 +32,7 @@ from mlpair.prediction.recording.recorder import DecisionRecorder, recorder_for
 from mlpair.prediction.scoring.cache import CachedInference
 from mlpair.prediction.scoring.coalescer import Infers
 from mlpair.prediction.scoring.factory import build_inference_client, build_scorer
+from mlpair.prediction.sourcing import repository_root
 
 if TYPE_CHECKING:
     from mlpair.prediction.recording.store import CrmStore
@@ -83,7 +84,8 @@ class PredictionComponents:
 
 
 def load_families(settings: PredictionSettings) -> dict[str, ModelFamily]:
-    """Every served model family, checked against the settings (files only: no network I/O).
+    """Every served model family, checked against the settings (files only, but for fetching the
+    versions from ``model_source`` when set: :mod:`mlpair.prediction.sourcing`).
 
     A supervisor calls it before starting its workers, so a configuration error is one line from
     one process rather than the same line from each worker.
@@ -100,11 +102,12 @@ def load_families(settings: PredictionSettings) -> dict[str, ModelFamily]:
         )
     if unserved := sorted((set(settings.ensembles) | set(settings.shadows)) - set(names)):
         raise ConfigurationError(f"ensemble or shadow configured for {unserved}, which are not served")
+    root = repository_root(settings, names)
     return {
         name: ModelFamily.load(
             name,
             settings.config_dir,
-            settings.model_repository,
+            root,
             ensemble=settings.ensembles.get(name, ()),
             shadow=settings.shadows.get(name),
         )

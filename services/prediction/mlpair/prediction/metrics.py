@@ -52,6 +52,10 @@ CRM_WRITE_DURATION = Histogram(
 FEATURE_GUARDS = Counter(
     "prediction_feature_guard_total", "Feature guards fired, per feature and action.", ["model", "feature", "action"]
 )
+MODEL_SOURCE_ERRORS = Counter(
+    "prediction_model_source_errors_total",
+    "Reads of the model source (bucket, registry) that failed at start (retried with backoff).",
+)
 UNKNOWN_ATTRIBUTES = Counter(
     "prediction_unknown_attributes_total", "Request attributes the schema does not know (ignored).", ["model"]
 )

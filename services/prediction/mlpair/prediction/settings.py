@@ -37,7 +37,17 @@ class PredictionSettings(ConnectionSettings):
     crm_url: str = "sqlite+aiosqlite:///var/crm.sqlite"
     """SQLAlchemy async URL of the CRM database (e.g. postgresql+asyncpg://…)."""
     model_repository: Path = Path("var/models")
-    """Model repository root; the fitted preprocessing and calibration are read from it."""
+    """Model repository root; the fitted preprocessing and calibration are read from it (model_source empty)."""
+    model_source: str = ""
+    """The repository's URI when it is not a local folder: ``s3://bucket/prefix`` or ``models:/…`` (as
+    INFERENCE_MODEL_SOURCE); the versions decided with are fetched into model_cache_dir. Empty = model_repository."""
+    model_cache_dir: Path = Path("var/model-cache")
+    """Node-local cache of versions fetched from model_source, keyed by content digest (shared with InferenceService
+    on the same node when given the same folder)."""
+    model_cache_max_bytes: int = 4 * 2**30
+    """Bytes model_cache_dir may hold; least recently used versions are evicted beyond it (0 = no bound)."""
+    source_retry_max_s: float = 30.0
+    """Longest wait, in seconds, between tries of an unreachable model_source at start (0.5 s doubling)."""
     config_dir: Path = Path("config")
     """Folder with ``<model_name>/feature-schema.toml`` and ``<model_name>/policy.toml``."""
     model_name: str = "credit-risk"
