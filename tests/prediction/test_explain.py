@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlpair.prediction.deciding.explain import explain, explanation_rows
+from mlpair.prediction.deciding.explain import explain
 
 
 def test_contributions_are_ordered_and_phrased_in_business_language(credit_schema):
@@ -29,13 +29,3 @@ def test_top_k_limits_the_reasons(churn_schema):
     k = len(churn_schema.features)
     result = explain(churn_schema, 0.9, np.linspace(0.1, 0.5, k), top_k=2)
     assert len(result.top_reasons) == 2 and all("churn risk" in r for r in result.top_reasons)
-
-
-def test_explanation_rows_start_with_the_row_itself(credit_entry):
-    from mlpair.contracts.assembly import FeatureAssembler
-
-    assembler = FeatureAssembler(credit_entry.preprocessing)
-    x = assembler.assemble({"Age": 40, "Home": "owner"}).vector
-    rows = explanation_rows(assembler, x)
-    assert rows.shape == (1 + len(credit_entry.preprocessing.feature_schema.features), assembler.n_features)
-    assert rows.dtype == np.float32 and rows[0].tobytes() == x.tobytes()

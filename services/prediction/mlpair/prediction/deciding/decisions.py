@@ -20,7 +20,6 @@ row) plus, per row, what a response carries beside the record (:class:`Extras`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import cast
@@ -28,10 +27,10 @@ from typing import cast
 import numpy as np
 
 from mlpair.prediction import metrics
-from mlpair.prediction.deciding.explain import Explanation, explain
+from mlpair.prediction.deciding.explain import Explanation, explain_rows
 from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA, DecisionPolicy
 from mlpair.prediction.preparing.batch import Group
-from mlpair.prediction.preparing.columns import SMALL_BATCH, defaulted_features
+from mlpair.prediction.preparing.columns import SMALL_BATCH
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Source
 from mlpair.prediction.scoring.scorer import GroupScores, as_item_error
@@ -133,7 +132,7 @@ def decide_columns(
                 guards.defaulted
                 and requiring is not None
                 and verdict % 3 != ROUTE_INSUFFICIENT_DATA
-                and (codes := policy.missing_codes(defaulted_features(guards)))
+                and (codes := policy.missing_codes(guards.defaulted_features))
             ):
                 stale = (STALE_REASON,) if key[1] else ()
                 hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
@@ -167,7 +166,7 @@ def decide_rows(group: Group, scores: GroupScores, decided_at: datetime, explain
         else:
             p, s = float(scores.probabilities[:, k].mean()), max(members) - min(members)
         try:
-            missing = defaulted_features(guards) if guards.defaulted else ()
+            missing = guards.defaulted_features
             verdict = policy.decide(p, s, guards.defaulted / n_schema, missing)
         except ValueError:
             errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
@@ -259,7 +258,7 @@ def _records(
         [decided_at] * m,
         [group.fingerprints[k] for k in out_rows],
     )
-    explanations = _explanations(group, scores, out_rows, prob, explain_top_k)
+    explanations = explain_rows(group.family, scores.occluded, out_rows, prob, explain_top_k)
     return Decided(group, scores, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
 
 
@@ -297,26 +296,8 @@ def _records_all_scored(
     )
     rows = list(range(n))
     cached = [s in _FROM_CACHE for s in sources]
-    explanations = _explanations(group, scores, rows, probability, explain_top_k)
+    explanations = explain_rows(group.family, scores.occluded, rows, probability, explain_top_k)
     return Decided(group, scores, rows, columns, spread, cached, [family.calibration_method] * n, explanations, {}, {})
-
-
-def _explanations(
-    group: Group, scores: GroupScores, rows: list[int], probability: Sequence[float | None], explain_top_k: int
-) -> dict[int, Explanation]:
-    """Decided row → its explanation, for the rows of ``rows`` (group rows) explained with model output."""
-    explanations: dict[int, Explanation] = {}
-    if not scores.occluded:
-        return explanations
-    family = group.family
-    for j, k in enumerate(rows):
-        p = probability[j]  # None: no model output (in without_model), nothing to explain
-        if k in scores.occluded and p is not None:
-            occluded = scores.occluded[k]
-            explanations[j] = explain(family.schema, p, occluded.mean(axis=0), explain_top_k)
-    if explanations:
-        metrics.EXPLANATIONS.labels(family.name).inc(len(explanations))
-    return explanations
 
 
 def _verdict(policy: DecisionPolicy, verdict: int, stale: bool, guard_codes: tuple[str, ...]) -> Verdict:

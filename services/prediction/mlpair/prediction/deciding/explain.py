@@ -12,12 +12,17 @@ contributes exactly 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.schema import FeatureSchema, reason_prefix
+from mlpair.prediction import metrics
+
+if TYPE_CHECKING:
+    from mlpair.prediction.families import ModelFamily
 
 # Contributions below half a percentage point are not worth a reader's attention.
 MIN_REASON_CONTRIBUTION = 0.005
@@ -39,11 +44,6 @@ class Explanation:
 
     contributions: tuple[Contribution, ...]
     top_reasons: tuple[str, ...]
-
-
-def explanation_rows(assembler: FeatureAssembler, vector: np.ndarray) -> np.ndarray:
-    """The row itself and its occlusions: ``[n_features]`` → ``[1 + n_schema_features, n_features] float32``."""
-    return np.concatenate([vector[None, :], assembler.occlusions(vector)])
 
 
 def explain(schema: FeatureSchema, probability: float, occluded: np.ndarray, top_k: int) -> Explanation:
@@ -73,3 +73,26 @@ def explain(schema: FeatureSchema, probability: float, occluded: np.ndarray, top
     ordered = tuple(sorted(items, key=lambda it: -abs(it.contribution)))  # stable: ties keep schema order
     top = tuple(it.text for it in ordered if abs(it.contribution) >= MIN_REASON_CONTRIBUTION)[:top_k]
     return Explanation(ordered, top)
+
+
+def explain_rows(
+    family: ModelFamily,
+    occluded: Mapping[int, np.ndarray],
+    rows: Sequence[int],
+    probability: Sequence[float | None],
+    top_k: int,
+) -> dict[int, Explanation]:
+    """Decided row → its explanation, for the decided rows ``rows`` (group rows) explained with
+    model output: ``occluded`` holds, per group row with every occlusion scored, the members'
+    calibrated probabilities of its occluded rows ``[n_members, n_schema_features]`` (averaged
+    over members); ``probability`` the decided rows' probabilities (None: no model output)."""
+    explanations: dict[int, Explanation] = {}
+    if not occluded:
+        return explanations
+    for j, k in enumerate(rows):
+        p = probability[j]  # None: no model output (in without_model), nothing to explain
+        if k in occluded and p is not None:
+            explanations[j] = explain(family.schema, p, occluded[k].mean(axis=0), top_k)
+    if explanations:
+        metrics.EXPLANATIONS.labels(family.name).inc(len(explanations))
+    return explanations

@@ -22,7 +22,6 @@ import numpy as np
 
 from mlpair.contracts.assembly import ConversionError
 from mlpair.prediction import metrics
-from mlpair.prediction.deciding.explain import explanation_rows
 from mlpair.prediction.deciding.policy import MissingData
 from mlpair.prediction.errors import InvalidRequest, MissingRequiredAttribute, PredictionError, UnknownAttribute
 from mlpair.prediction.families import ModelFamily
@@ -33,7 +32,6 @@ from mlpair.prediction.preparing.columns import (
     AttributeColumns,
     ColumnAssembler,
     RowGuards,
-    defaulted_features,
 )
 from mlpair.prediction.preparing.idempotency import request_fingerprints
 
@@ -58,7 +56,9 @@ class Group:
         fingerprints: each request's SHA-256 (:func:`~mlpair.prediction.preparing.idempotency.request_fingerprint`
             over the values as the family's schema reads them).
         warnings: row → warnings about that request (unknown attributes), for rows with any.
-        explained: rows whose request asks for an explanation (each sends 1 + n_schema_features rows).
+        occlusions: for each row whose request asks for an explanation, its occluded rows
+            ``[n_schema_features, n_features] float32`` (sent with the row itself, one row per schema feature
+            set to its training default: :meth:`~mlpair.contracts.assembly.FeatureAssembler.occlusions`).
     """
 
     family: ModelFamily
@@ -68,20 +68,10 @@ class Group:
     guards: list[RowGuards]
     fingerprints: list[str]
     warnings: dict[int, tuple] = field(default_factory=dict)
-    explained: frozenset[int] = frozenset()
+    occlusions: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.index)
-
-    def rows_of(self, k: int) -> np.ndarray:
-        """Row ``k``'s rows for inference: ``[1, n_features]``, or with its occlusions when explained."""
-        if k in self.explained:
-            return explanation_rows(self.family.assembler, self.vectors[k])
-        return self.vectors[k : k + 1]
-
-    def n_rows(self, k: int) -> int:
-        """How many rows row ``k`` sends to inference."""
-        return 1 + self.family.n_schema_features if k in self.explained else 1
 
 
 def prepare(
@@ -128,16 +118,9 @@ def prepare(
     if refused:
         renumber = {k: j for j, k in enumerate(keep)}
         warnings = {renumber[k]: w for k, w in warnings.items()}
-    return Group(
-        family,
-        [index[k] for k in keep],
-        kept,
-        assembled.matrix if not refused else assembled.matrix[keep],
-        guards,
-        fingerprints,
-        warnings,
-        frozenset(j for j, r in enumerate(kept) if r.explain),
-    )
+    vectors = assembled.matrix if not refused else assembled.matrix[keep]
+    occlusions = {j: family.assembler.occlusions(vectors[j]) for j, r in enumerate(kept) if r.explain}
+    return Group(family, [index[k] for k in keep], kept, vectors, guards, fingerprints, warnings, occlusions)
 
 
 def rows_of(table: AttributeColumns, index: list[int]) -> AttributeColumns:
@@ -178,8 +161,8 @@ def _refusals(
             warnings[k] = unknown_attribute_warnings(family, names)
     if (rule := family.policy.missing_data) is not None and rule.action == "refuse":
         for k, g in enumerate(guards):
-            if g.defaulted and k not in refused and (codes := rule.reason_codes(defaulted_features(g))):
-                refused[k] = missing_required_error(family, rule, defaulted_features(g), codes)
+            if g.defaulted and k not in refused and (codes := rule.reason_codes(g.defaulted_features)):
+                refused[k] = missing_required_error(family, rule, g.defaulted_features, codes)
     return refused, warnings
 
 

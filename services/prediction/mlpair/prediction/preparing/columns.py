@@ -76,21 +76,17 @@ def attribute_columns(records: Sequence[Mapping[str, Any]], names: list[str]) ->
 
 @dataclass(frozen=True)
 class RowGuards:
-    """What the guards did to one row: events in row-wise order, their distinct reason codes, and
-    how many schema features took their default (missing or sentinel)."""
+    """What the guards did to one row: events in row-wise order, their distinct reason codes, how
+    many schema features took their default (missing or sentinel) and which."""
 
     events: tuple[GuardEvent, ...]
     reason_codes: tuple[str, ...]
     defaulted: int
+    defaulted_features: frozenset[str] = frozenset()
 
 
 NO_GUARDS = RowGuards((), (), 0)
 DEFAULTED_ACTIONS = frozenset({MISSING_DEFAULTED, SENTINEL_DEFAULTED})  # the value was absent: a default stood in
-
-
-def defaulted_features(guards: RowGuards) -> frozenset[str]:
-    """The schema features of a row that took their default (missing, or a sentinel)."""
-    return frozenset(e.feature for e in guards.events if e.action in DEFAULTED_ACTIONS)
 
 
 @dataclass
@@ -238,8 +234,8 @@ class ColumnAssembler:
             for bit, action in self._decoded_bits
             if b & bit
         )
-        defaulted = int(np.count_nonzero(bits & DEFAULTED_BITS))
-        return RowGuards(events, tuple(dict.fromkeys(e.reason_code for e in events)), defaulted)
+        defaulted = frozenset(e.feature for e in events if e.action in DEFAULTED_ACTIONS)
+        return RowGuards(events, tuple(dict.fromkeys(e.reason_code for e in events)), len(defaulted), defaulted)
 
     @staticmethod
     def _numeric(

@@ -97,7 +97,7 @@ async def _score_callers(groups: list[Group], infer: Infer, callers: Sequence[Me
         scored.append((group, scores, answers))
         for k, index in enumerate(group.index):
             caller = callers[index]
-            if k in group.explained:  # an explanation's occlusions are scored and calibrated as one chunk
+            if k in group.occlusions:  # an explanation's occlusions are scored and calibrated as one chunk
                 item = _score_chunk(group, scores, k, k + 1, infer)
             else:
                 item = _score_item(group, scores, k, infer, answers)
@@ -167,12 +167,12 @@ def pack(group: Group, max_rows: int) -> list[tuple[int, int]]:
     """Greedy, order-keeping packing of the group's items into ``[start, end)`` ranges of at most
     ``max_rows`` rows in total; an item's rows are never split (each has at most ``max_rows``)."""
     n = len(group)
-    if not group.explained:
+    if not group.occlusions:
         return [(start, min(start + max_rows, n)) for start in range(0, n, max_rows)]
     chunks: list[tuple[int, int]] = []
     start, rows = 0, 0
     for k in range(n):
-        size = group.n_rows(k)
+        size = _n_rows(group, k)
         if k > start and rows + size > max_rows:
             chunks.append((start, k))
             start, rows = k, 0
@@ -183,10 +183,10 @@ def pack(group: Group, max_rows: int) -> list[tuple[int, int]]:
 
 async def _score_chunk(group: Group, scores: GroupScores, start: int, end: int, infer: Infer) -> None:
     family = group.family
-    explained = [k for k in range(start, end) if k in group.explained]
+    explained = [k for k in range(start, end) if k in group.occlusions]
     if explained:
-        sizes = [group.n_rows(k) for k in range(start, end)]
-        matrix = np.concatenate([group.rows_of(k) for k in range(start, end)])
+        sizes = [_n_rows(group, k) for k in range(start, end)]
+        matrix = np.concatenate([_rows_of(group, k) for k in range(start, end)])
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
     else:
         sizes, matrix, offsets = None, group.vectors[start:end], range(end - start)
@@ -204,6 +204,18 @@ async def _score_chunk(group: Group, scores: GroupScores, start: int, end: int, 
         return
     for k in range(start, end):
         scores.errors[k] = error
+
+
+def _rows_of(group: Group, k: int) -> np.ndarray:
+    """Row ``k``'s rows for inference: ``[1, n_features]``, followed by its occlusions when explained."""
+    if k in group.occlusions:
+        return np.concatenate([group.vectors[k : k + 1], group.occlusions[k]])
+    return group.vectors[k : k + 1]
+
+
+def _n_rows(group: Group, k: int) -> int:
+    """How many rows row ``k`` sends to inference."""
+    return 1 + len(group.occlusions[k]) if k in group.occlusions else 1
 
 
 def _calibrated(
