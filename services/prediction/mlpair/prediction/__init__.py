@@ -3,12 +3,16 @@
 Its folders are the stages a call goes through, in order (``composition.py`` builds them, and
 ``pipeline.py`` runs them):
 
-1. ``intake/`` — the request read and checked (Predict, BatchPredict, PredictColumns), concurrent
-   Predicts merged into one batch, the answer encoded;
-2. ``preparing/`` — each family's rows assembled into one guarded feature matrix, fingerprinted;
-3. ``scoring/`` — cache → coalescer → resilience → InferenceService client, then calibration;
-4. ``deciding/`` — the family's policy: thresholds, reason codes, explanations, replays;
-5. ``recording/`` — the decision ledger every replica shares, its relay, the CRM;
+1. ``intake/`` — the request read (Predict, BatchPredict, PredictColumns), its items admitted
+   (ids, repeats, family), concurrent Predicts merged into one batch, the answer encoded;
+2. ``preparing/`` — each family's rows assembled into one guarded feature matrix, refused where
+   unusable, fingerprinted: a ``Group``;
+3. ``scoring/`` — cache → coalescer → resilience → InferenceService client, then calibration:
+   the group's ``GroupScores``;
+4. ``deciding/`` — the family's policy: thresholds, reason codes, explanations, replays:
+   ``Decided`` columns;
+5. ``recording/`` — the decision ledger every replica shares (one commit path, grouped), its
+   relay, the CRM;
 6. ``monitoring/`` — drift, fleet-wide signals, the shadow version's comparison.
 
 Beside them: ``server.py`` (the process), ``settings.py``, ``families.py`` (what each family

@@ -1,1 +1,1 @@
-"""Intake: a call's request read and checked (Predict, BatchPredict, PredictColumns), concurrent Predicts merged into one batch, and the answer encoded."""
+"""Intake: a call's request read (Predict, BatchPredict, PredictColumns), its items admitted (ids, repeats, model family: :func:`.checks.admit`), concurrent Predicts merged into one batch, and the answer encoded."""

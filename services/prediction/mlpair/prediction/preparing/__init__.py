@@ -1,1 +1,1 @@
-"""Preparing: a batch's rows checked (ids), assembled into one guarded feature matrix per family, and fingerprinted for idempotency."""
+"""Preparing: one family's admitted items assembled into one guarded feature matrix (explained rows with their occlusions), refused where their attributes cannot be used, and fingerprinted for idempotency: an immutable :class:`.batch.Group`."""

@@ -1,0 +1,1 @@
+"""Recording: every decision committed to the decision ledger all replicas share before it is returned (one commit path: a call's decisions as columns, grouped with the calls waiting beside it), then delivered exactly once to the CRM by the relay; the ledger's and CRM's schemas and their migrations."""
