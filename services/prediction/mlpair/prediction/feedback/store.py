@@ -155,14 +155,14 @@ class OutcomeStore:
                 else by_entity.get((item.entity_id, self._at(item.decided_at)))
             )
             family = item.model_name or (decision.model_name if decision else self.default_family)
-            if decision is not None and item.model_name and item.model_name != decision.model_name:
-                results[i] = invalid(
-                    item.where, "model_name", f"is not the family of its decision ({decision.model_name})"
-                )
-                continue
             if family not in self.labels:
                 results[i] = UnknownModel(
                     f"{item.where}: model family {family!r} is not served", metadata={"model_name": family}
+                )
+                continue
+            if decision is not None and item.model_name and item.model_name != decision.model_name:
+                results[i] = invalid(
+                    item.where, "model_name", f"is not the family of its decision ({decision.model_name})"
                 )
                 continue
             known = self.labels[family]
