@@ -199,3 +199,15 @@ async def test_bad_rows_are_named_by_row_and_the_valid_rows_stored(store, ledger
     with pytest.raises(UnreadableFile, match="unknown column"):
         (tmp_path / "extra.csv").write_text("request_id,label,observed_at,score\n")
         await import_file(tmp_path / "extra.csv", store)
+
+
+async def test_an_unreachable_ledger_is_unavailable_and_says_to_send_again():
+    from mlpair.prediction.feedback.items import OutcomesUnavailable
+
+    store = OutcomeStore("postgresql+asyncpg://nobody@127.0.0.1:1/none", LABELS, "credit-risk", timeout_s=2)
+    try:
+        with pytest.raises(OutcomesUnavailable) as refused:
+            await store.record([item(0, request_id="r1", label="bad")])
+    finally:
+        await store.close()
+    assert (refused.value.code, refused.value.message) == ("UNAVAILABLE", "the outcomes could not be stored; send them again")
