@@ -5,8 +5,11 @@ separate processes on free local ports (one pair serving every family), waits fo
 replays every holdout entity's raw record through ``PredictionService.Predict`` concurrently
 as a business system would, retries a sample with the same request ids to show idempotency,
 asks ``BatchPredict`` to explain a few decisions, reads the raw logits of the holdout from
-InferenceService to show calibration before and after, prints a summary per family (ROC AUC,
-Brier score, ECE before and after calibration against the family's targets), writes a report
+InferenceService to show calibration before and after, feeds the holdout's true labels back
+through ``RecordOutcomes`` and reads the realised figures PredictionService computes from them,
+prints a summary per family (ROC AUC,
+Brier score, ECE before and after calibration against the family's targets, realised beside
+holdout figures), writes a report
 picture and stops both services with SIGTERM. Exits non-zero if anything failed or a target
 was missed.
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from mlpair.training.data import Dataset
 
 RETRY_SAMPLE = 50
+OUTCOMES_PER_CALL = 5000  # true labels per RecordOutcomes call
 EXPLAIN_SAMPLE = 3
 # The CRM's decisions table (one row per request id), which the summary counts: the CRM is the
 # business's database, read here by name as a report would read it (tests/test_demo_boundary.py
@@ -80,6 +84,9 @@ class FamilyRun:
     explained: list[PredictResponse] = field(default_factory=list)  # with top reasons
     explain_failures: int = 0
     uncalibrated: np.ndarray | None = None  # [n holdout] softmax of the raw logits, once read
+    outcomes_stored: int = 0  # true labels fed back through RecordOutcomes and stored
+    outcomes_refused: int = 0
+    realised: dict[str, float] = field(default_factory=dict)  # PredictionService's realised_* gauges, window "all"
 
 
 def discover_families(config_dir: Path) -> list[str]:
@@ -129,6 +136,54 @@ async def explain_sample(target: str, run: FamilyRun, run_id: str) -> None:
         outcomes = await client.batch_predict(items)
     run.explained = [o for o in outcomes if not isinstance(o, ItemError)]
     run.explain_failures = len(items) - len(run.explained)
+
+
+async def feed_outcomes(target: str, run: FamilyRun) -> None:
+    """Feeds each answered holdout entity's true label back through RecordOutcomes, as the business
+    would once it learns it (its class name as the manifest names it)."""
+    from mlpair.client import Outcome, OutcomeError
+
+    names = run.entry.manifest.class_names
+    positive, negative = names[run.entry.manifest.positive_index], names[1 - run.entry.manifest.positive_index]
+    outcomes = [
+        Outcome(positive if run.holdout.labels[i] else negative, request_id)
+        for i, (request_id, _, _) in enumerate(run.requests)
+        if request_id in run.result.probabilities
+    ]
+    async with AsyncPredictionClient(target, timeout_s=60) as client:
+        for start in range(0, len(outcomes), OUTCOMES_PER_CALL):
+            results = await client.record_outcomes(outcomes[start : start + OUTCOMES_PER_CALL])
+            refused = sum(isinstance(r, OutcomeError) for r in results)
+            run.outcomes_refused += refused
+            run.outcomes_stored += len(results) - refused
+
+
+def read_realised(metrics_url: str, runs: list[FamilyRun], wait_s: float = 30.0) -> None:
+    """Reads each family's ``prediction_realised_*`` gauges (window ``all``) once PredictionService's
+    refresh has joined every outcome fed back (or ``wait_s`` passed)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+            text = reply.read().decode()
+        for run in runs:
+            run.realised = {
+                s.name.removeprefix("prediction_realised_"): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name.startswith("prediction_realised_")
+                and s.labels.get("family") == run.name
+                and s.labels.get("model_version") == run.entry.manifest.model_version
+                and s.labels.get("window") == "all"
+                and "band" not in s.labels
+                and "decision" not in s.labels
+            }
+        if all(r.realised.get("outcomes") == r.outcomes_stored for r in runs) or time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
 
 
 def uncalibrated_probabilities(target: str, run: FamilyRun) -> np.ndarray:
@@ -268,6 +323,10 @@ def run_demo(
                 "PREDICTION_CONFIG_DIR": str(config_dir.resolve()),
                 "PREDICTION_MODELS": json.dumps(names),
                 "PREDICTION_MODEL_NAME": names[0],
+                # the realised figures over every decision, refreshed each second for the summary
+                "PREDICTION_OUTCOME_WINDOWS_H": "[0]",
+                "PREDICTION_OUTCOME_REFRESH_S": "1",
+                "PREDICTION_OUTCOME_MIN_JOINED": "1",
             },
             workdir / "prediction.log",
         )
@@ -280,11 +339,13 @@ def run_demo(
         )
 
         console.rule(f"[bold]3. Replay {sum(len(r.requests) for r in runs)} holdout records through Predict")
-        for run in runs:
+        for run in runs:  # then the holdout's true labels fed back (RecordOutcomes), as outcomes
             run.result = asyncio.run(replay(target, run.name, run.requests, concurrency, progress))
             run.retry = asyncio.run(replay(target, run.name, run.requests[:RETRY_SAMPLE], concurrency, False))
             asyncio.run(explain_sample(target, run, run_id))
             run.uncalibrated = uncalibrated_probabilities(inference_target, run)
+            asyncio.run(feed_outcomes(target, run))
+        read_realised(f"http://127.0.0.1:{ports['prediction_metrics']}/metrics", runs)
         expected_ids = [r[0] for run in runs for r in run.requests] + [
             p.request_id for run in runs for p in run.explained
         ]

@@ -1,5 +1,6 @@
 """The demo's summary: one table per model family (quality against its targets, calibration before
-and after, decisions, latency, idempotency, an explained decision), the CRM row count, the
+and after, realised figures on the fed-back outcomes beside the holdout ones, decisions, latency,
+idempotency, an explained decision), the CRM row count, the
 services' exit codes, and the report picture (:mod:`mlpair.report`).
 
 It reads what :mod:`mlpair.demo` measured (:class:`mlpair.demo.FamilyRun`) and decides whether the
@@ -70,6 +71,13 @@ def family_rows(run: FamilyRun, retry_sample: int) -> tuple[list[tuple[str, str]
         run.retry.decision_ids.get(r[0]) == result.decision_ids.get(r[0]) for r in run.requests[:retry_sample]
     )
     mark = {True: "[green]met[/]", False: "[bold red]MISSED[/]"}
+    realised, held = run.realised, run.entry.manifest.metrics.get("holdout_calibrated", {})
+    # the service's realised ROC AUC on the fed-back labels is the client's on the same decisions
+    realised_ok = (
+        run.outcomes_refused == 0
+        and realised.get("outcomes") == len(ids)
+        and abs(realised.get("roc_auc", float("nan")) - auc) < 1e-9
+    )
     example = run.explained[0] if run.explained else None
     lines = [
         ("holdout records", str(len(run.requests))),
@@ -84,6 +92,18 @@ def family_rows(run: FamilyRun, retry_sample: int) -> tuple[list[tuple[str, str]
             f"{baseline_auc:.4f}  (same split and features; served model {auc - baseline_auc:+.4f})",
         ),
         ("training", training_end(run.entry.manifest.training) or "-"),
+        (
+            "outcomes fed back (RecordOutcomes)",
+            f"{run.outcomes_stored} stored, {run.outcomes_refused} refused; joined by the service: "
+            f"{realised.get('outcomes', 0):.0f} ({mark[realised_ok]})",
+        ),
+        (
+            "realised ROC AUC / ECE / Brier (service)",
+            " / ".join(f"{realised.get(k, float('nan')):.4f}" for k in ("roc_auc", "ece", "brier"))
+            + "  (manifest's holdout: "
+            + " / ".join(f"{held.get(k, float('nan')):.4f}" for k in ("roc_auc", "ece_15", "brier"))
+            + ")",
+        ),
         (
             "Brier score before → after calibration",
             f"{brier_score(labels, before):.4f} → {brier_score(labels, after):.4f}",
@@ -126,6 +146,7 @@ def family_rows(run: FamilyRun, retry_sample: int) -> tuple[list[tuple[str, str]
         and auc_ok
         and ece_ok
         and run.explain_failures == 0
+        and realised_ok
     )
     return lines, ok
 

@@ -1,4 +1,4 @@
-"""The demo's picture: one PNG, a row per model family.
+"""The demo's picture: one PNG, a row per model family; and the outcomes report's (:func:`write_outcomes_report`).
 
 Columns: ROC curve of the served probabilities beside the logistic-regression baseline on the same
 split; reliability diagram before (softmax of the raw
@@ -103,3 +103,57 @@ def _latency(ax, fam: FamilyReport) -> None:
         ax.axvline(value, c="black", ls=style, lw=1, label=f"p{q} {value:.1f} ms")
     ax.set(title=f"{fam.name}: Predict latency, {fam.concurrency} in flight", xlabel="ms (client side)", ylabel="calls")
     ax.legend(loc="upper right")
+
+
+@dataclass(frozen=True)
+class OutcomeRow:
+    """One family and model version's decisions joined with their realised outcomes."""
+
+    family: str
+    model_version: str
+    labels: np.ndarray  # [n] 0/1 realised outcomes (1: the positive class)
+    probabilities: np.ndarray  # [n] calibrated probabilities of the decisions
+    holdout_roc_auc: float | None  # the version's holdout figures (its manifest), when known
+    holdout_ece: float | None
+    thresholds: tuple[float, ...] = ()  # the policy's operating thresholds, drawn on the reliability plot
+
+
+def write_outcomes_report(rows: list[OutcomeRow], path: Path) -> Path:
+    """Draws realised ROC and reliability curves, one row per family and version, as PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 4.2 * len(rows)), squeeze=False)
+    for (roc_ax, rel_ax), row in zip(axes, rows):
+        name = f"{row.family} v{row.model_version}"
+        holdout = "" if row.holdout_roc_auc is None else f" (holdout {row.holdout_roc_auc:.3f})"
+        fpr, tpr = roc_curve(row.labels, row.probabilities)
+        roc_ax.plot(fpr, tpr, lw=2, label=f"realised ROC AUC {roc_auc(row.labels, row.probabilities):.3f}{holdout}")
+        roc_ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1)
+        _unit_square(
+            roc_ax, f"{name}: ROC on outcomes (n = {len(row.labels)})", "false positive rate", "true positive rate"
+        )
+        roc_ax.legend(loc="lower right")
+        curve = reliability_curve(row.labels, row.probabilities)
+        filled = curve["count"] > 0
+        ece = expected_calibration_error(row.labels, row.probabilities)
+        held = "" if row.holdout_ece is None else f" (holdout {row.holdout_ece:.3f})"
+        rel_ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1, label="perfect calibration")
+        rel_ax.plot(
+            curve["mean_probability"][filled],
+            curve["frequency"][filled],
+            marker="o",
+            label=f"realised ECE {ece:.3f}{held}",
+        )
+        for t in row.thresholds:
+            rel_ax.axvline(t, c="tab:red", lw=0.8, ls=":")
+        _unit_square(rel_ax, f"{name}: reliability on outcomes", "mean predicted probability", "observed frequency")
+        rel_ax.legend(loc="upper left")
+    fig.suptitle("mlpair: realised performance on fed-back outcomes", fontsize=13)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -2,7 +2,8 @@
 the demo) uses instead of the generated stubs.
 
 - :class:`PredictionClient` (blocking) and :class:`AsyncPredictionClient` (``grpc.aio``):
-  ``Predict`` and ``BatchPredict`` on PredictionService, decisions as ``PredictResponse``.
+  ``Predict`` and ``BatchPredict`` on PredictionService, decisions as ``PredictResponse``;
+  ``record_outcomes`` feeds realised outcomes back (:class:`Outcome`).
 - :func:`infer_logits`: raw logits from InferenceService (the project's own
   ``mlpair.inference.v1`` protocol), for callers that calibrate or compare themselves.
 - :func:`check_health` and :func:`wait_until_serving`: ``grpc.health.v1`` of either service.
@@ -22,6 +23,7 @@ the same request id; a request id is the idempotency key, so a retry never decid
 from mlpair.client.channels import DEFAULT_TIMEOUT_S
 from mlpair.client.health import check_health, wait_until_serving
 from mlpair.client.inference import infer_logits
+from mlpair.client.outcomes import Outcome, OutcomeError
 from mlpair.client.prediction import (
     AsyncPredictionClient,
     Attribute,
@@ -38,6 +40,8 @@ __all__ = [
     "Attribute",
     "BatchItem",
     "ItemError",
+    "Outcome",
+    "OutcomeError",
     "PredictionClient",
     "check_health",
     "infer_logits",

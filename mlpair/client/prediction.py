@@ -20,6 +20,7 @@ from google.rpc import error_details_pb2
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
+from mlpair.client.outcomes import RecordsOutcomes, RecordsOutcomesAsync
 
 # What an attribute may be given as (the rules are in :func:`to_attributes`): a str, a bool, a real number
 # (NumPy's scalars and Decimal too), None or another missing marker, or an AttributeValue as is.
@@ -184,7 +185,7 @@ class _Client:
         return self.timeout_s if timeout_s is None else timeout_s
 
 
-class PredictionClient(_Client):
+class PredictionClient(_Client, RecordsOutcomes):
     """Blocking PredictionService client over one channel; close it, or use it as a context manager.
 
     Args:
@@ -317,7 +318,7 @@ class PredictionClient(_Client):
         self.close()
 
 
-class AsyncPredictionClient(_Client):
+class AsyncPredictionClient(_Client, RecordsOutcomesAsync):
     """:class:`PredictionClient` for asyncio (``grpc.aio``): the same arguments, calls and errors,
     each call awaited; many may be in flight on the one channel. Use ``async with`` or ``await
     close()``."""

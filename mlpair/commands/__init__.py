@@ -6,6 +6,7 @@
 - :mod:`~mlpair.commands.calls`: ``predict``, ``health`` and ``attributes`` (asking a running
   service, or the schemas, something).
 - :mod:`~mlpair.commands.operate`: ``drift-report`` and ``demo``.
+- :mod:`~mlpair.commands.outcomes`: ``outcomes-import`` and ``outcomes-report`` (realised outcomes).
 
 Each command is ``f(args: argparse.Namespace) -> int``, the process exit code. Heavy imports
 (ONNX Runtime, SQLAlchemy, SciPy, torch) happen inside the command that needs them, so

@@ -36,6 +36,11 @@ def test_demo_scores_every_holdout_record_once_and_writes_the_report(model_repos
                                          r"(\d\.\d{4})  \(same split and features; served model ([+-]\d\.\d{4})\)",
                                          out.stdout, re.S).groups()
         assert 0.7 < float(baseline) < 1.0 and abs(served - float(baseline) - float(difference)) < 2e-4
+        # the holdout's true labels fed back: PredictionService's realised ROC AUC is the client's
+        realised = float(re.search(rf"{family} \(model version.*?realised ROC AUC / ECE / Brier \(service\) *│? *"
+                                   r"(\d\.\d{4})", out.stdout, re.S).group(1))
+        assert realised == served
+    assert out.stdout.count("outcomes fed back (RecordOutcomes)") == 2
     holdout = len(credit_holdout.records) + len(churn_holdout.records)
     assert (f"CRM rows written: {holdout + 6} = {holdout} holdout decisions + 6 explain calls (BatchPredict, 3 per "
             "family, own request ids); the 100 retries reused request ids and added none (one row per request id: yes)"

@@ -164,8 +164,9 @@ def caller_errors() -> list[type]:
     import mlpair.wire
     from mlpair.errors import ServiceError
     from mlpair.prediction import errors
+    from mlpair.prediction.feedback import items
 
-    modules = (errors, mlpair.rpc.status, mlpair.wire, mlpair.rpc.drain)
+    modules = (errors, items, mlpair.rpc.status, mlpair.wire, mlpair.rpc.drain)
     return [c for m in modules for c in vars(m).values()
             if inspect.isclass(c) and issubclass(c, ServiceError) and c.__module__ == m.__name__]
 

@@ -41,6 +41,8 @@ OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklo
 # InferenceService health after start (one pod's model version out of rotation, a lost device): each holds a while.
 INFERENCE_HEALTH_ALERTS = {"InferenceModelVersionNotReady", "InferenceRuntimeFailures", "InferenceSelfTestFailing",
                            "InferenceDeviceLost", "InferenceModelSourceUnreachable"}
+# Realised performance on fed-back outcomes against the version's holdout figures: each holds an hour.
+OUTCOME_ALERTS = {"PredictionRealisedRocAucBelowHoldout", "PredictionRealisedCalibrationWorse"}
 # GPU signals (inference_gpu_*, GPU pods only; proven on synthetic series in promtool/gpu.test.yaml): each holds a while.
 GPU_ALERTS = {"InferenceGpuMemoryHigh", "InferenceGpuMemoryFull", "InferenceGpuGhostMemory", "InferenceGpuSaturated",
               "InferenceGpuThrottled"}
@@ -70,6 +72,7 @@ def exported() -> set[str]:
     from prometheus_client import REGISTRY
 
     import mlpair.inference.metrics  # noqa: F401  (registers the metrics)
+    import mlpair.prediction.feedback.metrics  # noqa: F401
     import mlpair.prediction.metrics  # noqa: F401
     from mlpair.jobs.metrics import registry_for
     from mlpair.jobs.state import JobState
@@ -103,7 +106,7 @@ def test_alerts_fire_and_stay_quiet_as_specified_by_promtool_unit_tests(promtool
     assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml", "operations.test.yaml",
                                                "fleet-drift.test.yaml", "probing-canary.test.yaml",
                                                "inference-health.test.yaml", "gpu.test.yaml", "score-jobs.test.yaml",
-                                               "model-source.test.yaml"}
+                                               "model-source.test.yaml", "outcomes.test.yaml"}
     out = subprocess.run([promtool, "test", "rules", *PROMTOOL_TESTS], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -127,7 +130,8 @@ def test_each_sla_has_multi_window_burn_rate_alerts(rules):
     for rule in rules:
         if "alert" in rule:
             alerts.setdefault(rule["alert"], []).append(rule)
-    assert set(alerts) == set(BURN_RATE_ALERTS) | DRIFT_ALERTS | OPERATIONS_ALERTS | INFERENCE_HEALTH_ALERTS | GPU_ALERTS
+    assert set(alerts) == (set(BURN_RATE_ALERTS) | DRIFT_ALERTS | OPERATIONS_ALERTS | INFERENCE_HEALTH_ALERTS
+                           | GPU_ALERTS | OUTCOME_ALERTS)
     for name, layer in BURN_RATE_ALERTS.items():
         windows = {r["labels"]["window"]: r for r in alerts[name]}
         assert set(windows) == {"1h", "6h", "3d"}, name
@@ -136,7 +140,7 @@ def test_each_sla_has_multi_window_burn_rate_alerts(rules):
             assert rule["labels"]["layer"] == layer
             long_short = re.findall(r":ratio_rate(\w+) >", rule["expr"])
             assert len(long_short) == 2 and long_short[0] == window and re.search(r"\band\b", rule["expr"])
-    for name in DRIFT_ALERTS | OPERATIONS_ALERTS:
+    for name in DRIFT_ALERTS | OPERATIONS_ALERTS | OUTCOME_ALERTS:
         (rule,) = alerts[name]
         assert rule["labels"]["layer"] == "prediction" and rule["for"]
     for name in INFERENCE_HEALTH_ALERTS | GPU_ALERTS:

@@ -64,7 +64,7 @@ def test_migrate_creates_both_schemas_and_is_idempotent(tmp_path):
     for _ in range(2):
         done = mlpair_cli("migrate", "--ledger-url", ledger, "--crm-url", crm)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "ledger at ledger_0002, CRM at crm_0002"
+        assert done.stdout.strip() == "ledger at ledger_0003, CRM at crm_0002"
 
 
 def test_migrate_names_an_unreachable_database_in_one_line(tmp_path):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from mlpair.logs import add_personal_fields, set_process_model_version
 from mlpair.prediction import metrics
 from mlpair.prediction.families import ConfigurationError, ModelFamily
+from mlpair.prediction.feedback.refresh import RealisedMonitor, monitor_for
 from mlpair.prediction.monitoring.drift import DriftMonitors, drift_config
 from mlpair.prediction.pipeline import Predictor
 from mlpair.prediction.recording.recorder import DecisionRecorder, recorder_for
@@ -50,6 +51,7 @@ class PredictionComponents:
         recorder: the decision ledger, its relay (unless another process delivers) and the CRM store.
         drift: the drift monitors of every family.
         predictor: the pipeline the servicer calls.
+        feedback: the outcome store (RecordOutcomes) and the realised-performance gauges' refresh.
     """
 
     families: Mapping[str, ModelFamily]
@@ -58,6 +60,7 @@ class PredictionComponents:
     recorder: DecisionRecorder
     drift: DriftMonitors
     predictor: Predictor
+    feedback: RealisedMonitor | None = None
 
     @property
     def crm(self) -> CrmStore:
@@ -81,6 +84,8 @@ class PredictionComponents:
         await self.scorer.close()
         await self.inference.close()
         await self.recorder.close(drain_timeout_s=delivery_s)
+        if self.feedback is not None:
+            await self.feedback.stop()
 
 
 def load_families(settings: PredictionSettings) -> dict[str, ModelFamily]:
@@ -172,4 +177,6 @@ def build_components(
         drift=drift,
         unknown_attributes=settings.unknown_attributes,
     )
-    return PredictionComponents(families, inference, scorer, recorder, drift, predictor)
+    return PredictionComponents(
+        families, inference, scorer, recorder, drift, predictor, monitor_for(families, settings)
+    )

@@ -22,6 +22,7 @@ from mlpair.observability.calls import observe_servicer
 from mlpair.prediction import metrics
 from mlpair.prediction.composition import PredictionComponents, build_components
 from mlpair.prediction.errors import DOMAIN
+from mlpair.prediction.feedback.store import OutcomeStore
 from mlpair.prediction.health import PredictionHealth
 from mlpair.prediction.intake.servicer import PredictionServicer, count_refused_calls
 from mlpair.prediction.pipeline import Predictor
@@ -35,11 +36,17 @@ SHUTDOWN_DELIVERY_S = 5.0  # at most this much of the grace goes to delivering w
 
 
 def create_server(
-    settings: PredictionSettings, predictor: Predictor, *, tracer_provider=None, shared_port: bool = False
+    settings: PredictionSettings,
+    predictor: Predictor,
+    *,
+    tracer_provider=None,
+    shared_port: bool = False,
+    outcomes: OutcomeStore | None = None,
 ) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health (:func:`mlpair.rpc.server.build_server`)
     and binds its port (0 = free port): with SO_REUSEPORT when ``shared_port`` (one of a
-    supervisor's workers), else exclusively.
+    supervisor's workers), else exclusively. ``outcomes``: where RecordOutcomes stores (None: it is
+    refused UNIMPLEMENTED).
 
     Raises:
         StartupError: the port is in use.
@@ -56,7 +63,7 @@ def create_server(
         [
             Service(
                 SERVICE_NAME,
-                PredictionServicer(predictor, settings.max_chunk_rows),
+                PredictionServicer(predictor, settings.max_chunk_rows, outcomes, settings.max_outcome_items),
                 pb_grpc.add_PredictionServiceServicer_to_server,
                 count_refused_calls(predictor),
             )
@@ -89,13 +96,19 @@ async def start(
     await components.start()
     try:
         server, port, health = create_server(
-            settings, components.predictor, tracer_provider=tracer_provider, shared_port=shared_port
+            settings,
+            components.predictor,
+            tracer_provider=tracer_provider,
+            shared_port=shared_port,
+            outcomes=components.feedback.store if components.feedback else None,
         )
     except BaseException:
         await components.recorder.close(drain_timeout_s=0)
         raise
     await server.start()
     components.drift.start(settings.drift_interval_s)
+    if components.feedback is not None:
+        components.feedback.start(settings.outcome_refresh_s)
     interval_s = settings.health_interval_ms / 1000
     status = await health.check(components, timeout_s=interval_s)
     health.start_monitoring(components, interval_s)

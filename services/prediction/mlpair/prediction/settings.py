@@ -219,6 +219,16 @@ class PredictionSettings(ConnectionSettings):
     drift_interval_s: float = 30.0
     """Seconds between drift evaluations (0 disables the periodic evaluation)."""
 
+    # -- Outcome feedback (RecordOutcomes, realised performance) ----------------------------
+    max_outcome_items: PositiveInt = 10_000
+    """Most outcomes one RecordOutcomes call may carry; more is INVALID_ARGUMENT."""
+    outcome_refresh_s: float = 60.0
+    """Seconds between refreshes of the prediction_realised_* gauges (0 disables them)."""
+    outcome_windows_h: list[float] = [168.0, 720.0, 2160.0]
+    """Windows of decision time the realised figures cover, in hours back from now (0: all on record)."""
+    outcome_min_joined: PositiveInt = 100
+    """Fewest decisions joined with outcomes before a family, version and window's figures are exported."""
+
     # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
     tls_cert_file: Path | None = None
     """PEM certificate chain of the gRPC port; with tls_key_file, the port speaks TLS only."""

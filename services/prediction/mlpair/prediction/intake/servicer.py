@@ -9,7 +9,9 @@ import grpc
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.prediction import metrics
-from mlpair.prediction.intake import converters, tables
+from mlpair.prediction.feedback.items import OutcomesNotServed
+from mlpair.prediction.feedback.store import OutcomeStore
+from mlpair.prediction.intake import converters, outcome_wire, tables
 from mlpair.prediction.pipeline import Predictor
 
 DECIDING_METHODS = frozenset({"PredictionServicer.Predict", "PredictionServicer.BatchPredict"})
@@ -34,9 +36,17 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
     """Thin gRPC adapter over :class:`Predictor`; errors are mapped to statuses by
     :func:`mlpair.rpc.guard_servicer`."""
 
-    def __init__(self, predictor: Predictor, max_chunk_rows: int = 10_000) -> None:
+    def __init__(
+        self,
+        predictor: Predictor,
+        max_chunk_rows: int = 10_000,
+        outcomes: OutcomeStore | None = None,
+        max_outcome_items: int = 10_000,
+    ) -> None:
         self.predictor = predictor
         self.max_chunk_rows = max_chunk_rows
+        self.outcomes = outcomes
+        self.max_outcome_items = max_outcome_items
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         """Decides one request (or returns the decision on record for its ``request_id``).
@@ -68,3 +78,18 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         deadline = converters.deadline(context)
         async for request in requests:
             await context.write(await tables.decide_chunk(self.predictor, request, self.max_chunk_rows, deadline))
+
+    async def RecordOutcomes(
+        self, request: pb.RecordOutcomesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RecordOutcomesResponse:
+        """Stores each realised outcome or says why not, item by item (:mod:`mlpair.prediction.feedback.store`).
+
+        Raises:
+            InvalidRequest: more items than ``max_outcome_items`` (nothing is stored).
+            OutcomesUnavailable: the ledger database failed (UNAVAILABLE; sending again is safe).
+            OutcomesNotServed: no outcome store was wired in.
+        """
+        if self.outcomes is None:
+            raise OutcomesNotServed("this PredictionService does not record outcomes")
+        items = outcome_wire.outcome_items(request, self.max_outcome_items)
+        return outcome_wire.outcomes_response(await self.outcomes.record(items))

@@ -31,7 +31,14 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from mlpair.prediction.recording.models import LEDGER_SCHEMA, LEDGER_TABLE, DecisionRecord, LedgerEntry, OutboxEntry
+from mlpair.prediction.recording.models import (
+    LEDGER_SCHEMA,
+    LEDGER_TABLE,
+    DecisionRecord,
+    LedgerEntry,
+    OutboxEntry,
+    OutcomeEntry,
+)
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 CRM_BRANCH = "crm"
@@ -99,7 +106,10 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
 
     if branch == LEDGER_BRANCH:
         schema = ledger_schema(engine)
-        tables = [(f'"{schema}".{LEDGER_TABLE}' if schema else LEDGER_TABLE, LedgerEntry.__table__.columns.keys())]
+        tables = [
+            (f'"{schema}".{name}' if schema else name, entry.__table__.columns.keys())
+            for name, entry in ((LEDGER_TABLE, LedgerEntry), (OutcomeEntry.__tablename__, OutcomeEntry))
+        ]
         if schema:  # the relays' outbox is PostgreSQL's
             tables.append((f'"{schema}".{OutboxEntry.__tablename__}', OutboxEntry.__table__.columns.keys()))
     else:
@@ -127,7 +137,7 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
 
 async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> None:
     """Grants ``role`` exactly what PredictionService uses, and nothing that changes the schema:
-    on the ledger SELECT, INSERT and UPDATE (never DELETE), on its outbox SELECT, INSERT, UPDATE and
+    on the ledger SELECT, INSERT and UPDATE (never DELETE), on its outcomes SELECT and INSERT, on its outbox SELECT, INSERT, UPDATE and
     DELETE (a claim locks rows, takes part of one, and deletes what it delivered), on the CRM SELECT and INSERT, and SELECT on the version
     table (PostgreSQL only; SQLite has no roles).
 
@@ -144,6 +154,7 @@ async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> Non
             f'GRANT USAGE ON SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
             f'GRANT SELECT, INSERT, UPDATE ON "{LEDGER_SCHEMA}".{LEDGER_TABLE} TO "{role}"',
             f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{LEDGER_SCHEMA}".{OutboxEntry.__tablename__} TO "{role}"',
+            f'GRANT SELECT, INSERT ON "{LEDGER_SCHEMA}".{OutcomeEntry.__tablename__} TO "{role}"',
             f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
             f'GRANT SELECT ON "{LEDGER_SCHEMA}".alembic_version TO "{role}"',
         ]

@@ -9,20 +9,34 @@ Two databases, two metadata objects:
   the request's fingerprint; the relay delivers its rows to the CRM. On PostgreSQL it lives in the
   ``prediction`` schema (:data:`LEDGER_SCHEMA`) beside ``decision_outbox``, the relays' work list
   (one row per group commit); a SQLite ledger (the embedded default) is a file of its own, where
-  each row carries its delivery state.
+  each row carries its delivery state. ``decision_outcomes`` beside it holds the realised outcomes
+  fed back (:mod:`mlpair.prediction.feedback`).
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, Float, Index, Integer, String, Text, func, text
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 LEDGER_SCHEMA = "prediction"  # PostgreSQL schema owned by PredictionService (SQLite has none)
 LEDGER_TABLE = "decision_ledger"
 OUTBOX_TABLE = "decision_outbox"  # PostgreSQL only
+OUTCOMES_TABLE = "decision_outcomes"
 
 
 class CrmBase(DeclarativeBase):
@@ -121,3 +135,37 @@ class OutboxEntry(LedgerBase):
     seqs: Mapped[list[int]] = mapped_column(postgresql.ARRAY(BigInteger), nullable=False)
     n: Mapped[int] = mapped_column(Integer, nullable=False)  # len(seqs)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+
+class OutcomeEntry(LedgerBase):
+    """A realised outcome of one decision (migration ``ledger_0003``; :mod:`mlpair.prediction.feedback.store`).
+
+    Keyed by ``request_id``, or, for an outcome named by entity and time whose decision was not on
+    record, by ``entity_id`` with ``decided_at`` (``request_id`` NULL). ``decided_at`` has the
+    ledger's encoding (ISO text on SQLite); ``observed_at`` and ``recorded_at`` are Unix seconds on
+    SQLite. ``positive`` is 1 when ``label`` is the family's positive class.
+    """
+
+    __tablename__ = OUTCOMES_TABLE
+    __table_args__ = (
+        UniqueConstraint("entity_id", "decided_at", name="uq_decision_outcomes_entity_time"),
+        {"schema": LEDGER_SCHEMA},
+    )
+
+    seq: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
+    request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
+    entity_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    decided_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True).with_variant(Text(), "sqlite"), nullable=True
+    )
+    model_name: Mapped[str] = mapped_column(String(64), nullable=False)
+    label: Mapped[str] = mapped_column(String(64), nullable=False)
+    positive: Mapped[int] = mapped_column(SmallInteger, nullable=False)
+    observed_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False
+    )
+    recorded_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False, server_default=func.now()
+    )

@@ -165,3 +165,55 @@ class PredictColumnsResponse(_message.Message):
     failed: int
     warnings: _containers.RepeatedCompositeFieldContainer[RequestWarning]
     def __init__(self, chunk_id: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., decided: _Optional[int] = ..., replayed: _Optional[int] = ..., failed: _Optional[int] = ..., warnings: _Optional[_Iterable[_Union[RequestWarning, _Mapping]]] = ...) -> None: ...
+
+class DecisionOutcome(_message.Message):
+    __slots__ = ("request_id", "entity_id", "decided_at", "model_name", "label", "observed_at")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTITY_ID_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_AT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    entity_id: str
+    decided_at: _timestamp_pb2.Timestamp
+    model_name: str
+    label: str
+    observed_at: _timestamp_pb2.Timestamp
+    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., decided_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., model_name: _Optional[str] = ..., label: _Optional[str] = ..., observed_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RecordOutcomesRequest(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[DecisionOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[DecisionOutcome, _Mapping]]] = ...) -> None: ...
+
+class OutcomeStored(_message.Message):
+    __slots__ = ("request_id", "duplicate", "decision_found")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FOUND_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    duplicate: bool
+    decision_found: bool
+    def __init__(self, request_id: _Optional[str] = ..., duplicate: bool = ..., decision_found: bool = ...) -> None: ...
+
+class RecordOutcomeResult(_message.Message):
+    __slots__ = ("stored", "error")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    stored: OutcomeStored
+    error: _status_pb2.Status
+    def __init__(self, stored: _Optional[_Union[OutcomeStored, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
+class RecordOutcomesResponse(_message.Message):
+    __slots__ = ("results", "stored", "duplicates", "refused")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RecordOutcomeResult]
+    stored: int
+    duplicates: int
+    refused: int
+    def __init__(self, results: _Optional[_Iterable[_Union[RecordOutcomeResult, _Mapping]]] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...

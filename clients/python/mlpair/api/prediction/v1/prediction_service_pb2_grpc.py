@@ -55,6 +55,11 @@ class PredictionServiceStub(object):
                 request_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsRequest.SerializeToString,
                 response_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsResponse.FromString,
                 _registered_method=True)
+        self.RecordOutcomes = channel.unary_unary(
+                '/mlpair.prediction.v1.PredictionService/RecordOutcomes',
+                request_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.RecordOutcomesRequest.SerializeToString,
+                response_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.RecordOutcomesResponse.FromString,
+                _registered_method=True)
 
 
 class PredictionServiceServicer(object):
@@ -93,6 +98,17 @@ class PredictionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordOutcomes(self, request, context):
+        """Records realised outcomes of decisions (a default, a churn), stored beside the decisions in the
+        ledger: one outcome per decision (the same again is stored once, another label refused for
+        that item), an outcome whose decision is not on record kept for a later join. Each item is
+        stored or refused on its own; the whole call fails only when it carries too many items
+        (INVALID_ARGUMENT) or the ledger cannot be reached (UNAVAILABLE: nothing of it was stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PredictionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +126,11 @@ def add_PredictionServiceServicer_to_server(servicer, server):
                     servicer.PredictColumns,
                     request_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsRequest.FromString,
                     response_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsResponse.SerializeToString,
+            ),
+            'RecordOutcomes': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordOutcomes,
+                    request_deserializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.RecordOutcomesRequest.FromString,
+                    response_serializer=mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.RecordOutcomesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -193,6 +214,33 @@ class PredictionService(object):
             '/mlpair.prediction.v1.PredictionService/PredictColumns',
             mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsRequest.SerializeToString,
             mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.PredictColumnsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOutcomes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlpair.prediction.v1.PredictionService/RecordOutcomes',
+            mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.RecordOutcomesRequest.SerializeToString,
+            mlpair_dot_api_dot_prediction_dot_v1_dot_prediction__service__pb2.RecordOutcomesResponse.FromString,
             options,
             channel_credentials,
             insecure,
