@@ -799,7 +799,11 @@ def test_network_policies_let_each_pod_reach_what_its_settings_name(objects: lis
         needed = {int(re.search(r":(\d+)$", settings[f"{prefix}_OTLP_ENDPOINT"])[1])}
         if app(workload) == "prediction":
             needed |= {5432, 6379}  # PostgreSQL (ledger, CRM) and Redis: URLs in Secrets
+        if app(workload) != dc.RELAY and dc.model_source_of(workload, objects).startswith("s3://"):
+            needed |= {443}  # the bucket, over HTTPS (its endpoint: the Secret's, or the cloud's)
         assert needed <= lc.egress_ports(objects, workload), dc.name_of(workload)
+        if app(workload) == dc.RELAY:
+            assert 443 not in lc.egress_ports(objects, workload)  # it reads no model: no bucket
 
 
 def test_inference_rate_limit_is_local_enforced_and_not_retried(objects: list) -> None:
