@@ -418,8 +418,18 @@ PREFIX = {"inference": "INFERENCE", "prediction": "PREDICTION", "prediction-rela
 # The outbox relay's pods (`mlpair relay`, base/prediction/relay.yaml): PredictionSettings, no
 # Service, no autoscaler, no model or configuration mounts.
 RELAY = "prediction-relay"
-# The model repository's volume in every pod that reads it.
-MODEL_VOLUME = "model-repository"
+# Model versions come from *_MODEL_SOURCE into a node-local cache (*_MODEL_CACHE_DIR): the
+# Secret the source's connection comes from (variable -> optional: region and endpoint may be left
+# to the SDK's defaults, the keys may not).
+MODEL_SOURCE_SECRET = "mlpair-model-source"
+MODEL_SOURCE_ENV = {
+    "AWS_ACCESS_KEY_ID": False,
+    "AWS_SECRET_ACCESS_KEY": False,
+    "AWS_REGION": True,
+    "AWS_ENDPOINT_URL": True,
+}
+# Room above *_MODEL_CACHE_MAX_BYTES the cache's emptyDir must leave for a version in staging.
+STAGING_ROOM_BYTES = 2**30
 
 
 def workloads(objects: Iterable[Obj], app: str | None = None) -> list[Obj]:
@@ -501,67 +511,101 @@ def mount_for(workload: Obj, path: str) -> tuple[Obj, Obj | None] | None:
     return best[1] if best else None
 
 
-# --------------------------------------------------------------------------- the release
+# --------------------------------------------------------------------------- model versions
 
 
-def mounted_versions(workload: Obj, repository: str) -> tuple[set[tuple[str, str]], list[str]]:
-    """(family, version) pairs of the model repository a pod sees, and problems of their mounts.
+def model_source_of(workload: Obj, objects: list[Obj]) -> str:
+    """The URI a pod reads model versions from (``*_MODEL_SOURCE``; empty: its local folder)."""
+    return settings_of(workload, objects).get(f"{PREFIX[app_of(workload)]}_MODEL_SOURCE", "")
 
-    Each version is its own read-only subPath mount, `<family>/<N>` at `<repository>/<family>/<N>`:
-    the pod sees exactly the release, never a version published later for another rollout.
-    """
-    found: set[tuple[str, str]] = set()
-    problems: list[str] = []
+
+def _env_entries(workload: Obj) -> dict[str, Obj]:
+    return {v["name"]: v for v in pod_spec(workload)["containers"][0].get("env", ())}
+
+
+def _cache_problems(workload: Obj, settings: dict[str, str], prefix: str) -> list[str]:
+    """The node-local cache: an emptyDir mounted writable exactly at ``*_MODEL_CACHE_DIR``, bounded
+    in bytes, with a sizeLimit that holds the bound plus one version in staging (the bound is kept
+    by evicting only after a download lands; past its sizeLimit the kubelet evicts the pod)."""
     where = name_of(workload)
-    for mount in pod_spec(workload)["containers"][0].get("volumeMounts", ()):
-        if mount["name"] != MODEL_VOLUME:
-            continue
-        sub_path = mount.get("subPath", "")
-        parts = sub_path.split("/")
-        if len(parts) != 2 or not parts[1].isdigit():
-            problems.append(f"{where}: model repository mounted as {sub_path!r}, not <family>/<N>")
-            continue
-        if mount["mountPath"] != f"{repository}/{sub_path}":
-            problems.append(f"{where}: {sub_path} mounted at {mount['mountPath']}")
-        if mount.get("readOnly") is not True:
-            problems.append(f"{where}: {sub_path} is not mounted read-only")
-        found.add((parts[0], parts[1]))
-    return found, problems
+    cache_dir = settings.get(f"{prefix}_MODEL_CACHE_DIR", "")
+    if not cache_dir.startswith("/"):
+        return [f"{where}: {prefix}_MODEL_CACHE_DIR is {cache_dir!r}, not a container path"]
+    mount = mounts_by_path(workload).get(cache_dir)
+    if mount is None or mount[1] is None:
+        return [f"{where}: nothing is mounted at {prefix}_MODEL_CACHE_DIR {cache_dir}"]
+    volume_mount, volume = mount
+    if "emptyDir" not in volume:
+        return [f"{where}: {cache_dir} is not an emptyDir (the cache is the node's, never shared storage)"]
+    problems = []
+    if volume_mount.get("readOnly"):
+        problems.append(f"{where}: {cache_dir} is mounted read-only: nothing could be downloaded")
+    bound = int(settings.get(f"{prefix}_MODEL_CACHE_MAX_BYTES", 4 * 2**30))
+    if bound <= 0:
+        problems.append(f"{where}: {prefix}_MODEL_CACHE_MAX_BYTES is {bound}: the cache is unbounded")
+    limit = (volume.get("emptyDir") or {}).get("sizeLimit")
+    if limit is None:
+        problems.append(f"{where}: the model cache emptyDir has no sizeLimit")
+    elif parse_quantity(limit) < bound + STAGING_ROOM_BYTES:
+        problems.append(
+            f"{where}: the model cache's sizeLimit {limit} is under {prefix}_MODEL_CACHE_MAX_BYTES "
+            f"({bound}) plus room for one version in staging ({STAGING_ROOM_BYTES})"
+        )
+    return problems
 
 
-def release_problems(objects: list[Obj]) -> list[str]:
-    """Whether the model versions the overlay mounts (its release) serve what every track asks for.
+def _credential_problems(workload: Obj) -> list[str]:
+    """The source's credentials: every variable of MODEL_SOURCE_ENV from Secret MODEL_SOURCE_SECRET."""
+    where = name_of(workload)
+    env = _env_entries(workload)
+    problems = []
+    for name, optional in MODEL_SOURCE_ENV.items():
+        expected = {"name": MODEL_SOURCE_SECRET, "key": name, **({"optional": True} if optional else {})}
+        found = env.get(name, {}).get("valueFrom", {}).get("secretKeyRef")
+        if found != expected:
+            problems.append(f"{where}: {name} is {found or env.get(name)}, not {expected}")
+    return problems
 
-    PredictionService names a model version in every Infer call: the version that decides for the
-    family on that track (PREDICTION_ENSEMBLES; absent = the latest version it sees) and the
-    shadow (PREDICTION_SHADOWS). So every inference pod must serve every mounted version
-    (INFERENCE_VERSION_POLICY=all, INFERENCE_MODELS = the families), every prediction pod must
-    see the same versions, and every version a track names must be among them. Each track names
-    its deciding version for every family, so mounting a version never changes a decision.
+
+def model_source_problems(objects: list[Obj]) -> list[str]:
+    """Whether every pod that reads models gets them from one source through its own node-local
+    cache, so that publishing a version is all a new version needs.
+
+    Both services read the same ``*_MODEL_SOURCE`` (a bucket or a registry, or a path inside a
+    volume the pod mounts), with the source's credentials from MODEL_SOURCE_SECRET, and a bounded
+    emptyDir cache (``_cache_problems``); no pod mounts a claim. InferenceService serves every
+    published version and polls for new ones (INFERENCE_VERSION_POLICY=all,
+    INFERENCE_MODEL_CONTROL=poll), so every version a track names is served once published. Each
+    track names its deciding version of every family (PREDICTION_ENSEMBLES): publishing a version
+    never changes a decision by itself.
     """
     problems: list[str] = []
     inference = workloads(objects, "inference")
     prediction = workloads(objects, "prediction")
     if not inference or not prediction:
         return ["no inference or prediction workload rendered"]
-    releases = {}
+    sources = {}
     for workload in inference + prediction:
-        settings = settings_of(workload, objects)
+        where = name_of(workload)
         prefix = PREFIX[app_of(workload)]
-        versions, mount_problems = mounted_versions(
-            workload, settings[f"{prefix}_MODEL_REPOSITORY"]
-        )
-        problems += mount_problems
-        releases[name_of(workload)] = versions
-    release = releases[name_of(inference[0])]
-    for where, versions in releases.items():
-        if versions != release:
-            problems.append(f"{where} mounts {sorted(versions)}, not the release {sorted(release)}")
+        settings = settings_of(workload, objects)
+        source = sources[where] = model_source_of(workload, objects)
+        if not source:
+            problems.append(f"{where}: {prefix}_MODEL_SOURCE is not set")
+        elif not source.startswith(("s3://", "models:/")) and mount_for(workload, source) is None:
+            problems.append(f"{where}: {prefix}_MODEL_SOURCE {source} is a path in no volume")
+        for volume in pod_spec(workload).get("volumes", ()):
+            if "persistentVolumeClaim" in volume:
+                problems.append(f"{where}: mounts the claim {volume['persistentVolumeClaim']['claimName']}")
+        problems += _cache_problems(workload, settings, prefix)
+        problems += _credential_problems(workload)
+    if len(set(sources.values())) > 1:
+        problems.append(f"the services read different model sources: {sources}")
     inference_settings = settings_of(inference[0], objects)
     if inference_settings.get("INFERENCE_VERSION_POLICY") != "all":
-        problems.append(
-            "INFERENCE_VERSION_POLICY is not 'all': a mounted version might not be served"
-        )
+        problems.append("INFERENCE_VERSION_POLICY is not 'all': a version a track names might not be served")
+    if inference_settings.get("INFERENCE_MODEL_CONTROL") != "poll":
+        problems.append("INFERENCE_MODEL_CONTROL is not 'poll': a published version waits for a restart")
     for workload in prediction:
         where = name_of(workload)
         settings = settings_of(workload, objects)
@@ -574,27 +618,53 @@ def release_problems(objects: list[Obj]) -> list[str]:
         pins = json_setting(settings, "PREDICTION_ENSEMBLES", {})
         shadows = json_setting(settings, "PREDICTION_SHADOWS", {})
         for family in families:
-            available = {version for name, version in release if name == family}
-            if not available:
-                problems.append(f"{where}: no version of {family} is mounted")
             if family not in pins:
-                problems.append(
-                    f"{where}: PREDICTION_ENSEMBLES names no deciding version of {family}"
-                )
-            for version in pins.get(family, ()):
-                if version not in available:
-                    problems.append(
-                        f"{where}: {family} version {version} decides but is not mounted"
-                    )
+                problems.append(f"{where}: PREDICTION_ENSEMBLES names no deciding version of {family}")
+            for version in [*pins.get(family, ()), *filter(None, [shadows.get(family)])]:
+                if not (isinstance(version, str) and version.isdigit() and int(version) > 0):
+                    problems.append(f"{where}: {family} version {version!r} is not a published version number")
             shadow = shadows.get(family)
-            if shadow is not None and shadow not in available:
-                problems.append(f"{where}: {family} version {shadow} is shadowed but not mounted")
             if shadow is not None and shadow in pins.get(family, ()):
                 problems.append(f"{where}: {family} version {shadow} both decides and is shadowed")
         for family in set(pins) | set(shadows):
             if family not in families:
                 problems.append(f"{where}: versions named for {family}, which is not served")
     return problems
+
+
+# Names of settings or variables whose value is a credential, and shapes of one inside any string:
+# an AWS access key id, a URL with a password in it.
+_CREDENTIAL_NAME = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIAL)", re.IGNORECASE)
+_CREDENTIAL_TEXT = (
+    re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
+    re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s:@]*:[^/\s@]+@"),
+)
+
+
+def credential_literals(documents: Iterable[Obj]) -> list[str]:
+    """Credentials written into manifests: Secret objects, env variables or ConfigMap keys named
+    like a credential that carry a literal value, and any string shaped like an access key id or a
+    URL with a password. Manifests only ever name Secrets (secretKeyRef)."""
+    found = []
+    for obj in documents:
+        where = name_of(obj) if obj.get("metadata") else obj.get("kind", "?")
+        if obj.get("kind") == "Secret":
+            found.append(f"{where}: a Secret in the manifests")
+        for key in (obj.get("data") or {}) if obj.get("kind") == "ConfigMap" else ():
+            if _CREDENTIAL_NAME.search(key):
+                found.append(f"{where}: ConfigMap key {key} holds a credential")
+        stack: list[Any] = [obj]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if isinstance(node.get("name"), str) and "value" in node and _CREDENTIAL_NAME.search(node["name"]):
+                    found.append(f"{where}: {node['name']} has a literal value")
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+            elif isinstance(node, str) and any(p.search(node) for p in _CREDENTIAL_TEXT):
+                found.append(f"{where}: a credential in {node[:40]!r}")
+    return found
 
 
 def sqlite_path(url: str) -> str | None:

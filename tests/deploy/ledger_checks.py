@@ -7,7 +7,7 @@ the tests run it on the rendered overlays and on broken variants of them.
 What the render must say (docs/deployment.md, "The decision ledger"):
 
 * Every decision is committed to one ledger that all replicas of all tracks share, so no pod owns
-  state: prediction pods are Deployments that mount nothing writable, and read the ledger and CRM
+  state: prediction pods are Deployments that mount nothing writable but the model cache, and read the ledger and CRM
   URLs from the serving Secrets (the same for every track), never from a literal or a ConfigMap.
 * The serving process never migrates. A Job runs `mlpair migrate --serving-role ROLE` with the
   schema owner's URLs, from Secrets no serving pod references, before the Deployments roll: its
@@ -107,7 +107,7 @@ def ledger_problems(workload: Obj, objects: list[Obj]) -> list[str]:
     A pod that held a decision (or a backlog) on a volume of its own would strand it when it is
     scaled down, crashes for good or is retired with a canary track; the ledger every replica
     shares cannot. So: a Deployment (a StatefulSet exists to give pods state), no claim templates,
-    nothing mounted writable, the ledger and CRM URLs from the serving Secrets, no owner Secret,
+    nothing mounted writable but the model cache, the ledger and CRM URLs from the serving Secrets, no owner Secret,
     and no setting of the per-pod outbox of earlier releases.
     """
     where = dc.name_of(workload)
@@ -116,8 +116,13 @@ def ledger_problems(workload: Obj, objects: list[Obj]) -> list[str]:
         problems.append(f"{where}: a {workload['kind']}, not a Deployment: no pod owns state")
     if workload["spec"].get("volumeClaimTemplates"):
         problems.append(f"{where}: volumeClaimTemplates give each pod a volume of its own")
+    # The model cache is the one writable volume: copies of published versions, fetched again by
+    # any pod, never a decision (deploy_checks.model_source_problems checks its shape).
+    cache_dir = dc.settings_of(workload, objects).get("PREDICTION_MODEL_CACHE_DIR")
     for path, (mount, volume) in sorted(dc.mounts_by_path(workload).items()):
         kind = next(iter(set(volume or {}) - {"name"}), "nothing")
+        if path == cache_dir and kind == "emptyDir":
+            continue
         if kind not in READ_ONLY_VOLUMES and not mount.get("readOnly"):
             problems.append(
                 f"{where}: {path} is a writable {kind}: whatever the pod wrote there would be "

@@ -4,11 +4,11 @@ docs/canary-runbook.md rendered to a valid production state.
 The Rollout (deploy/k8s/progressive-delivery) runs the prediction-stable Deployment's template and
 canaries every change of it 1% -> 30% -> 100% over Istio, judged by the AnalysisTemplate on the
 project's own metrics (tests/observability/test_live_prometheus.py runs those queries against a
-live Prometheus). A runbook step is simulated the way an operator performs it: the two files of
-the prod overlay it edits (kustomization.yaml: the mounted release; track-stable.yaml: the version
-that decides and the shadow) are rewritten in a copy of the overlay under tmp_path whose resources
-point back at the real deploy/ tree, and the result goes through the checks the committed
-overlays are held to.
+live Prometheus). A runbook step is simulated the way an operator performs it: the one file of
+the prod overlay it edits (track-stable.yaml: the version that decides and the shadow; the
+versions themselves are published to the overlay's model source, not listed in a manifest) is
+rewritten in a copy of the overlay under tmp_path whose resources point back at the real deploy/
+tree, and the result goes through the checks the committed overlays are held to.
 """
 
 from __future__ import annotations
@@ -48,22 +48,20 @@ FLAGGER_ANALYSIS_KINDS = {"Canary", "MetricTemplate"}
 class State:
     """What the runbook's files say at one step (credit-risk version 2 replacing version 1)."""
 
-    release: tuple[str, ...]  # model-version components, "<family>/<N>"
     deciding: dict[str, str]  # family -> the version that decides
     shadows: dict[str, str] = field(default_factory=dict)  # family -> shadow version
 
 
 STEPS = {
-    # Committed: version 2 mounted and shadowed on live traffic, version 1 decides.
-    "shadow": State(("credit-risk/1", "churn/1", "credit-risk/2"), {"credit-risk": "1", "churn": "1"},
-                    {"credit-risk": "2"}),
+    # Committed: version 2 published and shadowed on live traffic, version 1 decides.
+    "shadow": State({"credit-risk": "1", "churn": "1"}, {"credit-risk": "2"}),
     # The canary: the template decides with 2 and compares with 1 (the analysis's shadow metrics).
-    "canary": State(("credit-risk/1", "churn/1", "credit-risk/2"), {"credit-risk": "2", "churn": "1"},
-                    {"credit-risk": "1"}),
-    # Promoted: version 1 retires (its mount and the comparison with it), itself a rollout.
-    "retire-after-promotion": State(("churn/1", "credit-risk/2"), {"credit-risk": "2", "churn": "1"}),
-    # Aborted: version 2 retires; version 1 decided throughout.
-    "retire-after-abort": State(("credit-risk/1", "churn/1"), {"credit-risk": "1", "churn": "1"}),
+    "canary": State({"credit-risk": "2", "churn": "1"}, {"credit-risk": "1"}),
+    # Promoted: the comparison with version 1 ends, itself a rollout; version 1 stays published,
+    # the version to go back to.
+    "retire-after-promotion": State({"credit-risk": "2", "churn": "1"}),
+    # Aborted: version 1 decided throughout; the shadow of version 2 ends.
+    "retire-after-abort": State({"credit-risk": "1", "churn": "1"}),
 }
 
 
@@ -97,9 +95,7 @@ def overlay(tmp_path: Path, state: State) -> Path:
         return os.path.relpath(path, target)  # kustomize refuses absolute paths
 
     kustomization["resources"] = [relative((PROD / r).resolve()) for r in kustomization["resources"]]
-    kustomization["components"] = [
-        relative((PROD / c).resolve()) for c in kustomization["components"] if "model-versions" not in c
-    ] + [relative(dc.K8S_DIR / "model-versions" / version) for version in state.release]
+    kustomization["components"] = [relative((PROD / c).resolve()) for c in kustomization["components"]]
     for patch in kustomization["patches"]:
         if patch.get("path") not in (None, "track-stable.yaml"):
             shutil.copy(PROD / patch["path"], target / patch["path"])
@@ -110,7 +106,7 @@ def overlay(tmp_path: Path, state: State) -> Path:
 
 def problems_of(objects: list[dict], istio_schemas, argo_schemas) -> list[str]:
     """Everything the committed overlays are held to, in one list."""
-    problems = dc.route_problems(objects) + dc.release_problems(objects)
+    problems = dc.route_problems(objects) + dc.model_source_problems(objects)
     for obj in objects:
         if dc.is_istio(obj):
             problems += istio_schemas.errors(obj) if istio_schemas else []
@@ -302,10 +298,16 @@ def test_committed_prod_state_is_the_shadow_step(rendered: dict, kubectl: Path, 
 
 def test_mistyped_steps_are_caught(tmp_path: Path, kubectl: Path, kubernetes_validate_installed: None,
                                    request: pytest.FixtureRequest) -> None:
-    # Starting the canary with version 2 deciding but not mounted, comparing with a version that
-    # is not mounted either: refused before a cluster sees it.
-    state = State(("credit-risk/1", "churn/1"), {"credit-risk": "2", "churn": "1"}, {"credit-risk": "3"})
+    # Starting the canary with a version named by tag rather than number, and comparing a version
+    # with itself: refused before a cluster sees it. (A number that was never published is
+    # refused by the pod itself, naming the published ones: tests/deploy/test_deploy_startup.py.)
+    state = State({"credit-risk": "v2", "churn": "1"}, {"credit-risk": "v2", "churn": "1", "fraud": "1"})
     objects = dc.render(kubectl, overlay(tmp_path, state))
-    problems = "\n".join(problems_of(objects, optional(request, "istio_schemas"), None))
-    assert "credit-risk version 2 decides but is not mounted" in problems
-    assert "credit-risk version 3" in problems
+    problems = problems_of(objects, optional(request, "istio_schemas"), None)
+    assert problems == [
+        "Deployment/prediction-stable: credit-risk version 'v2' is not a published version number",
+        "Deployment/prediction-stable: credit-risk version 'v2' is not a published version number",
+        "Deployment/prediction-stable: credit-risk version v2 both decides and is shadowed",
+        "Deployment/prediction-stable: churn version 1 both decides and is shadowed",
+        "Deployment/prediction-stable: versions named for fraud, which is not served",
+    ]

@@ -52,8 +52,9 @@ def test_prediction_pods_keep_no_decision_of_their_own(objects: list) -> None:
     for workload in prediction:
         assert lc.ledger_problems(workload, objects) == []
         assert workload["kind"] == "Deployment"
-        # Read-only configuration and model mounts only.
-        assert all(m.get("readOnly") for m in container(workload)["volumeMounts"])
+        # Read-only configuration mounts, and the model cache: nothing else is writable.
+        writable = [m["mountPath"] for m in container(workload)["volumeMounts"] if not m.get("readOnly")]
+        assert writable == [settings_map(objects, workload)["PREDICTION_MODEL_CACHE_DIR"]]
     assert not dc.of_kind(objects, "StatefulSet")
 
 
@@ -88,17 +89,16 @@ def test_ledger_check_refuses_what_would_strand_or_split_decisions(rendered: dic
             "whatever the pod wrote there would be stranded with it"
         ),
     ]
-    # An emptyDir, or the model repository claim mounted writable.
+    # An emptyDir beside the model cache, or a writable claim.
     objects, stable, _ = variant(rendered)
     dc.pod_spec(stable)["volumes"].append({"name": "scratch", "emptyDir": {}})
     container(stable)["volumeMounts"].append({"name": "scratch", "mountPath": "/var/lib/mlpair"})
-    next(m for m in container(stable)["volumeMounts"] if m["name"] == "model-repository")[
-        "readOnly"
-    ] = False
+    dc.pod_spec(stable)["volumes"].append({"name": "shared", "persistentVolumeClaim": {"claimName": "x"}})
+    container(stable)["volumeMounts"].append({"name": "shared", "mountPath": "/srv/shared"})
     problems = lc.ledger_problems(stable, objects)
     assert len(problems) == 2
+    assert f"{DEPLOYMENT}: /srv/shared is a writable persistentVolumeClaim" in problems[0]
     assert f"{DEPLOYMENT}: /var/lib/mlpair is a writable emptyDir" in problems[1]
-    assert "is a writable persistentVolumeClaim" in problems[0]
     # No ledger URL: the default is a SQLite file of the pod's own.
     objects, stable, _ = variant(rendered)
     container(stable)["env"].remove(env_var(stable, "PREDICTION_LEDGER_URL"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import deploy_checks as dc
@@ -13,7 +12,6 @@ REQUIRED_KINDS = {
     "Namespace",
     "ServiceAccount",
     "ConfigMap",
-    "PersistentVolumeClaim",
     "Service",
     "Deployment",
     "Job",
@@ -101,43 +99,6 @@ def test_track_folder_instantiates_the_template(kubectl: Path, track: str) -> No
     assert budget["spec"]["selector"]["matchLabels"]["mlpair.io/track"] == track
     hpa = dc.by_name(objects, "HorizontalPodAutoscaler", f"prediction-{track}")
     assert hpa["spec"]["scaleTargetRef"]["name"] == f"prediction-{track}"
-
-
-def model_version_components() -> list[str]:
-    """deploy/k8s/model-versions/<family>/<N>, as "<family>/<N>"."""
-    root = dc.K8S_DIR / "model-versions"
-    return sorted(str(p.parent.relative_to(root)) for p in root.glob("*/*/kustomization.yaml"))
-
-
-@pytest.mark.parametrize("component", model_version_components())
-def test_model_version_component_mounts_its_folder_into_both_services(
-    kubectl: Path, tmp_path: Path, component: str
-) -> None:
-    # A component cannot render alone: apply it to the base and the canary track in a scratch
-    # overlay (kustomize refuses absolute paths, hence the relative ones).
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    k8s = os.path.relpath(dc.K8S_DIR, overlay)
-    (overlay / "kustomization.yaml").write_text(
-        "resources:\n"
-        f"  - {k8s}/base\n"
-        f"  - {k8s}/tracks/canary\n"
-        "components:\n"
-        f"  - {k8s}/model-versions/{component}\n"
-    )
-    objects = dc.render(kubectl, overlay)
-    # the relay reads no model
-    mounted = [w for w in dc.workloads(objects) if dc.app_of(w) != dc.RELAY]
-    assert {dc.name_of(w) for w in mounted} == {
-        "Deployment/inference",
-        "Deployment/prediction-stable",
-        "Deployment/prediction-canary",
-    }
-    family, version = component.split("/")
-    for workload in mounted:
-        prefix = dc.PREFIX[dc.app_of(workload)]
-        repository = dc.settings_of(workload, objects)[f"{prefix}_MODEL_REPOSITORY"]
-        assert dc.mounted_versions(workload, repository) == ({(family, version)}, [])
 
 
 def test_broken_overlay_is_refused(kubectl: Path, fixtures_dir: Path) -> None:

@@ -269,6 +269,46 @@ SECRETS = {
 }
 
 
+def test_no_manifest_holds_a_credential(rendered: dict) -> None:
+    # Every overlay's render, and every YAML file under deploy/ (components, batch scoring,
+    # observability): credentials are only ever named (secretKeyRef), never written.
+    documents = [obj for objects in rendered.values() for obj in objects]
+    for path in sorted(dc.DEPLOY_DIR.rglob("*.yaml")):
+        documents += [d for d in dc.load_file(path) if isinstance(d, dict)]
+    assert len(documents) > 100
+    assert dc.credential_literals(documents) == []
+    # The check sees a key written into an env value, a ConfigMap or a URL, and a Secret object.
+    leaked = copy.deepcopy(rendered["prod"][:1]) + [
+        {"kind": "Secret", "metadata": {"name": "mlpair-model-source"}, "stringData": {}},
+        {"kind": "ConfigMap", "metadata": {"name": "s"}, "data": {"AWS_SECRET_ACCESS_KEY": "x"}},
+        {"kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"env": [
+            {"name": "MLFLOW_TRACKING_PASSWORD", "value": "x"},
+            {"name": "AWS_ENDPOINT_URL", "value": "https://AKIAABCDEFGHIJKLMNOP@minio"},
+            {"name": "PREDICTION_REDIS_URL", "value": "redis://:hunter2@redis:6379/0"},
+        ]}]}},
+    ]
+    assert sorted(dc.credential_literals(leaked)) == [
+        "ConfigMap/s: ConfigMap key AWS_SECRET_ACCESS_KEY holds a credential",
+        "Pod/p: MLFLOW_TRACKING_PASSWORD has a literal value",
+        "Pod/p: a credential in 'https://AKIAABCDEFGHIJKLMNOP@minio'",
+        "Pod/p: a credential in 'redis://:hunter2@redis:6379/0'",
+        "Secret/mlpair-model-source: a Secret in the manifests",
+    ]
+
+
+def test_the_model_source_connection_comes_from_its_secret(objects: list) -> None:
+    for workload in workloads(objects, "inference") + workloads(objects, "prediction"):
+        env = {v["name"]: v for v in dc.pod_spec(workload)["containers"][0]["env"]}
+        refs = {
+            name: env[name]["valueFrom"]["secretKeyRef"] for name in dc.MODEL_SOURCE_ENV
+        }
+        assert {ref["name"] for ref in refs.values()} == {"mlpair-model-source"}
+        assert [n for n, ref in refs.items() if ref.get("optional")] == ["AWS_REGION", "AWS_ENDPOINT_URL"]
+    # The relay and the migration Job read no model: they get no bucket credentials.
+    for owner in dc.workloads(objects, dc.RELAY) + dc.jobs(objects):
+        assert "mlpair-model-source" not in lc.secret_refs(owner), dc.name_of(owner)
+
+
 def test_urls_with_credentials_come_from_secrets_that_are_not_in_the_repository(
     objects: list,
 ) -> None:
@@ -357,42 +397,75 @@ def test_every_serving_config_file_is_shipped_and_nothing_else() -> None:
         assert {p.name for p in (shipped_dir / family).glob("*")} == set(CONFIG_FILES)
 
 
-def test_every_pod_sees_exactly_the_release(objects: list) -> None:
-    assert dc.release_problems(objects) == []
+def test_every_pod_reads_the_published_versions_through_its_own_cache(objects: list) -> None:
+    assert dc.model_source_problems(objects) == []
+    for workload in workloads(objects, "inference") + workloads(objects, "prediction"):
+        prefix = dc.PREFIX[dc.app_of(workload)]
+        settings = dc.settings_of(workload, objects)
+        mount, volume = dc.mounts_by_path(workload)[settings[f"{prefix}_MODEL_CACHE_DIR"]]
+        assert (mount.get("readOnly"), volume["emptyDir"]["sizeLimit"]) == (None, "6Gi")
+        assert int(settings[f"{prefix}_MODEL_CACHE_MAX_BYTES"]) == 4 * 2**30
+        assert settings[f"{prefix}_MODEL_SOURCE"].startswith("s3://mlpair-models/")
+    # No claim and no version folder anywhere: the versions are the source's.
+    assert not dc.of_kind(objects, "PersistentVolumeClaim")
+    assert not (dc.K8S_DIR / "model-versions").exists()
 
 
-def test_release_check_rejects_unmounted_and_unpinned_versions(rendered: dict) -> None:
-    def without_mount(objects: list, sub_path: str, *names: str) -> None:
-        for workload in dc.workloads(objects):
-            if workload["metadata"]["name"] in names:
-                mounts = dc.pod_spec(workload)["containers"][0]["volumeMounts"]
-                mounts[:] = [m for m in mounts if m.get("subPath") != sub_path]
-
-    # One track deciding with a version nobody mounts, naming none for churn, and missing a mount.
+def test_model_source_check_rejects_what_would_strand_a_version_or_leak_a_key(rendered: dict) -> None:
     objects = copy.deepcopy(rendered["prod"])
+    inference = dc.by_name(objects, "Deployment", "inference")
     stable = dc.by_name(objects, "Deployment", "prediction-stable")
+    # The cache's limit at the bound (a download past it evicts the pod), a literal key instead of
+    # the Secret, another source for the prediction pods, a version named that cannot be one, and
+    # a poll left off.
+    next(v for v in dc.pod_spec(inference)["volumes"] if v["name"] == "model-cache")["emptyDir"][
+        "sizeLimit"
+    ] = "4Gi"
     env = dc.pod_spec(stable)["containers"][0]["env"]
+    env[:] = [v for v in env if v["name"] != "AWS_SECRET_ACCESS_KEY"] + [
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}
+    ]
+    prediction_settings = dc.pod_spec(stable)["containers"][0]["envFrom"][0]["configMapRef"]["name"]
+    dc.by_name(objects, "ConfigMap", prediction_settings)["data"]["PREDICTION_MODEL_SOURCE"] = "s3://other/prod"
     next(v for v in env if v["name"] == "PREDICTION_ENSEMBLES")["value"] = json.dumps(
-        {"credit-risk": ["3"]}
+        {"credit-risk": ["latest"], "churn": ["1"]}
     )
-    next(v for v in env if v["name"] == "PREDICTION_SHADOWS")["value"] = json.dumps(
-        {"credit-risk": "3"}
-    )
-    without_mount(objects, "churn/1", "prediction-stable")
-    problems = "\n".join(dc.release_problems(objects))
-    for expected in (
-        "Deployment/prediction-stable: credit-risk version 3 decides but is not mounted",
-        "Deployment/prediction-stable: credit-risk version 3 is shadowed but not mounted",
-        "Deployment/prediction-stable: PREDICTION_ENSEMBLES names no deciding version of churn",
-        "Deployment/prediction-stable mounts [('credit-risk', '1'), ('credit-risk', '2')], not",
-    ):
-        assert expected in problems, f"release check missed: {expected}\n{problems}"
-    # A family served without any version in the release.
+    inference_settings = dc.pod_spec(inference)["containers"][0]["envFrom"][0]["configMapRef"]["name"]
+    dc.by_name(objects, "ConfigMap", inference_settings)["data"]["INFERENCE_MODEL_CONTROL"] = "none"
+    problems = dc.model_source_problems(objects)
+    assert problems == [
+        (
+            "Deployment/inference: the model cache's sizeLimit 4Gi is under INFERENCE_MODEL_CACHE_MAX_BYTES "
+            f"({4 * 2**30}) plus room for one version in staging ({2**30})"
+        ),
+        (
+            "Deployment/prediction-stable: AWS_SECRET_ACCESS_KEY is {'name': 'AWS_SECRET_ACCESS_KEY', 'value': 'x'}, "
+            "not {'name': 'mlpair-model-source', 'key': 'AWS_SECRET_ACCESS_KEY'}"
+        ),
+        (
+            "the services read different model sources: {'Deployment/inference': 's3://mlpair-models/prod', "
+            "'Deployment/prediction-stable': 's3://other/prod'}"
+        ),
+        "INFERENCE_MODEL_CONTROL is not 'poll': a published version waits for a restart",
+        "Deployment/prediction-stable: credit-risk version 'latest' is not a published version number",
+    ]
+    # The old shape: a claim holding the versions, the cache gone, no deciding version of churn.
     objects = copy.deepcopy(rendered["dev"])
-    without_mount(objects, "churn/1", "inference", "prediction-stable")
-    assert "Deployment/prediction-stable: no version of churn is mounted" in dc.release_problems(
-        objects
-    )
+    stable = dc.by_name(objects, "Deployment", "prediction-stable")
+    spec = dc.pod_spec(stable)
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "model-cache"] + [
+        {"name": "model-repository", "persistentVolumeClaim": {"claimName": "mlpair-model-repository"}}
+    ]
+    spec["containers"][0]["volumeMounts"] = [
+        m for m in spec["containers"][0]["volumeMounts"] if m["name"] != "model-cache"
+    ]
+    env = spec["containers"][0]["env"]
+    next(v for v in env if v["name"] == "PREDICTION_ENSEMBLES")["value"] = json.dumps({"credit-risk": ["1"]})
+    assert dc.model_source_problems(objects) == [
+        "Deployment/prediction-stable: mounts the claim mlpair-model-repository",
+        "Deployment/prediction-stable: nothing is mounted at PREDICTION_MODEL_CACHE_DIR /var/cache/mlpair/models",
+        "Deployment/prediction-stable: PREDICTION_ENSEMBLES names no deciding version of churn",
+    ]
 
 
 def test_images_are_release_references(objects: list) -> None:
@@ -726,7 +799,11 @@ def test_network_policies_let_each_pod_reach_what_its_settings_name(objects: lis
         needed = {int(re.search(r":(\d+)$", settings[f"{prefix}_OTLP_ENDPOINT"])[1])}
         if app(workload) == "prediction":
             needed |= {5432, 6379}  # PostgreSQL (ledger, CRM) and Redis: URLs in Secrets
+        if app(workload) != dc.RELAY and dc.model_source_of(workload, objects).startswith("s3://"):
+            needed |= {443}  # the bucket, over HTTPS (its endpoint: the Secret's, or the cloud's)
         assert needed <= lc.egress_ports(objects, workload), dc.name_of(workload)
+        if app(workload) == dc.RELAY:
+            assert 443 not in lc.egress_ports(objects, workload)  # it reads no model: no bucket
 
 
 def test_inference_rate_limit_is_local_enforced_and_not_retried(objects: list) -> None:

@@ -179,8 +179,9 @@ def test_repository_control_is_closed_to_every_caller(objects: list) -> None:
         closed = {p.rsplit("/", 1)[1] for p in operation["operation"].get("notPaths", ())}
         assert closed == REPOSITORY_CONTROL
     (inference,) = dc.workloads(objects, "inference")
-    # The server refuses them as well; the release changes what it serves through its mounts.
-    assert dc.settings_of(inference, objects)["INFERENCE_MODEL_CONTROL"] == "none"
+    # The server refuses them as well (only model_control=explicit takes them): what it serves
+    # changes by publishing to its model source, which it polls.
+    assert dc.settings_of(inference, objects)["INFERENCE_MODEL_CONTROL"] == "poll"
 
 
 def test_runtime_is_the_one_the_image_carries(objects: list) -> None:

@@ -46,9 +46,12 @@ def test_every_variable_is_a_valid_settings_field(
         cls = settings_class(service)
         prefix = SETTINGS[service][2]
         container = dc.pod_spec(workload)["containers"][0]
+        # The model source's connection: the S3 SDK's own variables, from its Secret
+        # (deploy_checks.model_source_problems checks where they come from).
         names = set(dc.settings_of(workload, objects)) | {
             v["name"] for v in container.get("env", ())
         }
+        names -= set(dc.MODEL_SOURCE_ENV)
         fields = {name.removeprefix(prefix).lower() for name in names}
         assert all(name.startswith(prefix) for name in names), dc.name_of(workload)
         assert fields <= set(cls.model_fields), (

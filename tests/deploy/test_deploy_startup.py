@@ -17,8 +17,13 @@ Only what a laptop cannot have is replaced: addresses (127.0.0.1, free ports), t
 Secrets would hold (a fresh database on the test PostgreSQL holding ledger and CRM, a serving role
 of this test alone, the test Redis), no trace collector, and the GPU (ONNX Runtime falls back to
 its CPU provider: ``execution_provider=cuda`` refuses to start without CUDA, so the test sets
-``auto`` where no CUDA provider is installed). The model repository holds
-credit-risk versions 1 and 2 and churn version 1, trained here.
+``auto`` where no CUDA provider is installed), and the bucket: a moto S3 server started here
+stands for it, at the overlay's own ``*_MODEL_SOURCE`` URI, holding credit-risk versions 1 and 2
+and churn version 1 (trained here, published with `mlpair publish`'s code). Its connection reaches
+the pods as the rendered ``secretKeyRef`` entries of Secret mlpair-model-source say: each variable a
+pod references is given the value that Secret's key holds here, so a pod that lost a reference
+cannot reach the bucket. Each pod downloads its versions into its own emptyDir cache and writes
+nowhere else.
 """
 
 from __future__ import annotations
@@ -71,6 +76,65 @@ def release_repository(model_repository: Path, tmp_path_factory) -> Path:
     )
     assert sorted(p.name for p in (root / "credit-risk").iterdir()) == ["1", "2"]
     return root
+
+
+# The published versions: what InferenceService serves (INFERENCE_VERSION_POLICY=all) and what
+# each prediction pod fetches (its deciding and shadow versions and each family's latest).
+PUBLISHED = {("credit-risk", "1"), ("credit-risk", "2"), ("churn", "1")}
+
+
+@pytest.fixture(scope="module")
+def model_source_secret(release_repository: Path, rendered: dict, tmp_path_factory) -> dict[str, str]:
+    """A moto S3 server holding the release at every overlay's model source; yields the keys the
+    Secret mlpair-model-source holds for it."""
+    import boto3
+
+    from mlpair.sources.publish import publish
+    from mlpair.sources.s3 import split_s3_uri
+    from tests.support.stores import moto_s3, s3_env
+
+    uris = {
+        dc.model_source_of(workload, objects)
+        for objects in rendered.values()
+        for workload in dc.workloads(objects, "inference")
+    }
+    with moto_s3(tmp_path_factory.mktemp("moto") / "moto.log") as endpoint, pytest.MonkeyPatch.context() as mp:
+        env = s3_env(endpoint)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        for bucket in sorted({split_s3_uri(uri)[0] for uri in uris}):
+            boto3.client("s3").create_bucket(Bucket=bucket)
+        for uri in sorted(uris):
+            for family, version in sorted(PUBLISHED):
+                publish(release_repository / family / version, uri)
+        yield {
+            "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
+            "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+            "AWS_REGION": env["AWS_DEFAULT_REGION"],
+            "AWS_ENDPOINT_URL": endpoint,
+        }
+
+
+def secret_env(workload: dict, secret: dict[str, str]) -> dict[str, str]:
+    """The variables a pod takes from Secret mlpair-model-source, with the values ``secret`` holds."""
+    env = {}
+    for variable in dc.pod_spec(workload)["containers"][0].get("env", ()):
+        ref = (variable.get("valueFrom") or {}).get("secretKeyRef") or {}
+        if ref.get("name") == dc.MODEL_SOURCE_SECRET and ref["key"] in secret:
+            env[variable["name"]] = secret[ref["key"]]
+    return env
+
+
+def cached_versions(pod: pods.Pod) -> set[tuple[str, str]]:
+    """(family, version) of every version in the pod's model cache (``<digest>/<family>/<version>``;
+    not the staging folders, nor PredictionService's ``views`` of links into the cache)."""
+    prefix = dc.PREFIX[dc.app_of(pod.workload)]
+    cache = Path(pod.env[f"{prefix}_MODEL_CACHE_DIR"])
+    return {
+        (p.parent.name, p.name)
+        for p in cache.glob("*/*/*")
+        if p.is_dir() and not p.is_symlink() and len(p.parts[-3]) == 64
+    }
 
 
 @pytest.fixture
@@ -167,12 +231,15 @@ def serving_env(pod: pods.Pod, **local: str) -> dict[str, str]:
     return {**pod.env, **{prefix + k.upper(): v for k, v in local.items()}}
 
 
-def settings_for(cls, pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: str):
+def settings_for(cls, pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, secret: dict[str, str] | None = None,
+                 **local: str):
     """The service's settings class read from the pod's environment, as in the container, with
-    the local replacements named in the module docstring."""
+    the local replacements named in the module docstring (the model source's Secret: ``secret``)."""
     prefix = dc.PREFIX[dc.app_of(pod.workload)] + "_"
-    for name in [n for n in os.environ if n.startswith(prefix)]:
+    for name in [n for n in os.environ if n.startswith((prefix, "AWS_"))]:
         monkeypatch.delenv(name)
+    for name, value in secret_env(pod.workload, secret or {}).items():
+        monkeypatch.setenv(name, value)
     for name, value in serving_env(pod, **local).items():
         monkeypatch.setenv(name, value)
     return cls()
@@ -200,7 +267,7 @@ def _has_gpu() -> bool:
 
 
 @contextlib.asynccontextmanager
-async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
+async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, secret: dict[str, str]):
     from mlpair.inference.server import InferenceServer
     from mlpair.inference.settings import InferenceSettings
 
@@ -208,6 +275,7 @@ async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
         InferenceSettings,
         pod,
         monkeypatch,
+        secret,
         host="127.0.0.1",
         port="0",
         metrics_port="0",
@@ -225,7 +293,7 @@ async def inference_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch):
 
 
 @contextlib.asynccontextmanager
-async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local: str):
+async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, secret: dict[str, str], **local: str):
     from mlpair.prediction.server import start, stop
     from mlpair.prediction.settings import PredictionSettings
 
@@ -233,6 +301,7 @@ async def prediction_pod(pod: pods.Pod, monkeypatch: pytest.MonkeyPatch, **local
         PredictionSettings,
         pod,
         monkeypatch,
+        secret,
         host="127.0.0.1",
         port="0",
         metrics_port="0",
@@ -370,6 +439,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     rendered: dict,
     overlay: str,
     release_repository: Path,
+    model_source_secret: dict[str, str],
     credit_holdout,
     churn_holdout,
     databases: Databases,
@@ -394,19 +464,20 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
     (relayer,) = dc.workloads(objects, dc.RELAY)
     inference_fs = pods.materialise(inference, objects, tmp_path / "inference", release_repository)
     monkeypatch.chdir(inference_fs.root)  # a relative path would land in the pod's root
-    async with inference_pod(inference_fs, monkeypatch) as (inference_target, server):
+    async with inference_pod(inference_fs, monkeypatch, model_source_secret) as (inference_target, server):
         await assert_probes_pass(inference, inference_target)
-        release = {(f, v) for f, v in dc.mounted_versions(inference, "/models")[0]}
+        release = PUBLISHED
         series_before = {key: value or 0.0 for key, value in adapter_series(release).items()}
         serving = {(f, v) for f, vs in server.engine.repository.serving().items() for v in vs}
-        assert serving == release  # every mounted version, nothing else
+        assert serving == release  # every published version, nothing else
+        assert cached_versions(inference_fs) == release  # downloaded into the pod's own cache
         local = local_services(inference_target, databases, redis_prefix)
 
         # Before the Job: the pod refuses to start, and says what to run.
         early = pods.materialise(leaving, objects, tmp_path / "before-migrate", release_repository)
         env = serving_env(
             early, host="127.0.0.1", port="0", metrics_port="0", otlp_endpoint="", **local
-        )
+        ) | secret_env(leaving, model_source_secret)
         code, output = await run_mlpair(
             dc.pod_spec(leaving)["containers"][0]["args"], env, early.root
         )
@@ -438,7 +509,7 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
                     )
                     monkeypatch.chdir(pod.root)
                 target, predictor = await stack.enter_async_context(
-                    prediction_pod(pod, monkeypatch, **pod_local)
+                    prediction_pod(pod, monkeypatch, model_source_secret, **pod_local)
                 )
                 assert predictor.recorder.relay is None
                 await assert_probes_pass(workload, target)
@@ -468,7 +539,10 @@ async def test_rendered_pods_migrate_start_answer_their_probes_and_decide(
             for family, version in shadows.items():
                 assert shadow_count(family, deciding[family][0], version) == before[family] + 1
             assert pod.written_outside_writable_mounts() == [], name
-            assert pod.writable == [], name  # nothing mounted writable at all
+            # Nothing mounted writable but the model cache, which holds the versions the track
+            # names and each family's latest.
+            assert pod.writable == [settings["PREDICTION_MODEL_CACHE_DIR"]], name
+            assert cached_versions(pod) == PUBLISHED, name
             if index == 0:
                 # Gone with its decisions undelivered: they wait in the shared ledger.
                 assert await crm_and_ledger(databases, request_ids[name]) == (0, 0, len(records))
@@ -492,6 +566,7 @@ async def test_a_prediction_pod_started_during_a_ledger_outage_waits_unready_and
     rendered: dict,
     overlay: str,
     release_repository: Path,
+    model_source_secret: dict[str, str],
     databases: Databases,
     redis_prefix: str,
     tmp_path: Path,
@@ -521,7 +596,7 @@ async def test_a_prediction_pod_started_during_a_ledger_outage_waits_unready_and
         f"127.0.0.1:{free_port()}", databases, redis_prefix, ledger_url.render_as_string(hide_password=False)
     )
     try:
-        async with prediction_pod(pod, monkeypatch, **local) as (target, _):
+        async with prediction_pod(pod, monkeypatch, model_source_secret, **local) as (target, _):
             assert await health_of(target, name["startupProbe"]) == SERVING
             assert await health_of(target, name["livenessProbe"]) == SERVING
             assert await health_of(target, name["readinessProbe"]) == NOT_SERVING
