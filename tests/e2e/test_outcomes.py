@@ -96,6 +96,8 @@ def test_outcomes_fed_back_to_a_running_pair_score_as_scikit_learn(model_reposit
             assert abs(gauge(metrics_url, "prediction_realised_roc_auc", {**key, "window": window}) - expected_auc) < 1e-9
         assert gauge(metrics_url, "prediction_outcomes_unjoined", {}) == 1  # "not-decided-yet"
         assert gauge(metrics_url, "prediction_holdout_roc_auc", key) is not None
+        for name in ("prediction_realised_ece", "prediction_holdout_ece"):  # what the calibration alert compares
+            assert gauge(metrics_url, name, {**key, "window": "all"} if "realised" in name else key) is not None
 
     report = mlpair("outcomes-report", *flags, "--picture", str(tmp_path / "outcomes.png"))
     assert report.returncode == 0, report.stderr

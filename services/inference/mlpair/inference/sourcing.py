@@ -51,6 +51,8 @@ class SourceReader:
             raise StartupError(f"{exc} (INFERENCE_MODEL_SOURCE)") from None
         self.names: list[str] = []
         """The models found in a remote source at start (when ``models`` is empty)."""
+        for operation in ("list", "fetch"):  # the series exist at zero: increase() sees a first failure
+            metrics.MODEL_SOURCE_ERRORS.labels(operation)
 
     @property
     def local(self) -> bool:
