@@ -13,8 +13,6 @@ atomically with the version triple. Every refusal is an :class:`ImportRefused` o
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +35,7 @@ from mlpair.contracts.preprocessing import Preprocessing
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import DataError, dataset_from_frame, read_table
 from mlpair.training.export import INPUT_NAME, OUTPUT_NAME
-from mlpair.training.pipeline import baselines, fit_calibration, load_train_config, readable_by_all, score_baseline
+from mlpair.training.pipeline import baselines, fit_calibration, load_train_config, score_baseline, staged_version
 
 MIN_CALIBRATION_ROWS = 50
 N_CLASSES = 2
@@ -268,8 +266,7 @@ def import_model(
     version = str((list_versions(root, schema.name) or [0])[-1] + 1)
     target = root / schema.name / version
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{version}-"))
-    try:
+    with staged_version(target) as staging:
         onnx.save_model(served, str(staging / "model.onnx"))
         preprocessing.save(staging / PREPROCESSING_FILE)
         manifest = Manifest(
@@ -308,9 +305,4 @@ def import_model(
             },
         )
         write_manifest(staging, manifest)
-        readable_by_all(staging)
-        staging.rename(target)  # atomic: a half-written entry is never visible
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return load_entry(target)

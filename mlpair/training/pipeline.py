@@ -12,12 +12,14 @@ new version (e.g. another seed for an ensemble).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -203,8 +205,7 @@ def train_family(
     version = str((list_versions(root, schema.name) or [0])[-1] + 1)
     target = root / schema.name / version
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{version}-"))
-    try:
+    with staged_version(target) as staging:
         export_onnx(model, preprocessing.n_features, staging / "model.onnx")
         parity = check_parity(model, staging / "model.onnx", x["holdout"])
         export_torch_program(model, preprocessing.n_features, staging / TORCH_PROGRAM_FILE)
@@ -251,14 +252,24 @@ def train_family(
             },
         )
         write_manifest(staging, manifest)
-        readable_by_all(staging)
-        staging.rename(target)  # atomic: a half-written entry is never visible
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     entry = load_entry(target)
     logger.info("wrote %s version %s to %s", schema.name, version, target)
     return entry, True
+
+
+@contextlib.contextmanager
+def staged_version(target: Path) -> Iterator[Path]:
+    """A staging folder beside ``target`` (a version's folder) for the version's files: on a normal
+    exit made readable by all and renamed to ``target`` in one step, so a reader never sees half a
+    version; on an exception removed."""
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        yield staging
+        readable_by_all(staging)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def readable_by_all(folder: Path) -> None:
