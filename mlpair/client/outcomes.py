@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client.errors import status_fields
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,7 @@ def outcome_results(reply: pb.RecordOutcomesResponse) -> list[pb.OutcomeStored |
         if result.WhichOneof("result") == "stored":
             out.append(result.stored)
             continue
-        info = error_details_pb2.ErrorInfo()
-        found = any(d.Unpack(info) for d in result.error.details)
-        code = next((c for c in grpc.StatusCode if c.value[0] == result.error.code), grpc.StatusCode.UNKNOWN)
-        out.append(OutcomeError(code, result.error.message, info.reason, dict(info.metadata) if found else {}))
+        out.append(OutcomeError(*status_fields(result.error)))
     return out
 
 

@@ -15,11 +15,11 @@ from typing import Any, Self, cast
 
 import grpc
 import numpy as np
-from google.rpc import error_details_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
+from mlpair.client.errors import status_fields
 from mlpair.client.outcomes import RecordsOutcomes, RecordsOutcomesAsync
 
 # What an attribute may be given as (the rules are in :func:`to_attributes`): a str, a bool, a real number
@@ -166,10 +166,7 @@ def _outcomes(reply: pb.BatchPredictResponse) -> list[pb.PredictResponse | ItemE
         if result.WhichOneof("outcome") == "prediction":
             out.append(result.prediction)
             continue
-        info = error_details_pb2.ErrorInfo()
-        found = any(d.Unpack(info) for d in result.error.details)
-        code = next((c for c in grpc.StatusCode if c.value[0] == result.error.code), grpc.StatusCode.UNKNOWN)
-        out.append(ItemError(code, result.error.message, info.reason, dict(info.metadata) if found else {}))
+        out.append(ItemError(*status_fields(result.error)))
     return out
 
 
