@@ -121,13 +121,6 @@ def record_stage(stage: str, seconds: float) -> None:
         context.stages[stage] = context.stages.get(stage, 0.0) + seconds
 
 
-def bind_batch(batch_id: str) -> None:
-    """Records which executed batch served the current request (dynamic batching)."""
-    context = _current.get()
-    if context is not None:
-        context.batch_id = batch_id
-
-
 def set_process_model_version(version: str) -> None:
     """The model version lines outside a request (and requests that name none) report."""
     _process_fields["model_version"] = version

@@ -117,7 +117,7 @@ def test_records_import_no_database_code_anywhere_and_codecs_encode_them():
     defined = {n.name for n in tree("mlpair.prediction.records").body if isinstance(n, ast.ClassDef)}
     assert {"StoredDecision", "Recorded", "DecisionColumns", "RecordedBatch"} <= defined
     codecs = {n.name for n in tree("mlpair.prediction.recording.codecs").body if isinstance(n, ast.FunctionDef)}
-    assert {"from_record", "to_row", "crm_row", "to_json", "from_json", "ledger_arrays"} <= codecs
+    assert {"from_record", "crm_row", "to_json", "from_json", "ledger_columns"} <= codecs
     assert "mlpair.prediction.recording.columns" not in product_modules()
 
 

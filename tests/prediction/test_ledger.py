@@ -435,7 +435,6 @@ def test_a_stored_decision_serialises_every_field():
     d = dataclasses.replace(decision("every-field"), decision_id="d", decided_at=datetime(2026, 1, 2, tzinfo=UTC),
                             served_from="stale_cache", cache_age_ms=7, degraded_reason="CIRCUIT_OPEN")
     assert codecs.from_json(codecs.to_json(d)) == d
-    assert set(codecs.to_row(d)) == {f.name for f in dataclasses.fields(StoredDecision)}
 
 
 async def test_every_field_survives_the_ledger(ledger):

@@ -117,7 +117,7 @@ class Recorded:
 class DecisionColumns(Sequence[StoredDecision]):
     """Decisions ``[n]`` column by column (the fields of :class:`StoredDecision`), with the
     fingerprint of each decision's request; the ledger's bulk path sends the columns as they are
-    (:func:`mlpair.prediction.recording.codecs.ledger_arrays`)."""
+    (:func:`mlpair.prediction.recording.codecs.ledger_columns`)."""
 
     request_id: list[str]
     decision_id: list[str]

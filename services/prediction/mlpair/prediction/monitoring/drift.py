@@ -210,13 +210,6 @@ class DriftMonitors:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def for_entries(cls, entries: Mapping[str, ModelEntry], config: DriftConfig) -> DriftMonitors:
-        """One monitor per model entry, each with its own manifest as the reference for features and
-        score, and no shared signals (the static gauges are not set).
-        """
-        return cls({name: DriftMonitor(entry, config) for name, entry in entries.items()})
-
-    @classmethod
     def for_families(cls, families: Mapping[str, ModelFamily], config: DriftConfig) -> DriftMonitors:
         """Monitors and signals of the served families; the score's reference is the deciding
         (first) member's, the features' the family's pinned version's. Sets the static gauges

@@ -9,7 +9,6 @@ and fingerprint first). Plain functions over the domain types: no engine, no I/O
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -109,13 +108,6 @@ def from_record(r: Row[Any]) -> StoredDecision:
     )
 
 
-def to_row(d: StoredDecision) -> dict[str, Any]:
-    """The decision as a CRM row's values by column name (reason codes as JSON)."""
-    row = fields(d)
-    row["reason_codes"] = reason_codes_json(d.reason_codes)
-    return row
-
-
 def crm_row(d: StoredDecision) -> CrmRow:
     """The decision's :data:`CRM_COLUMNS` values."""
     return (
@@ -156,8 +148,3 @@ def ledger_columns(batch: DecisionColumns) -> list[list]:
         batch.degraded_reason,
         batch.decided_at,
     ]
-
-
-def ledger_arrays(batch: DecisionColumns, order: Sequence[int]) -> list[list]:
-    """The rows ``order`` of ``batch`` as the ledger's columns (:func:`ledger_columns`)."""
-    return [[column[i] for i in order] for column in ledger_columns(batch)]
