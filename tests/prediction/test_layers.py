@@ -7,6 +7,10 @@
 * ``x-feature-version`` is spelled once in the product: ``mlpair.contracts.FEATURE_VERSION_KEY``.
 * The scoring signatures take one :class:`~mlpair.contracts.target.ModelTarget`, and the logits
   reach calibration as one matrix (:class:`~mlpair.prediction.scoring.rows.ScoredRows`).
+* The stages in request order — preparing, scoring, deciding, recording — never import a later
+  one when loaded, and each stage has one implementation: one place makes a ``Group``, one scores
+  it into ``GroupScores`` (both frozen), one encoder writes a ``PredictResponse``, one statement
+  per ledger engine commits.
 """
 
 from __future__ import annotations
@@ -178,3 +182,49 @@ def test_logits_reach_calibration_as_one_matrix():
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "probabilities_per_row"
     ]
     assert calibrated == ["a.logits"]
+
+
+STAGES = ("preparing", "scoring", "deciding", "recording")  # in request order
+
+
+def test_no_stage_imports_a_later_stage_when_loaded():
+    graph = import_graph(product_modules())
+    later_of = {stage: STAGES[k + 1 :] for k, stage in enumerate(STAGES)}
+    reaching = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        for stage, later in later_of.items()
+        if module.startswith(f"mlpair.prediction.{stage}.")
+        for target in targets
+        if any(target.startswith(f"mlpair.prediction.{name}") for name in later)
+    )
+    assert reaching == []
+
+
+def _frozen(module: str, name: str) -> bool:
+    (cls,) = [n for n in tree(module).body if isinstance(n, ast.ClassDef) and n.name == name]
+    return any(
+        isinstance(d, ast.Call) and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
+        for d in cls.decorator_list
+    )
+
+
+def test_each_stage_has_one_implementation_and_its_results_are_values():
+    assert constructed("Group") == {"mlpair.prediction.preparing.batch"}  # preparing.batch.prepare alone
+    assert constructed("GroupScores") == {"mlpair.prediction.scoring.scorer"}
+    assert _frozen("mlpair.prediction.preparing.batch", "Group")
+    assert _frozen("mlpair.prediction.scoring.scorer", "GroupScores")
+    writers = {  # a response's decision fields are written in one place
+        module
+        for module in product_modules()
+        if module.startswith("mlpair.prediction.")
+        for n in ast.walk(tree(module))
+        if isinstance(n, ast.Attribute) and n.attr == "decision_label" and isinstance(n.ctx, ast.Store)
+        or isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "PredictResponse"
+    }
+    assert writers == {"mlpair.prediction.intake.converters"}
+    for engine, name in (("ledger_postgres", "PostgresLedger"), ("ledger_sqlite", "SqliteLedger")):
+        (cls,) = [n for n in tree(f"mlpair.prediction.recording.{engine}").body
+                  if isinstance(n, ast.ClassDef) and n.name == name]
+        commits = {n.name for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name.startswith("_commit")}
+        assert commits == {"_commit_rows"}, engine

@@ -22,7 +22,6 @@ import numpy as np
 
 from mlpair.contracts.assembly import ConversionError
 from mlpair.prediction import metrics
-from mlpair.prediction.deciding.policy import MissingData
 from mlpair.prediction.errors import InvalidRequest, MissingRequiredAttribute, PredictionError, UnknownAttribute
 from mlpair.prediction.families import ModelFamily
 from mlpair.prediction.intake.checks import MAX_ECHO
@@ -36,6 +35,7 @@ from mlpair.prediction.preparing.columns import (
 from mlpair.prediction.preparing.idempotency import request_fingerprints
 
 if TYPE_CHECKING:
+    from mlpair.prediction.deciding.policy import MissingData
     from mlpair.prediction.outcomes import PredictInput
 
 MAX_WARNINGS = 16  # attributes named one by one; the rest in one more warning
