@@ -9,10 +9,12 @@ import contextvars
 
 import grpc
 import numpy as np
+import pyarrow as pa
 import pytest
 from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
+from mlpair.client.tables import chunk_result, request_chunks
 from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.contracts.target import ModelTarget
 from mlpair.prediction.errors import InvalidRequest
@@ -148,3 +150,23 @@ async def test_predict_and_batch_predict_carry_their_levels_to_inference_service
             assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT, metadata
             assert "x-priority" in excinfo.value.details()
         assert counted() == {1: 1, 2: 2}  # refused calls reached no queue
+        chunk = pa.table({"request_id": ["prio-col-1", "prio-col-2"], "entity_id": ["c1", "c2"],
+                          **{name: [records[6].get(name), records[7].get(name)]
+                             for name in dict.fromkeys([*records[6], *records[7]])}})
+        replies = [chunk_result(r) async for r in stub.PredictColumns(iter(request_chunks([chunk], "credit-risk")),
+                                                                       timeout=20)]
+        assert [(r.error, r.decided) for r in replies] == [(None, 2)]
+        assert counted() == {1: 1, 2: 3}  # the table's two rows in one Infer call at the bulk level
+
+
+def test_settings_refuse_levels_that_do_not_exist():
+    from mlpair.inference.settings import InferenceSettings
+    from mlpair.prediction.settings import PredictionSettings
+
+    assert InferenceSettings().default_level == 2 and InferenceSettings(default_priority_level=1).default_level == 1
+    for bad in ({"priority_levels": 0}, {"default_priority_level": 3}, {"priority_queue_rows": [16384, 100]},
+                {"priority_queue_rows": [16384, 16384, 16384]}):
+        with pytest.raises(ValueError, match="priority"):
+            InferenceSettings(**bad)
+    with pytest.raises(ValueError, match="priority_online and priority_bulk must be levels"):
+        PredictionSettings(priority_bulk=3)
