@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from mlpair.inference.batcher import DynamicBatcher
-from mlpair.inference.errors import DeadlineExpired, ModelFailure, QueueFull
+from mlpair.inference.errors import DeadlineExpired, InvalidInput, ModelFailure, QueueFull
 from mlpair.inference.runtimes.onnx import OnnxRuntime
 
 
@@ -217,3 +217,91 @@ async def test_c11_trickle_pays_one_delay_and_burst_after_idle_one_delay_plus_on
     assert metric("inference_queue_duration_seconds_bucket", b, le="0.001") == 0
     assert metric("inference_batch_size_rows_bucket", b, le="1.0") == 3
     assert metric("inference_batch_size_rows_bucket", b, le="16.0") == 4
+
+
+class Labelled:
+    """A runtime that records, per executed batch, the labels carried in feature 0 of its rows."""
+
+    def __init__(self, runtime: OnnxRuntime, delay_s: float) -> None:
+        self.runtime, self.delay_s = runtime, delay_s
+        self.batches: list[list[int]] = []
+        self.started = threading.Event()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.batches.append([int(v) for v in x[:, 0]])
+        self.started.set()
+        time.sleep(self.delay_s)
+        return self.runtime.run(x)
+
+
+def labelled(label: int, width: int, n: int = 1) -> np.ndarray:
+    rows = np.zeros((n, width), dtype=np.float32)
+    rows[:, 0] = label
+    return rows
+
+
+def level_count(b: DynamicBatcher, level: int, result: str) -> float:
+    return metric("inference_priority_requests_total", b, priority=str(level), result=result)
+
+
+async def test_higher_priority_rows_are_taken_into_the_next_batch_first(runtime, credit_entry):
+    """Six bulk (level 2) requests queue, then three online (level 1): the next batch holds the
+    three online rows and the oldest bulk one; bulk keeps its arrival order after them."""
+    width = credit_entry.manifest.n_features
+    rec = Labelled(runtime, delay_s=0.2)
+    b = batcher(rec, max_batch_size=4, max_queue_delay_ms=0, priority_levels=2, default_priority_level=2)
+    try:
+        busy = asyncio.ensure_future(b.submit(labelled(100, width), None, 2))
+        await asyncio.to_thread(rec.started.wait, 5)
+        bulk = [asyncio.ensure_future(b.submit(labelled(i, width), None, 2)) for i in range(1, 7)]
+        online = [asyncio.ensure_future(b.submit(labelled(i, width), None, 1)) for i in range(11, 14)]
+        await asyncio.gather(busy, *bulk, *online)
+    finally:
+        await b.close()
+    assert rec.batches == [[100], [11, 12, 13, 1], [2, 3, 4, 5], [6]]
+    assert (level_count(b, 1, "queued"), level_count(b, 2, "queued")) == (3, 7)
+
+
+async def test_the_default_level_takes_requests_without_a_priority_and_undefined_levels_are_refused(
+    runtime, holdout_x
+):
+    b = batcher(runtime.run, priority_levels=3, default_priority_level=2)
+    try:
+        await b.submit(holdout_x[:2], None)
+        await b.submit(holdout_x[:2], None, 0)
+        for undefined in (4, -1):
+            with pytest.raises(InvalidInput) as excinfo:
+                await b.submit(holdout_x[:2], None, undefined)
+            assert excinfo.value.code == "INVALID_ARGUMENT"
+            assert f"priority {undefined} is not a defined level" in excinfo.value.message
+    finally:
+        await b.close()
+    assert [level_count(b, level, "queued") for level in (1, 2, 3)] == [0, 2, 0]
+
+
+async def test_a_full_bulk_level_refuses_bulk_requests_only(runtime, holdout_x):
+    """Level 2 may hold 2 waiting rows, level 1 8: a third bulk row is refused at once while 8
+    online rows still queue (and a ninth is refused by its own level's limit)."""
+    rec = Recording(runtime, delay_s=0.3)
+    b = batcher(rec, max_batch_size=16, max_queue_delay_ms=0, max_queue_rows=8, priority_levels=2,
+                default_priority_level=2, priority_queue_rows=[8, 2])
+    try:
+        busy = asyncio.ensure_future(b.submit(holdout_x[:1], None, 2))
+        await asyncio.to_thread(rec.started.wait, 5)
+        bulk = [asyncio.ensure_future(b.submit(holdout_x[i:i + 1], None, 2)) for i in (1, 2)]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as excinfo:
+            await b.submit(holdout_x[3:4], None, 2)
+        assert excinfo.value.code == "RESOURCE_EXHAUSTED" and "at priority 2 (limit 2)" in excinfo.value.message
+        online = [asyncio.ensure_future(b.submit(holdout_x[i:i + 2], None, 1)) for i in (4, 6, 8, 10)]
+        await asyncio.sleep(0)
+        assert b.queued_rows == 10
+        with pytest.raises(QueueFull):
+            await b.submit(holdout_x[:1], None, 1)
+        await asyncio.gather(busy, *bulk, *online)
+    finally:
+        await b.close()
+    assert rec.batches == [1, 10]  # the 8 online and 2 bulk rows waiting fit one batch of 16
+    assert [level_count(b, 1, r) for r in ("queued", "rejected")] == [4, 1]
+    assert [level_count(b, 2, r) for r in ("queued", "rejected")] == [3, 1]
+    assert metric("inference_queue_rejected_total", b) == 2

@@ -51,11 +51,13 @@ async def test_model_config_is_what_the_server_runs(stub, credit_entry):
     batching = config.dynamic_batching
     assert config.WhichOneof("scheduling_choice") == "dynamic_batching"
     assert (list(batching.preferred_batch_size), batching.max_queue_delay_microseconds) == ([4, 8], 3000)
-    assert batching.default_queue_policy.allow_timeout_override and batching.priority_levels == 0
+    assert batching.default_queue_policy.allow_timeout_override
+    assert (batching.priority_levels, batching.default_priority_level) == (2, 2)
     assert [(g.kind, g.count) for g in config.instance_group] == [(oip.ModelInstanceGroup.KIND_CPU, 2)]
     assert config.default_model_filename == "model.onnx"
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["max_request_rows"] == "8192" and params["feature_schema_version"] == "credit-risk/v1"
+    assert params["priority_queue_rows"] == "16384,16384"
     assert params["execution"] == "executor"  # two instances never run on the event loop
     err = await expect_error(stub.ModelConfig(oip.ModelConfigRequest(name="nope")), grpc.StatusCode.NOT_FOUND)
     assert error_info(err).reason == "MODEL_NOT_FOUND"
@@ -153,7 +155,8 @@ def refused_requests(x: np.ndarray, fv: str) -> dict[str, oip.ModelInferRequest]
     return {
         "sequence": with_parameter(base(), "sequence_id", int64_param=42),
         "sequence start": with_parameter(base(), "sequence_start", bool_param=True),
-        "priority": with_parameter(base(), "priority", uint64_param=1),
+        "priority as string": with_parameter(base(), "priority", string_param="high"),
+        "negative priority": with_parameter(base(), "priority", int64_param=-1),
         "unknown": with_parameter(base(), "my_flag", bool_param=True),
         "timeout as string": with_parameter(base(), "timeout", string_param="5s"),
         "negative timeout": with_parameter(base(), "timeout", int64_param=-1),
@@ -166,7 +169,8 @@ def refused_requests(x: np.ndarray, fv: str) -> dict[str, oip.ModelInferRequest]
 
 @pytest.mark.parametrize("case,message", [
     ("sequence", "sequence batching is not implemented"), ("sequence start", "sequence batching"),
-    ("priority", "priority levels are not implemented"), ("unknown", "unknown request parameter"),
+    ("priority as string", "'priority' must be an integer"), ("negative priority", "must not be negative"),
+    ("unknown", "unknown request parameter"),
     ("timeout as string", "must be an integer"), ("negative timeout", "must not be negative"),
     ("binary_data_output as int", "must be a boolean"), ("shared memory input", "shared memory is not implemented"),
     ("shared memory output", "shared memory is not implemented"), ("classification", "raw logits only"),
@@ -279,3 +283,35 @@ async def test_a_call_whose_deadline_passed_is_counted_as_deadline_exceeded(mode
         await asyncio.sleep(0.2)  # the last handlers cancelled
     assert count("CANCELLED") == before["CANCELLED"]
     assert 1 <= count("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] <= expired
+
+
+def priority_count(level: int, result: str = "queued") -> float:
+    """Requests of ``MODEL`` (every version) counted at ``level`` with ``result``."""
+    return sum(
+        sample.value
+        for family in REGISTRY.collect() if family.name == "inference_priority_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels["model"] == MODEL
+        and sample.labels["priority"] == str(level) and sample.labels["result"] == result
+    )
+
+
+async def test_the_priority_parameter_is_honoured_and_an_undefined_level_refused(stub, holdout_x, feature_version):
+    """Triton's ``priority``: 1 and 2 are this server's levels (2 = the default, also for 0 or no
+    parameter); 3 is undefined and refused INVALID_ARGUMENT before any queueing, counted nowhere."""
+    x = holdout_x[:2]
+    expected = oip_logits(await stub.ModelInfer(oip_request(x, feature_version=feature_version)))
+    before = {level: priority_count(level) for level in (1, 2, 3)}
+    for value, kind in ((1, "uint64_param"), (1, "int64_param"), (2, "uint64_param"), (0, "uint64_param")):
+        reply = await stub.ModelInfer(with_parameter(oip_request(x, feature_version=feature_version),
+                                                     "priority", **{kind: value}))
+        assert oip_logits(reply).tobytes() == expected.tobytes()
+    assert priority_count(1) - before[1] == 2 and priority_count(2) - before[2] == 2
+    for value in (3, 99):
+        err = await expect_error(stub.ModelInfer(with_parameter(oip_request(x, feature_version=feature_version),
+                                                                "priority", uint64_param=value)),
+                                 grpc.StatusCode.INVALID_ARGUMENT)
+        assert f"priority {value} is not a defined level" in err.details()
+        assert error_info(err).reason == "INVALID_INPUT"
+    assert priority_count(1) - before[1] == 2 and priority_count(2) - before[2] == 2
+    assert priority_count(3) == before[3] == 0

@@ -66,7 +66,7 @@ async def test_every_tritonclient_call_works_or_gets_the_documented_refusal(mode
     assert int(model_stats["inference_stats"]["fail"]["count"]) == 1  # the NaN request
     assert int(model_stats["inference_count"]) == 3 + 1 + 2 + 1
     assert report["statistics_all"]["ok"] == [[MODEL, "1"]]
-    assert stats.inference_count == 3 + 1 + 2 + 1 + 2 * 2  # + the two honoured infers below
+    assert stats.inference_count == 3 + 1 + 2 + 1 + 3 * 2  # + the three honoured infers below
 
     refused = report["refused"]
     assert refused.pop("load_model")["status"] == "StatusCode.FAILED_PRECONDITION"
@@ -76,7 +76,7 @@ async def test_every_tritonclient_call_works_or_gets_the_documented_refusal(mode
                  "unregister_system_shared_memory", "get_cuda_shared_memory_status", "register_cuda_shared_memory",
                  "unregister_cuda_shared_memory"):
         assert refused.pop(name)["status"] == UNIMPLEMENTED, name
-    expected = {"infer sequence_id": "sequence batching", "infer priority": "priority levels",
+    expected = {"infer sequence_id": "sequence batching", "infer undefined priority": "priority 9 is not a defined level",
                 "infer custom parameter": "unknown request parameter", "infer classification": "raw logits only",
                 "infer shared-memory input": "shared memory is not implemented"}
     assert refused.keys() == expected.keys()

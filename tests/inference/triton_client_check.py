@@ -154,12 +154,13 @@ def every_call(url: str, model: str, feature_version: str, rows_path: str) -> No
         "register_cuda_shared_memory": lambda: client.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
         "unregister_cuda_shared_memory": lambda: client.unregister_cuda_shared_memory(),
         "infer sequence_id": lambda: infer(sequence_id=7, sequence_start=True),
-        "infer priority": lambda: infer(priority=1),
+        "infer undefined priority": lambda: infer(priority=9),
         "infer custom parameter": lambda: infer(parameters={**fv, "my_flag": True}),
         "infer classification": lambda: infer(outputs=[triton.InferRequestedOutput("logits", class_count=1)]),
         "infer shared-memory input": lambda: infer(shm),
     }.items()}
     report["honoured"] = {"infer timeout": outcome(lambda: infer(timeout=10_000_000)),
+                          "infer priority": outcome(lambda: infer(priority=1)),
                           "infer plain": outcome(infer)}
     client.close()
     print(json.dumps(report))

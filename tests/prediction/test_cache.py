@@ -121,7 +121,7 @@ class CountingClient:
         self.calls: list[str] = []
         self.error: Exception | None = None
 
-    async def infer(self, target, features, *, timeout_s=None, callers=None):
+    async def infer(self, target, features, *, timeout_s=None, callers=None, priority=0):
         self.calls.append(target.version)
         await asyncio.sleep(0)
         if self.error is not None:

@@ -9,7 +9,7 @@ from datetime import UTC
 import pytest
 from sqlalchemy import inspect, text
 
-from mlpair.prediction.recording.codecs import to_row
+from mlpair.prediction.recording.codecs import CRM_COLUMNS, crm_row
 from mlpair.prediction.recording.migrate import current_revision
 from mlpair.prediction.recording.store import CrmStore, make_engine
 from mlpair.prediction.records import StoredDecision, decision_id_for
@@ -127,7 +127,7 @@ async def test_postgresql_column_array_delivery_stores_what_a_row_insert_stores(
         assert sorted(await crm.deliver(delivered)) == sorted(d.request_id for d in delivered)
         assert await crm.deliver(delivered) == []
         async with crm.engine.begin() as conn:  # the generic row-by-row statement, for reference
-            await conn.execute(postgresql.insert(DecisionRecord).on_conflict_do_nothing(), [to_row(d) for d in inserted])
+            await conn.execute(postgresql.insert(DecisionRecord).on_conflict_do_nothing(), [dict(zip(CRM_COLUMNS, crm_row(d))) for d in inserted])
         for a, b in zip(delivered, inserted):
             got, expected = await crm.find(a.request_id), await crm.find(b.request_id)
             assert got == a

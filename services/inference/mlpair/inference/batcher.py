@@ -16,8 +16,14 @@ Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requ
   ``max_queue_delay_ms``; with preferred sizes, the batch is cut at the largest request
   boundary that is a preferred size, if any, and the rest runs next;
 * with batching off, each request (or chunk) runs alone, through the same queue;
-* the queue is bounded: more than ``max_queue_rows`` waiting rows → :class:`QueueFull`
-  (RESOURCE_EXHAUSTED) at once, before anything is queued;
+* priority levels (Triton's ``priority_levels``): each request has a level, 1 the highest to
+  ``priority_levels``, 0 (absent) taking ``default_priority_level``; a batch takes the waiting
+  items of higher levels first, in arrival order within a level, and lower levels only fill the
+  rows left (strict priority: under a sustained higher-level load a lower level waits); an
+  undefined level is refused (:class:`InvalidInput`);
+* the queue is bounded per level: more than that level's limit (``priority_queue_rows``, else
+  ``max_queue_rows``) of waiting rows at the request's level → :class:`QueueFull`
+  (RESOURCE_EXHAUSTED) at once, before anything is queued; other levels are not affected;
 * a request whose deadline passes while queued is dropped before compute
   (:class:`DeadlineExpired`, counted); a cancelled caller's rows are removed (counted) and
   never computed — also when a cancelled ``ModelStreamInfer`` stream cancels its requests;
@@ -43,7 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mlpair.inference import metrics
-from mlpair.inference.batch_queue import Item, RowQueue
+from mlpair.inference.batch_queue import Item, RowQueue, resolve_priority
 from mlpair.inference.errors import ModelFailure, ModelNotReady, ModelUnhealthy, QueueFull
 from mlpair.inference.model_health import WRONG_OUTPUT
 from mlpair.inference.statistics import VersionStatistics
@@ -65,7 +71,11 @@ class DynamicBatcher:
         max_batch_size: most rows per execution.
         max_queue_delay_ms: longest wait for batch-mates, from the oldest request's arrival.
         preferred_batch_sizes: row counts to cut batches at when possible (may be empty).
-        max_queue_rows: waiting rows beyond which :meth:`submit` refuses with QueueFull.
+        max_queue_rows: waiting rows of one priority level beyond which :meth:`submit` refuses with QueueFull.
+        priority_levels, default_priority_level: levels 1 (highest) … ``priority_levels``, and the level
+            of a request that names none.
+        priority_queue_rows: per level (index 0 = level 1), its own ``max_queue_rows``; a level beyond
+            the list's end takes ``max_queue_rows``.
         batching: False runs every request (chunk) alone.
         instances: executions that may run at once (threads of the executor).
         inline: run batches on the event-loop thread instead of the executor; for models whose
@@ -83,6 +93,9 @@ class DynamicBatcher:
         max_queue_delay_ms: float,
         preferred_batch_sizes: list[int],
         max_queue_rows: int,
+        priority_levels: int = 1,
+        default_priority_level: int = 1,
+        priority_queue_rows: list[int] | None = None,
         batching: bool = True,
         instances: int = 1,
         inline: bool = False,
@@ -95,7 +108,9 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self._delay_s = max_queue_delay_ms / 1000.0 if batching else 0.0
         self._flush_rows = max(preferred_batch_sizes) if batching and preferred_batch_sizes else max_batch_size
-        self._max_queue_rows = max_queue_rows
+        self.priority_levels, self.default_priority_level = priority_levels, default_priority_level
+        own = list(priority_queue_rows or ())[:priority_levels]
+        self._limits = [0, *own, *[max_queue_rows] * (priority_levels - len(own))]  # index = level
         self._inline = inline and instances == 1
         self._wakeup: asyncio.Future | None = None
         self._wake_rows = 1
@@ -117,12 +132,17 @@ class DynamicBatcher:
         self._m_batch = metrics.BATCH_SIZE.labels(model, version)
         self._queue = RowQueue(
             max_batch_size=max_batch_size,
+            levels=priority_levels,
             preferred_batch_sizes=frozenset(preferred_batch_sizes) if batching else frozenset(),
             batching=batching,
             expired=metrics.QUEUE_DROPPED.labels(model, version, "expired"),
             cancelled=metrics.QUEUE_DROPPED.labels(model, version, "cancelled"),
         )
         self._m_rejected = metrics.QUEUE_REJECTED.labels(model, version)
+        self._m_levels = {
+            level: {r: metrics.PRIORITY_REQUESTS.labels(model, version, str(level), r) for r in ("queued", "rejected")}
+            for level in range(1, priority_levels + 1)
+        }
         self.statistics = VersionStatistics()
         """This version's OIP statistics, recorded beside the metrics above (same values)."""
 
@@ -167,32 +187,37 @@ class DynamicBatcher:
 
     # -- callers ---------------------------------------------------------------------------
 
-    async def submit(self, rows: np.ndarray, deadline: float | None) -> np.ndarray:
+    async def submit(self, rows: np.ndarray, deadline: float | None, priority: int = 0) -> np.ndarray:
         """Logits ``[n, n_classes] float32`` for ``rows`` ``[n, n_features] float32``, in row order.
 
         Args:
             rows: at least one row.
             deadline: ``time.monotonic()`` instant after which the caller no longer waits.
+            priority: level 1 (highest) … ``priority_levels``; 0 = ``default_priority_level``.
 
         Raises:
-            QueueFull: the queue already holds ``max_queue_rows`` waiting rows.
+            InvalidInput: ``priority`` is not a defined level.
+            QueueFull: the request's level already holds its limit of waiting rows.
             DeadlineExpired: the deadline passed before the rows were computed.
             ModelFailure: the runtime failed for the whole batch (raised, or the wrong row count).
             ModelNotReady: this version is being unloaded.
         """
         if self._closing:
             raise ModelNotReady(f"model {self.model!r} version {self.version} is being unloaded; retry")
+        level = resolve_priority(priority, self.priority_levels, self.default_priority_level)
         n = rows.shape[0]
-        if self._queue.rows + n > self._max_queue_rows:
+        if self._queue.level_rows[level] + n > self._limits[level]:
             self._m_rejected.inc()
+            self._m_levels[level]["rejected"].inc()
             raise QueueFull(
-                f"model {self.model!r} version {self.version} has {self._queue.rows} rows queued "
-                f"(limit {self._max_queue_rows}); retry with backoff"
+                f"model {self.model!r} version {self.version} has {self._queue.level_rows[level]} rows queued "
+                f"at priority {level} (limit {self._limits[level]}); retry with backoff"
             )
+        self._m_levels[level]["queued"].inc()
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         if n <= self.max_batch_size:
-            item = Item(rows, loop.create_future(), deadline, now)
+            item = Item(rows, loop.create_future(), deadline, now, level)
             self._enqueue(item)
             try:
                 return await item.future
@@ -200,7 +225,7 @@ class DynamicBatcher:
                 self._queue.discard(item)
                 raise
         items = [
-            Item(rows[i : i + self.max_batch_size], loop.create_future(), deadline, now)
+            Item(rows[i : i + self.max_batch_size], loop.create_future(), deadline, now, level)
             for i in range(0, n, self.max_batch_size)
         ]
         for item in items:
@@ -218,15 +243,15 @@ class DynamicBatcher:
         return np.concatenate(parts)
 
     async def submit_self_test(self, rows: np.ndarray) -> np.ndarray:
-        """As :meth:`submit` (no deadline), for the version's known-answer self-test: its batch runs
-        even while the version is unhealthy.
+        """As :meth:`submit` (no deadline, the highest priority level), for the version's known-answer
+        self-test: its batch runs even while the version is unhealthy.
 
         Raises:
             QueueFull, ModelFailure, ModelNotReady: as :meth:`submit`.
         """
         if self._closing:
             raise ModelNotReady(f"model {self.model!r} version {self.version} is being unloaded; retry")
-        if self._queue.rows + rows.shape[0] > self._max_queue_rows:
+        if self._queue.level_rows[1] + rows.shape[0] > self._limits[1]:
             raise QueueFull(f"model {self.model!r} version {self.version}: queue full")
         item = Item(rows, asyncio.get_running_loop().create_future(), None, time.monotonic())
         self._self_tests.add(item.future)

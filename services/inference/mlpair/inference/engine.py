@@ -30,6 +30,7 @@ from prometheus_client import Counter
 from mlpair import logs
 from mlpair.errors import ServiceError
 from mlpair.inference import metrics
+from mlpair.inference.batch_queue import resolve_priority
 from mlpair.inference.errors import Draining, InvalidInput, ModelFailure
 from mlpair.inference.repository import ModelRepository, RuntimeFactory
 from mlpair.inference.runtimes import create_runtime
@@ -229,6 +230,7 @@ class InferenceEngine:
         outputs: Sequence[str] = (),
         *,
         per_row_errors: bool = False,
+        priority: int = 0,
     ) -> InferResult:
         """Validates one request and returns its logits, counting its outcome and latency.
 
@@ -240,10 +242,11 @@ class InferenceEngine:
             outputs: requested output names (empty = all).
             per_row_errors: report a row with non-finite output as that row's error
                 (``InferResult.invalid_rows``) instead of failing the request.
+            priority: batch-queue level, 1 (highest) … ``priority_levels``; 0 = the default level.
 
         Raises:
-            Draining, ModelNotReady, ModelNotFound, FeatureVersionMismatch, InvalidInput,
-            QueueFull, DeadlineExpired, ModelFailure (the whole batch failed, or a row's output
+            Draining, ModelNotReady, ModelNotFound, FeatureVersionMismatch, InvalidInput (also for
+            an undefined ``priority``), QueueFull (the request's priority level is full), DeadlineExpired, ModelFailure (the whole batch failed, or a row's output
             is non-finite and ``per_row_errors`` is off), ModelUnhealthy (the version is not
             healthy after start: retry on another replica).
         """
@@ -257,6 +260,7 @@ class InferenceEngine:
                 raise Draining("the server is shutting down; retry on another replica")
             served = self.repository.route(name, version)
             check_feature_version(served.feature_version, feature_version)
+            level = resolve_priority(priority, self.settings.priority_levels, self.settings.default_level)
             if tensor.name and tensor.name != served.input_name:
                 raise InvalidInput(f"unknown input {tensor.name!r}; model {name!r} takes {served.input_name!r}")
             for output in outputs:
@@ -270,7 +274,7 @@ class InferenceEngine:
                 return InferResult(
                     served.name, served.version, served.output_name, np.zeros((0, served.n_classes), dtype=np.float32)
                 )
-            logits = await served.batcher.submit(x, deadline)
+            logits = await served.batcher.submit(x, deadline, level)
             logs.record_stage("queue_and_compute", time.perf_counter() - validated)
             if all_finite(logits):
                 return InferResult(served.name, served.version, served.output_name, logits)

@@ -20,7 +20,8 @@ class InvalidInput(InferenceError):
 
 class UnsupportedParameter(InferenceError):
     """A request, input or output parameter this server does not implement (sequence batching,
-    priorities, shared memory, classification ...): refused rather than silently ignored."""
+    shared memory, classification ...), or one of the wrong type (a ``timeout`` or ``priority`` that
+    is not a non-negative integer): refused rather than silently ignored."""
 
     code = "INVALID_ARGUMENT"
     reason = "UNSUPPORTED_PARAMETER"

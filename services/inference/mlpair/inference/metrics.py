@@ -55,6 +55,11 @@ QUEUE_DROPPED = Counter(
 QUEUE_REJECTED = Counter(
     "inference_queue_rejected_total", "Requests refused because the queue was full.", ["model", "version"]
 )
+PRIORITY_REQUESTS = Counter(
+    "inference_priority_requests_total",
+    "Requests by priority level (1 = highest): queued, or rejected because that level's queue was full.",
+    ["model", "version", "priority", "result"],
+)
 OBSERVABILITY_ERRORS = Counter(
     "inference_observability_errors_total",
     "Log lines, spans or metrics that failed to be made (caught: never a failed request).",

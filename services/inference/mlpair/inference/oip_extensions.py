@@ -25,7 +25,8 @@ BINARY_DATA_OUTPUT = "binary_data_output"
 BINARY_DATA = "binary_data"
 FINAL_RESPONSE_FLAG = "triton_enable_empty_final_response"
 FINAL_RESPONSE = "triton_final_response"
-REQUEST_PARAMETERS = (FEATURE_VERSION_KEY, TIMEOUT, BINARY_DATA_OUTPUT, FINAL_RESPONSE_FLAG)
+PRIORITY = "priority"
+REQUEST_PARAMETERS = (FEATURE_VERSION_KEY, TIMEOUT, PRIORITY, BINARY_DATA_OUTPUT, FINAL_RESPONSE_FLAG)
 """Request parameters this server honours; any other is refused."""
 
 # Why a known parameter is refused (the rest are refused as unknown).
@@ -33,7 +34,6 @@ _REFUSED = {
     "sequence_id": "sequence batching is not implemented: these models are stateless",
     "sequence_start": "sequence batching is not implemented: these models are stateless",
     "sequence_end": "sequence batching is not implemented: these models are stateless",
-    "priority": "priority levels are not implemented: every request shares one queue",
     "shared_memory_region": "shared memory is not implemented: send tensors in the request",
     "shared_memory_byte_size": "shared memory is not implemented: send tensors in the request",
     "shared_memory_offset": "shared memory is not implemented: send tensors in the request",
@@ -53,11 +53,14 @@ class RequestOptions:
             output's ``binary_data`` false) instead of ``raw_output_contents``.
         final_flag: add ``triton_final_response`` = true to the response (every response of
             these non-decoupled models is final), as ``triton_enable_empty_final_response`` asks.
+        priority: the ``priority`` parameter (Triton's): batch-queue level, 1 the highest; 0 (absent)
+            = the server's default level. Whether the level is defined is the engine's check.
     """
 
     timeout_s: float | None = None
     typed_output: bool = False
     final_flag: bool = False
+    priority: int = 0
 
     def deadline(self, call_deadline: float | None) -> float | None:
         """The earlier of the call's deadline and this request's timeout (``time.monotonic()``)."""
@@ -96,23 +99,22 @@ def request_options(request: oip.ModelInferRequest) -> RequestOptions:
                     f"output {output.name!r} parameter {key!r}: "
                     + _REFUSED.get(key, f"unknown output parameter; this server reads only {BINARY_DATA!r}")
                 )
-            options = RequestOptions(options.timeout_s, not _bool(value, f"output {BINARY_DATA}"), options.final_flag)
+            options = RequestOptions(
+                options.timeout_s, not _bool(value, f"output {BINARY_DATA}"), options.final_flag, options.priority
+            )
     return options
 
 
 def _request_level(params) -> RequestOptions:
-    timeout_s, typed, final = None, False, False
+    timeout_s, typed, final, priority = None, False, False, 0
     for key, value in params.items():
         if key == FEATURE_VERSION_KEY:
             continue  # read with the metadata by converters.oip_feature_version
         if key == TIMEOUT:
-            kind = value.WhichOneof("parameter_choice")
-            if kind not in ("int64_param", "uint64_param"):
-                raise UnsupportedParameter(f"parameter {TIMEOUT!r} must be an integer (microseconds), got {kind}")
-            micros = getattr(value, kind)
-            if micros < 0:
-                raise UnsupportedParameter(f"parameter {TIMEOUT!r} must not be negative, got {micros}")
+            micros = _natural(value, TIMEOUT, "microseconds")
             timeout_s = micros / 1e6 if micros else None  # 0 = no timeout, as in Triton
+        elif key == PRIORITY:
+            priority = _natural(value, PRIORITY, "1 = the highest level, 0 = the default")
         elif key == BINARY_DATA_OUTPUT:
             typed = not _bool(value, key)
         elif key == FINAL_RESPONSE_FLAG:
@@ -122,7 +124,22 @@ def _request_level(params) -> RequestOptions:
                 f"parameter {key!r}: "
                 + _REFUSED.get(key, f"unknown request parameter; this server reads {', '.join(REQUEST_PARAMETERS)}")
             )
-    return RequestOptions(timeout_s, typed, final)
+    return RequestOptions(timeout_s, typed, final, priority)
+
+
+def _natural(value: oip.InferParameter, key: str, what: str) -> int:
+    """An integer parameter that may not be negative (``timeout``, ``priority``).
+
+    Raises:
+        UnsupportedParameter: not an int64/uint64 parameter, or negative.
+    """
+    kind = value.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise UnsupportedParameter(f"parameter {key!r} must be an integer ({what}), got {kind}")
+    number = getattr(value, kind)
+    if number < 0:
+        raise UnsupportedParameter(f"parameter {key!r} must not be negative, got {number}")
+    return number
 
 
 def _bool(value: oip.InferParameter, what: str) -> bool:
@@ -194,6 +211,8 @@ def config_response(model: ServedVersion, settings: InferenceSettings, inline: b
             oip.ModelDynamicBatching(
                 preferred_batch_size=sorted(settings.preferred_batch_sizes),
                 max_queue_delay_microseconds=round(settings.max_queue_delay_ms * 1000),
+                priority_levels=settings.priority_levels,
+                default_priority_level=settings.default_level,
                 default_queue_policy=oip.ModelQueuePolicy(
                     timeout_action=oip.ModelQueuePolicy.REJECT, allow_timeout_override=True
                 ),
@@ -204,6 +223,10 @@ def config_response(model: ServedVersion, settings: InferenceSettings, inline: b
         "runtime": runtime.description,
         "max_request_rows": settings.max_request_rows,
         "max_queue_rows": settings.max_queue_rows,
+        "priority_queue_rows": ",".join(
+            str(settings.priority_queue_rows[i] if i < len(settings.priority_queue_rows) else settings.max_queue_rows)
+            for i in range(settings.priority_levels)
+        ),
         "stream_max_in_flight": settings.stream_max_in_flight,
         "execution": "event loop" if inline else "executor",
         "deterministic": settings.deterministic,

@@ -64,7 +64,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """Raw logits ``[batch, n_classes]`` FP32 for ``request.inputs`` ``[batch, n_features]`` FP32.
 
         The feature version is read from the ``x-feature-version`` metadata and the deadline from the
-        call; the engine validates the tensor and the version contract before any compute.
+        call; ``request.priority`` picks the batch-queue level (0 = the default); the engine validates the tensor and the version contract before any compute.
 
         Raises:
             InvalidInput: the metadata key was sent twice with different values (counted here as a
@@ -85,6 +85,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             tensor,
             converters.deadline(context),
             per_row_errors=request.per_row_errors,
+            priority=request.priority,
         )
         return converters.infer_response(result)
 
@@ -158,12 +159,12 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         """Raw logits ``[batch, n_classes]`` FP32 as one output for the request's one FP32 input.
 
         ``x-feature-version`` comes from the request parameters or the metadata; the call's deadline,
-        or a ``timeout`` parameter, bounds it. The logits are raw little-endian bytes unless the request
+        or a ``timeout`` parameter, bounds it; a ``priority`` parameter picks the batch-queue level. The logits are raw little-endian bytes unless the request
         asks for typed contents (``binary_data_output``, or the output's ``binary_data``, false).
 
         Raises:
             UnsupportedParameter: a parameter this server does not implement, or one of the wrong type.
-            InvalidInput: not exactly one input, raw and typed contents together, an unknown output, or
+            InvalidInput: a ``priority`` that is not a defined level, not exactly one input, raw and typed contents together, an unknown output, or
                 a feature version that is not a string or disagrees between parameter and metadata.
             Draining, ModelNotFound, ModelNotReady, ModelUnhealthy, FeatureVersionMismatch, QueueFull,
                 DeadlineExpired, ModelFailure: as :meth:`InferenceEngine.infer` raises them.
@@ -209,7 +210,13 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             self.engine.count_refusal(request.model_name, exc.code)
             raise
         result = await self.engine.infer(
-            request.model_name, request.model_version, feature_version, tensor, options.deadline(deadline), outputs
+            request.model_name,
+            request.model_version,
+            feature_version,
+            tensor,
+            options.deadline(deadline),
+            outputs,
+            priority=options.priority,
         )
         return oip_extensions.infer_response(result, request.id, options)
 

@@ -146,7 +146,16 @@ class InferenceSettings(ConnectionSettings):
     max_request_rows: int = 8192
     """Most rows one request may carry; above max_batch_size it is split into batches, above this refused."""
     max_queue_rows: int = 16384
-    """Rows that may wait per model version; beyond it requests get RESOURCE_EXHAUSTED."""
+    """Rows that may wait per model version and priority level; beyond it that level's requests get
+    RESOURCE_EXHAUSTED (unless priority_queue_rows sets the level's own limit)."""
+    priority_levels: int = 2
+    """Priority levels of the batch queue, 1 (highest) to this (Triton's priority_levels): a batch takes
+    higher levels' waiting rows first; a request naming another level is refused INVALID_ARGUMENT."""
+    default_priority_level: int = 0
+    """Level of a request that names none (priority 0 or absent); 0 = the lowest, priority_levels."""
+    priority_queue_rows: list[int] = []
+    """Rows that may wait per level, level 1 first (e.g. [16384, 2048]); levels not listed take
+    max_queue_rows. A full level refuses its own requests only."""
 
     # -- streaming (OIP ModelStreamInfer) ---------------------------------------------------
     stream_max_in_flight: int = 128
@@ -180,10 +189,24 @@ class InferenceSettings(ConnectionSettings):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if self.priority_levels < 1 or not 0 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError("priority_levels must be at least 1 and default_priority_level in 0..priority_levels")
+        if len(self.priority_queue_rows) > self.priority_levels or any(
+            r < self.max_request_rows for r in self.priority_queue_rows
+        ):
+            raise ValueError(
+                f"priority_queue_rows takes one limit per level ({self.priority_levels} at most), each at least "
+                f"max_request_rows ({self.max_request_rows}): a smaller one could never queue such a request"
+            )
         bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
         if bad:
             raise ValueError(f"preferred_batch_sizes {bad} must lie in 1..max_batch_size ({self.max_batch_size})")
         return self
+
+    @property
+    def default_level(self) -> int:
+        """The priority level of a request that names none: default_priority_level, 0 meaning the lowest."""
+        return self.default_priority_level or self.priority_levels
 
     def models_to_serve(self) -> list[str]:
         """Models a server with these settings serves: ``models``, else every folder of

@@ -69,6 +69,14 @@ class PredictionSettings(ConnectionSettings):
     """Longest a Predict call waits, while a batch is being decided, to be decided with the calls that arrive after it, in milliseconds (never more than a tenth of its deadline's budget)."""
     merge_wait_from_calls: PositiveInt = 4
     """Predict calls being decided from which a new call waits (up to merge_max_delay_ms) to be decided with the calls after it; below it, calls go at once (waiting would only add latency on a lightly loaded server)."""
+    priority_levels: PositiveInt = 2
+    """InferenceService's priority_levels: levels 1 (highest) … this exist; an x-priority beyond is refused."""
+    priority_online: PositiveInt = 1
+    """Priority level of Predict calls (online), sent to InferenceService with their Infer calls."""
+    priority_bulk: PositiveInt = 2
+    """Priority level of BatchPredict and PredictColumns calls (bulk)."""
+    priority_allow_raise: bool = False
+    """Whether a caller's x-priority may ask for a higher level than its RPC's default (a lower one always may)."""
     max_batch_items: int = 1000
     """Most items one BatchPredict call may carry; more is INVALID_ARGUMENT."""
     max_chunk_rows: PositiveInt = 10_000
@@ -242,6 +250,12 @@ class PredictionSettings(ConnectionSettings):
     """PEM client certificate presented to InferenceService (when it requires mutual TLS)."""
     inference_tls_key_file: Path | None = None
     """PEM private key of inference_tls_cert_file."""
+
+    @model_validator(mode="after")
+    def _priorities_are_levels(self) -> PredictionSettings:
+        if max(self.priority_online, self.priority_bulk) > self.priority_levels:
+            raise ValueError("priority_online and priority_bulk must be levels 1..priority_levels")
+        return self
 
     @model_validator(mode="after")
     def _ledger_is_its_own(self) -> PredictionSettings:

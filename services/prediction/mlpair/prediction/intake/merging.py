@@ -24,6 +24,11 @@ What a caller sees does not change (tests/prediction/test_merging.py):
   neither decided nor recorded, unless the batch's ledger commit had already begun — as for a
   call decided alone. A batch whose callers have all left is cancelled.
 
+**Its own priority.** Calls share a batch only with calls of the same priority level (the caller's,
+:mod:`mlpair.prediction.intake.priority`), and when several queues go out together the
+higher level's go first: a Predict that asked for the bulk level never holds back, nor rides
+with, the online ones.
+
 What is shared: the batch's ledger commit, and the log lines and spans of the batch as a whole
 (a merged batch runs in a context of its own, not as any one of its callers).
 """
@@ -37,6 +42,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from mlpair.prediction import metrics
+from mlpair.prediction.intake import priority
 from mlpair.prediction.outcomes import Outcome, Outcomes, PredictInput
 
 
@@ -69,19 +75,22 @@ RunBatch = Callable[[Sequence[PredictInput], Sequence[MergedCall] | None], Await
 
 
 class _Queue:
-    """Calls waiting to go out together: their near deadlines lie within the merger's window of the
-    first's (``deadline`` None: calls with no deadline or a far one)."""
+    """Calls waiting to go out together: one priority level, their near deadlines within the merger's
+    window of the first's (``deadline`` None: calls with no deadline or a far one)."""
 
-    __slots__ = ("calls", "ids", "deadline", "flush", "send_by")
+    __slots__ = ("calls", "ids", "deadline", "flush", "send_by", "level")
 
-    def __init__(self, deadline: float | None) -> None:
+    def __init__(self, deadline: float | None, level: int = 0) -> None:
         self.calls: list[MergedCall] = []
         self.ids: set[str] = set()
         self.deadline = deadline  # the first call's near deadline
         self.flush: asyncio.Handle | None = None
         self.send_by = 0.0  # loop time the queue goes by
+        self.level = level
 
-    def takes(self, deadline: float | None, window_s: float) -> bool:
+    def takes(self, deadline: float | None, window_s: float, level: int) -> bool:
+        if level != self.level:
+            return False
         if deadline is None or self.deadline is None:
             return deadline is None and self.deadline is None
         return abs(deadline - self.deadline) <= window_s
@@ -149,12 +158,13 @@ class PredictMerger:
             return await self._alone(request)
         deadline, now = request.deadline, time.monotonic()
         near = deadline if deadline is not None and deadline - now <= self.scoring_bound_s + self.max_delay_s else None
-        queue = next((q for q in self._queues if q.takes(near, self.deadline_window_s)), None)
+        level = priority.current()
+        queue = next((q for q in self._queues if q.takes(near, self.deadline_window_s, level)), None)
         if queue is not None and request.request_id in queue.ids:
             self._send(queue)  # a repeated id never shares a batch: what is queued goes first
             queue = None
         if queue is None:
-            queue = _Queue(near)
+            queue = _Queue(near, level)
             self._queues.append(queue)
         loop = asyncio.get_running_loop()
         call = MergedCall(request, loop.create_future(), contextvars.copy_context())
@@ -237,7 +247,8 @@ class PredictMerger:
         self._send_all()
 
     def _send_all(self) -> None:
-        for queue in list(self._queues):
+        """Sends every queue, the highest priority level's (1) first; 0 (no call's level) last."""
+        for queue in sorted(self._queues, key=lambda q: q.level or 1 << 30):
             self._send(queue)
 
     async def _decide(self, batch: list[MergedCall]) -> None:

@@ -12,6 +12,7 @@ from mlpair.prediction import metrics
 from mlpair.prediction.feedback.items import OutcomesNotServed
 from mlpair.prediction.feedback.store import OutcomeStore
 from mlpair.prediction.intake import converters, outcome_wire, tables
+from mlpair.prediction.intake.priority import PriorityPolicy
 from mlpair.prediction.pipeline import Predictor
 
 DECIDING_METHODS = frozenset({"PredictionServicer.Predict", "PredictionServicer.BatchPredict"})
@@ -42,11 +43,13 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         max_chunk_rows: int = 10_000,
         outcomes: OutcomeStore | None = None,
         max_outcome_items: int = 10_000,
+        priorities: PriorityPolicy | None = None,
     ) -> None:
         self.predictor = predictor
         self.max_chunk_rows = max_chunk_rows
         self.outcomes = outcomes
         self.max_outcome_items = max_outcome_items
+        self.priorities = priorities or PriorityPolicy()
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
         """Decides one request (or returns the decision on record for its ``request_id``).
@@ -56,6 +59,7 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
                 reused idempotency key, InferenceService refused or failed, ledger unavailable); the
                 guard turns it into the call's status with its ErrorInfo.
         """
+        self.priorities.enter(context.invocation_metadata(), self.priorities.online)
         result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
         return converters.predict_response(result)
 
@@ -67,6 +71,7 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         Raises:
             InvalidRequest: more items than ``max_batch_items`` (nothing is decided).
         """
+        self.priorities.enter(context.invocation_metadata(), self.priorities.bulk)
         outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
         return converters.batch_response(outcomes)
 
@@ -76,6 +81,7 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         """One response per request chunk, in order; a chunk refused as a whole is answered with
         its error and the stream goes on (:mod:`mlpair.prediction.intake.tables`)."""
         deadline = converters.deadline(context)
+        self.priorities.enter(context.invocation_metadata(), self.priorities.bulk)
         async for request in requests:
             await context.write(await tables.decide_chunk(self.predictor, request, self.max_chunk_rows, deadline))
 

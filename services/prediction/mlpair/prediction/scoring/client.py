@@ -218,6 +218,7 @@ class InferenceClient:
         *,
         timeout_s: float | None = None,
         callers: Sequence[Caller] | None = None,
+        priority: int = 0,
     ) -> tuple[np.ndarray, str]:
         """Logits for ``features`` ``[batch, n_features] float32`` from ``target``'s model.
 
@@ -225,6 +226,8 @@ class InferenceClient:
             timeout_s: deadline of this call in seconds; None uses the client's default.
             callers: the callers whose rows the call carries (its span links to each; a call for
                 several carries no single caller's request id); None = the running request's.
+            priority: InferenceService's batch-queue level for the call (``InferRequest.priority``):
+                1 the highest, 0 = InferenceService's default level.
 
         Returns:
             Logits ``[batch, n_classes] float32`` and the model version that served them. A row
@@ -244,6 +247,7 @@ class InferenceClient:
             model_version=target.version,
             inputs=pb.Tensor(data_type=pb.DATA_TYPE_FP32, shape=x.shape, content=x.tobytes()),
             per_row_errors=True,  # rows of many callers share a call: one row's output must fail no other
+            priority=priority,
         )
         timeout = self._timeout_s if timeout_s is None else timeout_s
         response = await self._call(

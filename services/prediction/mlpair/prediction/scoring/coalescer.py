@@ -4,9 +4,11 @@ Each Predict call carries one entity, so without this every request would pay a 
 InferenceService round trip of its own: a second Python gRPC hop per decision, which is where
 a two-service split loses most of its throughput (design.md, "The hop budget"). The
 :class:`InferenceCoalescer` sits between the cache's single-flight calls and the resilient
-caller: concurrent calls for the same (model, model version, feature schema version) wait
-briefly in a *lane* and go out together as one ``Infer``; the logits are scattered back in
-row order.
+caller: concurrent calls for the same (model, model version, feature schema version) and priority level
+wait briefly in a *lane* and go out together as one ``Infer``; the logits are scattered back in
+row order. Rows of different priority levels (:mod:`mlpair.prediction.intake.priority`: the
+caller's level) never share a call: each lane's calls carry their level to InferenceService, so
+bulk rows never ride an online call ahead of other bulk work, nor hold an online row back.
 
 When a lane's rows are sent:
 
@@ -51,6 +53,7 @@ from mlpair.contracts.target import ModelTarget
 from mlpair.observability.calls import Caller
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import InferenceTimeout
+from mlpair.prediction.intake import priority
 from mlpair.prediction.scoring.resilience import ResilientCaller
 
 
@@ -64,9 +67,11 @@ class Infers(Protocol):
         *,
         timeout_s: float | None = None,
         callers: Sequence[Caller] | None = None,
+        priority: int = 0,
     ) -> tuple[np.ndarray, str]:
         """Logits ``[batch, n_classes] float32`` for ``features`` ``[batch, n_features] float32``, and
         the model version that served them; a row the service could not score is all NaN.
+        ``priority``: InferenceService's batch-queue level (1 = highest, 0 = its default).
 
         Raises:
             InferenceError: the call failed as a whole (timeout, unavailable, overloaded, contract
@@ -124,12 +129,13 @@ class InferenceCoalescer:
         self.caller = caller
         self.max_delay_s = max(0.0, max_delay_s)
         self.max_rows = max(1, max_rows)
-        self._lanes: dict[ModelTarget, _Lane] = {}
+        self._lanes: dict[tuple[ModelTarget, int], _Lane] = {}
         self._calls: set[asyncio.Task] = set()
 
     async def infer(self, target: ModelTarget, rows: np.ndarray, deadline: float | None) -> tuple[np.ndarray, str]:
         """Logits for ``rows`` ``[n, n_features] float32`` from ``target``'s model, sent together
-        with concurrent callers' rows for the same target (one lane per target).
+        with concurrent callers' rows for the same target at the same priority level (one lane per
+        target and level; the level is the caller's, :func:`mlpair.prediction.intake.priority.current`).
 
         Args:
             deadline: the caller's deadline in ``time.monotonic()`` seconds, or None.
@@ -145,7 +151,7 @@ class InferenceCoalescer:
         refused = self.caller.no_budget_error(deadline, time.monotonic())
         if refused is not None:
             raise refused
-        key = target
+        key = (target, priority.current())
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
@@ -181,7 +187,7 @@ class InferenceCoalescer:
             task.cancel()
         await asyncio.gather(*self._calls, return_exceptions=True)
 
-    def _send(self, key: ModelTarget, lane: _Lane) -> None:
+    def _send(self, key: tuple[ModelTarget, int], lane: _Lane) -> None:
         """Sends the lane's queued parts as one call (those still waiting, with budget left)."""
         if lane.flush is not None:
             lane.flush.cancel()
@@ -208,8 +214,9 @@ class InferenceCoalescer:
         self._calls.add(call.task)
         call.task.add_done_callback(self._calls.discard)
 
-    async def _call(self, key: ModelTarget, lane: _Lane, parts: list[_Part]) -> None:
-        model_name = key.name
+    async def _call(self, key: tuple[ModelTarget, int], lane: _Lane, parts: list[_Part]) -> None:
+        target, level = key
+        model_name = target.name
         rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
         # the latest: the call is of use while any caller waits (each waits only its own budget)
         deadlines = [p.deadline for p in parts if p.deadline is not None]
@@ -218,7 +225,7 @@ class InferenceCoalescer:
         started = time.perf_counter()
         try:
             logits, version = await self.caller.call(
-                lambda timeout: self.client.infer(key, rows, timeout_s=timeout, callers=callers),
+                lambda timeout: self.client.infer(target, rows, timeout_s=timeout, callers=callers, priority=level),
                 deadline,
                 model=model_name,
             )
