@@ -24,6 +24,7 @@ from mlpair.prediction.composition import PredictionComponents, build_components
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.feedback.store import OutcomeStore
 from mlpair.prediction.health import PredictionHealth
+from mlpair.prediction.intake.limits import build_gate
 from mlpair.prediction.intake.servicer import PredictionServicer, count_refused_calls
 from mlpair.prediction.pipeline import Predictor
 from mlpair.prediction.settings import PredictionSettings
@@ -63,7 +64,9 @@ def create_server(
         [
             Service(
                 SERVICE_NAME,
-                PredictionServicer(predictor, settings.max_chunk_rows, outcomes, settings.max_outcome_items),
+                PredictionServicer(
+                    predictor, settings.max_chunk_rows, outcomes, settings.max_outcome_items, build_gate(settings)
+                ),
                 pb_grpc.add_PredictionServiceServicer_to_server,
                 count_refused_calls(predictor),
             )
