@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
-from mlpair.prediction.errors import CallerRateLimited
-from mlpair.prediction.intake.limits import Limit, LimitUnavailable, MemoryLimiter, RedisLimiter, parse_limits
+from mlpair.prediction.errors import CallerRateLimited, LimitUnavailable
+from mlpair.prediction.intake.limits import Limit, MemoryLimiter, RedisLimiter, parse_limits
 from mlpair.rpc.status import error_info, retry_delay_s
 from tests.fault_support import eventually, free_port, prediction_service, prediction_settings
 from tests.support import require_service

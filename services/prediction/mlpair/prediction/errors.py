@@ -145,3 +145,11 @@ class InvalidCaller(PredictionError):
 
     code = "INVALID_ARGUMENT"
     reason = "CALLER_INVALID"
+
+
+class LimitUnavailable(PredictionError):
+    """The shared caller-limit store (Redis) did not answer and the limit fails closed
+    (``PREDICTION_CALLER_LIMIT_REDIS_FAILURE=closed``); nothing was decided."""
+
+    code = "UNAVAILABLE"
+    reason = "CALLER_LIMIT_UNAVAILABLE"

@@ -198,12 +198,9 @@ class Predictor:
         metrics.BATCH_ITEMS.observe(len(requests))
         return await self._run(requests)
 
-    async def decide_table(
-        self, model_name: str, chunk: Chunk, deadline: float | None = None, caller: str = ""
-    ) -> Outcomes:
-        """Decides a table's chunk of one family (PredictColumns): every row as the same values
-        sent as a Predict would be, each with its own outcome, in row order (an :class:`Outcomes`);
-        ``caller``: who asked, recorded with each decision.
+    async def decide_table(self, model_name: str, chunk: Chunk, deadline: float | None = None, caller="") -> Outcomes:
+        """Decides a table's chunk of one family (PredictColumns) for ``caller``: every row as the
+        same values sent as a Predict would be, each with its own outcome, in row order (an :class:`Outcomes`).
 
         Raises:
             UnknownModel: ``model_name`` is not served here (nothing is decided).

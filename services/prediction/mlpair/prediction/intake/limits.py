@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mlpair.prediction import metrics
-from mlpair.prediction.errors import CallerRateLimited, PredictionError
+from mlpair.prediction.errors import CallerRateLimited, LimitUnavailable
 from mlpair.prediction.intake.callers import CallerSource, identify, metric_label
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,6 @@ if wait > 0 then return {0, wait} end
 redis.call('SET', KEYS[1], string.format('%d', new_tat), 'PX', math.ceil((new_tat - now) / 1000) + 1)
 return {1, 0}
 """
-
-
-class LimitUnavailable(PredictionError):
-    """The shared limit store (Redis) did not answer and this service fails closed."""
-
-    code = "UNAVAILABLE"
-    reason = "CALLER_LIMIT_UNAVAILABLE"
 
 
 @dataclass(frozen=True)
@@ -174,13 +167,17 @@ class RedisLimiter(Limiter):
 
         self.prefix = prefix + "caller-limit:"
         self.failure = failure
-        self._redis = aioredis.Redis.from_url(
+        # a call waits up to timeout_s for a free connection (a plain pool refuses at once when all
+        # max_connections are busy, which a burst of concurrent calls reaches)
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            max_connections=max_connections,
             retry=Retry(NoBackoff(), 0),
         )
+        self._redis = aioredis.Redis(connection_pool=pool)
         self._script = self._redis.register_script(GCRA_SCRIPT)
 
     async def _take(self, caller: str, limit: Limit, n: int) -> int | None:
