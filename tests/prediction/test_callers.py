@@ -3,6 +3,8 @@ header nothing trusted set; recorded in the ledger and the CRM with each decisio
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 
@@ -116,3 +118,14 @@ async def test_an_unusable_caller_header_is_invalid_argument_and_nothing_is_reco
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_info(refused.value).reason == "CALLER_INVALID"
         assert await predictor.recorder.ledger.find("bad-caller") is None
+
+
+async def test_the_decision_log_line_names_the_caller(tmp_path, model_repository, inference_server, credit_holdout,
+                                                     caplog):
+    settings = prediction_settings(tmp_path, model_repository, inference_server, caller_source="mesh")
+    async with prediction_service(settings) as (stub, _, _, _):
+        with caplog.at_level(logging.DEBUG, logger="mlpair.prediction.pipeline"):
+            reply = await stub.Predict(predict("logged-1", credit_holdout.records[0]), timeout=20,
+                                       metadata=(("x-forwarded-client-cert", SIDECAR),))
+    [line] = [r for r in caplog.records if r.name == "mlpair.prediction.pipeline" and r.msg == "decision %s"]
+    assert (line.decision_id, line.caller) == (reply.decision_id, "spiffe://cluster.local/ns/lending/sa/web")
