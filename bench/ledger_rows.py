@@ -90,6 +90,7 @@ def decisions(n: int, chunk: int, rng: random.Random):
                 [0] * rows,
                 ["" if p is not None else "INFERENCE_UNAVAILABLE" for p in probabilities],
                 [now] * rows,
+                ["spiffe://cluster.local/ns/bank/sa/online"] * rows,
                 [hashlib.sha256(r.encode()).hexdigest() for r in ids],
             )
         )

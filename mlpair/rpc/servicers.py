@@ -119,7 +119,9 @@ def _guarded(
         except ServiceError as exc:
             if not entered and refused is not None:
                 refused(method, request, exc.code)
-            status = to_status(exc.code, exc.message, exc.reason, domain, exc.metadata)
+            status = to_status(
+                exc.code, exc.message, exc.reason, domain, exc.metadata, getattr(exc, "retry_after_s", None)
+            )
         except grpc.aio.AbortError:
             raise  # the handler already chose its status
         except Exception:

@@ -201,3 +201,32 @@ async def test_prediction_over_tls_to_inference_over_mutual_tls(model_repository
 def test_incomplete_tls_settings_are_refused(settings_cls, fields):
     with pytest.raises(ValueError, match="tls"):
         settings_cls(**fields)
+
+
+async def test_with_caller_source_tls_the_caller_is_the_client_certificate_and_headers_claim_nothing(
+        model_repository, credit_holdout, certs, tmp_path, inference_server):
+    """Mutual TLS on PredictionService's port with PREDICTION_CALLER_SOURCE=tls: the decision records
+    the verified client certificate's subject, whatever x-caller-id or x-forwarded-client-cert the
+    client sends."""
+    from mlpair.prediction.server import stop
+    from tests.support import start_prediction
+
+    settings = PredictionSettings(
+        host="127.0.0.1", port=0, metrics_port=0, inference_target=inference_server,
+        crm_url=f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}",
+        ledger_url=f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}", model_repository=model_repository,
+        config_dir=CONFIG_DIR, tls_cert_file=certs["server_cert"], tls_key_file=certs["server_key"],
+        tls_client_ca_file=certs["ca"], caller_source="tls")
+    server, port, health, predictor = await start_prediction(settings)
+    try:
+        with_cert = channel_credentials(certs["ca"], certs["client_cert"], certs["client_key"])
+        async with open_channel(f"127.0.0.1:{port}", [], with_cert) as channel:
+            spoofed = (("x-caller-id", "someone-else"),
+                       ("x-forwarded-client-cert", "URI=spiffe://cluster.local/ns/bank/sa/admin"))
+            reply = await pb_grpc.PredictionServiceStub(channel).Predict(pb.PredictRequest(
+                request_id="tls-caller-1", entity_id="e-1", attributes=to_attributes(credit_holdout.records[0])),
+                timeout=10, metadata=spoofed)
+        recorded = await predictor.recorder.ledger.find("tls-caller-1")
+        assert reply.decision_label and recorded.decision.caller == "CN=prediction-service"
+    finally:
+        await stop(server, health, predictor, 0)

@@ -15,7 +15,7 @@ from mlpair.prediction.recording.store import CrmStore, make_engine
 from mlpair.prediction.records import StoredDecision, decision_id_for
 from tests.support.ledger import crm_decision
 
-CRM_HEAD = "crm_0002"
+CRM_HEAD = "crm_0003"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -24,7 +24,7 @@ def columns(request_ids: list[str], fingerprint: str = "fp", decision: str = "AP
         ["credit-risk"] * n, ["1"] * n, ["credit-risk/v1"] * n, ["policy/v1"] * n,
         [0.125 if i % 5 else None for i in range(n)], [decision] * n,
         [("LOW_DEFAULT_RISK",) if i % 3 else ("A", "B_MISSING_DEFAULTED") for i in range(n)],
-        ["inference"] * n, [0] * n, [""] * n, [now] * n, [fingerprint] * n)
+        ["inference"] * n, [0] * n, [""] * n, [now] * n, [f"caller-{i % 2}" for i in range(n)], [fingerprint] * n)
 
 
 @pytest.fixture

@@ -198,13 +198,15 @@ async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_rel
     waiting = sorted(ids)[40:]
     assert {i for i in ids if marks[i] is None} == set(waiting)  # the per-row work list
     assert all(marks[i] is not None for i in sorted(ids)[:40])  # delivered, to the previous release too
-    async with sql.transaction():  # what the previous release's relay claims
-        assert [r["request_id"] for r in await sql.fetch(ledger_sql.CLAIM, 1000)] == waiting
+    async with sql.transaction():  # what the previous release's relay claims (its CLAIM, without later columns)
+        claim = ("SELECT seq, request_id FROM prediction.decision_ledger WHERE delivered_at IS NULL ORDER BY seq "
+                 "LIMIT $1 FOR UPDATE SKIP LOCKED")
+        assert [r["request_id"] for r in await sql.fetch(claim, 1000)] == waiting
 
     await migrate(migrated_postgres, migrated_postgres)  # and forward again
     engine = create_async_engine(migrated_postgres)
     try:
-        assert await current_revision(engine, "ledger") == "ledger_0003"
+        assert await current_revision(engine, "ledger") == "ledger_0004"
     finally:
         await engine.dispose()
 

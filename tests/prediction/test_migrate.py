@@ -64,7 +64,7 @@ def test_migrate_creates_both_schemas_and_is_idempotent(tmp_path):
     for _ in range(2):
         done = mlpair_cli("migrate", "--ledger-url", ledger, "--crm-url", crm)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "ledger at ledger_0003, CRM at crm_0002"
+        assert done.stdout.strip() == "ledger at ledger_0004, CRM at crm_0003"
 
 
 def test_migrate_names_an_unreachable_database_in_one_line(tmp_path):
@@ -122,24 +122,26 @@ async def test_the_serving_role_decides_but_cannot_change_any_schema(
 
 def previous_release(tmp_path: Path) -> Path:
     """The previous release's code from git history (see :func:`tests.support.pair.previous_release`)."""
-    if (release := harness.previous_release(tmp_path / "previous")) is None:
+    ref = harness.PREVIOUS_SCHEMA_RELEASE
+    if (release := harness.previous_release(tmp_path / "previous", ref)) is None:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"git history with {harness.PREVIOUS_RELEASE} is needed to run the previous release's code")
-        pytest.skip(f"no git history with {harness.PREVIOUS_RELEASE} (a clone with history runs this test)")
+            pytest.fail(f"git history with {ref} is needed to run the previous release's code")
+        pytest.skip(f"no git history with {ref} (a clone with history runs this test)")
     return release
 
 
 async def test_the_previous_release_runs_against_this_schema_beside_this_release(
         fresh_postgres, model_repository, inference_server, credit_holdout, tmp_path):
-    """Expand/contract: during a rollout the previous release's pods (own outbox, CRM at the same
-    database, migrating at start-up as they did) keep deciding and delivering against the schema
-    `mlpair migrate` made, and once `--backfill-from-crm` has run this release replays what they decided."""
+    """Expand/contract: during a rollout the previous release's pods keep deciding and delivering
+    against the schema `mlpair migrate` made (the caller columns are left to their default), this
+    release replays what they decided and they replay what it decided; and a CRM row written by a
+    release from before the shared ledger is backfilled (`--backfill-from-crm`) and replayed."""
     release = previous_release(tmp_path)
     assert mlpair_cli("migrate", "--ledger-url", fresh_postgres, "--crm-url", fresh_postgres).returncode == 0
     port = free_port()
     env = {"PREDICTION_HOST": "127.0.0.1", "PREDICTION_PORT": str(port), "PREDICTION_METRICS_PORT": "0",
            "PREDICTION_INFERENCE_TARGET": inference_server, "PREDICTION_CRM_URL": fresh_postgres,
-           "PREDICTION_OUTBOX_URL": f"sqlite+aiosqlite:///{tmp_path / 'old-outbox.sqlite'}",
+           "PREDICTION_LEDGER_URL": fresh_postgres, "PREDICTION_WORKERS": "1",
            "PREDICTION_MODEL_REPOSITORY": str(model_repository), "PREDICTION_CONFIG_DIR": str(release / "source" / "config"),
            "PYTHONPATH": str(release / "package")}
     with open(tmp_path / "previous-release.log", "w") as log:  # the child holds its own descriptor
@@ -148,26 +150,50 @@ async def test_the_previous_release_runs_against_this_schema_beside_this_release
     try:
         from mlpair.rpc import wait_until_serving
 
-        assert await asyncio.to_thread(wait_until_serving, f"127.0.0.1:{port}", 60, lambda: old.poll() is None)
+        assert await asyncio.to_thread(wait_until_serving, f"127.0.0.1:{port}", 60, lambda: old.poll() is None), \
+            (tmp_path / "previous-release.log").read_text()[-2000:]
+        attributes = to_attributes(credit_holdout.records[3])
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            old_reply = await pb_grpc.PredictionServiceStub(channel).Predict(pb.PredictRequest(
-                request_id="decided-by-previous-release", entity_id="e-old",
-                attributes=to_attributes(credit_holdout.records[3])), timeout=20)
-        settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=fresh_postgres,
-                                       crm_url=fresh_postgres)
-        async with prediction_service(settings) as (stub, predictor, _, _):
-            for _ in range(100):  # the previous release's relay delivers into the CRM this release migrated
-                if await predictor.crm.find("decided-by-previous-release") is not None:
-                    break
-                await asyncio.sleep(0.1)
-            delivered = await predictor.crm.find("decided-by-previous-release")
-            assert delivered is not None and delivered.decision_id == old_reply.decision_id, (tmp_path / "previous-release.log").read_text()[-2000:]
-            report = await migrate(fresh_postgres, fresh_postgres, backfill_from_crm=True)
-            assert report.backfilled_from_crm == 1
-            replay = await stub.Predict(pb.PredictRequest(request_id="decided-by-previous-release", entity_id="e-old",
-                                                          attributes=to_attributes(credit_holdout.records[3])), timeout=20)
-            assert replay.replayed and (replay.decision_id, replay.decision_label, replay.probability) == \
-                (old_reply.decision_id, old_reply.decision_label, old_reply.probability)
+            old_stub = pb_grpc.PredictionServiceStub(channel)
+            old_reply = await old_stub.Predict(pb.PredictRequest(
+                request_id="decided-by-previous-release", entity_id="e-old", attributes=attributes), timeout=20)
+            settings = prediction_settings(tmp_path, model_repository, inference_server, ledger_url=fresh_postgres,
+                                           crm_url=fresh_postgres)
+            async with prediction_service(settings) as (stub, predictor, _, _):
+                for _ in range(100):  # one of the two releases' relays delivers it into the CRM
+                    if await predictor.crm.find("decided-by-previous-release") is not None:
+                        break
+                    await asyncio.sleep(0.1)
+                delivered = await predictor.crm.find("decided-by-previous-release")
+                assert delivered is not None and delivered.decision_id == old_reply.decision_id
+                assert delivered.caller == ""  # the previous release records no caller: the column's default
+                replay = await stub.Predict(pb.PredictRequest(request_id="decided-by-previous-release",
+                                                              entity_id="e-old", attributes=attributes), timeout=20)
+                assert replay.replayed and (replay.decision_id, replay.decision_label, replay.probability) == \
+                    (old_reply.decision_id, old_reply.decision_label, old_reply.probability)
+                new_reply = await stub.Predict(pb.PredictRequest(request_id="decided-by-this-release",
+                                                                 entity_id="e-new", attributes=attributes), timeout=20)
+                old_replay = await old_stub.Predict(pb.PredictRequest(
+                    request_id="decided-by-this-release", entity_id="e-new", attributes=attributes), timeout=20)
+                assert old_replay.replayed and old_replay.decision_id == new_reply.decision_id
+                assert (await predictor.recorder.ledger.find("decided-by-this-release")).decision.caller == "anonymous"
+
+                # a decision only the CRM holds, as a release before the shared ledger delivered it
+                conn = await asyncpg.connect(asyncpg_dsn(fresh_postgres))
+                try:
+                    await conn.execute(
+                        "INSERT INTO decisions (decision_id, request_id, entity_id, model_name, model_version, "
+                        "feature_schema_version, policy_version, probability, decision, reason_codes) VALUES "
+                        "('d-crm-only', 'in-crm-only', 'e-crm', 'credit-risk', '1', 'credit-risk/v1', 'p/1', 0.25, "
+                        "'APPROVE', '[\"LOW_DEFAULT_RISK\"]')")
+                finally:
+                    await conn.close()
+                report = await migrate(fresh_postgres, fresh_postgres, backfill_from_crm=True)
+                assert report.backfilled_from_crm == 1
+                backfilled = await stub.Predict(pb.PredictRequest(request_id="in-crm-only", entity_id="e-crm",
+                                                                  attributes=attributes), timeout=20)
+                assert backfilled.replayed and (backfilled.decision_id, backfilled.decision_label) == \
+                    ("d-crm-only", "APPROVE")
     finally:
         old.terminate()
         old.wait(30)

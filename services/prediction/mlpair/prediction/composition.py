@@ -27,6 +27,7 @@ from mlpair.logs import add_personal_fields, set_process_model_version
 from mlpair.prediction import metrics
 from mlpair.prediction.families import ConfigurationError, ModelFamily
 from mlpair.prediction.feedback.refresh import RealisedMonitor, monitor_for
+from mlpair.prediction.intake.limits import CallerGate, build_gate
 from mlpair.prediction.monitoring.drift import DriftMonitors, drift_config
 from mlpair.prediction.pipeline import Predictor
 from mlpair.prediction.recording.recorder import DecisionRecorder, recorder_for
@@ -52,6 +53,7 @@ class PredictionComponents:
         drift: the drift monitors of every family.
         predictor: the pipeline the servicer calls.
         feedback: the outcome store (RecordOutcomes) and the realised-performance gauges' refresh.
+        gate: each call's caller and its rate limit (:mod:`mlpair.prediction.intake.limits`).
     """
 
     families: Mapping[str, ModelFamily]
@@ -61,6 +63,7 @@ class PredictionComponents:
     drift: DriftMonitors
     predictor: Predictor
     feedback: RealisedMonitor | None = None
+    gate: CallerGate | None = None
 
     @property
     def crm(self) -> CrmStore:
@@ -86,6 +89,8 @@ class PredictionComponents:
         await self.recorder.close(drain_timeout_s=delivery_s)
         if self.feedback is not None:
             await self.feedback.stop()
+        if self.gate is not None:
+            await self.gate.close()
 
 
 def load_families(settings: PredictionSettings) -> dict[str, ModelFamily]:
@@ -178,5 +183,5 @@ def build_components(
         unknown_attributes=settings.unknown_attributes,
     )
     return PredictionComponents(
-        families, inference, scorer, recorder, drift, predictor, monitor_for(families, settings)
+        families, inference, scorer, recorder, drift, predictor, monitor_for(families, settings), build_gate(settings)
     )

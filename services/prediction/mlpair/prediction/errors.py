@@ -125,3 +125,31 @@ class CallerLeft(PredictionError):
 
     code = "CANCELLED"
     reason = "CALLER_LEFT"
+
+
+class CallerRateLimited(PredictionError):
+    """The caller has used its decisions per second (``PREDICTION_CALLER_LIMITS``); nothing was
+    decided or recorded. ``retry_after_s``: when the call would be admitted, sent as ``RetryInfo``."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "CALLER_RATE_LIMITED"
+
+    def __init__(self, message: str, *, retry_after_s: float, metadata=None) -> None:
+        super().__init__(message, metadata=metadata)
+        self.retry_after_s = retry_after_s
+
+
+class InvalidCaller(PredictionError):
+    """The caller's identity, from the source this service trusts (``PREDICTION_CALLER_SOURCE``),
+    is not a usable id (control characters, longer than 128 characters, or a malformed header)."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "CALLER_INVALID"
+
+
+class LimitUnavailable(PredictionError):
+    """The shared caller-limit store (Redis) did not answer and the limit fails closed
+    (``PREDICTION_CALLER_LIMIT_REDIS_FAILURE=closed``); nothing was decided."""
+
+    code = "UNAVAILABLE"
+    reason = "CALLER_LIMIT_UNAVAILABLE"

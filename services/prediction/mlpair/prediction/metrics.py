@@ -30,6 +30,17 @@ def labelled(metric, *values: str):
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 REQUESTS = Counter("prediction_requests_total", "Predict calls by outcome.", ["model", "code"])
+CALLER_DECISIONS = Counter(
+    "prediction_caller_decisions_total",
+    "Decisions asked for, by caller (callers the settings name, anonymous, or other) and by whether the "
+    "caller's rate limit admitted them (admitted) or refused the call (limited: nothing decided or recorded).",
+    ["caller", "outcome"],
+)
+CALLER_LIMIT_ERRORS = Counter(
+    "prediction_caller_limit_errors_total",
+    "Calls the shared caller-limit store (Redis) did not answer for, by what was done (open: admitted; closed: refused).",
+    ["failure"],
+)
 DECISIONS = Counter("prediction_decisions_total", "Decisions returned, by band.", ["model", "decision"])
 REQUEST_DURATION = Histogram(
     "prediction_request_duration_seconds",

@@ -44,6 +44,7 @@ class PredictInput(NamedTuple):
     model_name: str = ""
     explain: bool = False
     deadline: float | None = None  # the caller's deadline in time.monotonic() seconds; None = none
+    caller: str = ""  # who asked, as intake established it (intake/callers.py); "" = not established
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,7 @@ class Predictor:
             decision_id=s.decision_id,
             model_version=s.model_version,
             replayed=outcome.replayed,
+            caller=request.caller,
         )
         return outcome
 
@@ -197,9 +198,9 @@ class Predictor:
         metrics.BATCH_ITEMS.observe(len(requests))
         return await self._run(requests)
 
-    async def decide_table(self, model_name: str, chunk: Chunk, deadline: float | None = None) -> Outcomes:
-        """Decides a table's chunk of one family (PredictColumns): every row as the same values
-        sent as a Predict would be, each with its own outcome, in row order (an :class:`Outcomes`).
+    async def decide_table(self, model_name: str, chunk: Chunk, deadline: float | None = None, caller="") -> Outcomes:
+        """Decides a table's chunk of one family (PredictColumns) for ``caller``: every row as the
+        same values sent as a Predict would be, each with its own outcome, in row order (an :class:`Outcomes`).
 
         Raises:
             UnknownModel: ``model_name`` is not served here (nothing is decided).
@@ -208,7 +209,7 @@ class Predictor:
         name = family.name
         metrics.CHUNK_ROWS.observe(len(chunk))
         requests = [
-            PredictInput(rid, eid, chunk.row(k), name, False, deadline)
+            PredictInput(rid, eid, chunk.row(k), name, False, deadline, caller)
             for k, (rid, eid) in enumerate(zip(chunk.request_ids, chunk.entity_ids))
         ]
         assembler = self._columns[name]

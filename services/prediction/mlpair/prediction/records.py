@@ -97,6 +97,7 @@ class StoredDecision:
     cache_age_ms: int = 0
     degraded_reason: str = ""
     decided_at: datetime | None = None
+    caller: str = ""  # who asked (intake/callers.py); "" on decisions recorded before callers were
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class DecisionColumns(Sequence[StoredDecision]):
     cache_age_ms: list[int]
     degraded_reason: list[str]
     decided_at: list[datetime]
+    caller: list[str]
     fingerprints: list[str] = field(default_factory=list)
 
     # The column fields, in this order: StoredDecision's fields with the request id first.
@@ -165,6 +167,7 @@ class DecisionColumns(Sequence[StoredDecision]):
             self.cache_age_ms[i],
             self.degraded_reason[i],
             self.decided_at[i],
+            self.caller[i],
         )
 
     def __iter__(self) -> Iterator[StoredDecision]:

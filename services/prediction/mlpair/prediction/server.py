@@ -24,6 +24,7 @@ from mlpair.prediction.composition import PredictionComponents, build_components
 from mlpair.prediction.errors import DOMAIN
 from mlpair.prediction.feedback.store import OutcomeStore
 from mlpair.prediction.health import PredictionHealth
+from mlpair.prediction.intake.limits import CallerGate, build_gate
 from mlpair.prediction.intake.priority import PriorityPolicy
 from mlpair.prediction.intake.servicer import PredictionServicer, count_refused_calls
 from mlpair.prediction.pipeline import Predictor
@@ -43,11 +44,12 @@ def create_server(
     tracer_provider=None,
     shared_port: bool = False,
     outcomes: OutcomeStore | None = None,
+    gate: CallerGate | None = None,
 ) -> tuple[grpc.aio.Server, int, PredictionHealth]:
     """Builds the server with PredictionService and health (:func:`mlpair.rpc.server.build_server`)
     and binds its port (0 = free port): with SO_REUSEPORT when ``shared_port`` (one of a
     supervisor's workers), else exclusively. ``outcomes``: where RecordOutcomes stores (None: it is
-    refused UNIMPLEMENTED).
+    refused UNIMPLEMENTED); ``gate``: callers and their limits (None: built from ``settings``).
 
     Raises:
         StartupError: the port is in use.
@@ -75,6 +77,7 @@ def create_server(
                         settings.priority_bulk,
                         settings.priority_allow_raise,
                     ),
+                    gate or build_gate(settings),
                 ),
                 pb_grpc.add_PredictionServiceServicer_to_server,
                 count_refused_calls(predictor),
@@ -113,6 +116,7 @@ async def start(
             tracer_provider=tracer_provider,
             shared_port=shared_port,
             outcomes=components.feedback.store if components.feedback else None,
+            gate=components.gate,
         )
     except BaseException:
         await components.recorder.close(drain_timeout_s=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import NonNegativeFloat, PositiveInt, model_validator
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from mlpair.rpc.server import ConnectionSettings
@@ -159,6 +159,30 @@ class PredictionSettings(ConnectionSettings):
     breaker_half_open_probes: int = 1
     """Infer calls allowed at once while half-open; their outcome closes or reopens the circuit."""
 
+    # Who asks, and how much each caller may ask (intake/callers.py, intake/limits.py).
+    caller_source: Literal["none", "tls", "mesh", "header"] = "none"
+    """Where a call's caller is read from, and only there: mesh (the SPIFFE id in the x-forwarded-client-cert
+    header the mesh's sidecar sets), tls (the client certificate's subject; needs tls_client_ca_file), header
+    (caller_header, set by an authenticating proxy in front), none (every caller is anonymous)."""
+    caller_header: str = "x-caller-id"
+    """The header caller_source = header reads (lower case)."""
+    caller_limits: dict[str, float] = {}
+    """Decisions per second each caller may ask for, by caller id, "*" for every caller not named (JSON, e.g.
+    {"spiffe://cluster.local/ns/lending/sa/web": 50, "*": 500}); empty = no limit. A refused call is
+    RESOURCE_EXHAUSTED (CALLER_RATE_LIMITED) with RetryInfo, nothing decided or recorded."""
+    caller_burst_s: PositiveFloat = 1.0
+    """A caller's burst, as seconds of its rate (at least one decision): the most decisions one call, or a run
+    of calls after a pause, may take at once; must cover the largest BatchPredict the caller sends."""
+    caller_limit_backend: Literal["memory", "redis"] = "memory"
+    """Where the limits are kept: in each process (memory: every replica and worker limits alone), or in
+    Redis at redis_url (shared by every replica: one atomic script per call)."""
+    caller_limit_redis_failure: Literal["open", "closed"] = "open"
+    """When Redis does not answer within redis_timeout_ms: admit the call (open) or refuse it UNAVAILABLE
+    (closed, CALLER_LIMIT_UNAVAILABLE); counted in prediction_caller_limit_errors_total either way."""
+    callers: list[str] = []
+    """Callers given their own label in prediction_caller_decisions_total besides those caller_limits names;
+    every other caller is counted as "other" (and callers with no identity as "anonymous")."""
+
     # Durable decisions: the shared decision ledger and its relay to the CRM database (recording/).
     ledger_url: str = "sqlite+aiosqlite:///var/prediction-ledger.sqlite"
     """SQLAlchemy async URL of the decision ledger every replica shares (postgresql+asyncpg://… for replicas; a SQLite file for one machine); created by `mlpair migrate`."""
@@ -273,4 +297,15 @@ class PredictionSettings(ConnectionSettings):
             raise ValueError("inference_tls_cert_file and inference_tls_key_file go together")
         if self.inference_tls_cert_file is not None and self.inference_tls_ca_file is None:
             raise ValueError("an inference client certificate needs inference_tls_ca_file (TLS to InferenceService)")
+        return self
+
+    @model_validator(mode="after")
+    def _callers_are_consistent(self) -> PredictionSettings:
+        if self.caller_source == "tls" and self.tls_client_ca_file is None:
+            raise ValueError("caller_source = tls reads client certificates: it needs tls_client_ca_file (mutual TLS)")
+        for caller, rate in self.caller_limits.items():
+            if not rate > 0 or rate == float("inf"):
+                raise ValueError(
+                    f"caller_limits: the limit of {caller!r} must be a positive number of decisions per second"
+                )
         return self

@@ -41,6 +41,7 @@ STALE_REASON = "STALE_CACHE_RESULT"
 _FROM_CACHE = (Source.CACHE, Source.STALE_CACHE)
 _SERVED_FROM = {s: s.value for s in Source}  # a dict look-up: cheaper than the enum's ``value`` property
 _REQUEST_ID, _ENTITY_ID = operator.attrgetter("request_id"), operator.attrgetter("entity_id")
+_CALLER = operator.attrgetter("caller")
 _DECISION, _REASON_CODES = operator.itemgetter(0), operator.itemgetter(1)  # of a Verdict
 _MEMO_LIMIT = 4096
 Verdict = tuple[str, tuple[str, ...]]  # (decision, reason codes) of a row with model output
@@ -256,6 +257,7 @@ def _records(
         age,
         degraded,
         [decided_at] * m,
+        [requests[k].caller for k in out_rows],
         [group.fingerprints[k] for k in out_rows],
     )
     explanations = explain_rows(group.family, scores.occluded, out_rows, prob, explain_top_k)
@@ -292,6 +294,7 @@ def _records_all_scored(
         list(age),
         list(degraded),
         [decided_at] * n,
+        list(map(_CALLER, requests)),
         list(group.fingerprints),
     )
     rows = list(range(n))

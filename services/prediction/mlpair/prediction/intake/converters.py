@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from google.protobuf import any_pb2, timestamp_pb2
+from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
@@ -46,8 +46,9 @@ def deadline(context) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-def predict_input(request: pb.PredictRequest, deadline: float | None = None) -> PredictInput:
-    """A Predict call (or BatchPredict item) in domain terms, read from the message protobuf parsed."""
+def predict_input(request: pb.PredictRequest, deadline: float | None = None, caller: str = "") -> PredictInput:
+    """A Predict call (or BatchPredict item) in domain terms, read from the message protobuf parsed;
+    ``caller``: who asked (:mod:`~mlpair.prediction.intake.callers`)."""
     return PredictInput(
         request.request_id,
         request.entity_id,
@@ -55,14 +56,19 @@ def predict_input(request: pb.PredictRequest, deadline: float | None = None) -> 
         request.model_name,
         request.explain,
         deadline,
+        caller,
     )
 
 
-def batch_inputs(request: pb.BatchPredictRequest, deadline: float | None = None) -> list[PredictInput]:
+def batch_inputs(
+    request: pb.BatchPredictRequest, deadline: float | None = None, caller: str = ""
+) -> list[PredictInput]:
     """Each item of a BatchPredict as :func:`predict_input` gives it."""
     values = attribute_values
     return [
-        PredictInput(item.request_id, item.entity_id, values(item.attributes), item.model_name, item.explain, deadline)
+        PredictInput(
+            item.request_id, item.entity_id, values(item.attributes), item.model_name, item.explain, deadline, caller
+        )
         for item in request.requests
     ]
 
@@ -126,7 +132,18 @@ def error_status(error: ServiceError) -> status_pb2.Status:
     """A per-item error as ``google.rpc.Status`` with one ErrorInfo, exactly as Predict would fail."""
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata))
-    return status_pb2.Status(code=getattr(code_pb2, error.code), message=error.message, details=[info])
+    details = [info]
+    if (retry_after_s := getattr(error, "retry_after_s", None)) is not None:  # a caller's rate limit
+        details.append(retry_info(retry_after_s))
+    return status_pb2.Status(code=getattr(code_pb2, error.code), message=error.message, details=details)
+
+
+def retry_info(retry_after_s: float) -> any_pb2.Any:
+    """``google.rpc.RetryInfo`` with ``retry_delay`` = ``retry_after_s`` seconds, packed."""
+    packed = any_pb2.Any()
+    delay = duration_pb2.Duration(seconds=int(retry_after_s), nanos=int((retry_after_s % 1) * 1e9))
+    packed.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return packed
 
 
 def batch_response(outcomes: Sequence[PredictionResult | ServiceError]) -> pb.BatchPredictResponse:

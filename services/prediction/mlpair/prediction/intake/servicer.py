@@ -12,6 +12,7 @@ from mlpair.prediction import metrics
 from mlpair.prediction.feedback.items import OutcomesNotServed
 from mlpair.prediction.feedback.store import OutcomeStore
 from mlpair.prediction.intake import converters, outcome_wire, tables
+from mlpair.prediction.intake.limits import CallerGate, MemoryLimiter
 from mlpair.prediction.intake.priority import PriorityPolicy
 from mlpair.prediction.pipeline import Predictor
 
@@ -44,23 +45,33 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
         outcomes: OutcomeStore | None = None,
         max_outcome_items: int = 10_000,
         priorities: PriorityPolicy | None = None,
+        gate: CallerGate | None = None,
     ) -> None:
+        """``gate``: who each call's caller is and how much it may ask (None: every caller
+        anonymous, no limit)."""
         self.predictor = predictor
         self.max_chunk_rows = max_chunk_rows
         self.outcomes = outcomes
         self.max_outcome_items = max_outcome_items
         self.priorities = priorities or PriorityPolicy()
+        self.gate = gate or CallerGate(MemoryLimiter({}, lambda caller: caller))
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> pb.PredictResponse:
-        """Decides one request (or returns the decision on record for its ``request_id``).
+        """Decides one request (or returns the decision on record for its ``request_id``), once
+        its caller is established and within its limit (:mod:`mlpair.prediction.intake.limits`).
 
         Raises:
+            InvalidCaller, CallerRateLimited, LimitUnavailable: as :meth:`CallerGate.admit` raises
+                them; nothing is decided or recorded.
             PredictionError: as :meth:`Predictor.predict` raises it (invalid request, unknown model,
                 reused idempotency key, InferenceService refused or failed, ledger unavailable); the
                 guard turns it into the call's status with its ErrorInfo.
         """
-        self.priorities.enter(context.invocation_metadata(), self.priorities.online)
-        result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context)))
+        self.priorities.enter(
+            context.invocation_metadata(), self.priorities.online
+        )  # refused before any limit is taken
+        caller = await self.gate.admit(context, 1)
+        result = await self.predictor.predict(converters.predict_input(request, converters.deadline(context), caller))
         return converters.predict_response(result)
 
     async def BatchPredict(
@@ -70,20 +81,35 @@ class PredictionServicer(pb_grpc.PredictionServiceServicer):
 
         Raises:
             InvalidRequest: more items than ``max_batch_items`` (nothing is decided).
+            InvalidCaller, CallerRateLimited, LimitUnavailable: as :meth:`CallerGate.admit` raises
+                them, the batch's items taken from the caller's limit together; nothing is decided.
         """
         self.priorities.enter(context.invocation_metadata(), self.priorities.bulk)
-        outcomes = await self.predictor.predict_batch(converters.batch_inputs(request, converters.deadline(context)))
+        n = len(request.requests)
+        if n > self.predictor.max_batch_items:  # refused whole below, before it costs the caller's limit
+            caller = self.gate.identify(context)
+        else:
+            caller = await self.gate.admit(context, n)
+        inputs = converters.batch_inputs(request, converters.deadline(context), caller)
+        outcomes = await self.predictor.predict_batch(inputs)
         return converters.batch_response(outcomes)
 
     async def PredictColumns(
         self, requests: AsyncIterator[pb.PredictColumnsRequest], context: grpc.aio.ServicerContext
     ) -> None:
-        """One response per request chunk, in order; a chunk refused as a whole is answered with
-        its error and the stream goes on (:mod:`mlpair.prediction.intake.tables`)."""
+        """One response per request chunk, in order; a chunk refused as a whole (one over the
+        caller's limit included: each chunk takes its rows from it) is answered with its error and
+        the stream goes on (:mod:`mlpair.prediction.intake.tables`)."""
         deadline = converters.deadline(context)
         self.priorities.enter(context.invocation_metadata(), self.priorities.bulk)
+
+        async def admit(rows: int) -> str:
+            return await self.gate.admit(context, rows)
+
         async for request in requests:
-            await context.write(await tables.decide_chunk(self.predictor, request, self.max_chunk_rows, deadline))
+            await context.write(
+                await tables.decide_chunk(self.predictor, request, self.max_chunk_rows, deadline, admit)
+            )
 
     async def RecordOutcomes(
         self, request: pb.RecordOutcomesRequest, context: grpc.aio.ServicerContext

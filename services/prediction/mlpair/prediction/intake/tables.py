@@ -24,7 +24,7 @@ columns (:class:`~mlpair.prediction.deciding.decisions.Decided`), the replays' r
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -297,11 +297,17 @@ def _put_error(columns: dict[str, list], i: int, error: ServiceError | None) -> 
 
 
 async def decide_chunk(
-    predictor: Predictor, request: object, max_rows: int, deadline: float | None
+    predictor: Predictor,
+    request: object,
+    max_rows: int,
+    deadline: float | None,
+    admit: Callable[[int], Awaitable[str]] | None = None,
 ) -> pb.PredictColumnsResponse:
     """One PredictColumns chunk decided: its decisions, or the error that refused it as a whole
     (a message that did not parse or holds unknown fields, a chunk :func:`read_chunk` refuses, an
-    unknown model family), counted in ``prediction_chunks_total``."""
+    unknown model family, the caller's rate limit), counted in ``prediction_chunks_total``.
+    ``admit``: given the chunk's rows, takes them from the caller's limit and returns the caller
+    (:meth:`mlpair.prediction.intake.limits.CallerGate.admit`); None: anonymous, unlimited."""
     chunk_id, name = 0, ""
     try:
         if isinstance(request, Refused):
@@ -310,7 +316,8 @@ async def decide_chunk(
             raise MalformedRequest("a chunk is not a valid PredictColumnsRequest message")
         chunk_id, name = request.chunk_id, request.model_name
         chunk = read_chunk(request.arrow_ipc, max_rows)
-        outcomes = await predictor.decide_table(name, chunk, deadline)
+        caller = "" if admit is None else await admit(len(chunk))
+        outcomes = await predictor.decide_table(name, chunk, deadline, caller)
     except ServiceError as exc:
         family = name or predictor.default_model
         metrics.labelled(metrics.CHUNKS, family if family in predictor.families else "unknown", exc.code).inc()

@@ -70,6 +70,7 @@ def fields(d: StoredDecision) -> dict[str, Any]:
         "cache_age_ms": d.cache_age_ms,
         "degraded_reason": d.degraded_reason,
         "decided_at": d.decided_at,
+        "caller": d.caller,
     }
 
 
@@ -85,6 +86,7 @@ def from_json(payload: str) -> StoredDecision:
     data = json.loads(payload)
     data["reason_codes"] = tuple(data["reason_codes"])
     data["decided_at"] = datetime.fromisoformat(data["decided_at"]) if data.get("decided_at") else None
+    data.setdefault("caller", "")  # an outbox payload of a release before callers were recorded
     return StoredDecision(**data)
 
 
@@ -105,6 +107,7 @@ def from_record(r: Row[Any]) -> StoredDecision:
         r.cache_age_ms,
         r.degraded_reason,
         as_utc(r.decided_at),
+        r.caller or "",
     )
 
 
@@ -125,6 +128,7 @@ def crm_row(d: StoredDecision) -> CrmRow:
         d.cache_age_ms,
         d.degraded_reason,
         d.decided_at,
+        d.caller,
     )
 
 
@@ -147,4 +151,5 @@ def ledger_columns(batch: DecisionColumns) -> list[list]:
         batch.cache_age_ms,
         batch.degraded_reason,
         batch.decided_at,
+        batch.caller,
     ]

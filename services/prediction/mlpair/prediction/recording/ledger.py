@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 # request id, the fingerprint of its request, then the decision's other fields.
 DECISION_COLUMNS = ("request_id", "fingerprint", *DecisionColumns.FIELDS[1:])
 _REASON_CODES = DECISION_COLUMNS.index("reason_codes") - 3  # its place after request id, fingerprint, decision id
+_DECIDED_AT = DECISION_COLUMNS.index("decided_at") - 3
 NOT_RECORDED = "the decision could not be recorded; retry with the same request_id"
 
 
@@ -60,15 +61,15 @@ def row_values(decision: StoredDecision, fingerprint: str, decided_at: Callable[
     """The :data:`DECISION_COLUMNS` values of a decision; ``decided_at`` encodes the timestamp."""
     if decision.decided_at is None:  # complete() sets it before anything is recorded
         raise ValueError(f"decision {decision.request_id!r} has no decided_at")
-    fields = crm_row(decision)  # StoredDecision's order: decision id, request id, …, decided at
-    return (fields[1], fingerprint, fields[0], *fields[2:-1], decided_at(decision.decided_at))
+    fields = crm_row(decision)  # StoredDecision's order: decision id, request id, …, decided at, caller
+    return (fields[1], fingerprint, fields[0], *fields[2:-2], decided_at(decision.decided_at), fields[-1])
 
 
 def decision_from_row(row: Sequence, decided_at: Callable[[Any], datetime]) -> tuple[StoredDecision, str]:
     """A decision and its fingerprint from the :data:`DECISION_COLUMNS` values of a row."""
-    request_id, fingerprint, decision_id, *fields = row  # fields: entity id … decided at
+    request_id, fingerprint, decision_id, *fields = row  # fields: entity id … decided at, caller
     fields[_REASON_CODES] = reason_codes_from_json(fields[_REASON_CODES])
-    fields[-1] = decided_at(fields[-1])
+    fields[_DECIDED_AT] = decided_at(fields[_DECIDED_AT])
     return StoredDecision(decision_id, request_id, *fields), fingerprint
 
 

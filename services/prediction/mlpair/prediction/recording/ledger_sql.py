@@ -35,6 +35,7 @@ ARRAY_TYPES = (
     "int4",
     "text",
     "timestamptz",
+    "text",
 )
 _UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(ARRAY_TYPES, start=1))
 # The commit's outbox rows, in the insert's statement (atomic with it): one per OUTBOX_CHUNK
@@ -144,6 +145,6 @@ HAND_BACK = (
     f"RETURNING seqs) UPDATE {TABLE} SET delivered_at = NULL WHERE seq IN (SELECT unnest(seqs) FROM handed)"
 )
 IMPORT = (
-    f"INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT *, CASE WHEN $16 THEN now() END "
+    f"INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT *, CASE WHEN ${len(ARRAY_TYPES) + 1} THEN now() END "
     f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING"
 )

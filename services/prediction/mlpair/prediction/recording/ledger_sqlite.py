@@ -116,7 +116,7 @@ class SqliteLedger(ledger.DecisionLedger):
         try:
             # decided_at is ISO text here
             yield ledger.Claimed(
-                [(*row[1:-1], datetime.fromisoformat(row[-1])) for row in rows],
+                [(*row[1:-2], datetime.fromisoformat(row[-2]), row[-1]) for row in rows],  # (…, decided at, caller)
                 more=len(rows) == limit,
                 requeue=requeue,
             )
@@ -249,10 +249,10 @@ class SqliteLedger(ledger.DecisionLedger):
             new = [i for i in rows if request_ids[i] not in held] if held else rows
             if new:
                 now = time.time()
-                *fields, decided_at = columns
+                *fields, decided_at, caller = columns
                 self._db.executemany(
                     f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(ledger.DECISION_COLUMNS)}, ?)",
-                    [(*(column[i] for column in fields), decided_at[i].isoformat(), now) for i in new],
+                    [(*(column[i] for column in fields), decided_at[i].isoformat(), caller[i], now) for i in new],
                 )
         return {i: held[request_ids[i]] for i in rows if request_ids[i] in held} if held else {}
 

@@ -66,6 +66,7 @@ class DecisionRecord(CrmBase):
     cache_age_ms: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     degraded_reason: Mapped[str] = mapped_column(String(64), nullable=False, server_default="")
     decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    caller: Mapped[str] = mapped_column(String(128), nullable=False, server_default="")  # crm_0003
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
 
 
@@ -113,6 +114,7 @@ class LedgerEntry(LedgerBase):
     cache_age_ms: Mapped[int] = mapped_column(Integer, nullable=False)
     degraded_reason: Mapped[str] = mapped_column(String(64), nullable=False)
     decided_at: Mapped[datetime] = mapped_column(DateTime(timezone=True).with_variant(Text(), "sqlite"), nullable=False)
+    caller: Mapped[str] = mapped_column(String(128), nullable=False, server_default="")  # ledger_0004
     recorded_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False
     )
