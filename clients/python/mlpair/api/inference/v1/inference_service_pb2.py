@@ -14,31 +14,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/mlpair/api/inference/v1/inference_service.proto\x12\x13mlpair.inference.v1\"Z\n\x06Tensor\x12\x30\n\tdata_type\x18\x01 \x01(\x0e\x32\x1d.mlpair.inference.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"~\n\x0cInferRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12+\n\x06inputs\x18\x03 \x01(\x0b\x32\x1b.mlpair.inference.v1.Tensor\x12\x16\n\x0eper_row_errors\x18\x04 \x01(\x08\"8\n\x08RowError\x12\x0b\n\x03row\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x9a\x01\n\rInferResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12+\n\x06logits\x18\x03 \x01(\x0b\x32\x1b.mlpair.inference.v1.Tensor\x12\x31\n\nrow_errors\x18\x04 \x03(\x0b\x32\x1d.mlpair.inference.v1.RowError\"A\n\x14ModelMetadataRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"[\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\tdata_type\x18\x02 \x01(\x0e\x32\x1d.mlpair.inference.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"b\n\rVersionTriple\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x65\x61ture_schema_version\x18\x02 \x01(\t\x12\x1a\n\x12preprocessing_hash\x18\x03 \x01(\t\"\x88\x02\n\x15ModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x1a\n\x12\x61vailable_versions\x18\x03 \x03(\t\x12/\n\x06inputs\x18\x04 \x03(\x0b\x32\x1f.mlpair.inference.v1.TensorSpec\x12\x30\n\x07outputs\x18\x05 \x03(\x0b\x32\x1f.mlpair.inference.v1.TensorSpec\x12\x34\n\x08versions\x18\x06 \x01(\x0b\x32\".mlpair.inference.v1.VersionTriple\x12\x0f\n\x07runtime\x18\x07 \x01(\t*v\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_FP32\x10\x01\x12\x12\n\x0e\x44\x41TA_TYPE_FP64\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_FP16\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x04\x32\xca\x01\n\x10InferenceService\x12N\n\x05Infer\x12!.mlpair.inference.v1.InferRequest\x1a\".mlpair.inference.v1.InferResponse\x12\x66\n\rModelMetadata\x12).mlpair.inference.v1.ModelMetadataRequest\x1a*.mlpair.inference.v1.ModelMetadataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/mlpair/api/inference/v1/inference_service.proto\x12\x13mlpair.inference.v1\"Z\n\x06Tensor\x12\x30\n\tdata_type\x18\x01 \x01(\x0e\x32\x1d.mlpair.inference.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\"\x90\x01\n\x0cInferRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12+\n\x06inputs\x18\x03 \x01(\x0b\x32\x1b.mlpair.inference.v1.Tensor\x12\x16\n\x0eper_row_errors\x18\x04 \x01(\x08\x12\x10\n\x08priority\x18\x05 \x01(\r\"8\n\x08RowError\x12\x0b\n\x03row\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x9a\x01\n\rInferResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12+\n\x06logits\x18\x03 \x01(\x0b\x32\x1b.mlpair.inference.v1.Tensor\x12\x31\n\nrow_errors\x18\x04 \x03(\x0b\x32\x1d.mlpair.inference.v1.RowError\"A\n\x14ModelMetadataRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"[\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\tdata_type\x18\x02 \x01(\x0e\x32\x1d.mlpair.inference.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"b\n\rVersionTriple\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x65\x61ture_schema_version\x18\x02 \x01(\t\x12\x1a\n\x12preprocessing_hash\x18\x03 \x01(\t\"\x88\x02\n\x15ModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x1a\n\x12\x61vailable_versions\x18\x03 \x03(\t\x12/\n\x06inputs\x18\x04 \x03(\x0b\x32\x1f.mlpair.inference.v1.TensorSpec\x12\x30\n\x07outputs\x18\x05 \x03(\x0b\x32\x1f.mlpair.inference.v1.TensorSpec\x12\x34\n\x08versions\x18\x06 \x01(\x0b\x32\".mlpair.inference.v1.VersionTriple\x12\x0f\n\x07runtime\x18\x07 \x01(\t*v\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_FP32\x10\x01\x12\x12\n\x0e\x44\x41TA_TYPE_FP64\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_FP16\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x04\x32\xca\x01\n\x10InferenceService\x12N\n\x05Infer\x12!.mlpair.inference.v1.InferRequest\x1a\".mlpair.inference.v1.InferResponse\x12\x66\n\rModelMetadata\x12).mlpair.inference.v1.ModelMetadataRequest\x1a*.mlpair.inference.v1.ModelMetadataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mlpair.api.inference.v1.inference_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=1034
-  _globals['_DATATYPE']._serialized_end=1152
+  _globals['_DATATYPE']._serialized_start=1053
+  _globals['_DATATYPE']._serialized_end=1171
   _globals['_TENSOR']._serialized_start=72
   _globals['_TENSOR']._serialized_end=162
-  _globals['_INFERREQUEST']._serialized_start=164
-  _globals['_INFERREQUEST']._serialized_end=290
-  _globals['_ROWERROR']._serialized_start=292
-  _globals['_ROWERROR']._serialized_end=348
-  _globals['_INFERRESPONSE']._serialized_start=351
-  _globals['_INFERRESPONSE']._serialized_end=505
-  _globals['_MODELMETADATAREQUEST']._serialized_start=507
-  _globals['_MODELMETADATAREQUEST']._serialized_end=572
-  _globals['_TENSORSPEC']._serialized_start=574
-  _globals['_TENSORSPEC']._serialized_end=665
-  _globals['_VERSIONTRIPLE']._serialized_start=667
-  _globals['_VERSIONTRIPLE']._serialized_end=765
-  _globals['_MODELMETADATARESPONSE']._serialized_start=768
-  _globals['_MODELMETADATARESPONSE']._serialized_end=1032
-  _globals['_INFERENCESERVICE']._serialized_start=1155
-  _globals['_INFERENCESERVICE']._serialized_end=1357
+  _globals['_INFERREQUEST']._serialized_start=165
+  _globals['_INFERREQUEST']._serialized_end=309
+  _globals['_ROWERROR']._serialized_start=311
+  _globals['_ROWERROR']._serialized_end=367
+  _globals['_INFERRESPONSE']._serialized_start=370
+  _globals['_INFERRESPONSE']._serialized_end=524
+  _globals['_MODELMETADATAREQUEST']._serialized_start=526
+  _globals['_MODELMETADATAREQUEST']._serialized_end=591
+  _globals['_TENSORSPEC']._serialized_start=593
+  _globals['_TENSORSPEC']._serialized_end=684
+  _globals['_VERSIONTRIPLE']._serialized_start=686
+  _globals['_VERSIONTRIPLE']._serialized_end=784
+  _globals['_MODELMETADATARESPONSE']._serialized_start=787
+  _globals['_MODELMETADATARESPONSE']._serialized_end=1051
+  _globals['_INFERENCESERVICE']._serialized_start=1174
+  _globals['_INFERENCESERVICE']._serialized_end=1376
 # @@protoc_insertion_point(module_scope)

@@ -30,16 +30,18 @@ class Tensor(_message.Message):
     def __init__(self, data_type: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("model_name", "model_version", "inputs", "per_row_errors")
+    __slots__ = ("model_name", "model_version", "inputs", "per_row_errors", "priority")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PER_ROW_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     inputs: Tensor
     per_row_errors: bool
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., per_row_errors: bool = ...) -> None: ...
+    priority: int
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., inputs: _Optional[_Union[Tensor, _Mapping]] = ..., per_row_errors: bool = ..., priority: _Optional[int] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("row", "reason", "message")
