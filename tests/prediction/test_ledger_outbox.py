@@ -206,7 +206,7 @@ async def test_the_downgrade_gives_what_waits_back_to_the_previous_release_s_rel
     await migrate(migrated_postgres, migrated_postgres)  # and forward again
     engine = create_async_engine(migrated_postgres)
     try:
-        assert await current_revision(engine, "ledger") == "ledger_0004"
+        assert await current_revision(engine, "ledger") == "ledger_0005"
     finally:
         await engine.dispose()
 

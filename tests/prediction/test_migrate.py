@@ -64,7 +64,7 @@ def test_migrate_creates_both_schemas_and_is_idempotent(tmp_path):
     for _ in range(2):
         done = mlpair_cli("migrate", "--ledger-url", ledger, "--crm-url", crm)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "ledger at ledger_0004, CRM at crm_0003"
+        assert done.stdout.strip() == "ledger at ledger_0005, CRM at crm_0003"
 
 
 def test_migrate_names_an_unreachable_database_in_one_line(tmp_path):
@@ -133,7 +133,7 @@ def previous_release(tmp_path: Path) -> Path:
 async def test_the_previous_release_runs_against_this_schema_beside_this_release(
         fresh_postgres, model_repository, inference_server, credit_holdout, tmp_path):
     """Expand/contract: during a rollout the previous release's pods keep deciding and delivering
-    against the schema `mlpair migrate` made (the caller columns are left to their default), this
+    against the schema `mlpair migrate` made (keeping no audit record: the new table is left alone), this
     release replays what they decided and they replay what it decided; and a CRM row written by a
     release from before the shared ledger is backfilled (`--backfill-from-crm`) and replayed."""
     release = previous_release(tmp_path)
@@ -166,7 +166,8 @@ async def test_the_previous_release_runs_against_this_schema_beside_this_release
                     await asyncio.sleep(0.1)
                 delivered = await predictor.crm.find("decided-by-previous-release")
                 assert delivered is not None and delivered.decision_id == old_reply.decision_id
-                assert delivered.caller == ""  # the previous release records no caller: the column's default
+                # the previous release keeps no audit record; this release keeps one for its own decisions
+                assert await predictor.recorder.ledger.audit_record("decided-by-previous-release") is None
                 replay = await stub.Predict(pb.PredictRequest(request_id="decided-by-previous-release",
                                                               entity_id="e-old", attributes=attributes), timeout=20)
                 assert replay.replayed and (replay.decision_id, replay.decision_label, replay.probability) == \
@@ -177,6 +178,7 @@ async def test_the_previous_release_runs_against_this_schema_beside_this_release
                     request_id="decided-by-this-release", entity_id="e-new", attributes=attributes), timeout=20)
                 assert old_replay.replayed and old_replay.decision_id == new_reply.decision_id
                 assert (await predictor.recorder.ledger.find("decided-by-this-release")).decision.caller == "anonymous"
+                assert await predictor.recorder.ledger.audit_record("decided-by-this-release") is not None
 
                 # a decision only the CRM holds, as a release before the shared ledger delivered it
                 conn = await asyncpg.connect(asyncpg_dsn(fresh_postgres))

@@ -456,11 +456,11 @@ def _cpu_model() -> str:
 # baseline of `make bench-predict`'s A/B, and the code tests/prediction/test_migrate.py runs against
 # this release's schema. Update it to the previous release whenever a release changes a schema.
 PREVIOUS_RELEASE = "1c204043f24fc9358b71bb9a0017bc12b0a2ff27"
-# The release before the caller columns (ledger_0004, crm_0003): the shared ledger, CRM at crm_0002,
-# and the code tests/prediction/test_migrate.py runs against this release's schema. The release
+# The release before the audit records and the event outbox (ledger_0005): ledger at ledger_0004, CRM at
+# crm_0003, and the code tests/prediction/test_migrate.py runs against this release's schema. The release
 # above migrates its CRM at start-up and cannot run against a CRM a later revision has migrated:
 # expand/contract covers the one release before, as the migrations' docstring says.
-PREVIOUS_SCHEMA_RELEASE = "f7f118eafee977928a3d9fb32624e1355c0e2f60"
+PREVIOUS_SCHEMA_RELEASE = "7776b00f20da61aca1875a7b2cc772692a7efe33"
 
 
 def previous_release(dest: Path, ref: str = PREVIOUS_RELEASE) -> Path | None:

@@ -30,6 +30,7 @@ from mlpair.prediction.feedback.refresh import RealisedMonitor, monitor_for
 from mlpair.prediction.intake.limits import CallerGate, build_gate
 from mlpair.prediction.monitoring.drift import DriftMonitors, drift_config
 from mlpair.prediction.pipeline import Predictor
+from mlpair.prediction.recording.audit import AuditRecords
 from mlpair.prediction.recording.recorder import DecisionRecorder, recorder_for
 from mlpair.prediction.scoring.cache import CachedInference
 from mlpair.prediction.scoring.coalescer import Infers
@@ -181,7 +182,16 @@ def build_components(
         explain_top_k=settings.explain_top_reasons,
         drift=drift,
         unknown_attributes=settings.unknown_attributes,
+        audit=audit_records_for(settings),
     )
     return PredictionComponents(
         families, inference, scorer, recorder, drift, predictor, monitor_for(families, settings), build_gate(settings)
     )
+
+
+def audit_records_for(settings: PredictionSettings) -> AuditRecords | None:
+    """The audit record builder ``settings`` ask for (None: ``audit_records`` off)."""
+    if not settings.audit_records:
+        return None
+    key = settings.audit_hash_key.get_secret_value().encode()
+    return AuditRecords(settings.audit_personal_data, key)

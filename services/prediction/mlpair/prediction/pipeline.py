@@ -1,29 +1,25 @@
 """The transport-neutral core of PredictionService.
 
-``Predictor.predict_batch`` (and ``predict``, a batch of one), column by column rather than item
-by item: validation, and feature assembly with guards for all of a family's items at once
-(``batch``, ``columns``: the same conversions and arithmetic training used) → the rows of all items packed
-into InferenceService calls of at most ``max_inference_rows`` rows, per model family and
-model version, through the cache, single-flight, the caller's deadline budget, retries and
-the circuit breaker (``scoring``: cache → coalescer → resilience → client) → calibration (``scoring.scorer``) → decision policy
-(with the ensemble spread) and explanation (``decisions``) → durable record in the decision ledger,
-in one bulk statement per call, delivered to the CRM by the relay (``crm``). A bad item gets its own error and never fails the others; results come
-back in request order. A decision is recorded in the decision ledger every replica shares
-before it is returned: a request id already on record (by any replica, at any time) returns
-the recorded decision unchanged, marked ``replayed``, and one sent with another payload is
-refused (``IDEMPOTENCY_KEY_REUSED``). With a shadow version, the same rows also go to it in the
-background and the comparison is recorded as metrics, never served.
+``Predictor.predict_batch`` (and ``predict``, a batch of one) runs the stages in request order, column
+by column: ``intake`` admits the items, ``preparing`` assembles each family's rows with guards (the
+arithmetic training used), ``scoring`` sends them in calls of at most ``max_inference_rows`` rows
+through cache, single-flight, deadline budget, retries and circuit breaker and calibrates them,
+``deciding`` applies the policy and explains, ``recording`` commits each decision with its audit
+record to the ledger in one statement per call (the relay delivers it to the CRM). A bad item gets
+its own error and never fails the others; results come back in request order. A decision is
+recorded before it is returned: a request id already on record (by any replica, at any time) returns
+the recorded decision, marked ``replayed``; one sent with another payload is refused
+(``IDEMPOTENCY_KEY_REUSED``). A shadow version scores the same rows in the background, compared in
+metrics, never served.
 
 When InferenceService cannot be used (unavailable, timed out, circuit open) a stale cached
 result is served if one exists; otherwise the policy's fallback decision (REVIEW) is made
 with reason code ``INFERENCE_UNAVAILABLE`` and no probability — never an automatic approval
 or decline.
 
-Every row is judged on its own: a row whose model output is unusable (a non-finite logit, or
-a probability calibration cannot place in [0, 1]) gets the policy's fallback decision with
-reason code ``MODEL_OUTPUT_INVALID``, recorded and counted like any decision, while every other
-row of the same call — another item of the batch, or another caller's row merged into the same
-Infer call — is decided exactly as if it had been sent alone.
+Every row is judged on its own: a row whose model output is unusable (a non-finite logit, or a
+probability calibration cannot place in [0, 1]) gets the fallback decision with ``MODEL_OUTPUT_INVALID``,
+recorded and counted like any decision; every other row of the call is decided as if sent alone.
 """
 
 from __future__ import annotations
@@ -80,6 +76,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # the recorder brings SQLAlchemy: the pipeline only calls the one it is given
+    from mlpair.prediction.recording.audit import AuditRecords
     from mlpair.prediction.recording.recorder import DecisionRecorder
 
 logger = logging.getLogger(__name__)
@@ -107,6 +104,7 @@ class Predictor:
         explain_top_k: int = 3,
         drift: DriftMonitors | None = None,
         unknown_attributes: str = "warn",
+        audit: AuditRecords | None = None,
     ) -> None:
         """Wires the served families to inference (``scorer``: behind its cache; ``inference``: the
         client itself, for shadow calls, never cached nor served) and the decision recorder.
@@ -114,6 +112,7 @@ class Predictor:
         ``merge_*``: concurrent Predict calls decided together (:class:`~mlpair.prediction.intake.merging.PredictMerger`; 1 decides each alone).
         ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
         and names each in the result's warnings; ``refuse`` refuses it (:class:`UnknownAttribute`).
+        ``audit``: builds each decision's audit record, committed with it (None: none kept).
 
         Raises:
             ConfigurationError: an explanation of some family would not fit in one inference call.
@@ -126,7 +125,7 @@ class Predictor:
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
         self.explain_top_k = explain_top_k
-        self.refuse_unknown_attributes = unknown_attributes == "refuse"
+        self.refuse_unknown_attributes, self.audit = unknown_attributes == "refuse", audit
         self.drift = drift or DriftMonitors({})
         self.shadows = ShadowComparison(self._infer_shadow, max_inference_rows)
         self.merger = PredictMerger(
@@ -299,6 +298,8 @@ class Predictor:
         recorded for another payload; a decision kept from the record by ``LedgerUnavailable`` is
         not returned. Then the per-call metrics, drift and shadow comparisons of what was decided."""
         batch = DecisionColumns.concat([d.columns for d in decided])
+        if self.audit is not None:  # what each decision was based on, committed with it
+            batch.audit = [text for d in decided for text in self.audit.records(d)]
         recorded = await self.recorder.record_many(batch, batch.fingerprints)
         replays, failed = recorded_maps(recorded)
         decisions: Counter[tuple[str, str]] = Counter()

@@ -117,8 +117,9 @@ class Recorded:
 @dataclass(eq=False)
 class DecisionColumns(Sequence[StoredDecision]):
     """Decisions ``[n]`` column by column (the fields of :class:`StoredDecision`), with the
-    fingerprint of each decision's request; the ledger's bulk path sends the columns as they are
-    (:func:`mlpair.prediction.recording.codecs.ledger_columns`)."""
+    fingerprint of each decision's request and, when audit records are kept, each decision's
+    (JSON text, :mod:`mlpair.prediction.recording.audit`); the ledger's bulk path sends the columns
+    as they are (:func:`mlpair.prediction.recording.codecs.ledger_columns`)."""
 
     request_id: list[str]
     decision_id: list[str]
@@ -136,6 +137,7 @@ class DecisionColumns(Sequence[StoredDecision]):
     decided_at: list[datetime]
     caller: list[str]
     fingerprints: list[str] = field(default_factory=list)
+    audit: list[str] | None = None
 
     # The column fields, in this order: StoredDecision's fields with the request id first.
     FIELDS = ("request_id", *(name for name in StoredDecision.__dataclass_fields__ if name != "request_id"))
@@ -178,7 +180,8 @@ class DecisionColumns(Sequence[StoredDecision]):
         """One batch of the parts' decisions, in order."""
         if len(parts) == 1:
             return parts[0]
-        return cls(*([v for p in parts for v in getattr(p, name)] for name in (*cls.FIELDS, "fingerprints")))
+        audit = None if any(p.audit is None for p in parts) else [v for p in parts for v in p.audit or ()]
+        return cls(*([v for p in parts for v in getattr(p, name)] for name in (*cls.FIELDS, "fingerprints")), audit)
 
 
 @dataclass(eq=False)

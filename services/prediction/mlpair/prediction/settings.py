@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from mlpair.rpc.server import ConnectionSettings
@@ -261,6 +261,32 @@ class PredictionSettings(ConnectionSettings):
     outcome_min_joined: PositiveInt = 100
     """Fewest decisions joined with outcomes before a family, version and window's figures are exported."""
 
+    # -- The decision's record and events (recording/audit.py, recording/event_relay.py) ----------
+    audit_records: bool = True
+    """Keep, beside each decision, what it was based on (attributes as received, feature vector, guards, logits,
+    explanation) in the ledger's decision_audit table, committed with it; `mlpair decision REQUEST_ID` shows it."""
+    audit_personal_data: Literal["drop", "hash"] = "drop"
+    """Attributes the schema flags personal_data: left out of audit records and events (drop) or stored as their
+    HMAC-SHA256 under audit_hash_key (hash), so a holder of the key can check a claimed value."""
+    audit_hash_key: SecretStr = SecretStr("")
+    """The HMAC key of audit_personal_data = hash (a secret of at least 16 bytes, from a Secret)."""
+    audit_retention_days: NonNegativeFloat = 0.0
+    """Audit records older than this are deleted by the relay (the decisions stay); 0 keeps them."""
+    events_url: str = ""
+    """NATS server of the decision events (nats://host:4222): every decision is published as a CloudEvent to
+    JetStream by the relay, from the ledger's event outbox (PostgreSQL ledger); empty = no events."""
+    events_subject: str = "mlpair.decisions"
+    """Subject the decision events are published on."""
+    events_stream: str = "MLPAIR_DECISIONS"
+    """JetStream stream holding events_subject (created with events_duplicate_window_s when missing)."""
+    events_mode: Literal["structured", "binary"] = "structured"
+    """CloudEvents content mode: structured (the envelope as JSON) or binary (ce-* headers, data as the body)."""
+    events_duplicate_window_s: PositiveFloat = 600.0
+    """JetStream's message-id de-duplication window, in seconds, for a stream this service creates; a relay
+    retrying a claim within it adds no copy (consumers deduplicate by the event id beyond it)."""
+    events_batch_size: PositiveInt = 512
+    """Most decisions the event relay publishes per claim (published at once, acknowledged together)."""
+
     # -- TLS (when not behind a mesh that terminates mTLS) ----------------------------------
     tls_cert_file: Path | None = None
     """PEM certificate chain of the gRPC port; with tls_key_file, the port speaks TLS only."""
@@ -297,6 +323,14 @@ class PredictionSettings(ConnectionSettings):
             raise ValueError("inference_tls_cert_file and inference_tls_key_file go together")
         if self.inference_tls_cert_file is not None and self.inference_tls_ca_file is None:
             raise ValueError("an inference client certificate needs inference_tls_ca_file (TLS to InferenceService)")
+        return self
+
+    @model_validator(mode="after")
+    def _record_is_consistent(self) -> PredictionSettings:
+        if self.audit_personal_data == "hash" and len(self.audit_hash_key.get_secret_value().encode()) < 16:
+            raise ValueError("audit_personal_data = hash needs audit_hash_key, a secret of at least 16 bytes")
+        if self.events_url and not self.ledger_url.startswith("postgresql"):
+            raise ValueError("events_url: decision events are relayed from the PostgreSQL ledger's outbox")
         return self
 
     @model_validator(mode="after")

@@ -193,6 +193,16 @@ class DecisionLedger(abc.ABC):
         return 0
 
     @abc.abstractmethod
+    async def audit_record(self, request_id: str) -> str | None:
+        """The audit record of ``request_id`` (JSON text, ``recording/audit.py``), or None (none
+        kept, or past retention)."""
+
+    @abc.abstractmethod
+    async def prune_audit(self, older_than_s: float) -> int:
+        """Deletes audit records recorded more than ``older_than_s`` seconds ago (the decisions
+        stay); returns how many."""
+
+    @abc.abstractmethod
     async def backlog(self) -> tuple[int, float]:
         """Undelivered decisions and the age in seconds of the oldest (0 when none)."""
 
@@ -310,6 +320,7 @@ def open_ledger(
     pool_size: int = 4,
     statement_cache_size: int = 100,
     relay_only: bool = False,
+    events: bool = False,
 ) -> DecisionLedger:
     """The ledger at ``url`` (no I/O yet): ``postgresql+asyncpg://…`` for replicas, or
     ``sqlite+aiosqlite:///path`` for one machine.
@@ -323,9 +334,10 @@ def open_ledger(
             (0 behind PgBouncer in transaction mode).
         relay_only: PostgreSQL only: this process only delivers (``mlpair relay``): no connection is
             kept for commits, so the relay may claim with all but one (kept for health's reads).
+        events: PostgreSQL only: each commit queues its decisions for the event relay too.
 
     Raises:
-        ValueError: neither a PostgreSQL nor a SQLite URL.
+        ValueError: neither a PostgreSQL nor a SQLite URL, or decision events asked of a SQLite ledger.
     """
     if url.startswith("postgresql"):
         from mlpair.prediction.recording.ledger_postgres import PostgresLedger
@@ -336,7 +348,10 @@ def open_ledger(
             pool_size=pool_size,
             statement_cache_size=statement_cache_size,
             relay_only=relay_only,
+            events=events,
         )
+    if url.startswith("sqlite") and events:
+        raise ValueError("decision events are relayed from the PostgreSQL ledger's outbox; this ledger is SQLite")
     if url.startswith("sqlite"):
         from mlpair.prediction.recording.ledger_sqlite import SqliteLedger
 

@@ -38,27 +38,37 @@ from datetime import datetime
 import asyncpg
 from sqlalchemy import make_url
 
-from mlpair.prediction.recording import ledger, packed
+from mlpair.prediction.recording import audit, ledger, packed
+from mlpair.prediction.recording.codecs import reason_codes_from_json
 from mlpair.prediction.recording.ledger_sql import (
     ARRAY_TYPES,
+    AUDIT,
     BACKLOG,
     CLAIM,
+    CLAIM_EVENTS,
     CLAIM_OUTBOX,
     CLAIM_OUTBOX_PACKED,
     CLAIM_PACKED,
     COLUMNS,
     CUSTOM_PLANS,
+    DELETE_EVENTS,
+    EVENT_BACKLOG,
+    EVENT_COLUMNS,
+    EVENT_DECISIONS,
+    EVENT_OUTBOX,
     HAND_BACK,
     IMPORT,
-    INSERT,
-    INSERT_PACKED,
     MARK_DELIVERED,
     MIN_DECISIONS_PER_OUTBOX_ROW,
     OUTBOX,
     OUTBOX_CHUNK,
+    PRUNE_AUDIT,
     REQUEUE,
+    SELECT_AUDIT,
     SELECT_RECORDED,
     TABLE,
+    insert,
+    insert_packed,
 )
 from mlpair.prediction.recording.migrate import SchemaNotReady
 from mlpair.prediction.records import DecisionColumns, Recorded, StoredDecision
@@ -100,6 +110,8 @@ class PostgresLedger(ledger.DecisionLedger):
         pool_size: most connections of this process (group commits, relay claims, probes).
         statement_cache_size: asyncpg's prepared statements per connection (0 behind PgBouncer
             in transaction mode, which cannot keep them).
+        events: queue each commit's decisions in the event outbox too (decision events on:
+            ``recording/event_relay.py``).
     """
 
     max_commit_rows = 2048
@@ -120,8 +132,16 @@ class PostgresLedger(ledger.DecisionLedger):
         pool_size: int = 8,
         statement_cache_size: int = 100,
         relay_only: bool = False,
+        events: bool = False,
     ) -> None:
         super().__init__()
+        self.events = events
+        # the commit's statements: (packed, with audit records) → SQL
+        self._inserts = {
+            (p, a): (insert_packed if p else insert)(audit=a, events=events)
+            for p in (True, False)
+            for a in (True, False)
+        }
         self.dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
         self.timeout_s = timeout_s
         self.pool_size = pool_size
@@ -162,6 +182,8 @@ class PostgresLedger(ledger.DecisionLedger):
             async with self._connection() as conn:
                 await conn.execute(f"SELECT {COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false")
                 await conn.execute(f"SELECT id, seqs, n, recorded_at FROM {OUTBOX} WHERE false")
+                await conn.execute(f"SELECT request_id, record, recorded_at FROM {AUDIT} WHERE false")
+                await conn.execute(f"SELECT id, seqs, n, recorded_at FROM {EVENT_OUTBOX} WHERE false")
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
             raise SchemaNotReady(
                 f"the decision ledger lacks the {TABLE} table or columns this release uses: run `mlpair migrate` with the same ledger URL (--ledger-url / PREDICTION_LEDGER_URL)"
@@ -273,19 +295,25 @@ class PostgresLedger(ledger.DecisionLedger):
         return int(status.rsplit(" ", 1)[-1])
 
     async def _commit_rows(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+        audit = batch.audit
         try:
             texts: list[str] | None = _packed(columns, rows)
+            if texts is not None and audit is not None:
+                texts.append(packed.pack([audit[i] for i in rows]))
         except packed.Unpackable:
             texts = None
         # One statement, committed on its own (no BEGIN/COMMIT round trips): the insert is atomic
-        # and durable when it returns. Under READ COMMITTED a conflicting insert has waited for the
-        # other transaction's commit, so the read that follows sees the row that won.
+        # and durable when it returns (with the audit records and event outbox rows of what it
+        # inserted). Under READ COMMITTED a conflicting insert has waited for the other
+        # transaction's commit, so the read that follows sees the row that won.
         async with self._connection() as conn:
             if texts is not None:  # answers with the request ids already on record
-                on_record = {r[0] for r in await conn.fetch(INSERT_PACKED, *texts)}
+                on_record = {r[0] for r in await conn.fetch(self._inserts[True, audit is not None], *texts)}
             else:  # the columns as they are; answers with the request ids inserted
                 arrays = [[column[i] for i in rows] for column in columns]
-                inserted = {r[0] for r in await conn.fetch(INSERT, *arrays)}
+                if audit is not None:
+                    arrays.append([audit[i] for i in rows])
+                inserted = {r[0] for r in await conn.fetch(self._inserts[False, audit is not None], *arrays)}
                 on_record = {rid for rid in arrays[0] if rid not in inserted}
             if not on_record:
                 return {}
@@ -295,6 +323,47 @@ class PostgresLedger(ledger.DecisionLedger):
                 held[recorded.decision.request_id] = recorded
         ids = batch.request_id
         return {i: held[ids[i]] for i in rows if ids[i] in on_record}
+
+    async def audit_record(self, request_id: str) -> str | None:
+        """The audit record of ``request_id`` (JSON text), or None (none kept, or past retention)."""
+        async with self._connection() as conn:
+            return await conn.fetchval(SELECT_AUDIT, request_id)
+
+    async def prune_audit(self, older_than_s: float) -> int:
+        """Deletes audit records recorded more than ``older_than_s`` seconds ago; how many."""
+        pruned = 0
+        async with self._connection() as conn:
+            while (n := int((await conn.execute(PRUNE_AUDIT, float(older_than_s))).rsplit(" ", 1)[-1])) > 0:
+                pruned += n
+        return pruned
+
+    @contextlib.asynccontextmanager
+    async def claim_events(self, limit_rows: int) -> AsyncIterator[list[dict]]:
+        """Claims up to ``limit_rows`` event outbox rows (each up to ``OUTBOX_CHUNK`` decisions) that no
+        other relay holds, and yields their decisions as event data (the ledger's fields, reason codes
+        as a list, ``decided_at`` as ISO 8601, and the audit record's fields when one was kept), in
+        commit order. On a normal exit the rows are deleted with the claim's commit; on an exception
+        the claim rolls back and they wait for the next one (of any relay)."""
+        names = [*EVENT_COLUMNS.split(", "), "decided_at"]
+        async with self._connection() as conn, conn.transaction():
+            await conn.execute(CUSTOM_PLANS)
+            rows = await conn.fetch(CLAIM_EVENTS, limit_rows)
+            events: list[dict] = []
+            if rows:
+                for *fields, record in await conn.fetch(EVENT_DECISIONS, [s for r in rows for s in r[1]]):
+                    data = dict(zip(names, fields))
+                    data["reason_codes"] = list(reason_codes_from_json(data["reason_codes"]))
+                    data.update(audit.read_record(record) or {})
+                    events.append(data)
+            yield events
+            if rows:
+                await conn.execute(DELETE_EVENTS, [r[0] for r in rows])
+
+    async def event_backlog(self) -> tuple[int, float]:
+        """Decisions waiting in the event outbox and the age in seconds of the oldest (0 when none)."""
+        async with self._connection() as conn:
+            count, age_s = await conn.fetchrow(EVENT_BACKLOG)
+        return int(count), float(age_s)
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:

@@ -9,10 +9,18 @@ left with ``delivered_at IS NULL``) and commits with the delivery.
 from __future__ import annotations
 
 from mlpair.prediction.recording import ledger, packed
-from mlpair.prediction.recording.models import LEDGER_SCHEMA, LEDGER_TABLE, OUTBOX_TABLE
+from mlpair.prediction.recording.models import (
+    AUDIT_TABLE,
+    EVENT_OUTBOX_TABLE,
+    LEDGER_SCHEMA,
+    LEDGER_TABLE,
+    OUTBOX_TABLE,
+)
 
 TABLE = f'"{LEDGER_SCHEMA}".{LEDGER_TABLE}'
 OUTBOX = f'"{LEDGER_SCHEMA}".{OUTBOX_TABLE}'
+AUDIT = f'"{LEDGER_SCHEMA}".{AUDIT_TABLE}'
+EVENT_OUTBOX = f'"{LEDGER_SCHEMA}".{EVENT_OUTBOX_TABLE}'
 # delivered_at of the decisions this release records: "delivered through the outbox", so a relay of
 # the previous release (WHERE delivered_at IS NULL) leaves them alone during a rollout
 IN_OUTBOX = "'infinity'::timestamptz"
@@ -43,15 +51,47 @@ _UNNEST = ", ".join(f"${k}::{t}[]" for k, t in enumerate(ARRAY_TYPES, start=1))
 # whole rows); none when nothing was new.
 OUTBOX_CHUNK = 64
 MIN_DECISIONS_PER_OUTBOX_ROW = 16  # what a claim's sizing assumes at the least (_outbox_rows)
-_QUEUED = (
-    f"queued AS (INSERT INTO {OUTBOX} (seqs, n) SELECT array_agg(seq ORDER BY seq), count(*) FROM "
-    f"(SELECT seq, (row_number() OVER (ORDER BY seq) - 1) / {OUTBOX_CHUNK} AS chunk FROM inserted) AS c "
-    "GROUP BY chunk)"
-)
-INSERT = (
-    f"WITH inserted AS (INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT *, {IN_OUTBOX} FROM unnest({_UNNEST}) "
-    f"ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED} SELECT request_id FROM inserted"
-)
+
+
+def _queued(name: str, outbox: str) -> str:
+    """The CTE ``name`` adding the commit's rows to ``outbox`` (one per ``OUTBOX_CHUNK`` inserted decisions)."""
+    return (
+        f"{name} AS (INSERT INTO {outbox} (seqs, n) SELECT array_agg(seq ORDER BY seq), count(*) FROM "
+        f"(SELECT seq, (row_number() OVER (ORDER BY seq) - 1) / {OUTBOX_CHUNK} AS chunk FROM inserted) AS c "
+        "GROUP BY chunk)"
+    )
+
+
+_QUEUED = _queued("queued", OUTBOX)
+_AUDIT_PARAM = len(ARRAY_TYPES) + 1  # the audit records' parameter, after the decision columns
+
+
+def _extras(ids: str, records: str | None, events: bool) -> str:
+    """The commit's optional CTEs: the audit records of the decisions it inserted (``records``: SQL
+    of a text array paired with ``ids``, the request ids), and their rows in the event outbox."""
+    extra = ""
+    if records is not None:
+        extra += (
+            f", audited AS (INSERT INTO {AUDIT} (request_id, record) SELECT a.r, a.record FROM "
+            f"unnest({ids}, {records}) AS a(r, record) JOIN inserted i ON i.request_id = a.r)"
+        )
+    if events:
+        extra += ", " + _queued("events_queued", EVENT_OUTBOX)
+    return extra
+
+
+def insert(*, audit: bool = False, events: bool = False) -> str:
+    """The commit with each column an array parameter (:data:`ARRAY_TYPES`), and with ``audit`` the
+    records as one more (``$17``); answers with the request ids it inserted."""
+    records = f"${_AUDIT_PARAM}::text[]" if audit else None
+    return (
+        f"WITH inserted AS (INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT *, {IN_OUTBOX} FROM unnest({_UNNEST}) "
+        f"ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED}"
+        f"{_extras('$1::text[]', records, events)} SELECT request_id FROM inserted"
+    )
+
+
+INSERT = insert()
 SELECT_RECORDED = f"SELECT {COLUMNS} FROM {TABLE} WHERE request_id = ANY($1::text[])"
 # A relay's claim of $1 decisions: up to $2 of the oldest outbox rows no other relay holds, locked;
 # in order, each that fits whole within $1 deleted, and of the first that does not, its first seqs
@@ -96,14 +136,24 @@ REQUEUE = (
 # PostgreSQL. It answers with the request ids it did not insert (on record already): none, one empty
 # result, in the usual case, instead of a row per decision inserted, which cost client CPU per row.
 _NAMES = ", ".join(f"c{k}" for k in range(len(ledger.DECISION_COLUMNS)))
-INSERT_PACKED = (
-    f"WITH inserted AS (INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT "
-    + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(ARRAY_TYPES))
-    + f", {IN_OUTBOX} FROM unnest("
-    + ", ".join(packed.unpacked(k) for k in range(1, len(ARRAY_TYPES) + 1))
-    + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED} "
-    + f"SELECT r FROM unnest({packed.unpacked(1)}) AS r WHERE r NOT IN (SELECT request_id FROM inserted)"
-)
+
+
+def insert_packed(*, audit: bool = False, events: bool = False) -> str:
+    """The commit with each column packed (``recording/packed.py``), and with ``audit`` the records
+    packed as one more (``$17``); answers with the request ids already on record."""
+    records = packed.unpacked(_AUDIT_PARAM) if audit else None
+    return (
+        f"WITH inserted AS (INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT "
+        + ", ".join(packed.cast(f"c{k}", t) for k, t in enumerate(ARRAY_TYPES))
+        + f", {IN_OUTBOX} FROM unnest("
+        + ", ".join(packed.unpacked(k) for k in range(1, len(ARRAY_TYPES) + 1))
+        + f") AS t({_NAMES}) ON CONFLICT (request_id) DO NOTHING RETURNING seq, request_id), {_QUEUED}"
+        + _extras(packed.unpacked(1), records, events)
+        + f" SELECT r FROM unnest({packed.unpacked(1)}) AS r WHERE r NOT IN (SELECT request_id FROM inserted)"
+    )
+
+
+INSERT_PACKED = insert_packed()
 # A relay's claim, packed: one row of (count, one packed text per CRM column), no object per decision.
 # The outbox rows are deleted (or the previous release's rows marked delivered) by the same statement,
 # inside the claim's transaction: it commits only once the CRM has them, and a failed delivery rolls
@@ -147,4 +197,29 @@ HAND_BACK = (
 IMPORT = (
     f"INSERT INTO {TABLE} ({COLUMNS}, delivered_at) SELECT *, CASE WHEN ${len(ARRAY_TYPES) + 1} THEN now() END "
     f"FROM unnest({_UNNEST}) ON CONFLICT (request_id) DO NOTHING"
+)
+# One decision's audit record (``mlpair decision``), and retention: records older than $1 seconds,
+# 10,000 a statement (a statement per batch keeps each transaction and its locks short).
+SELECT_AUDIT = f"SELECT record FROM {AUDIT} WHERE request_id = $1"
+PRUNE_AUDIT = (
+    f"DELETE FROM {AUDIT} WHERE request_id IN (SELECT request_id FROM {AUDIT} "
+    "WHERE recorded_at < now() - make_interval(secs => $1) LIMIT 10000)"
+)
+# The event relay (recording/event_relay.py): up to $1 of the oldest event outbox rows no other relay
+# holds, locked until the claim's transaction ends; their decisions with their audit records, by
+# primary key; the rows deleted once the broker acknowledged every event.
+CLAIM_EVENTS = f"SELECT id, seqs FROM {EVENT_OUTBOX} ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+EVENT_COLUMNS = (
+    "decision_id, request_id, entity_id, caller, model_name, model_version, feature_schema_version, "
+    "policy_version, probability, decision, reason_codes, served_from, cache_age_ms, degraded_reason"
+)
+EVENT_DECISIONS = (
+    f"SELECT {', '.join('l.' + c for c in EVENT_COLUMNS.split(', '))}, "
+    f"{packed.as_text('l.decided_at', 'timestamptz')}, a.record FROM {TABLE} l "
+    f"LEFT JOIN {AUDIT} a ON a.request_id = l.request_id WHERE l.seq = ANY($1::bigint[]) ORDER BY l.seq"
+)
+DELETE_EVENTS = f"DELETE FROM {EVENT_OUTBOX} WHERE id = ANY($1::bigint[])"
+EVENT_BACKLOG = (
+    f"SELECT COALESCE(sum(n), 0), COALESCE((SELECT extract(epoch FROM now() - recorded_at) FROM {EVENT_OUTBOX} "
+    f"ORDER BY id LIMIT 1), 0) FROM {EVENT_OUTBOX}"
 )

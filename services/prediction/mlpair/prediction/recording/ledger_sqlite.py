@@ -29,7 +29,7 @@ from sqlalchemy import make_url
 
 from mlpair.prediction.recording import ledger
 from mlpair.prediction.recording.migrate import SchemaNotReady
-from mlpair.prediction.recording.models import LEDGER_TABLE
+from mlpair.prediction.recording.models import AUDIT_TABLE, LEDGER_TABLE
 from mlpair.prediction.records import DecisionColumns, Recorded, StoredDecision
 
 LEASE_S = 60.0  # how long a relay's claim keeps other relays off its rows (longer than a CRM transaction)
@@ -179,7 +179,17 @@ class SqliteLedger(ledger.DecisionLedger):
         )
 
     async def _commit_rows(self, batch: DecisionColumns, rows: list[int], columns: list[list]) -> dict[int, Recorded]:
-        return await self._run(self._commit_rows_sync, batch.request_id, rows, columns)
+        return await self._run(self._commit_rows_sync, batch.request_id, rows, columns, batch.audit)
+
+    async def audit_record(self, request_id: str) -> str | None:
+        """The audit record of ``request_id`` (JSON text), or None."""
+        row = await self._run(self._one, f"SELECT record FROM {AUDIT_TABLE} WHERE request_id = ?", (request_id,))
+        return None if row is None else row[0]
+
+    async def prune_audit(self, older_than_s: float) -> int:
+        """Deletes audit records recorded more than ``older_than_s`` seconds ago; how many."""
+        cutoff = time.time() - older_than_s
+        return await self._run(self._write, f"DELETE FROM {AUDIT_TABLE} WHERE recorded_at < ?", (cutoff,))
 
     # Everything below runs on the ledger thread, one call at a time.
 
@@ -196,6 +206,7 @@ class SqliteLedger(ledger.DecisionLedger):
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         try:
             conn.execute(f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {LEDGER_TABLE} WHERE 0")
+            conn.execute(f"SELECT request_id, record, recorded_at FROM {AUDIT_TABLE} WHERE 0")
         except sqlite3.OperationalError as exc:
             conn.close()
             raise SchemaNotReady(
@@ -241,7 +252,9 @@ class SqliteLedger(ledger.DecisionLedger):
                 self._db.execute("ROLLBACK")
             raise
 
-    def _commit_rows_sync(self, request_ids: list[str], rows: list[int], columns: list[list]) -> dict[int, Recorded]:
+    def _commit_rows_sync(
+        self, request_ids: list[str], rows: list[int], columns: list[list], audit: list[str] | None
+    ) -> dict[int, Recorded]:
         ids = [request_ids[i] for i in rows]
         with self._transaction():  # the write lock first: what is on record cannot change before the insert
             found = self._db.execute(f"{_SELECT} WHERE request_id IN ({_marks(ids)})", ids).fetchall()
@@ -254,6 +267,11 @@ class SqliteLedger(ledger.DecisionLedger):
                     f"INSERT INTO {LEDGER_TABLE} ({_COLUMNS}, recorded_at) VALUES ({_marks(ledger.DECISION_COLUMNS)}, ?)",
                     [(*(column[i] for column in fields), decided_at[i].isoformat(), caller[i], now) for i in new],
                 )
+                if audit is not None:  # what each new decision was based on, in the same transaction
+                    self._db.executemany(
+                        f"INSERT INTO {AUDIT_TABLE} (request_id, record, recorded_at) VALUES (?, ?, ?)",
+                        [(request_ids[i], audit[i], now) for i in new],
+                    )
         return {i: held[request_ids[i]] for i in rows if request_ids[i] in held} if held else {}
 
 

@@ -34,7 +34,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from mlpair.prediction.recording.models import (
     LEDGER_SCHEMA,
     LEDGER_TABLE,
+    AuditEntry,
     DecisionRecord,
+    EventOutboxEntry,
     LedgerEntry,
     OutboxEntry,
     OutcomeEntry,
@@ -138,7 +140,8 @@ async def check_columns(engine: AsyncEngine, branch: str) -> None:
 async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> None:
     """Grants ``role`` exactly what PredictionService uses, and nothing that changes the schema:
     on the ledger SELECT, INSERT and UPDATE (never DELETE), on its outcomes SELECT and INSERT, on its outbox SELECT, INSERT, UPDATE and
-    DELETE (a claim locks rows, takes part of one, and deletes what it delivered), on the CRM SELECT and INSERT, and SELECT on the version
+    DELETE (a claim locks rows, takes part of one, and deletes what it delivered), on the audit records SELECT, INSERT and DELETE
+    (retention), on the event outbox SELECT, INSERT and DELETE, on the CRM SELECT and INSERT, and SELECT on the version
     table (PostgreSQL only; SQLite has no roles).
 
     Raises:
@@ -155,6 +158,8 @@ async def grant_serving_role(engine: AsyncEngine, branch: str, role: str) -> Non
             f'GRANT SELECT, INSERT, UPDATE ON "{LEDGER_SCHEMA}".{LEDGER_TABLE} TO "{role}"',
             f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{LEDGER_SCHEMA}".{OutboxEntry.__tablename__} TO "{role}"',
             f'GRANT SELECT, INSERT ON "{LEDGER_SCHEMA}".{OutcomeEntry.__tablename__} TO "{role}"',
+            f'GRANT SELECT, INSERT, DELETE ON "{LEDGER_SCHEMA}".{AuditEntry.__tablename__} TO "{role}"',
+            f'GRANT SELECT, INSERT, DELETE ON "{LEDGER_SCHEMA}".{EventOutboxEntry.__tablename__} TO "{role}"',
             f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA "{LEDGER_SCHEMA}" TO "{role}"',
             f'GRANT SELECT ON "{LEDGER_SCHEMA}".alembic_version TO "{role}"',
         ]

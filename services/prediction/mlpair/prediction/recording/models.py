@@ -10,7 +10,9 @@ Two databases, two metadata objects:
   ``prediction`` schema (:data:`LEDGER_SCHEMA`) beside ``decision_outbox``, the relays' work list
   (one row per group commit); a SQLite ledger (the embedded default) is a file of its own, where
   each row carries its delivery state. ``decision_outcomes`` beside it holds the realised outcomes
-  fed back (:mod:`mlpair.prediction.feedback`).
+  fed back (:mod:`mlpair.prediction.feedback`), ``decision_audit`` what each decision was based on
+  (:mod:`mlpair.prediction.recording.audit`), and on PostgreSQL ``decision_event_outbox`` the event
+  relay's work list.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ LEDGER_SCHEMA = "prediction"  # PostgreSQL schema owned by PredictionService (SQ
 LEDGER_TABLE = "decision_ledger"
 OUTBOX_TABLE = "decision_outbox"  # PostgreSQL only
 OUTCOMES_TABLE = "decision_outcomes"
+AUDIT_TABLE = "decision_audit"
+EVENT_OUTBOX_TABLE = "decision_event_outbox"  # PostgreSQL only
 
 
 class CrmBase(DeclarativeBase):
@@ -171,3 +175,29 @@ class OutcomeEntry(LedgerBase):
     recorded_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False, server_default=func.now()
     )
+
+
+class AuditEntry(LedgerBase):
+    """What one decision was based on, as one JSON text (migration ``ledger_0005``;
+    :mod:`mlpair.prediction.recording.audit`); deleted after the retention period, the decision kept."""
+
+    __tablename__ = AUDIT_TABLE
+    __table_args__ = (Index("ix_decision_audit_recorded_at", "recorded_at"), {"schema": LEDGER_SCHEMA})
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    record: Mapped[str] = mapped_column(Text, nullable=False)
+    recorded_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False, server_default=func.now()
+    )
+
+
+class EventOutboxEntry(LedgerBase):
+    """The event relay's work list on PostgreSQL, shaped like :class:`OutboxEntry` (``ledger_0005``)."""
+
+    __tablename__ = EVENT_OUTBOX_TABLE
+    __table_args__ = {"schema": LEDGER_SCHEMA}
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    seqs: Mapped[list[int]] = mapped_column(postgresql.ARRAY(BigInteger), nullable=False)
+    n: Mapped[int] = mapped_column(Integer, nullable=False)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mlpair.prediction.errors import LedgerUnavailable
+from mlpair.prediction.recording.event_relay import EventRelay
 from mlpair.prediction.recording.ledger import DecisionLedger, open_ledger
 from mlpair.prediction.recording.migrate import CRM_BRANCH, SchemaNotReady, check_columns
 from mlpair.prediction.recording.relay import LedgerRelay
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 BACKLOG_POLL_S = 0.1  # how often wait_delivered looks at the backlog when another process delivers it
+PRUNE_EVERY_S = 3600.0  # how often audit records past their retention are deleted
 
 
 class DecisionRecorder:
@@ -39,13 +41,25 @@ class DecisionRecorder:
 
     ``relay`` None: this process only records; another process (``mlpair relay``) delivers the
     ledger to the CRM. The CRM database is still opened, for the schema check at start-up and the
-    health check (:mod:`mlpair.prediction.health`).
+    health check (:mod:`mlpair.prediction.health`). ``events``: the decision events' relay, run
+    beside ``relay``. ``audit_retention_s`` > 0: where a relay runs, audit records older than that
+    are deleted every ``PRUNE_EVERY_S`` (the decisions stay).
     """
 
-    def __init__(self, ledger: DecisionLedger, crm: CrmStore, relay: LedgerRelay | None) -> None:
+    def __init__(
+        self,
+        ledger: DecisionLedger,
+        crm: CrmStore,
+        relay: LedgerRelay | None,
+        events: EventRelay | None = None,
+        audit_retention_s: float = 0.0,
+    ) -> None:
         self.ledger = ledger
         self.crm = crm
         self.relay = relay
+        self.events = events
+        self.audit_retention_s = audit_retention_s
+        self._pruning: asyncio.Task | None = None
         self._tracer: Tracer | None = None  # set by instrument(): spans for the durable write of each decision
 
     def instrument(self, tracer_provider=None) -> None:
@@ -78,12 +92,16 @@ class DecisionRecorder:
         relay_poll_s: float = 1.0,
         relay_in_process: bool = True,
         relay_only: bool = False,
+        events: dict | None = None,
+        audit_retention_s: float = 0.0,
     ) -> DecisionRecorder:
         """Builds the three parts (no I/O yet); see :func:`open_ledger` for the ledger's arguments and
         :func:`~mlpair.prediction.recording.store.make_engine` for ``crm_statement_cache_size``;
         ``relay_poll_s`` is the relay's ``poll_s`` (:class:`LedgerRelay`); ``relay_in_process`` False
         builds no relay (``mlpair relay`` delivers); ``relay_only``: this process only delivers
-        (``mlpair relay``), so the relay's claims may use the ledger connections commits would keep."""
+        (``mlpair relay``), so the relay's claims may use the ledger connections commits would keep;
+        ``events``: the decision events' sink (``url``, ``subject``, ``stream``, ``mode``,
+        ``duplicate_window_s``, ``batch_size``), or None for none."""
         ledger = open_ledger(
             ledger_url,
             timeout_s=ledger_timeout_s,
@@ -91,6 +109,7 @@ class DecisionRecorder:
             pool_size=pool_size,
             statement_cache_size=statement_cache_size,
             relay_only=relay_only,
+            events=events is not None,
         )
         crm = CrmStore(crm_url, timeout_s=crm_timeout_s, statement_cache_size=crm_statement_cache_size)
         relay = LedgerRelay(
@@ -102,7 +121,20 @@ class DecisionRecorder:
             poll_s=relay_poll_s,
             concurrency=relay_concurrency,
         )
-        return cls(ledger, crm, relay if relay_in_process else None)
+        event_relay = None
+        if events is not None and relay_in_process:
+            from mlpair.prediction.recording.events import JetStreamSink
+
+            options = dict(events)
+            sink = JetStreamSink(
+                options.pop("url"),
+                subject=options.pop("subject"),
+                stream=options.pop("stream"),
+                duplicate_window_s=options.pop("duplicate_window_s"),
+            )
+            event_relay = EventRelay(ledger, sink, **options)  # type: ignore[arg-type]  (a PostgreSQL ledger)
+        relay_here = relay if relay_in_process else None
+        return cls(ledger, crm, relay_here, event_relay, audit_retention_s if relay_here else 0.0)
 
     async def start(self) -> None:
         """Opens the ledger, checks both schemas where reachable, and starts the relay (if this
@@ -124,6 +156,20 @@ class DecisionRecorder:
             )
         if self.relay is not None:
             self.relay.start()
+        if self.events is not None:
+            self.events.start()
+        if self.audit_retention_s > 0:
+            self._pruning = asyncio.get_running_loop().create_task(self._prune(), name="audit-retention")
+
+    async def _prune(self) -> None:
+        """Deletes audit records past their retention now and every ``PRUNE_EVERY_S``."""
+        while True:
+            try:
+                if pruned := await self.ledger.prune_audit(self.audit_retention_s):
+                    logger.info("%d audit record(s) past their retention deleted", pruned)
+            except Exception as exc:  # noqa: BLE001  (the ledger is down: the next round deletes them)
+                logger.warning("audit records not pruned (%s)", type(exc).__name__)
+            await asyncio.sleep(PRUNE_EVERY_S)
 
     async def record_many(
         self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
@@ -165,6 +211,10 @@ class DecisionRecorder:
         """Stops the relay after delivering what it can within ``drain_timeout_s``; what is left
         stays in the ledger, where any replica's relay delivers it. Without a relay of its own the
         process waits for no delivery: the ledger holds the rows for ``mlpair relay``."""
+        if self._pruning is not None:
+            self._pruning.cancel()
+        if self.events is not None:
+            await self.events.stop()
         if self.relay is not None:
             await self.relay.stop(drain_timeout_s)
         try:
@@ -203,4 +253,15 @@ def recorder_for(
         relay_poll_s=relay_poll_s,
         relay_in_process=settings.relay_in_process if relay is None else relay,
         relay_only=relay_only,
+        events=None
+        if not settings.events_url
+        else {
+            "url": settings.events_url,
+            "subject": settings.events_subject,
+            "stream": settings.events_stream,
+            "duplicate_window_s": settings.events_duplicate_window_s,
+            "mode": settings.events_mode,
+            "batch_size": settings.events_batch_size,
+        },
+        audit_retention_s=settings.audit_retention_days * 86400.0,
     )

@@ -1,0 +1,51 @@
+"""Audit records in the ledger (issue 40, part 4): committed with their decisions on both engines,
+read back as stored, deleted by retention while the decisions stay; the keyed hash of personal data."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+
+import pytest
+
+from mlpair.prediction.recording.admin import migrate
+from mlpair.prediction.recording.audit import AuditRecords
+from mlpair.prediction.recording.ledger import as_columns
+from tests.support.ledger import decision, opened_ledger
+
+
+def test_personal_data_is_hashed_with_hmac_sha256_under_the_key_and_a_short_key_is_refused():
+    audit = AuditRecords("hash", b"k" * 16)
+    expected = hmac.new(b"k" * 16, b"4200", hashlib.sha256).hexdigest()
+    assert audit.keyed_hash(4200) == f"hmac-sha256:{expected}"
+    assert AuditRecords("hash", b"j" * 16).keyed_hash(4200) != audit.keyed_hash(4200)
+    with pytest.raises(ValueError, match="16 bytes"):
+        AuditRecords("hash", b"short")
+    with pytest.raises(ValueError, match="drop"):
+        AuditRecords("keep")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_and_crm(request, tmp_path):
+    """Two SQLite files, or one fresh PostgreSQL database for both (a sync fixture)."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite'}", f"sqlite+aiosqlite:///{tmp_path / 'crm.sqlite'}"
+    url = request.getfixturevalue("fresh_postgres")
+    return url, url
+
+
+async def test_retention_deletes_audit_records_and_keeps_the_decisions(ledger_and_crm):
+    url, crm = ledger_and_crm
+    await migrate(url, crm)
+    async with opened_ledger(url) as ledger:
+        batch = [decision(f"kept-{i}") for i in range(20)]
+        columns = as_columns(batch, ["fp"] * 20)
+        columns.audit = [json.dumps({"features": [float(i)]}) for i in range(20)]
+        outcomes = await ledger.record_many(columns, columns.fingerprints)
+        assert not any(isinstance(o, BaseException) for o in outcomes)
+        assert json.loads(await ledger.audit_record("kept-7")) == {"features": [7.0]}
+        assert await ledger.prune_audit(3600.0) == 0  # none is an hour old
+        assert await ledger.prune_audit(0.0) == 20
+        assert await ledger.audit_record("kept-7") is None
+        assert (await ledger.find("kept-7")).decision.request_id == "kept-7"
