@@ -1,5 +1,5 @@
 """The ``mlpair`` command: train, import-model, migrate, serve inference, serve prediction, relay, predict, attributes,
-demo, health, drift-report, check-model, score, outcomes-import, outcomes-report.
+demo, health, drift-report, check-model, score, outcomes-import, outcomes-report, events tail.
 
 Every server setting is a flag and an environment variable (``INFERENCE_*`` /
 ``PREDICTION_*``); a flag wins over the environment, which wins over the default.
@@ -63,7 +63,7 @@ def _add_settings_flags(
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and flag; each subcommand's ``func`` is its implementation in :mod:`mlpair.commands`."""
-    from mlpair.commands import calls, check_model, decision, models, operate, outcomes, score
+    from mlpair.commands import calls, check_model, decision, events, models, operate, outcomes, score
     from mlpair.commands import serve as serving
     from mlpair.commands.operate import DRIFT_NO_VERDICT
     from mlpair.inference.settings import InferenceSettings
@@ -273,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_parser(sub)
     outcomes.add_parser(sub)
     decision.add_parser(sub)
+    events.add_parser(sub)
     return parser
 
 

@@ -10,6 +10,7 @@ The package holds every helper more than one test module uses; a test module imp
 * :mod:`tests.support.inference` — InferenceService requests and replies, slow and broken models.
 * :mod:`tests.support.ledger` — decisions, opened ledgers, CRM rows and the relay as a process.
 * :mod:`tests.support.e2e` — Predict requests, expected probabilities, trace headers, worker listeners.
+* :mod:`tests.support.events` — a NATS server with JetStream of the test's own, stopped and restarted by PID.
 
 This module itself holds the paths, a hand-set :class:`Clock` and the service checks.
 """
