@@ -28,16 +28,13 @@ from mlpair.prediction.recording.migrate import SchemaNotReady
 from tests.fault_support import free_port, prediction_service, prediction_settings
 from tests.support import pair as harness
 from tests.support.ledger import mlpair_cli
+from tests.support.pair import asyncpg_dsn
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def as_user(url: str, user: str) -> str:
     return make_url(url).set(username=user, password=None).render_as_string(hide_password=False)
-
-
-def asyncpg_dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 @pytest.fixture

@@ -500,3 +500,10 @@ def assemble_package(source: Path, package: Path) -> None:
     for folder, name in (("services/prediction", "prediction"), ("services/inference", "inference"),
                          ("training", "training")):
         shutil.copytree(source / folder, package / "mlpair" / name)
+
+
+def asyncpg_dsn(url: str) -> str:
+    """A SQLAlchemy PostgreSQL URL as the DSN asyncpg takes (no driver suffix)."""
+    from sqlalchemy import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
