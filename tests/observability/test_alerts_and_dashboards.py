@@ -37,7 +37,7 @@ DRIFT_ALERTS = {"PredictionFeatureDrift", "PredictionScoreDrift", "PredictionDri
 OPERATIONS_ALERTS = {"PredictionDecisionBacklogStale", "PredictionDecisionBacklogLarge", "PredictionRelayFailing",
                      "PredictionDecisionsNotDelivered",
                      "PredictionCircuitOpen", "PredictionStaleCacheRatio", "PredictionThresholdProbing",
-                     "PredictionShadowDisagreement", "ScoreJobWillMissDeadline"}
+                     "PredictionShadowDisagreement", "ScoreJobWillMissDeadline", "PredictionEventsLagging"}
 # InferenceService health after start (one pod's model version out of rotation, a lost device): each holds a while.
 INFERENCE_HEALTH_ALERTS = {"InferenceModelVersionNotReady", "InferenceRuntimeFailures", "InferenceSelfTestFailing",
                            "InferenceDeviceLost", "InferenceModelSourceUnreachable"}
@@ -74,6 +74,7 @@ def exported() -> set[str]:
     import mlpair.inference.metrics  # noqa: F401  (registers the metrics)
     import mlpair.prediction.feedback.metrics  # noqa: F401
     import mlpair.prediction.metrics  # noqa: F401
+    import mlpair.prediction.recording.event_relay  # noqa: F401  (the decision events' metrics)
     from mlpair.jobs.metrics import registry_for
     from mlpair.jobs.state import JobState
 
@@ -106,7 +107,7 @@ def test_alerts_fire_and_stay_quiet_as_specified_by_promtool_unit_tests(promtool
     assert {p.name for p in PROMTOOL_TESTS} == {"inference.test.yaml", "prediction.test.yaml", "operations.test.yaml",
                                                "fleet-drift.test.yaml", "probing-canary.test.yaml",
                                                "inference-health.test.yaml", "gpu.test.yaml", "score-jobs.test.yaml",
-                                               "model-source.test.yaml", "outcomes.test.yaml"}
+                                               "model-source.test.yaml", "outcomes.test.yaml", "events.test.yaml"}
     out = subprocess.run([promtool, "test", "rules", *PROMTOOL_TESTS], capture_output=True, text=True,
                          timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout + out.stderr

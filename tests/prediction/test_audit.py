@@ -49,3 +49,10 @@ async def test_retention_deletes_audit_records_and_keeps_the_decisions(ledger_an
         assert await ledger.prune_audit(0.0) == 20
         assert await ledger.audit_record("kept-7") is None
         assert (await ledger.find("kept-7")).decision.request_id == "kept-7"
+
+
+def test_a_non_finite_logit_is_kept_as_null_so_the_record_stays_json():
+    from mlpair.prediction.recording.audit import _encode
+
+    text = _encode({"logits": [float("nan"), 1.5], "explanation": None, "features": [float("inf")]})
+    assert json.loads(text) == {"logits": [None, 1.5], "explanation": None, "features": [None]}

@@ -20,7 +20,7 @@ one JSON object::
 * ``features``: the vector the model saw, ``[n_features]`` (float32 values written as the doubles
   they equal); ``guards``: each guard that fired on the row, as ``[feature, action]``.
 * ``logits``: the served version's raw output for the row, ``[n_classes]`` (the first member's for an
-  ensemble; null when no model output was used).
+  ensemble; null when no model output was used, and a non-finite value is null).
 * ``explanation``: when the request asked for one, every feature's contribution
   (``[feature, contribution, reason_code]``, probability units) and the top reasons.
 * ``preprocessing_hash``: the third member of the version triple (the ledger keeps the model and
@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -99,7 +100,7 @@ class AuditRecords:
             served = scores.served[k]
             explanation = d.explanations.get(j)
             out.append(
-                _ENCODE(
+                _encode(
                     {
                         "attributes": attributes,
                         "unknown_attributes": sorted(a for a in received if a not in known),
@@ -119,6 +120,25 @@ class AuditRecords:
                 )
             )
         return out
+
+
+def _encode(record: dict[str, Any]) -> str:
+    """``record`` as compact JSON; a non-finite float (a model's NaN logit, decided as
+    ``MODEL_OUTPUT_INVALID``) becomes null, which JSON can hold."""
+    try:
+        return _ENCODE(record)
+    except ValueError:
+        return _ENCODE(_finite(record))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def read_record(text: str | None) -> dict[str, Any] | None:
