@@ -134,12 +134,18 @@ def the(objects: list[dict], kind: str) -> dict:
     return obj
 
 
+def canary_template(objects: list[dict], name: str = "prediction-canary") -> dict:
+    (template,) = [o for o in dc.of_kind(objects, "AnalysisTemplate") if o["metadata"]["name"] == name]
+    return template
+
+
 # -- the Rollout and its analysis ---------------------------------------------------------------------
 
 
 def test_argo_objects_match_the_argo_rollouts_crds(rendered: dict, argo_schemas: dc.CrdSchemas) -> None:
     objects = [obj for obj in rendered["prod"] if dc.is_argo(obj)]
     assert sorted(dc.name_of(o) for o in objects) == ["AnalysisTemplate/prediction-canary",
+                                                      "AnalysisTemplate/prediction-canary-outcomes",
                                                       "Rollout/prediction-rollout"]
     assert [p for obj in objects for p in argo_schemas.errors(obj)] == []
     assert not any(dc.is_argo(obj) for obj in rendered["dev"])
@@ -168,7 +174,7 @@ def test_canary_steps_are_1_30_100_each_held_and_judged(rendered: dict) -> None:
 
 def test_analysis_judges_the_projects_own_metrics_and_aborts_on_one_breach(rendered: dict) -> None:
     objects = rendered["prod"]
-    template = the(objects, "AnalysisTemplate")["spec"]
+    template = canary_template(objects)["spec"]
     rollout_args = {a["name"] for a in the(objects, "Rollout")["spec"]["strategy"]["canary"]["analysis"]["args"]}
     declared = {a["name"]: a for a in template["args"]}
     assert {m["name"] for m in template["metrics"]} == ANALYSIS_METRICS
@@ -203,7 +209,9 @@ def test_c57_no_analysis_metric_passes_an_empty_result_or_nan(rendered: dict) ->
     # metric of any analysis in any overlay may call either a success (a canary nobody calls
     # would be promoted on them), nor fail to evaluate them (result[0] of []: an Error, retried).
     templates = _analysis_templates(rendered)
-    assert [(overlay, dc.name_of(t)) for overlay, t, _ in templates] == [("prod", "AnalysisTemplate/prediction-canary")]
+    assert [(overlay, dc.name_of(t)) for overlay, t, _ in templates] == [
+        ("prod", "AnalysisTemplate/prediction-canary"), ("prod", "AnalysisTemplate/prediction-canary-outcomes")]
+    templates = [(o, t, r) for o, t, r in templates if t["metadata"]["name"] == "prediction-canary"]
     assert not [dc.name_of(o) for objects in rendered.values() for o in objects
                 if o["kind"] in FLAGGER_ANALYSIS_KINDS and o["apiVersion"].startswith("flagger.app/")]
     for overlay, template, rollout in templates:
@@ -230,7 +238,7 @@ def test_c57_no_analysis_metric_passes_an_empty_result_or_nan(rendered: dict) ->
 
 
 def test_c57_canary_traffic_wants_the_minimum_rate_of_calls(rendered: dict) -> None:
-    (template,) = dc.of_kind(rendered["prod"], "AnalysisTemplate")
+    template = canary_template(rendered["prod"])
     rollout = the(rendered["prod"], "Rollout")
     values = ca.argument_values(template, rollout, {"canary-hash": "6c8d7f9b4", "stable-hash": "5f7c9d8b6",
                                                     "namespace": "mlpair"})
@@ -311,3 +319,15 @@ def test_mistyped_steps_are_caught(tmp_path: Path, kubectl: Path, kubernetes_val
         "Deployment/prediction-stable: churn version 1 both decides and is shadowed",
         "Deployment/prediction-stable: versions named for fraud, which is not served",
     ]
+
+
+def test_the_outcomes_analysis_fails_on_a_realised_auc_drop_and_waits_for_missing_labels(rendered: dict) -> None:
+    template = canary_template(rendered["prod"], "prediction-canary-outcomes")
+    values = ca.argument_values(template, None, {"namespace": "mlpair", "model": "churn", "canary-version": "4"})
+    (metric,) = ca.template_metrics(template, values)
+    assert 'model_version="4"' in metric.query and 'family="churn"' in metric.query
+    assert (ca.phase_of(metric, []), ca.phase_of(metric, [math.nan])) == (ca.INCONCLUSIVE, ca.INCONCLUSIVE)
+    assert ca.phase_of(metric, [-0.01]) == ca.SUCCESSFUL and ca.phase_of(metric, [0.02]) == ca.SUCCESSFUL
+    assert ca.phase_of(metric, [-0.08]) == ca.FAILED
+    # what it queries is what PredictionService exports (the realised and holdout gauges' labels)
+    assert {"prediction_realised_roc_auc", "prediction_holdout_roc_auc"} <= set(re.findall(r"prediction_\w+", metric.query))

@@ -99,7 +99,7 @@ def analysis_metrics(objects: list[dict], given: dict[str, str]) -> list[Metric]
     Raises:
         LookupError: an argument has no value.
     """
-    (template,) = [o for o in objects if o["kind"] == "AnalysisTemplate"]
+    (template,) = [o for o in objects if o["kind"] == "AnalysisTemplate" and o["metadata"]["name"] == "prediction-canary"]
     (rollout,) = [o for o in objects if o["kind"] == "Rollout"]
     return template_metrics(template, argument_values(template, rollout, given))
 

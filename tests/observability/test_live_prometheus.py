@@ -476,7 +476,8 @@ def test_c57_canary_with_traffic_is_measured_on_data(live, prod_objects):
     # The same canary 30 s into its share of the load: its calls over the 5-minute window reach
     # min-canary-rate, and every metric measured one number, so none is Failed or Inconclusive for
     # want of data (whether each number is within its bound is the test above).
-    (template,) = [o for o in prod_objects if o["kind"] == "AnalysisTemplate"]
+    (template,) = [o for o in prod_objects
+                   if o["kind"] == "AnalysisTemplate" and o["metadata"]["name"] == "prediction-canary"]
     floor = float(ca.argument_values(template, None, {})["min-canary-rate"])
     good = {m.metric: m for m in live.analysis["good"]}
     traffic = good["canary-traffic"]
