@@ -181,7 +181,8 @@ class DecisionColumns(Sequence[StoredDecision]):
         if len(parts) == 1:
             return parts[0]
         audit = None if any(p.audit is None for p in parts) else [v for p in parts for v in p.audit or ()]
-        return cls(*([v for p in parts for v in getattr(p, name)] for name in (*cls.FIELDS, "fingerprints")), audit)
+        columns = {name: [v for p in parts for v in getattr(p, name)] for name in (*cls.FIELDS, "fingerprints")}
+        return cls(**columns, audit=audit)
 
 
 @dataclass(eq=False)

@@ -124,6 +124,7 @@ class DecisionRecorder:
         event_relay = None
         if events is not None and relay_in_process:
             from mlpair.prediction.recording.events import JetStreamSink
+            from mlpair.prediction.recording.ledger_postgres import PostgresLedger
 
             options = dict(events)
             sink = JetStreamSink(
@@ -132,7 +133,8 @@ class DecisionRecorder:
                 stream=options.pop("stream"),
                 duplicate_window_s=options.pop("duplicate_window_s"),
             )
-            event_relay = EventRelay(ledger, sink, **options)  # type: ignore[arg-type]  (a PostgreSQL ledger)
+            assert isinstance(ledger, PostgresLedger)  # open_ledger refuses events on any other engine
+            event_relay = EventRelay(ledger, sink, **options)
         relay_here = relay if relay_in_process else None
         return cls(ledger, crm, relay_here, event_relay, audit_retention_s if relay_here else 0.0)
 
