@@ -76,7 +76,7 @@ class FakeInference:
         self.weights = rng.normal(0.0, 0.6, size=(n_features, 2)).astype(np.float32)
         self.calls = self.rows = 0
 
-    async def infer(self, target, features, *, timeout_s=None, callers=()):
+    async def infer(self, target, features, *, timeout_s=None, callers=(), priority=0):
         self.calls += 1
         self.rows += len(features)
         return features @ self.weights, target.version
@@ -267,6 +267,12 @@ class _Context:
 
     def time_remaining(self):
         return 30.0
+
+    def invocation_metadata(self):  # no caller identity, no priority: the defaults
+        return ()
+
+    def auth_context(self):
+        return {}
 
 
 class RelayProcess:

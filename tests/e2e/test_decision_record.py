@@ -14,7 +14,7 @@ from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
 from mlpair.commands.decision import decision_record
 from mlpair.contracts.assembly import FeatureAssembler
-from mlpair.prediction.recording.audit import AuditRecords
+from mlpair.prediction.recording.audit import AuditRecords, read_record
 from tests.e2e.conftest import prediction_service
 from tests.support.ledger import mlpair_cli, opened_ledger
 
@@ -104,4 +104,4 @@ async def test_a_batch_keeps_one_record_per_decided_item(dropping, credit_holdou
         kept = [await ledger.audit_record(f"audit-batch-{i}") for i in range(40)]
         assert all(k is not None for k in kept)
         assert await ledger.audit_record("audit-batch-bad") is None  # refused: no decision, no record
-        assert json.loads(kept[3])["features"] != json.loads(kept[4])["features"]
+        assert read_record(kept[3])["features"] != read_record(kept[4])["features"]

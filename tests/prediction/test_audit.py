@@ -51,8 +51,13 @@ async def test_retention_deletes_audit_records_and_keeps_the_decisions(ledger_an
         assert (await ledger.find("kept-7")).decision.request_id == "kept-7"
 
 
-def test_a_non_finite_logit_is_kept_as_null_so_the_record_stays_json():
-    from mlpair.prediction.recording.audit import _encode
+def test_vectors_read_back_exactly_and_a_non_finite_logit_reads_as_null():
+    import numpy as np
 
-    text = _encode({"logits": [float("nan"), 1.5], "explanation": None, "features": [float("inf")]})
-    assert json.loads(text) == {"logits": [None, 1.5], "explanation": None, "features": [None]}
+    from mlpair.prediction.recording.audit import _encode, _f32, read_record
+
+    features = np.array([0.1, -2.5, 1e-30, 3.4e38], dtype=np.float32)
+    text = _encode({"features_f32": _f32(features), "logits_f32": _f32(np.array([np.nan, 1.5], np.float32)),
+                    "explanation": None})
+    assert read_record(text) == {"features": features.tolist(), "logits": [None, 1.5], "explanation": None}
+    assert json.loads(_encode({"contribution": float("nan")})) == {"contribution": None}  # JSON holds no NaN

@@ -3,7 +3,7 @@
 A credit or churn decision must be auditable from what the system stores. Besides the decision
 itself (``decision_ledger``: decision, probability, reason codes, versions, caller), each decision
 gets one audit record in ``decision_audit``, committed by the same statement (``ledger_0005``), as
-one JSON object::
+one JSON object, read back by :func:`read_record` as::
 
     {"attributes": {...}, "unknown_attributes": [...], "features": [...], "guards": [[feature, action], ...],
      "logits": [...], "explanation": {...} | null, "preprocessing_hash": "sha256:…"}
@@ -17,14 +17,19 @@ one JSON object::
   enumerate an income's few thousand values into the hash (a plain hash would give them away).
 * ``unknown_attributes``: names the schema does not know, without their values (the schema cannot
   say whether they are personal).
-* ``features``: the vector the model saw, ``[n_features]`` (float32 values written as the doubles
-  they equal); ``guards``: each guard that fired on the row, as ``[feature, action]``.
-* ``logits``: the served version's raw output for the row, ``[n_classes]`` (the first member's for an
-  ensemble; null when no model output was used, and a non-finite value is null).
+* ``features``: the vector the model saw, ``[n_features]`` float32; ``guards``: each guard that
+  fired on the row, as ``[feature, action]``.
+* ``logits``: the served version's raw output for the row, ``[n_classes]`` float32 (the first
+  member's for an ensemble; null when no model output was used; a non-finite value reads as null).
 * ``explanation``: when the request asked for one, every feature's contribution
   (``[feature, contribution, reason_code]``, probability units) and the top reasons.
 * ``preprocessing_hash``: the third member of the version triple (the ledger keeps the model and
   feature schema versions), naming the preprocessing that built ``features``.
+
+The two vectors are stored as base64 of their little-endian float32 bytes (``features_f32``,
+``logits_f32``): exact, and written without a decimal conversion per value, which cost more CPU
+per decision than the rest of the record (docs/decisions/0016-audit-vectors-as-float32-bytes.md);
+:func:`read_record` gives them back as lists.
 
 Retention (``PREDICTION_AUDIT_RETENTION_DAYS``) deletes audit records older than the setting; the
 decision stays in the ledger for its idempotency and its delivery. ``mlpair decision REQUEST_ID``
@@ -33,6 +38,7 @@ shows one decision with its record.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -40,8 +46,12 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from mlpair.prediction.deciding.decisions import Decided
+    from mlpair.prediction.deciding.explain import Explanation
+    from mlpair.prediction.families import ModelFamily
 
 PERSONAL_DATA_MODES = ("drop", "hash")
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=lambda v: v.item()).encode
@@ -66,6 +76,23 @@ class AuditRecords:
             raise ValueError("hashing personal data in audit records needs a key of at least 16 bytes")
         self.hash_personal = personal_data == "hash"
         self._key = hash_key
+        self._layouts: dict[str, tuple[Any, tuple[list[str], list[str], frozenset[str], str]]] = {}
+
+    def _layout(self, family: ModelFamily) -> tuple[list[str], list[str], frozenset[str], str]:
+        """Per family, made once for its entry: the attributes kept as received, those hashed (none
+        unless hashing), every attribute the schema knows, and the record's constant end."""
+        layout = self._layouts.get(family.name)
+        if layout is None or layout[0] is not family.entry:
+            schema = family.schema
+            personal = schema.personal_data
+            plain = [n for n in schema.attribute_names if n not in personal]
+            hashed = [n for n in schema.attribute_names if n in personal] if self.hash_personal else []
+            tail = f',"preprocessing_hash":{_ENCODE(family.entry.manifest.versions.preprocessing_hash)}}}'
+            layout = self._layouts[family.name] = (
+                family.entry,
+                (plain, hashed, frozenset(schema.attribute_names), tail),
+            )
+        return layout[1]
 
     def keyed_hash(self, value: Any) -> str:
         """``"hmac-sha256:<hex>"`` of ``value``'s compact JSON text under the key (RFC 2104)."""
@@ -75,56 +102,55 @@ class AuditRecords:
     def records(self, d: Decided) -> list[str]:
         """One JSON text per decided row of ``d``, in ``d.rows`` order (see the module docstring).
 
-        Raises:
-            ValueError: an attribute value JSON cannot hold (NaN or infinity is refused by intake first).
+        A value JSON cannot hold (a non-finite number) is written as null.
         """
         group, scores = d.group, d.scores
-        schema = group.family.schema
-        names = schema.attribute_names
-        personal = schema.personal_data
-        known = frozenset(names)
-        vectors = group.vectors
-        preprocessing_hash = group.family.entry.preprocessing.hash
+        plain, hashed, known, tail = self._layout(group.family)
+        rows = list(d.rows)
+        width = group.vectors.shape[1] * 4  # bytes of one row's float32 features
+        vectors = group.vectors[rows].astype("<f4", copy=False).tobytes()  # one copy for every row
+        b64, served_rows, guards = base64.b64encode, scores.served, group.guards
         out = []
-        for j, k in enumerate(d.rows):
+        for j, k in enumerate(rows):
             received: Mapping[str, Any] = group.requests[k].attributes
-            attributes: dict[str, Any] = {}
-            for name in names:
-                if name in received:
-                    value = received[name]
-                    if name in personal:
-                        if not self.hash_personal:
-                            continue
-                        value = self.keyed_hash(value)
-                    attributes[name] = value
-            served = scores.served[k]
+            attributes = {n: received[n] for n in plain if n in received}
+            for n in hashed:
+                if n in received:
+                    attributes[n] = self.keyed_hash(received[n])
+            unknown = [] if received.keys() <= known else sorted(a for a in received if a not in known)
+            served = served_rows[k]
+            logits = "null" if served is None or served.logits is None else f'"{_f32(served.logits)}"'
+            events = guards[k].events
             explanation = d.explanations.get(j)
+            # written piece by piece: each piece is JSON (base64 and "null" need no escaping)
             out.append(
-                _encode(
-                    {
-                        "attributes": attributes,
-                        "unknown_attributes": sorted(a for a in received if a not in known),
-                        "features": vectors[k].tolist(),
-                        "guards": [[e.feature, e.action] for e in group.guards[k].events],
-                        "logits": None if served is None or served.logits is None else served.logits.tolist(),
-                        "explanation": None
-                        if explanation is None
-                        else {
-                            "contributions": [
-                                [c.feature, c.contribution, c.reason_code] for c in explanation.contributions
-                            ],
-                            "top_reasons": list(explanation.top_reasons),
-                        },
-                        "preprocessing_hash": preprocessing_hash,
-                    }
-                )
+                f'{{"attributes":{_attributes(attributes)},"unknown_attributes":{_ENCODE(unknown)},'
+                f'"features_f32":"{b64(vectors[j * width : (j + 1) * width]).decode()}",'
+                f'"guards":{_ENCODE([[e.feature, e.action] for e in events]) if events else "[]"},'
+                f'"logits_f32":{logits},'
+                f'"explanation":{"null" if explanation is None else _encode(_explained(explanation))}{tail}'
             )
         return out
 
 
-def _encode(record: dict[str, Any]) -> str:
-    """``record`` as compact JSON; a non-finite float (a model's NaN logit, decided as
-    ``MODEL_OUTPUT_INVALID``) becomes null, which JSON can hold."""
+def _attributes(attributes: dict[str, Any]) -> str:
+    """The attributes as JSON (a non-finite number as null, see :func:`_encode`)."""
+    try:
+        return _ENCODE(attributes)
+    except ValueError:
+        return _encode(attributes)
+
+
+def _explained(explanation: Explanation) -> dict[str, Any]:
+    """An explanation as the record keeps it."""
+    return {
+        "contributions": [[c.feature, c.contribution, c.reason_code] for c in explanation.contributions],
+        "top_reasons": list(explanation.top_reasons),
+    }
+
+
+def _encode(record: Any) -> str:
+    """``record`` as compact JSON; a non-finite float (which JSON cannot hold) becomes null."""
     try:
         return _ENCODE(record)
     except ValueError:
@@ -141,6 +167,25 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _f32(vector: np.ndarray) -> str:
+    """``vector``'s values as base64 of little-endian float32 bytes."""
+    return base64.b64encode(vector.astype("<f4", copy=False).tobytes()).decode("ascii")
+
+
+def _vector(text: str | None) -> list[float | None] | None:
+    """A :func:`_f32` text back as values (a non-finite one as None, which JSON can hold)."""
+    if text is None:
+        return None
+    return _finite(np.frombuffer(base64.b64decode(text), dtype="<f4").tolist())
+
+
 def read_record(text: str | None) -> dict[str, Any] | None:
-    """An audit record's JSON text as a dict (None stays None: no record, or past retention)."""
-    return None if text is None else json.loads(text)
+    """An audit record's JSON text as a dict with ``features`` and ``logits`` as lists (None stays
+    None: no record kept, or past its retention)."""
+    if text is None:
+        return None
+    record = json.loads(text)
+    for name in ("features", "logits"):
+        if f"{name}_f32" in record:
+            record[name] = _vector(record.pop(f"{name}_f32"))
+    return record

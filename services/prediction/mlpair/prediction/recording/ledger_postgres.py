@@ -182,7 +182,7 @@ class PostgresLedger(ledger.DecisionLedger):
             async with self._connection() as conn:
                 await conn.execute(f"SELECT {COLUMNS}, recorded_at, delivered_at, lease_until FROM {TABLE} WHERE false")
                 await conn.execute(f"SELECT id, seqs, n, recorded_at FROM {OUTBOX} WHERE false")
-                await conn.execute(f"SELECT request_id, record, recorded_at FROM {AUDIT} WHERE false")
+                await conn.execute(f"SELECT seq, record, recorded_at FROM {AUDIT} WHERE false")
                 await conn.execute(f"SELECT id, seqs, n, recorded_at FROM {EVENT_OUTBOX} WHERE false")
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedColumnError, asyncpg.InvalidSchemaNameError) as exc:
             raise SchemaNotReady(

@@ -72,7 +72,7 @@ def _extras(ids: str, records: str | None, events: bool) -> str:
     extra = ""
     if records is not None:
         extra += (
-            f", audited AS (INSERT INTO {AUDIT} (request_id, record) SELECT a.r, a.record FROM "
+            f", audited AS (INSERT INTO {AUDIT} (seq, record) SELECT i.seq, a.record FROM "
             f"unnest({ids}, {records}) AS a(r, record) JOIN inserted i ON i.request_id = a.r)"
         )
     if events:
@@ -200,9 +200,9 @@ IMPORT = (
 )
 # One decision's audit record (``mlpair decision``), and retention: records older than $1 seconds,
 # 10,000 a statement (a statement per batch keeps each transaction and its locks short).
-SELECT_AUDIT = f"SELECT record FROM {AUDIT} WHERE request_id = $1"
+SELECT_AUDIT = f"SELECT a.record FROM {AUDIT} a JOIN {TABLE} l ON l.seq = a.seq WHERE l.request_id = $1"
 PRUNE_AUDIT = (
-    f"DELETE FROM {AUDIT} WHERE request_id IN (SELECT request_id FROM {AUDIT} "
+    f"DELETE FROM {AUDIT} WHERE seq IN (SELECT seq FROM {AUDIT} "
     "WHERE recorded_at < now() - make_interval(secs => $1) LIMIT 10000)"
 )
 # The event relay (recording/event_relay.py): up to $1 of the oldest event outbox rows no other relay
@@ -216,7 +216,7 @@ EVENT_COLUMNS = (
 EVENT_DECISIONS = (
     f"SELECT {', '.join('l.' + c for c in EVENT_COLUMNS.split(', '))}, "
     f"{packed.as_text('l.decided_at', 'timestamptz')}, a.record FROM {TABLE} l "
-    f"LEFT JOIN {AUDIT} a ON a.request_id = l.request_id WHERE l.seq = ANY($1::bigint[]) ORDER BY l.seq"
+    f"LEFT JOIN {AUDIT} a ON a.seq = l.seq WHERE l.seq = ANY($1::bigint[]) ORDER BY l.seq"
 )
 DELETE_EVENTS = f"DELETE FROM {EVENT_OUTBOX} WHERE id = ANY($1::bigint[])"
 EVENT_BACKLOG = (

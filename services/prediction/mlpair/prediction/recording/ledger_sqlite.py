@@ -183,7 +183,11 @@ class SqliteLedger(ledger.DecisionLedger):
 
     async def audit_record(self, request_id: str) -> str | None:
         """The audit record of ``request_id`` (JSON text), or None."""
-        row = await self._run(self._one, f"SELECT record FROM {AUDIT_TABLE} WHERE request_id = ?", (request_id,))
+        row = await self._run(
+            self._one,
+            f"SELECT a.record FROM {AUDIT_TABLE} a JOIN {LEDGER_TABLE} l ON l.seq = a.seq WHERE l.request_id = ?",
+            (request_id,),
+        )
         return None if row is None else row[0]
 
     async def prune_audit(self, older_than_s: float) -> int:
@@ -206,7 +210,7 @@ class SqliteLedger(ledger.DecisionLedger):
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         try:
             conn.execute(f"SELECT {_COLUMNS}, recorded_at, delivered_at, lease_until FROM {LEDGER_TABLE} WHERE 0")
-            conn.execute(f"SELECT request_id, record, recorded_at FROM {AUDIT_TABLE} WHERE 0")
+            conn.execute(f"SELECT seq, record, recorded_at FROM {AUDIT_TABLE} WHERE 0")
         except sqlite3.OperationalError as exc:
             conn.close()
             raise SchemaNotReady(
@@ -269,8 +273,9 @@ class SqliteLedger(ledger.DecisionLedger):
                 )
                 if audit is not None:  # what each new decision was based on, in the same transaction
                     self._db.executemany(
-                        f"INSERT INTO {AUDIT_TABLE} (request_id, record, recorded_at) VALUES (?, ?, ?)",
-                        [(request_ids[i], audit[i], now) for i in new],
+                        f"INSERT INTO {AUDIT_TABLE} (seq, record, recorded_at) "
+                        f"SELECT seq, ?, ? FROM {LEDGER_TABLE} WHERE request_id = ?",
+                        [(audit[i], now, request_ids[i]) for i in new],
                     )
         return {i: held[request_ids[i]] for i in rows if request_ids[i] in held} if held else {}
 

@@ -182,9 +182,14 @@ class AuditEntry(LedgerBase):
     :mod:`mlpair.prediction.recording.audit`); deleted after the retention period, the decision kept."""
 
     __tablename__ = AUDIT_TABLE
-    __table_args__ = (Index("ix_decision_audit_recorded_at", "recorded_at"), {"schema": LEDGER_SCHEMA})
+    __table_args__ = (
+        Index("ix_decision_audit_recorded_at", "recorded_at", postgresql_using="brin"),
+        {"schema": LEDGER_SCHEMA},
+    )
 
-    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seq: Mapped[int] = mapped_column(  # the decision's seq in decision_ledger
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=False
+    )
     record: Mapped[str] = mapped_column(Text, nullable=False)
     recorded_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True).with_variant(Float(), "sqlite"), nullable=False, server_default=func.now()

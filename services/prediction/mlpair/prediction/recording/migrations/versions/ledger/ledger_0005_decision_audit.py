@@ -1,11 +1,14 @@
 """Ledger: what each decision was based on (``decision_audit``), and the decision events' work list.
 
-``decision_audit`` holds one audit record per decision, keyed by request id, written by the same
+``decision_audit`` holds one audit record per decision, keyed by the decision's ``seq`` in the
+ledger (a bigint: a cheaper index to insert into than the request id's text), written by the same
 statement (or SQLite transaction) that records the decision: the attributes as received with
 personal-data fields as keyed hashes or left out, the feature vector the model saw, the guards that
 fired, the model's logits and the explanation when one was asked for, as one JSON text
 (``recording/audit.py``). ``recorded_at`` (a timestamp on PostgreSQL, Unix seconds on SQLite) is
-what retention deletes by; the decision itself stays in ``decision_ledger``.
+what retention deletes by, indexed on PostgreSQL by a BRIN index (the table is append-only in time
+order, so block ranges summarise it and an insert costs next to nothing); the decision itself
+stays in ``decision_ledger``.
 
 ``decision_event_outbox`` (PostgreSQL only) is the event relay's work list, shaped like
 ``decision_outbox``: a group commit adds one row naming the ``seq`` of every decision it inserted
@@ -34,7 +37,7 @@ def upgrade() -> None:
     schema = None if sqlite else "prediction"
     op.create_table(
         "decision_audit",
-        sa.Column("request_id", sa.String(128), primary_key=True),
+        sa.Column("seq", sa.Integer if sqlite else sa.BigInteger, primary_key=True, autoincrement=False),
         sa.Column("record", sa.Text, nullable=False),
         sa.Column(
             "recorded_at",
@@ -44,7 +47,9 @@ def upgrade() -> None:
         ),
         schema=schema,
     )
-    op.create_index("ix_decision_audit_recorded_at", "decision_audit", ["recorded_at"], schema=schema)
+    op.create_index(
+        "ix_decision_audit_recorded_at", "decision_audit", ["recorded_at"], schema=schema, postgresql_using="brin"
+    )
     if sqlite:
         return
     op.create_table(
