@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except StartupError as exc:
         return _fail(what, exc, 2)
+    except BrokenPipeError:  # the reader of the output went away (`| head`): not the command's failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 0
     except Exception as exc:  # noqa: BLE001  (one line, not a traceback: --debug shows it)
         return _fail(what, exc, 1)
 

@@ -53,12 +53,10 @@ def invalid_settings(settings_cls: type[BaseSettings], exc: ValidationError) -> 
     problems = []
     for error in exc.errors(include_url=False):
         field = str(error["loc"][0]) if error["loc"] else ""
-        where = (
-            f"--{field.replace('_', '-')} / {prefix}{field.upper()}"
-            if field in settings_cls.model_fields
-            else "settings"
-        )
-        problems.append(f"{where}: {error['msg']}")
+        if field in settings_cls.model_fields:
+            problems.append(f"--{field.replace('_', '-')} / {prefix}{field.upper()}: {error['msg']}")
+        else:  # a rule over several settings: its message names them
+            problems.append(error["msg"].removeprefix("Value error, "))
     return StartupError("invalid setting " + "; ".join(problems))
 
 

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -56,12 +57,24 @@ async def decision_record(ledger_url: str, request_id: str) -> dict[str, Any] | 
 
 def show_decision(args: argparse.Namespace) -> int:
     """Prints the decision's record as JSON; exit 1 when no decision is on record for the id."""
+    from sqlalchemy import make_url
+
     from mlpair.prediction.settings import PredictionSettings
 
     url = args.ledger_url or PredictionSettings().ledger_url
+    parsed = make_url(url)
+    shown = parsed.render_as_string(hide_password=True)
+    hint = "pass --ledger-url or set PREDICTION_LEDGER_URL to the ledger PredictionService records in"
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").is_file():
+        print(f"mlpair decision: no decision ledger at {parsed.database} ({hint})", file=sys.stderr)
+        return 1
     found = asyncio.run(decision_record(url, args.request_id))
     if found is None:
-        print(f"mlpair decision: no decision on record for request id {args.request_id!r}", file=sys.stderr)
+        print(
+            f"mlpair decision: no decision on record for request id {args.request_id!r} in the ledger {shown} "
+            f"(another ledger? {hint})",
+            file=sys.stderr,
+        )
         return 1
     print(json.dumps(found, indent=2))
     return 0

@@ -44,18 +44,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tail.set_defaults(func=events_tail)
 
 
+HEADER = "time  request_id  decision_id  model  decision  probability  caller"
+
+
 def _line(event: dict[str, Any]) -> str:
-    """time, id, model, decision, probability, caller: one short readable line."""
+    """One short readable line, the columns of :data:`HEADER`."""
     data = event["data"] if isinstance(event.get("data"), dict) else {}
     probability = data.get("probability")
     shown = f"{probability:.4f}" if isinstance(probability, int | float) else "-"
-    return (
-        "  ".join(
-            str(v or "-")
-            for v in (event.get("time"), event.get("id"), data.get("model_name"), data.get("decision"), shown)
-        )
-        + f"  {data.get('caller') or '-'}"
-    )
+    values = (event.get("time"), event.get("subject"), event.get("id"), data.get("model_name"), data.get("decision"))
+    return "  ".join(str(v or "-") for v in values) + f"  {shown}  {data.get('caller') or '-'}"
 
 
 def events_tail(args: argparse.Namespace) -> int:
@@ -66,7 +64,12 @@ def events_tail(args: argparse.Namespace) -> int:
     """
     from mlpair.prediction.recording.events import tail
 
+    printed = 0
+
     async def run() -> None:
+        nonlocal printed
+        if not args.json:
+            print(HEADER, flush=True)
         async for event in tail(
             args.url,
             subject=args.subject,
@@ -77,7 +80,10 @@ def events_tail(args: argparse.Namespace) -> int:
         ):
             sys.stdout.write((json.dumps(event, separators=(",", ":")) if args.json else _line(event)) + "\n")
             sys.stdout.flush()
+            printed += 1
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a follow: not a failure
         asyncio.run(run())
+    if not printed:
+        print(f"mlpair events tail: no decision event on {args.stream} ({args.url})", file=sys.stderr)
     return 0

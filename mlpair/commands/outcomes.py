@@ -63,6 +63,14 @@ def _context(args: argparse.Namespace) -> tuple[Any, dict]:
     config_dir = Path(args.config_dir) if args.config_dir else defaults.config_dir
     repository = Path(args.model_repository) if args.model_repository else defaults.model_repository
     names = sorted(p.parent.name for p in config_dir.glob("*/policy.toml") if (repository / p.parent.name).is_dir())
+    if not names:
+        from mlpair.startup import StartupError
+
+        raise StartupError(
+            f"no model family has both a policy under {config_dir} and trained versions under {repository}: "
+            "pass --config-dir and --model-repository (or PREDICTION_CONFIG_DIR, PREDICTION_MODEL_REPOSITORY) "
+            "as PredictionService has them"
+        )
     families = {name: ModelFamily.load(name, config_dir, repository) for name in names}
     labels = {name: FamilyLabels.of_manifest(f.entry.manifest) for name, f in families.items()}
     store = OutcomeStore(
@@ -143,8 +151,10 @@ def outcomes_report(args: argparse.Namespace) -> int:
     else:
         print(render(figures, holdout))
     if args.picture and joined is not None:
-        _picture(joined, holdout, policies, Path(args.picture))
-        print(f"picture: {args.picture}")
+        if _picture(joined, holdout, policies, Path(args.picture)):
+            print(f"picture: {args.picture}")
+        else:
+            print("no picture: no family and version has outcomes of both classes yet", file=sys.stderr)
     return 0
 
 
@@ -172,7 +182,8 @@ def render(figures: list, holdout: dict) -> str:
     return "\n".join(lines)
 
 
-def _picture(joined, holdout: dict, policies: dict, path: Path) -> None:
+def _picture(joined, holdout: dict, policies: dict, path: Path) -> bool:
+    """Draws the curves of every family and version with outcomes of both classes; whether any had them."""
     from mlpair.report import OutcomeRow, write_outcomes_report
 
     rows = []
@@ -193,3 +204,4 @@ def _picture(joined, holdout: dict, policies: dict, path: Path) -> None:
         )
     if rows:
         write_outcomes_report(rows, path)
+    return bool(rows)

@@ -14,6 +14,7 @@ import pytest
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client import to_attributes
+from mlpair.contracts.assembly import FeatureAssembler
 from mlpair.prediction.recording.events import EVENT_TYPE, tail
 from tests.e2e.conftest import prediction_service
 from tests.fault_support import eventually
@@ -101,5 +102,8 @@ async def test_every_recorded_decision_is_one_event_through_a_relay_kill_and_a_b
         schema = credit_entry.preprocessing.feature_schema
         assert not set(sample["attributes"]) & schema.personal_data  # personal data left out by default
         assert len(sample["features"]) == credit_entry.preprocessing.n_features and len(sample["logits"]) == 2
+        assembler = FeatureAssembler(credit_entry.preprocessing)
+        for name in schema.personal_data:  # nor can the vector give them away
+            assert all(v is None for v in sample["features"][assembler.feature_slices[name]]), name
     finally:
         nats.stop()

@@ -52,7 +52,7 @@ async def test_the_stored_record_is_what_was_sent_and_what_the_model_saw(hashing
     personal = schema.personal_data
     assert personal  # the test means something only with personal fields in the schema
     hasher = AuditRecords("hash", KEY.encode())
-    expected = {name: hasher.keyed_hash(value) if name in personal else value
+    expected = {name: hasher.keyed_hash(name, value) if name in personal else value
                 for name, value in sent.items() if name in schema.attribute_names}
     assert record["attributes"] == expected
     text = json.dumps(record)
@@ -60,8 +60,13 @@ async def test_the_stored_record_is_what_was_sent_and_what_the_model_saw(hashing
         assert record["attributes"][name].startswith("hmac-sha256:")
         if isinstance(sent[name], str):
             assert json.dumps(sent[name]) not in text
-    assembled = FeatureAssembler(credit_entry.preprocessing).assemble(sent)
-    assert record["features"] == assembled.vector.tolist()  # float32 values, exactly
+    assembler = FeatureAssembler(credit_entry.preprocessing)
+    assembled = assembler.assemble(sent)
+    personal_columns = {i for name in personal
+                        for i in range(*assembler.feature_slices[name].indices(assembler.n_features))}
+    assert personal_columns  # the vector's personal columns are null: the preprocessing would reverse them
+    assert record["features"] == [None if i in personal_columns else v  # the others are the float32 values, exactly
+                                  for i, v in enumerate(assembled.vector.tolist())]
     assert ["Seniority", "MISSING_DEFAULTED"] in record["guards"]
     logits = ort.InferenceSession(str(credit_entry.model_path), providers=["CPUExecutionProvider"]).run(
         None, {"features": assembled.vector[None, :]})[0][0]

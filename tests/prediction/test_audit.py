@@ -17,9 +17,11 @@ from tests.support.ledger import decision, opened_ledger
 
 def test_personal_data_is_hashed_with_hmac_sha256_under_the_key_and_a_short_key_is_refused():
     audit = AuditRecords("hash", b"k" * 16)
-    expected = hmac.new(b"k" * 16, b"4200", hashlib.sha256).hexdigest()
-    assert audit.keyed_hash(4200) == f"hmac-sha256:{expected}"
-    assert AuditRecords("hash", b"j" * 16).keyed_hash(4200) != audit.keyed_hash(4200)
+    expected = hmac.new(b"k" * 16, b"Income:4200", hashlib.sha256).hexdigest()
+    assert audit.keyed_hash("Income", 4200) == f"hmac-sha256:{expected}"
+    assert AuditRecords("hash", b"j" * 16).keyed_hash("Income", 4200) != audit.keyed_hash("Income", 4200)
+    # equal values of two attributes do not show as equal
+    assert audit.keyed_hash("Assets", 0.0) != audit.keyed_hash("Debt", 0.0)
     with pytest.raises(ValueError, match="16 bytes"):
         AuditRecords("hash", b"short")
     with pytest.raises(ValueError, match="drop"):

@@ -169,13 +169,20 @@ async def test_the_cli_tails_the_stream_as_json_lines(nats_server, sink):
     lines = done.stdout.splitlines()
     assert len(lines) == 5
     assert [json.loads(line)["data"] for line in lines] == ds[:5]
+    first = json.loads(lines[0])  # each line a CloudEvent in its JSON form
+    assert (first["specversion"], first["datacontenttype"], first["id"]) == ("1.0", "application/json",
+                                                                            ds[0]["decision_id"])
+    assert "disconnected" not in done.stderr  # a normal end is not reported as an outage
 
     readable = await asyncio.to_thread(
         mlpair, "events", "tail", "--from-start", "--count", "1", "--url", nats_server.url
     )
     assert readable.returncode == 0, readable.stderr
-    assert readable.stdout.split() == [
+    header, line = readable.stdout.splitlines()
+    assert header.split() == ["time", "request_id", "decision_id", "model", "decision", "probability", "caller"]
+    assert line.split() == [
         "2025-03-01T09:30:00Z",
+        ds[0]["request_id"],
         ds[0]["decision_id"],
         "credit-risk",
         "REVIEW",

@@ -129,10 +129,11 @@ async def start(
     status = await health.check(components, timeout_s=interval_s)
     health.start_monitoring(components, interval_s)
     logger.info(
-        "PredictionService serving on port %d (inference at %s); dependencies: %s",
+        "PredictionService serving on port %d (inference at %s); dependencies: %s; decision events: %s",
         port,
         settings.inference_target,
         ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items()),
+        f"{_host_of(settings.events_url)} stream {settings.events_stream}" if settings.events_url else "off",
     )
     return server, port, health, components
 
@@ -169,3 +170,11 @@ async def serve(settings: PredictionSettings, *, shared_port: bool = False) -> N
     await stopped
     await stop(server, health, components, settings.shutdown_grace_s, settings.shutdown_accept_ms / 1000)
     logger.info("PredictionService stopped")
+
+
+def _host_of(url: str) -> str:
+    """``url``'s scheme, host and port, without credentials (a log line never carries a password)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"

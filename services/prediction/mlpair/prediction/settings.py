@@ -328,9 +328,15 @@ class PredictionSettings(ConnectionSettings):
     @model_validator(mode="after")
     def _record_is_consistent(self) -> PredictionSettings:
         if self.audit_personal_data == "hash" and len(self.audit_hash_key.get_secret_value().encode()) < 16:
-            raise ValueError("audit_personal_data = hash needs audit_hash_key, a secret of at least 16 bytes")
+            raise ValueError(
+                "PREDICTION_AUDIT_PERSONAL_DATA=hash needs PREDICTION_AUDIT_HASH_KEY (--audit-hash-key), "
+                "a secret of at least 16 bytes"
+            )
         if self.events_url and not self.ledger_url.startswith("postgresql"):
-            raise ValueError("events_url: decision events are relayed from the PostgreSQL ledger's outbox")
+            raise ValueError(
+                "PREDICTION_EVENTS_URL: decision events are relayed from the PostgreSQL ledger's outbox; set "
+                "PREDICTION_LEDGER_URL to a PostgreSQL ledger, or unset PREDICTION_EVENTS_URL"
+            )
         return self
 
     @model_validator(mode="after")

@@ -12,13 +12,17 @@ one JSON object, read back by :func:`read_record` as::
   boolean or null; an attribute not sent is absent). Attributes the schema flags
   ``personal_data = true`` are, as configured (``PREDICTION_AUDIT_PERSONAL_DATA``), left out
   (``drop``, the default) or stored as a keyed hash (``hash``): ``"hmac-sha256:<hex>"``, HMAC-SHA256
-  (RFC 2104) under a secret key (``PREDICTION_AUDIT_HASH_KEY``) over the value's JSON text. A keyed
-  hash lets an auditor holding the key check a claimed value, while a reader of the ledger cannot
-  enumerate an income's few thousand values into the hash (a plain hash would give them away).
+  (RFC 2104) under a secret key (``PREDICTION_AUDIT_HASH_KEY``) over ``<attribute name>:<the value
+  as received, as compact JSON>`` (:meth:`AuditRecords.keyed_hash`; ``Income:129.0``,
+  ``Marital:"married"``). A keyed hash lets an auditor holding the key check a claimed value, while
+  a reader of the ledger cannot enumerate an income's few thousand values into the hash (a plain
+  hash would give them away); the name in it keeps equal values of two attributes apart. Equal
+  values of one attribute have equal hashes: that much a reader can see.
 * ``unknown_attributes``: names the schema does not know, without their values (the schema cannot
   say whether they are personal).
-* ``features``: the vector the model saw, ``[n_features]`` float32; ``guards``: each guard that
-  fired on the row, as ``[feature, action]``.
+* ``features``: the vector the model saw, ``[n_features]`` float32, with the columns built from
+  personal attributes null in both modes (the preprocessing beside the model would turn them back
+  into the values); ``guards``: each guard that fired on the row, as ``[feature, action]``.
 * ``logits``: the served version's raw output for the row, ``[n_classes]`` float32 (the first
   member's for an ensemble; null when no model output was used; a non-finite value reads as null).
 * ``explanation``: when the request asked for one, every feature's contribution
@@ -44,7 +48,7 @@ import hmac
 import json
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -55,6 +59,18 @@ if TYPE_CHECKING:
 
 PERSONAL_DATA_MODES = ("drop", "hash")
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=lambda v: v.item()).encode
+
+
+class _Layout(NamedTuple):
+    """What a family's records share: the attributes kept as received, those hashed (none unless
+    hashing), every attribute the schema knows, the vector's columns built from personal
+    attributes, and the record's constant end."""
+
+    plain: list[str]
+    hashed: list[str]
+    known: frozenset[str]
+    personal_columns: list[int]
+    tail: str
 
 
 class AuditRecords:
@@ -76,27 +92,29 @@ class AuditRecords:
             raise ValueError("hashing personal data in audit records needs a key of at least 16 bytes")
         self.hash_personal = personal_data == "hash"
         self._key = hash_key
-        self._layouts: dict[str, tuple[Any, tuple[list[str], list[str], frozenset[str], str]]] = {}
+        self._layouts: dict[str, tuple[Any, _Layout]] = {}
 
-    def _layout(self, family: ModelFamily) -> tuple[list[str], list[str], frozenset[str], str]:
-        """Per family, made once for its entry: the attributes kept as received, those hashed (none
-        unless hashing), every attribute the schema knows, and the record's constant end."""
+    def _layout(self, family: ModelFamily) -> _Layout:
+        """Per family, made once for its entry (see :class:`_Layout`)."""
         layout = self._layouts.get(family.name)
         if layout is None or layout[0] is not family.entry:
             schema = family.schema
             personal = schema.personal_data
-            plain = [n for n in schema.attribute_names if n not in personal]
-            hashed = [n for n in schema.attribute_names if n in personal] if self.hash_personal else []
-            tail = f',"preprocessing_hash":{_ENCODE(family.entry.manifest.versions.preprocessing_hash)}}}'
-            layout = self._layouts[family.name] = (
-                family.entry,
-                (plain, hashed, frozenset(schema.attribute_names), tail),
+            slices = family.assembler.feature_slices
+            width = family.assembler.n_features
+            made = _Layout(
+                [n for n in schema.attribute_names if n not in personal],
+                [n for n in schema.attribute_names if n in personal] if self.hash_personal else [],
+                frozenset(schema.attribute_names),
+                [i for n in sorted(personal) for i in range(*slices[n].indices(width))],
+                f',"preprocessing_hash":{_ENCODE(family.entry.manifest.versions.preprocessing_hash)}}}',
             )
+            layout = self._layouts[family.name] = (family.entry, made)
         return layout[1]
 
-    def keyed_hash(self, value: Any) -> str:
-        """``"hmac-sha256:<hex>"`` of ``value``'s compact JSON text under the key (RFC 2104)."""
-        digest = hmac.new(self._key, _ENCODE(value).encode(), hashlib.sha256).hexdigest()
+    def keyed_hash(self, name: str, value: Any) -> str:
+        """``"hmac-sha256:<hex>"``: HMAC-SHA256 (RFC 2104) under the key of ``<name>:<value as compact JSON>``."""
+        digest = hmac.new(self._key, f"{name}:{_ENCODE(value)}".encode(), hashlib.sha256).hexdigest()
         return f"hmac-sha256:{digest}"
 
     def records(self, d: Decided) -> list[str]:
@@ -105,10 +123,13 @@ class AuditRecords:
         A value JSON cannot hold (a non-finite number) is written as null.
         """
         group, scores = d.group, d.scores
-        plain, hashed, known, tail = self._layout(group.family)
+        plain, hashed, known, personal_columns, tail = self._layout(group.family)
         rows = list(d.rows)
         width = group.vectors.shape[1] * 4  # bytes of one row's float32 features
-        vectors = group.vectors[rows].astype("<f4", copy=False).tobytes()  # one copy for every row
+        matrix = group.vectors[rows].astype("<f4", copy=False)  # a copy (rows taken by index)
+        if personal_columns:
+            matrix[:, personal_columns] = np.nan  # read back as null
+        vectors = matrix.tobytes()
         b64, served_rows, guards = base64.b64encode, scores.served, group.guards
         out = []
         for j, k in enumerate(rows):
@@ -116,7 +137,7 @@ class AuditRecords:
             attributes = {n: received[n] for n in plain if n in received}
             for n in hashed:
                 if n in received:
-                    attributes[n] = self.keyed_hash(received[n])
+                    attributes[n] = self.keyed_hash(n, received[n])
             unknown = [] if received.keys() <= known else sorted(a for a in received if a not in known)
             served = served_rows[k]
             logits = "null" if served is None or served.logits is None else f'"{_f32(served.logits)}"'
@@ -184,8 +205,10 @@ def read_record(text: str | None) -> dict[str, Any] | None:
     None: no record kept, or past its retention)."""
     if text is None:
         return None
-    record = json.loads(text)
-    for name in ("features", "logits"):
-        if f"{name}_f32" in record:
-            record[name] = _vector(record.pop(f"{name}_f32"))
-    return record
+    return {
+        (key[:-4] if key in _VECTORS else key): (_vector(value) if key in _VECTORS else value)
+        for key, value in json.loads(text).items()
+    }
+
+
+_VECTORS = frozenset({"features_f32", "logits_f32"})

@@ -141,7 +141,8 @@ def parse_event(headers: Mapping[str, str] | None, body: bytes) -> dict[str, Any
     """The inverse of :func:`decision_events`, for either content mode (``ce-*`` headers: binary).
 
     Returns:
-        ``{"id", "type", "source", "subject", "time", "data"}``: ``time`` in RFC 3339 (UTC as
+        the event in CloudEvents' JSON form: ``{"specversion", "id", "type", "source", "subject", "time",
+        "datacontenttype", "data"}``: ``time`` in RFC 3339 (UTC as
         ``Z``: the same instant as the decision's ``decided_at``, not always the same text),
         ``data`` the decision dict; ``subject`` and ``time`` are None when the event has none.
 
@@ -154,11 +155,13 @@ def parse_event(headers: Mapping[str, str] | None, body: bytes) -> dict[str, Any
         raise ValueError(f"not a CloudEvent: {type(exc).__name__}") from exc
     time = event.get_time()
     return {
+        "specversion": event.get_specversion(),
         "id": event.get_id(),
         "type": event.get_type(),
         "source": event.get_source(),
         "subject": event.get_subject(),
         "time": _rfc3339(time) if time is not None else None,
+        "datacontenttype": event.get_datacontenttype(),
         "data": event.get_data(),
     }
 
@@ -174,8 +177,8 @@ async def _connect(url: str, timeout_s: float) -> Any:
     async def on_error(exc: Exception) -> None:  # each failed attempt: the caller reports the outcome
         log.debug("decision events: NATS connection error %s", type(exc).__name__)
 
-    async def on_disconnected() -> None:
-        log.warning("decision events: disconnected from NATS, reconnecting")
+    async def on_disconnected() -> None:  # also on a normal close: a failed publish is what warns
+        log.info("decision events: disconnected from NATS")
 
     async def on_reconnected() -> None:
         log.info("decision events: reconnected to NATS")
@@ -342,7 +345,10 @@ async def tail(
                 deliver_policy=DeliverPolicy.ALL if from_start else DeliverPolicy.NEW,
             )
         except Exception as exc:  # noqa: BLE001
-            raise EventSinkUnavailable(f"cannot read stream {stream!r} ({type(exc).__name__})") from exc
+            raise EventSinkUnavailable(
+                f"cannot read stream {stream!r} ({type(exc).__name__}); PredictionService creates it when it "
+                "starts with PREDICTION_EVENTS_URL set"
+            ) from exc
         seen: set[str] = set()
         while count is None or len(seen) < count:
             try:
