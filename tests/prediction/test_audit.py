@@ -63,3 +63,22 @@ def test_vectors_read_back_exactly_and_a_non_finite_logit_reads_as_null():
                     "explanation": None})
     assert read_record(text) == {"features": features.tolist(), "logits": [None, 1.5], "explanation": None}
     assert json.loads(_encode({"contribution": float("nan")})) == {"contribution": None}  # JSON holds no NaN
+
+
+async def test_a_group_commit_of_calls_with_and_without_records_keeps_each_call_s_own(ledger_and_crm):
+    from mlpair.prediction.records import DecisionColumns
+
+    url, crm = ledger_and_crm
+    await migrate(url, crm)
+    async with opened_ledger(url) as ledger:
+        with_records = as_columns([decision(f"with-{i}") for i in range(3)], ["fp"] * 3)
+        with_records.audit = [json.dumps({"n": i}) for i in range(3)]
+        without = as_columns([decision(f"without-{i}") for i in range(2)], ["fp"] * 2)
+        # concurrent small calls go out in one group commit, concatenated as the ledger's writer does
+        batch = DecisionColumns.concat([with_records, without])
+        assert batch.audit == [*with_records.audit, "", ""]
+        outcomes = await ledger.record_many(batch, batch.fingerprints)
+        assert not any(isinstance(o, BaseException) for o in outcomes)
+        assert [json.loads(await ledger.audit_record(f"with-{i}")) for i in range(3)] == [{"n": i} for i in range(3)]
+        assert [await ledger.audit_record(f"without-{i}") for i in range(2)] == [None, None]
+        assert (await ledger.find("without-1")).decision.request_id == "without-1"

@@ -118,8 +118,8 @@ class Recorded:
 class DecisionColumns(Sequence[StoredDecision]):
     """Decisions ``[n]`` column by column (the fields of :class:`StoredDecision`), with the
     fingerprint of each decision's request and, when audit records are kept, each decision's
-    (JSON text, :mod:`mlpair.prediction.recording.audit`); the ledger's bulk path sends the columns
-    as they are (:func:`mlpair.prediction.recording.codecs.ledger_columns`)."""
+    (JSON text, :mod:`mlpair.prediction.recording.audit`; "" for none); the ledger's bulk path sends
+    the columns as they are (:func:`mlpair.prediction.recording.codecs.ledger_columns`)."""
 
     request_id: list[str]
     decision_id: list[str]
@@ -180,7 +180,8 @@ class DecisionColumns(Sequence[StoredDecision]):
         """One batch of the parts' decisions, in order."""
         if len(parts) == 1:
             return parts[0]
-        audit = None if any(p.audit is None for p in parts) else [v for p in parts for v in p.audit or ()]
+        # a part without audit records (none kept for it) gets "" for each decision: no record is written
+        audit = None if all(p.audit is None for p in parts) else [v for p in parts for v in p.audit or [""] * len(p)]
         columns = {name: [v for p in parts for v in getattr(p, name)] for name in (*cls.FIELDS, "fingerprints")}
         return cls(**columns, audit=audit)
 

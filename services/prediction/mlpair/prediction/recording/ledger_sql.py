@@ -73,7 +73,7 @@ def _extras(ids: str, records: str | None, events: bool) -> str:
     if records is not None:
         extra += (
             f", audited AS (INSERT INTO {AUDIT} (seq, record) SELECT i.seq, a.record FROM "
-            f"unnest({ids}, {records}) AS a(r, record) JOIN inserted i ON i.request_id = a.r)"
+            f"unnest({ids}, {records}) AS a(r, record) JOIN inserted i ON i.request_id = a.r WHERE a.record <> '')"
         )
     if events:
         extra += ", " + _queued("events_queued", EVENT_OUTBOX)

@@ -275,7 +275,7 @@ class SqliteLedger(ledger.DecisionLedger):
                     self._db.executemany(
                         f"INSERT INTO {AUDIT_TABLE} (seq, record, recorded_at) "
                         f"SELECT seq, ?, ? FROM {LEDGER_TABLE} WHERE request_id = ?",
-                        [(audit[i], now, request_ids[i]) for i in new],
+                        [(audit[i], now, request_ids[i]) for i in new if audit[i]],
                     )
         return {i: held[request_ids[i]] for i in rows if request_ids[i] in held} if held else {}
 
