@@ -26,8 +26,9 @@ from mlpair.prediction.recording.events import (
     tail,
 )
 from tests.support import REPO_ROOT
-from tests.support.events import free_port, start_nats
+from tests.support.events import start_nats
 from tests.support.ledger import crm_decision
+from tests.support.pair import free_port
 
 
 def decisions(n: int, prefix: str) -> list[dict]:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mlpair.local_pair import stop_service
+from tests.support.pair import free_port, reachable
 
 NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 
@@ -29,21 +30,6 @@ def require_nats_server() -> str:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{message}; CI must run the decision-event tests against a real broker")
     pytest.skip(f"{message}; install it to run the decision-event tests")
-
-
-def free_port() -> int:
-    """A local TCP port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
@@ -67,7 +53,7 @@ class NatsServer:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
-        while not _accepts(self.port):
+        while not reachable("127.0.0.1", self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"nats-server did not start on port {self.port}: {self.log.read_text()[-2000:]}")
@@ -76,14 +62,8 @@ class NatsServer:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM by PID and wait for the exit (SIGKILL after ``grace_s``); a no-op when stopped."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            stop_service(process, grace_s)
 
     def restart(self) -> None:
         """Stops the server and starts it again on the same port and store."""

@@ -85,7 +85,6 @@ class EventRelay:
         self.poll_s = poll_s
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
-        self.published = 0  # events this relay published (new or duplicate)
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
 
@@ -121,7 +120,6 @@ class EventRelay:
             new = await self.sink.publish(decision_events(decisions, mode=self.mode))
         EVENTS_PUBLISHED.inc(new)
         EVENTS_DUPLICATE.inc(len(decisions) - new)
-        self.published += len(decisions)
         return len(decisions)
 
     async def _run(self) -> None:

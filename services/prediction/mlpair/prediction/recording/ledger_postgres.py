@@ -135,7 +135,6 @@ class PostgresLedger(ledger.DecisionLedger):
         events: bool = False,
     ) -> None:
         super().__init__()
-        self.events = events
         # the commit's statements: (packed, with audit records) → SQL
         self._inserts = {
             (p, a): (insert_packed if p else insert)(audit=a, events=events)
