@@ -86,6 +86,21 @@ def counts(url: str, table: str) -> tuple[int, int]:
     return row["n"], row["ids"]
 
 
+def settled_count(url: str, table: str, quiet_s: float = 2.0, timeout_s: float = 30.0) -> int:
+    """The row count of ``table`` once it has not changed for ``quiet_s``: a chunk the killed job had
+    sent is still decided and committed by the service after the client is gone."""
+    last, since = counts(url, table)[0], time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = counts(url, table)[0]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return last
+    raise AssertionError(f"{table} still growing after {timeout_s} s")
+
+
 def test_a_job_killed_halfway_and_run_again_decides_every_row_exactly_once(scored_pair, credit_holdout, tmp_path):
     url = scored_pair.crm_url
     source = tmp_path / "applications.parquet"
@@ -116,7 +131,7 @@ def test_a_job_killed_halfway_and_run_again_decides_every_row_exactly_once(score
     killed = json.loads(state_file.read_text())
     done_rows = sum(c["rows"] for c in killed["chunks"].values())
     assert 0 < len(killed["chunks"]) < chunks and not output.exists()
-    ledger_at_kill, _ = counts(url, "prediction.decision_ledger")
+    ledger_at_kill = settled_count(url, "prediction.decision_ledger")
     assert done_rows <= ledger_at_kill < ROWS
 
     second = run_score(argv)
