@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from mlpair.background import stop_task
 from mlpair.inference import metrics
 
 if TYPE_CHECKING:
@@ -336,11 +337,8 @@ class GpuSignals:
 
     async def stop(self) -> None:
         """Stops sampling and releases NVML."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         with contextlib.suppress(Exception):
             if self._events is not None:
                 self.nvml.nvmlEventSetFree(self._events)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mlpair.background import stop_task
 from mlpair.inference import metrics
 from mlpair.inference.errors import DeadlineExpired, ModelFailure, ModelNotReady, QueueFull
 
@@ -250,10 +251,8 @@ class VersionHealth:
 
     async def close(self) -> None:
         """Stops the self-test (before the batcher closes)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         if metrics.shared_across_processes():
             self._m_healthy.set(1)  # multiprocess mode cannot remove a series: a retired version is not unhealthy
         else:

@@ -11,12 +11,12 @@ whose outcomes hold one class only (ROC AUC undefined).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from mlpair.background import stop_task
 from mlpair.prediction.feedback import metrics
 from mlpair.prediction.feedback.performance import Realised, Threshold, realised
 from mlpair.prediction.feedback.store import OutcomeStore
@@ -160,11 +160,8 @@ class RealisedMonitor:
 
     async def stop(self) -> None:
         """Stops the refresh and closes the store."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         await self.store.close()
 
 

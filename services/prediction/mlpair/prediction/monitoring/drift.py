@@ -28,7 +28,6 @@ event loop every ``interval_s`` and sets the ``prediction_drift_*`` gauges.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mlpair.background import stop_task
 from mlpair.contracts.manifest import SCORE_BASELINE, ModelEntry
 from mlpair.prediction import metrics
 from mlpair.prediction.monitoring.drift_report import DriftReport, TestResult
@@ -275,11 +275,8 @@ class DriftMonitors:
 
     async def stop(self) -> None:
         """Cancels the periodic evaluation started by :meth:`start` and waits for it to end; no-op when none runs."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
 
 def drift_config(settings: PredictionSettings) -> DriftConfig:

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from mlpair.background import stop_task
 from mlpair.prediction import metrics
 from mlpair.prediction.recording.codecs import CRM_COLUMNS, CrmRow
 from mlpair.prediction.recording.ledger import DecisionLedger, Requeue
@@ -94,9 +95,7 @@ class LedgerRelay:
         """Delivers what it can within ``drain_timeout_s``, then stops; the rest waits in the ledger."""
         if drain_timeout_s > 0:
             await self.wait_delivered(drain_timeout_s)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_task(self._task)
 
     async def stop_claiming(self, grace_s: float) -> bool:
         """Claims nothing more and lets the batches in flight finish for up to ``grace_s`` seconds
