@@ -10,8 +10,9 @@ streaming RPC, ModelStreamInfer, answers each request through the same path as M
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from google.protobuf.message import Message
@@ -54,6 +55,17 @@ def count_refused_calls(engine: InferenceEngine):
     return refused
 
 
+@contextlib.contextmanager
+def refusals_counted(engine: InferenceEngine, model_name: str) -> Iterator[None]:
+    """Reading a request inside: a :class:`ServiceError` raised there (the call refused before it
+    reaches the engine) is counted as the engine counts the calls it refuses, then raised."""
+    try:
+        yield
+    except ServiceError as exc:
+        engine.count_refusal(model_name, exc.code)
+        raise
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """``mlpair.inference.v1.InferenceService``: the project's own API."""
 
@@ -72,12 +84,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             Draining, ModelNotFound, ModelNotReady, ModelUnhealthy, FeatureVersionMismatch, QueueFull,
                 DeadlineExpired, ModelFailure: as :meth:`InferenceEngine.infer` raises them.
         """
-        try:
+        with refusals_counted(self.engine, request.model_name):
             feature_version = converters.feature_version(context.invocation_metadata())
             tensor = converters.tensor_in(request.inputs)
-        except ServiceError as exc:
-            self.engine.count_refusal(request.model_name, exc.code)
-            raise
         result = await self.engine.infer(
             request.model_name,
             request.model_version,
@@ -201,14 +210,11 @@ class OpenInferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             yield response
 
     async def _infer(self, request: oip.ModelInferRequest, metadata, deadline: float | None) -> oip.ModelInferResponse:
-        try:  # refused here, the call is counted as the engine counts the calls it refuses
+        with refusals_counted(self.engine, request.model_name):
             options = oip_extensions.request_options(request)
             feature_version = converters.oip_feature_version(request, metadata)
             tensor = converters.oip_tensor_in(request)
             outputs = converters.oip_requested_outputs(request)
-        except ServiceError as exc:
-            self.engine.count_refusal(request.model_name, exc.code)
-            raise
         result = await self.engine.infer(
             request.model_name,
             request.model_version,
