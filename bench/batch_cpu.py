@@ -239,7 +239,7 @@ STAGES = (
     ("decision and record", "mlpair.prediction.pipeline", "Predictor._record"),
     ("drift and signals", "mlpair.prediction.monitoring.drift", "DriftMonitors.observe"),
     ("drift and signals", "mlpair.prediction.monitoring.drift", "DriftMonitors.observe_many"),
-    ("ledger commit", "mlpair.prediction.recording.recorder", "DecisionRecorder.record_many"),
+    ("ledger commit", "mlpair.prediction.recording.ledger", "DecisionLedger.record_many"),
     ("response", "mlpair.prediction.intake.converters", "batch_response"),
     ("response", "mlpair.prediction.intake.tables", "write_decisions"),
 )

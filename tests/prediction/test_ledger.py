@@ -213,7 +213,7 @@ async def test_c39_decisions_wait_durably_through_a_crm_outage_and_a_restart_the
     recorder = DecisionRecorder.open(databases.ledger_url, crm_url, crm_timeout_s=1, backoff_max_s=0.2)
     await recorder.start()
     await databases.proxy.cut()
-    recorded = await recorder.record_many([decision(i) for i in ids], ["fp"] * 30)  # answered while the CRM is down
+    recorded = await recorder.ledger.record_many([decision(i) for i in ids], ["fp"] * 30)  # answered while the CRM is down
     assert not any(isinstance(r, BaseException) for r in recorded)
     assert not await recorder.wait_delivered(1.0)
     await recorder.close()  # the process stops with the CRM still down
@@ -333,10 +333,10 @@ async def test_c39_connections_cut_in_the_middle_of_deliveries_lose_and_double_n
     failures_before = REGISTRY.get_sample_value("prediction_relay_failures_total") or 0
     try:
         await databases.proxy.cut()  # the relay starts against a CRM that is down...
-        await recorder.record_many([decision(i) for i in ids[:300]], ["fp"] * 300)
+        await recorder.ledger.record_many([decision(i) for i in ids[:300]], ["fp"] * 300)
         await asyncio.sleep(0.1)
         await databases.proxy.restore()
-        await recorder.record_many([decision(i) for i in ids[300:]], ["fp"] * 300)
+        await recorder.ledger.record_many([decision(i) for i in ids[300:]], ["fp"] * 300)
         for _ in range(5):  # ...then loses its connection again and again while working through the backlog
             await asyncio.sleep(0.05)
             await databases.proxy.cut()
@@ -360,7 +360,7 @@ async def test_c39_a_commit_whose_acknowledgement_is_lost_is_retried_without_dou
     # ids) reaches the CRM and commits; the relay never hears of it
     databases.proxy.lose_reply_after(b"lost-ack-")
     try:
-        await recorder.record_many([decision(i) for i in ids], ["fp"] * 10)
+        await recorder.ledger.record_many([decision(i) for i in ids], ["fp"] * 10)
         assert await recorder.wait_delivered(20)
         assert databases.proxy.replies_lost == 1
         assert await crm_rows(recorder.crm, ids) == (10, 10)

@@ -44,13 +44,13 @@ async def ledger_rows(ledger) -> int:
 
 async def test_a_batch_with_repeats_and_replays_records_exactly_one_row_per_new_request_id(recorder):
     earlier = [f"old-{i}" for i in range(30)]
-    assert not any(isinstance(o, LedgerUnavailable) for o in await recorder.record_many(
+    assert not any(isinstance(o, LedgerUnavailable) for o in await recorder.ledger.record_many(
         columns(earlier[:20]), ["fp"] * 20))
-    await recorder.record_many(columns(earlier[20:], fingerprint="other", decision="DECLINE"), ["other"] * 10)
+    await recorder.ledger.record_many(columns(earlier[20:], fingerprint="other", decision="DECLINE"), ["other"] * 10)
     fresh = [f"new-{i}" for i in range(300)]
     ids = fresh + earlier + fresh[:25]  # 300 new, 30 on record already, 25 repeated within the batch
     batch = columns(ids)
-    outcomes = await recorder.record_many(batch, batch.fingerprints)
+    outcomes = await recorder.ledger.record_many(batch, batch.fingerprints)
     assert isinstance(outcomes, RecordedBatch) and len(outcomes) == len(ids) == 355
     assert await ledger_rows(recorder.ledger) == 330  # exactly one row per request id
     replayed = [i for i, o in enumerate(outcomes) if o.replayed]
@@ -68,10 +68,10 @@ async def test_a_batch_with_repeats_and_replays_records_exactly_one_row_per_new_
 async def test_a_batch_that_cannot_be_packed_is_recorded_from_its_columns_with_the_same_outcomes(recorder):
     """A value holding the packing's separator (no id the API admits: it refuses control characters)
     sends the batch as arrays; new ids are recorded once and an id on record already is a replay."""
-    assert not isinstance((await recorder.record_many(columns(["sep-old"]), ["fp"]))[0], LedgerUnavailable)
+    assert not isinstance((await recorder.ledger.record_many(columns(["sep-old"]), ["fp"]))[0], LedgerUnavailable)
     ids = ["sep\x1fnew", "sep-old", *(f"sep-{i}" for i in range(10))]
     batch = columns(ids)
-    outcomes = await recorder.record_many(batch, batch.fingerprints)
+    outcomes = await recorder.ledger.record_many(batch, batch.fingerprints)
     assert [o.replayed for o in outcomes] == [False, True, *[False] * 10]
     assert outcomes[0].decision == batch[0] and outcomes[1].decision.request_id == "sep-old"
     assert await ledger_rows(recorder.ledger) == 12
@@ -80,7 +80,7 @@ async def test_a_batch_that_cannot_be_packed_is_recorded_from_its_columns_with_t
 async def test_concurrent_bulk_batches_of_the_same_request_ids_record_one_decision_each(recorder):
     ids = [f"race-{i}" for i in range(200)]
     a, b = columns(ids, decision="APPROVE"), columns(list(reversed(ids)), decision="DECLINE")
-    first, second = await asyncio.gather(recorder.record_many(a, a.fingerprints), recorder.record_many(b, b.fingerprints))
+    first, second = await asyncio.gather(recorder.ledger.record_many(a, a.fingerprints), recorder.ledger.record_many(b, b.fingerprints))
     assert await ledger_rows(recorder.ledger) == 200
     # each id went to exactly one batch as new, and the other got that decision as a replay
     for i, rid in enumerate(ids):

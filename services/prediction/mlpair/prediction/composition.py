@@ -170,7 +170,7 @@ def build_components(
         families,
         settings.model_name,
         scorer,
-        recorder,
+        recorder.ledger,
         inference,
         max_inference_rows=settings.inference_max_batch_rows,
         max_batch_items=settings.max_batch_items,

@@ -105,13 +105,14 @@ class PredictionHealth(DependencyHealth):
     def __init__(self, service_name: str) -> None:
         super().__init__([service_name], {dep: f"{service_name}/{dep}" for dep in DEPENDENCIES})
 
-    async def check(self, predictor, timeout_s: float) -> dict[str, bool]:
-        """Checks every dependency once and publishes readiness and per-dependency health.
+    async def check(self, components, timeout_s: float) -> dict[str, bool]:
+        """Checks every dependency of ``components`` (:class:`~mlpair.prediction.composition.PredictionComponents`)
+        once and publishes readiness and per-dependency health.
 
         Returns:
             ``{dependency: healthy}`` for each of :data:`DEPENDENCIES`.
         """
-        recorder, scorer = predictor.recorder, predictor.scorer
+        recorder, scorer = components.recorder, components.scorer
         ledger, crm, cache, inference_ready = await asyncio.gather(
             bounded(recorder.ledger.probe, timeout_s),
             bounded(recorder.crm.ping, timeout_s),
@@ -126,6 +127,6 @@ class PredictionHealth(DependencyHealth):
         metrics.DEGRADED.set(0 if inference and crm and cache else 1)
         return status
 
-    def start_monitoring(self, predictor, interval_s: float) -> None:
+    def start_monitoring(self, components, interval_s: float) -> None:
         """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
-        self.monitor(lambda: self.check(predictor, timeout_s=interval_s), interval_s, "prediction-health")
+        self.monitor(lambda: self.check(components, timeout_s=interval_s), interval_s, "prediction-health")

@@ -75,9 +75,9 @@ __all__ = [
     "UnexpectedFailure",
 ]
 
-if TYPE_CHECKING:  # the recorder brings SQLAlchemy: the pipeline only calls the one it is given
+if TYPE_CHECKING:  # the ledger's engines bring SQLAlchemy: the pipeline only calls the one it is given
     from mlpair.prediction.recording.audit import AuditRecords
-    from mlpair.prediction.recording.recorder import DecisionRecorder
+    from mlpair.prediction.recording.ledger import DecisionLedger
 
 logger = logging.getLogger(__name__)
 _MODEL_NAME = operator.attrgetter("model_name")
@@ -91,7 +91,7 @@ class Predictor:
         families: Mapping[str, ModelFamily],
         default_model: str,
         scorer: CachedInference,
-        recorder: DecisionRecorder,
+        ledger: DecisionLedger,
         inference: Infers,
         *,
         max_inference_rows: int = 1024,
@@ -107,7 +107,7 @@ class Predictor:
         audit: AuditRecords | None = None,
     ) -> None:
         """Wires the served families to inference (``scorer``: behind its cache; ``inference``: the
-        client itself, for shadow calls, never cached nor served) and the decision recorder.
+        client itself, for shadow calls, never cached nor served) and the decision ledger.
 
         ``merge_*``: concurrent Predict calls decided together (:class:`~mlpair.prediction.intake.merging.PredictMerger`; 1 decides each alone).
         ``unknown_attributes``: ``warn`` decides a request with attributes the schema does not know
@@ -120,7 +120,7 @@ class Predictor:
         self.families = dict(families)
         self.default_model = default_model
         self.scorer = scorer
-        self.recorder = recorder
+        self.ledger = ledger
         self.inference = inference
         self.max_inference_rows = max_inference_rows
         self.max_batch_items = max_batch_items
@@ -300,7 +300,7 @@ class Predictor:
         batch = DecisionColumns.concat([d.columns for d in decided])
         if self.audit is not None:  # what each decision was based on, committed with it
             batch.audit = [text for d in decided for text in self.audit.records(d)]
-        recorded = await self.recorder.record_many(batch, batch.fingerprints)
+        recorded = await self.ledger.record_many(batch, batch.fingerprints)
         replays, failed = recorded_maps(recorded)
         decisions: Counter[tuple[str, str]] = Counter()
         fallbacks: Counter[tuple[str, str]] = Counter()

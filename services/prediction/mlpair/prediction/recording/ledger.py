@@ -40,12 +40,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import LedgerUnavailable
 from mlpair.prediction.recording.codecs import CRM_COLUMNS, CrmRow, crm_row, ledger_columns, reason_codes_from_json
 from mlpair.prediction.records import DecisionColumns, Recorded, RecordedBatch, StoredDecision, decision_id_for
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class DecisionLedger(abc.ABC):
         self._pending: list[tuple[DecisionColumns, asyncio.Future[RecordedBatch]]] = []  # calls waiting
         self._writers: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None  # commits in progress at once: commit_concurrency
+        self._tracer: Tracer | None = None  # set by instrument()
 
     @abc.abstractmethod
     async def open(self) -> None:
@@ -158,19 +162,37 @@ class DecisionLedger(abc.ABC):
         """
         if not decisions:
             return []
-        batch = as_columns(decisions, fingerprints)
-        if self.bulk_rows and len(batch) >= self.bulk_rows:
-            return await self._record_columns(batch)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[RecordedBatch] = loop.create_future()
-        self._pending.append((batch, future))
-        # a writer that is not done re-reads the pending list after its commit: one is enough unless
-        # the engine takes more commits at once (done ones are discarded only by a later callback)
-        if sum(not w.done() for w in self._writers) < self.commit_concurrency:
-            writer = loop.create_task(self._write_pending())
-            self._writers.add(writer)
-            writer.add_done_callback(self._writers.discard)
-        return await future
+        with self._commit_span():
+            batch = as_columns(decisions, fingerprints)
+            if self.bulk_rows and len(batch) >= self.bulk_rows:
+                return await self._record_columns(batch)
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[RecordedBatch] = loop.create_future()
+            self._pending.append((batch, future))
+            # a writer that is not done re-reads the pending list after its commit: one is enough unless
+            # the engine takes more commits at once (done ones are discarded only by a later callback)
+            if sum(not w.done() for w in self._writers) < self.commit_concurrency:
+                writer = loop.create_task(self._write_pending())
+                self._writers.add(writer)
+                writer.add_done_callback(self._writers.discard)
+            return await future
+
+    def _commit_span(self) -> contextlib.AbstractContextManager[object]:
+        """The ``ledger INSERT`` span of a commit the caller waits for (a child of its Predict's
+        span), once :meth:`instrument` has run; otherwise nothing."""
+        if self._tracer is None:
+            return contextlib.nullcontext()
+        from opentelemetry.trace import SpanKind
+
+        return self._tracer.start_as_current_span(
+            "ledger INSERT",
+            kind=SpanKind.CLIENT,
+            attributes={"db.system": self.db_system, "db.operation.name": "INSERT"},
+        )
+
+    def instrument(self, tracer: Tracer) -> None:
+        """Traces each commit :meth:`record_many` waits for, with ``tracer``."""
+        self._tracer = tracer
 
     @abc.abstractmethod
     async def find(self, request_id: str) -> Recorded | None:

@@ -1,32 +1,27 @@
 """Durable, exactly-once decision recording: the shared decision ledger now, the CRM database soon after.
 
-The one object the prediction core talks to about decisions on record:
-:meth:`DecisionRecorder.record_many` returns only after the decisions are committed to the ledger
-(or what another replica recorded first for the same request id), and the relay delivers them to
-the CRM database whether that is up now or comes back later: this process's relay, or, with
-``relay_in_process`` off, ``mlpair relay`` in a process of its own (:mod:`mlpair.prediction.relay_server`).
+The ledger, its relays and the CRM store, built, started and stopped together. The pipeline
+records through the ledger itself (:meth:`DecisionLedger.record_many` returns only after the
+decisions are committed, or with what another replica recorded first for the same request id);
+the relay delivers them to the CRM database whether that is up now or comes back later: this
+process's relay, or, with ``relay_in_process`` off, ``mlpair relay`` in a process of its own
+(:mod:`mlpair.prediction.relay_server`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mlpair.prediction.errors import LedgerUnavailable
 from mlpair.prediction.recording.event_relay import EventRelay
 from mlpair.prediction.recording.ledger import DecisionLedger, open_ledger
 from mlpair.prediction.recording.migrate import CRM_BRANCH, SchemaNotReady, check_columns
 from mlpair.prediction.recording.relay import LedgerRelay
 from mlpair.prediction.recording.store import CrmStore
-from mlpair.prediction.records import Recorded, StoredDecision
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Tracer
-
     from mlpair.prediction.settings import PredictionSettings
 
 logger = logging.getLogger(__name__)
@@ -60,7 +55,6 @@ class DecisionRecorder:
         self.events = events
         self.audit_retention_s = audit_retention_s
         self._pruning: asyncio.Task | None = None
-        self._tracer: Tracer | None = None  # set by instrument(): spans for the durable write of each decision
 
     def instrument(self, tracer_provider=None) -> None:
         """Traces each ledger commit (``ledger INSERT``, child of the Predict span: the durable
@@ -70,7 +64,7 @@ class DecisionRecorder:
 
         from mlpair.observability.tracing import INSTRUMENTATION_NAME, instrument_engine
 
-        self._tracer = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        self.ledger.instrument(trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider))
         instrument_engine(self.crm.engine, tracer_provider)
 
     @classmethod
@@ -172,26 +166,6 @@ class DecisionRecorder:
             except Exception as exc:  # noqa: BLE001  (the ledger is down: the next round deletes them)
                 logger.warning("audit records not pruned (%s)", type(exc).__name__)
             await asyncio.sleep(PRUNE_EVERY_S)
-
-    async def record_many(
-        self, decisions: Sequence[StoredDecision], fingerprints: Sequence[str]
-    ) -> Sequence[Recorded | LedgerUnavailable]:
-        """Commits the decisions to the ledger together; each outcome is what is on record for
-        its request id (:class:`Recorded`), or the :class:`LedgerUnavailable` that kept it from
-        being recorded (so it must not be returned)."""
-        span: contextlib.AbstractContextManager[object]
-        if self._tracer is None:
-            span = contextlib.nullcontext()
-        else:
-            from opentelemetry.trace import SpanKind
-
-            span = self._tracer.start_as_current_span(
-                "ledger INSERT",
-                kind=SpanKind.CLIENT,
-                attributes={"db.system": self.ledger.db_system, "db.operation.name": "INSERT"},
-            )
-        with span:
-            return await self.ledger.record_many(decisions, fingerprints)
 
     async def wait_delivered(self, timeout_s: float) -> bool:
         """Waits until every decision on record is in the CRM database, delivered by this process's
