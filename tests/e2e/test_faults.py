@@ -180,8 +180,8 @@ async def test_c39_a_retry_after_a_timeout_that_followed_the_commit_returns_the_
         inference_server, model_repository, credit_holdout, tmp_path):
     settings = prediction_settings(tmp_path, model_repository, inference_server)
     async with prediction_service(settings) as (stub, predictor, _, _):
-        recorder = predictor.recorder
-        record_many = recorder.record_many
+        ledger = predictor.recorder.ledger
+        record_many = ledger.record_many
         slow = asyncio.Event()
         slow.set()
 
@@ -191,17 +191,17 @@ async def test_c39_a_retry_after_a_timeout_that_followed_the_commit_returns_the_
                 await asyncio.sleep(5)
             return recorded
 
-        recorder.record_many = record_then_stall
+        ledger.record_many = record_then_stall
         request = predict("c39-timeout", credit_holdout.records[0])
         with pytest.raises(grpc.aio.AioRpcError) as excinfo:
             await stub.Predict(request, timeout=0.5)
         assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        on_record = await recorder.ledger.find("c39-timeout")
+        on_record = await ledger.find("c39-timeout")
         assert on_record is not None
         committed = on_record.decision
         slow.clear()
         retry = await stub.Predict(request, timeout=5)
         assert retry.decision_id == committed.decision_id and retry.probability == committed.probability
-        assert await recorder.wait_delivered(10)
+        assert await predictor.recorder.wait_delivered(10)
     rows = await crm_rows(settings.crm_url, ["c39-timeout"])
     assert len(rows["c39-timeout"]) == 1

@@ -128,7 +128,7 @@ async def test_a_service_without_its_relay_stops_at_once_leaving_its_backlog_in_
                                    crm_url=migrated_postgres, relay_in_process=False)
     server, _, health, predictor = await start_prediction(settings)
     try:
-        await predictor.recorder.record_many([decision(f"stop-{i}") for i in range(10)], ["fp"] * 10)
+        await predictor.recorder.ledger.record_many([decision(f"stop-{i}") for i in range(10)], ["fp"] * 10)
     finally:
         async with asyncio.timeout(3):  # well under SHUTDOWN_DELIVERY_S: no wait for a delivery
             await stop(server, health, predictor, grace_s=10)

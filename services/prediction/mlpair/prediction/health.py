@@ -73,12 +73,26 @@ class DependencyHealth(Health):
     Args:
         service_names: readiness names besides "".
         dependency_names: dependency → its status name.
+        task_name: the name of the background re-check's task.
     """
 
-    def __init__(self, service_names: list[str], dependency_names: dict[str, str]) -> None:
+    def __init__(self, service_names: list[str], dependency_names: dict[str, str], task_name: str) -> None:
         super().__init__(service_names)
         self.dependency_names = dependency_names
+        self.task_name = task_name
         self.status: dict[str, bool] = {}
+
+    async def check(self, target, timeout_s: float) -> dict[str, bool]:
+        """Checks every dependency of ``target`` once, publishes the result and returns it."""
+        raise NotImplementedError
+
+    async def watch(self, target, interval_s: float) -> str:
+        """Checks ``target``'s dependencies now and then every ``interval_s`` seconds in the background
+        until :meth:`stop_monitoring`; the first check as one line for the start-up log
+        (``inference up, crm DOWN, …``)."""
+        status = await self.check(target, timeout_s=interval_s)
+        self.monitor(lambda: self.check(target, timeout_s=interval_s), interval_s, self.task_name)
+        return ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items())
 
     async def publish(self, status: dict[str, bool]) -> None:
         """Each dependency's status name and ``prediction_dependency_up`` (a change logged), then
@@ -103,7 +117,7 @@ class PredictionHealth(DependencyHealth):
     """
 
     def __init__(self, service_name: str) -> None:
-        super().__init__([service_name], {dep: f"{service_name}/{dep}" for dep in DEPENDENCIES})
+        super().__init__([service_name], {dep: f"{service_name}/{dep}" for dep in DEPENDENCIES}, "prediction-health")
 
     async def check(self, components, timeout_s: float) -> dict[str, bool]:
         """Checks every dependency of ``components`` (:class:`~mlpair.prediction.composition.PredictionComponents`)
@@ -126,7 +140,3 @@ class PredictionHealth(DependencyHealth):
         await self.publish(status)
         metrics.DEGRADED.set(0 if inference and crm and cache else 1)
         return status
-
-    def start_monitoring(self, components, interval_s: float) -> None:
-        """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
-        self.monitor(lambda: self.check(components, timeout_s=interval_s), interval_s, "prediction-health")

@@ -55,7 +55,7 @@ class RelayHealth(DependencyHealth):
     dependency (see the module docstring), checked in the background."""
 
     def __init__(self) -> None:
-        super().__init__([RELAY], {dep: dep for dep in DEPENDENCIES})
+        super().__init__([RELAY], {dep: dep for dep in DEPENDENCIES}, "relay-health")
 
     async def check(self, recorder: DecisionRecorder, timeout_s: float) -> dict[str, bool]:
         """Checks the ledger and the CRM once (each within ``timeout_s`` seconds), publishes
@@ -68,10 +68,6 @@ class RelayHealth(DependencyHealth):
             await export_backlog(recorder.ledger, timeout_s)
         await self.publish(status)
         return status
-
-    def start_monitoring(self, recorder: DecisionRecorder, interval_s: float) -> None:
-        """Re-checks every ``interval_s`` seconds in the background until :meth:`stop_monitoring`."""
-        self.monitor(lambda: self.check(recorder, timeout_s=interval_s), interval_s, "relay-health")
 
 
 def build_recorder(settings: PredictionSettings) -> DecisionRecorder:
@@ -110,14 +106,12 @@ async def start(settings: PredictionSettings) -> tuple[grpc.aio.Server, int, Rel
         await recorder.close()
         raise
     await server.start()
-    interval_s = settings.health_interval_ms / 1000
-    status = await health.check(recorder, timeout_s=interval_s)
-    health.start_monitoring(recorder, interval_s)
+    dependencies = await health.watch(recorder, settings.health_interval_ms / 1000)
     logger.info(
         "outbox relay running, health on port %d, polling the ledger every %d ms; dependencies: %s",
         port,
         settings.relay_poll_ms,
-        ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items()),
+        dependencies,
     )
     return server, port, health, recorder
 

@@ -125,14 +125,12 @@ async def start(
     components.drift.start(settings.drift_interval_s)
     if components.feedback is not None:
         components.feedback.start(settings.outcome_refresh_s)
-    interval_s = settings.health_interval_ms / 1000
-    status = await health.check(components, timeout_s=interval_s)
-    health.start_monitoring(components, interval_s)
+    dependencies = await health.watch(components, settings.health_interval_ms / 1000)
     logger.info(
         "PredictionService serving on port %d (inference at %s); dependencies: %s; decision events: %s",
         port,
         settings.inference_target,
-        ", ".join(f"{k} {'up' if v else 'DOWN'}" for k, v in status.items()),
+        dependencies,
         f"{_host_of(settings.events_url)} stream {settings.events_stream}" if settings.events_url else "off",
     )
     return server, port, health, components
