@@ -12,6 +12,7 @@ when it is in every live worker (``livemin``). ``live*`` modes drop a worker tha
 
 from __future__ import annotations
 
+import functools
 import os
 
 from prometheus_client import Counter, Histogram
@@ -21,28 +22,15 @@ from mlpair.observability.metrics import gauge
 # Buckets span 0.1 ms … 2.5 s: from a small model's CPU batch to far past the SLA (p99 ≤ 120 ms).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.12, 0.25, 0.5, 1.0, 2.5)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# A latency histogram by model and version: _latency(name, documentation).
+_latency = functools.partial(Histogram, labelnames=["model", "version"], buckets=LATENCY_BUCKETS)
 
 REQUESTS = Counter(
     "inference_requests_total", "Inference calls by model, version and gRPC status code.", ["model", "version", "code"]
 )
-REQUEST_DURATION = Histogram(
-    "inference_request_duration_seconds",
-    "Inference latency inside the server.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
-)
-QUEUE_DURATION = Histogram(
-    "inference_queue_duration_seconds",
-    "Time a request waited in the batch queue.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
-)
-COMPUTE_DURATION = Histogram(
-    "inference_compute_duration_seconds",
-    "Runtime execution time per batch.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
-)
+REQUEST_DURATION = _latency("inference_request_duration_seconds", "Inference latency inside the server.")
+QUEUE_DURATION = _latency("inference_queue_duration_seconds", "Time a request waited in the batch queue.")
+COMPUTE_DURATION = _latency("inference_compute_duration_seconds", "Runtime execution time per batch.")
 BATCH_SIZE = Histogram(
     "inference_batch_size_rows", "Rows per executed batch.", ["model", "version"], buckets=ROW_BUCKETS
 )
@@ -113,11 +101,8 @@ SELF_TEST = Counter(
     "Known-answer self-tests of a serving model version, by result (pass, fail).",
     ["model", "version", "result"],
 )
-SELF_TEST_DURATION = Histogram(
-    "inference_self_test_duration_seconds",
-    "Time a known-answer self-test took, its wait in the batch queue included.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
+SELF_TEST_DURATION = _latency(
+    "inference_self_test_duration_seconds", "Time a known-answer self-test took, its wait in the batch queue included."
 )
 MODEL_HEALTHY = gauge(
     "inference_model_healthy",

@@ -30,6 +30,7 @@ def labelled(metric, *values: str):
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 REQUESTS = Counter("prediction_requests_total", "Predict calls by outcome.", ["model", "code"])
 CALLER_DECISIONS = Counter(
@@ -86,13 +87,13 @@ INFERENCE_ROWS = Histogram(
     "prediction_inference_call_rows",
     "Rows per Infer call (packed rows of one or many requests).",
     ["model"],
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    buckets=ROW_BUCKETS,
 )
 COALESCED_CALL_ROWS = Histogram(
     "prediction_coalesced_call_rows",
     "Rows per Infer call sent to InferenceService, after the cache and coalescing (scoring/coalescer.py).",
     ["model"],
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    buckets=ROW_BUCKETS,
 )
 COALESCED_CALL_FLIGHTS = Histogram(
     "prediction_coalesced_call_flights",
@@ -215,7 +216,7 @@ LEDGER_COMMIT_DURATION = Histogram(
 LEDGER_COMMIT_ROWS = Histogram(
     "prediction_ledger_commit_rows",
     "Decisions written by one decision ledger commit.",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    buckets=ROW_BUCKETS,
 )
 OUTBOX_DEPTH = gauge(
     "prediction_outbox_depth", "Decisions on record in the shared ledger and not yet delivered to the CRM."
