@@ -12,40 +12,30 @@ when it is in every live worker (``livemin``). ``live*`` modes drop a worker tha
 
 from __future__ import annotations
 
+import functools
 import os
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
+
+from mlpair.observability.metrics import gauge
 
 # Buckets span 0.1 ms … 2.5 s: from a small model's CPU batch to far past the SLA (p99 ≤ 120 ms).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.12, 0.25, 0.5, 1.0, 2.5)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# A latency histogram by model and version: _latency(name, documentation).
+_latency = functools.partial(Histogram, labelnames=["model", "version"], buckets=LATENCY_BUCKETS)
 
 REQUESTS = Counter(
     "inference_requests_total", "Inference calls by model, version and gRPC status code.", ["model", "version", "code"]
 )
-REQUEST_DURATION = Histogram(
-    "inference_request_duration_seconds",
-    "Inference latency inside the server.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
-)
-QUEUE_DURATION = Histogram(
-    "inference_queue_duration_seconds",
-    "Time a request waited in the batch queue.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
-)
-COMPUTE_DURATION = Histogram(
-    "inference_compute_duration_seconds",
-    "Runtime execution time per batch.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
-)
+REQUEST_DURATION = _latency("inference_request_duration_seconds", "Inference latency inside the server.")
+QUEUE_DURATION = _latency("inference_queue_duration_seconds", "Time a request waited in the batch queue.")
+COMPUTE_DURATION = _latency("inference_compute_duration_seconds", "Runtime execution time per batch.")
 BATCH_SIZE = Histogram(
     "inference_batch_size_rows", "Rows per executed batch.", ["model", "version"], buckets=ROW_BUCKETS
 )
-QUEUE_DEPTH = Gauge(
-    "inference_queue_depth_rows", "Rows waiting in the batch queue.", ["model", "version"], multiprocess_mode="livesum"
+QUEUE_DEPTH = gauge(
+    "inference_queue_depth_rows", "Rows waiting in the batch queue.", ["model", "version"], workers="livesum"
 )
 QUEUE_DROPPED = Counter(
     "inference_queue_dropped_total",
@@ -85,17 +75,17 @@ MODEL_SOURCE_ERRORS = Counter(
     "polling (the serving versions stay).",
     ["operation"],
 )
-MODEL_READY = Gauge(
+MODEL_READY = gauge(
     "inference_model_ready",
     "1 when a model version is loaded, warmed and serving.",
     ["model", "version"],
-    multiprocess_mode="livemin",
+    workers="livemin",
 )
-DEVICE_MEMORY = Gauge(
+DEVICE_MEMORY = gauge(
     "inference_device_memory_bytes",
     "Accelerator memory held by a model version (GPU only).",
     ["model", "version"],
-    multiprocess_mode="livesum",
+    workers="livesum",
 )
 
 # -- health after start (mlpair.inference.model_health): every child made when a version is
@@ -111,17 +101,14 @@ SELF_TEST = Counter(
     "Known-answer self-tests of a serving model version, by result (pass, fail).",
     ["model", "version", "result"],
 )
-SELF_TEST_DURATION = Histogram(
-    "inference_self_test_duration_seconds",
-    "Time a known-answer self-test took, its wait in the batch queue included.",
-    ["model", "version"],
-    buckets=LATENCY_BUCKETS,
+SELF_TEST_DURATION = _latency(
+    "inference_self_test_duration_seconds", "Time a known-answer self-test took, its wait in the batch queue included."
 )
-MODEL_HEALTHY = Gauge(
+MODEL_HEALTHY = gauge(
     "inference_model_healthy",
     "1 while a serving model version answers (batches and self-test pass), 0 once it turned not ready after start.",
     ["model", "version"],
-    multiprocess_mode="livemin",
+    workers="livemin",
 )
 
 
@@ -136,89 +123,66 @@ def shared_across_processes() -> bool:
 # but inference_gpu_present exists only where NVML sees a GPU, and a field the driver does not report
 # is absent, never zero. Device-wide readings are the same in every worker (livemax); this process's
 # own memory adds up across workers (livesum).
-GPU_PRESENT = Gauge(
-    "inference_gpu_present",
-    "1 when NVML sees an NVIDIA GPU for this process, 0 when there is none (or no NVML).",
-    multiprocess_mode="livemax",
+GPU_PRESENT = gauge(
+    "inference_gpu_present", "1 when NVML sees an NVIDIA GPU for this process, 0 when there is none (or no NVML)."
 )
-GPU_UTILIZATION = Gauge(
+GPU_UTILIZATION = gauge(
     "inference_gpu_utilization_ratio",
     "Fraction of the last sample period in which a kernel ran on the device (NVML), 0-1.",
     ["device"],
-    multiprocess_mode="livemax",
 )
-GPU_MEMORY_UTILIZATION = Gauge(
+GPU_MEMORY_UTILIZATION = gauge(
     "inference_gpu_memory_utilization_ratio",
     "Fraction of the last sample period in which device memory was read or written (NVML), 0-1.",
     ["device"],
-    multiprocess_mode="livemax",
 )
-GPU_MEMORY_USED = Gauge(
-    "inference_gpu_memory_used_bytes",
-    "Device memory in use by every process (NVML).",
-    ["device"],
-    multiprocess_mode="livemax",
-)
-GPU_MEMORY_TOTAL = Gauge(
-    "inference_gpu_memory_total_bytes", "Device memory installed (NVML).", ["device"], multiprocess_mode="livemax"
-)
-GPU_PROCESS_MEMORY = Gauge(
+GPU_MEMORY_USED = gauge("inference_gpu_memory_used_bytes", "Device memory in use by every process (NVML).", ["device"])
+GPU_MEMORY_TOTAL = gauge("inference_gpu_memory_total_bytes", "Device memory installed (NVML).", ["device"])
+GPU_PROCESS_MEMORY = gauge(
     "inference_gpu_process_memory_bytes",
     "Device memory held by this serving process (NVML's compute processes, by PID).",
     ["device"],
-    multiprocess_mode="livesum",
+    workers="livesum",
 )
-GPU_TEMPERATURE = Gauge(
-    "inference_gpu_temperature_celsius", "GPU core temperature (NVML).", ["device"], multiprocess_mode="livemax"
-)
-GPU_POWER = Gauge("inference_gpu_power_watts", "Board power draw (NVML).", ["device"], multiprocess_mode="livemax")
-GPU_POWER_LIMIT = Gauge(
-    "inference_gpu_power_limit_watts", "Enforced board power limit (NVML).", ["device"], multiprocess_mode="livemax"
-)
-GPU_SM_CLOCK = Gauge(
-    "inference_gpu_sm_clock_hertz",
-    "Current streaming-multiprocessor clock (NVML).",
-    ["device"],
-    multiprocess_mode="livemax",
-)
-GPU_THROTTLED = Gauge(
+GPU_TEMPERATURE = gauge("inference_gpu_temperature_celsius", "GPU core temperature (NVML).", ["device"])
+GPU_POWER = gauge("inference_gpu_power_watts", "Board power draw (NVML).", ["device"])
+GPU_POWER_LIMIT = gauge("inference_gpu_power_limit_watts", "Enforced board power limit (NVML).", ["device"])
+GPU_SM_CLOCK = gauge("inference_gpu_sm_clock_hertz", "Current streaming-multiprocessor clock (NVML).", ["device"])
+GPU_THROTTLED = gauge(
     "inference_gpu_throttled",
     "1 while NVML reports this clock-event (throttle) reason active, 0 while not; only reasons the device supports.",
     ["device", "reason"],
-    multiprocess_mode="livemax",
 )
-GPU_ECC_UNCORRECTED = Gauge(
+GPU_ECC_UNCORRECTED = gauge(
     "inference_gpu_ecc_uncorrected_errors",
     "Uncorrected ECC errors since the driver loaded (NVML, volatile counter; ECC-capable devices only).",
     ["device"],
-    multiprocess_mode="livemax",
 )
 GPU_XID_ERRORS = Counter(
     "inference_gpu_xid_errors",
     "Critical Xid events NVML delivered to this process (where the driver reports them).",
     ["device"],
 )
-GPU_TORCH_RESERVED = Gauge(
+GPU_TORCH_RESERVED = gauge(
     "inference_gpu_torch_reserved_bytes",
     "Device memory torch's caching allocator holds (torch runtime on CUDA only).",
     ["device"],
-    multiprocess_mode="livesum",
+    workers="livesum",
 )
-GPU_TORCH_ALLOCATED = Gauge(
+GPU_TORCH_ALLOCATED = gauge(
     "inference_gpu_torch_allocated_bytes",
     "Device memory in live torch tensors (torch runtime on CUDA only).",
     ["device"],
-    multiprocess_mode="livesum",
+    workers="livesum",
 )
-GPU_GHOST_MEMORY = Gauge(
+GPU_GHOST_MEMORY = gauge(
     "inference_gpu_ghost_memory_bytes",
     "torch reserved minus allocated: cached, held from other processes, used by no tensor.",
     ["device"],
-    multiprocess_mode="livesum",
+    workers="livesum",
 )
-GPU_GHOST_MEMORY_LIMIT = Gauge(
+GPU_GHOST_MEMORY_LIMIT = gauge(
     "inference_gpu_ghost_memory_limit_bytes",
     "gpu_ghost_memory_max_bytes: ghost memory above it makes the server not ready (0 = off); beside each ghost series.",
     ["device"],
-    multiprocess_mode="livemax",
 )

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.utils import floatToGoString
+
+from mlpair.observability.metrics import gauge
 
 
 @functools.cache
@@ -28,6 +30,7 @@ def labelled(metric, *values: str):
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 REQUESTS = Counter("prediction_requests_total", "Predict calls by outcome.", ["model", "code"])
 CALLER_DECISIONS = Counter(
@@ -84,13 +87,13 @@ INFERENCE_ROWS = Histogram(
     "prediction_inference_call_rows",
     "Rows per Infer call (packed rows of one or many requests).",
     ["model"],
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    buckets=ROW_BUCKETS,
 )
 COALESCED_CALL_ROWS = Histogram(
     "prediction_coalesced_call_rows",
     "Rows per Infer call sent to InferenceService, after the cache and coalescing (scoring/coalescer.py).",
     ["model"],
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    buckets=ROW_BUCKETS,
 )
 COALESCED_CALL_FLIGHTS = Histogram(
     "prediction_coalesced_call_flights",
@@ -195,11 +198,8 @@ INFERENCE_ERRORS = Counter(
 INFERENCE_RETRIES = Counter(
     "prediction_inference_retries_total", "Infer attempts retried after an inference-side fault.", ["model"]
 )
-CIRCUIT_STATE = Gauge(
-    "prediction_circuit_state",
-    "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-    ["dependency"],
-    multiprocess_mode="livemax",
+CIRCUIT_STATE = gauge(
+    "prediction_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.", ["dependency"]
 )
 CIRCUIT_TRANSITIONS = Counter(
     "prediction_circuit_transitions_total", "Circuit breaker state changes, by new state.", ["dependency", "state"]
@@ -216,17 +216,14 @@ LEDGER_COMMIT_DURATION = Histogram(
 LEDGER_COMMIT_ROWS = Histogram(
     "prediction_ledger_commit_rows",
     "Decisions written by one decision ledger commit.",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    buckets=ROW_BUCKETS,
 )
-OUTBOX_DEPTH = Gauge(
-    "prediction_outbox_depth",
-    "Decisions on record in the shared ledger and not yet delivered to the CRM.",
-    multiprocess_mode="livemax",
+OUTBOX_DEPTH = gauge(
+    "prediction_outbox_depth", "Decisions on record in the shared ledger and not yet delivered to the CRM."
 )
-OUTBOX_OLDEST_AGE = Gauge(
+OUTBOX_OLDEST_AGE = gauge(
     "prediction_outbox_oldest_age_seconds",
     "Age of the oldest decision the ledger has not delivered to the CRM (0 when none).",
-    multiprocess_mode="livemax",
 )
 OUTBOX_DELIVERED = Counter("prediction_outbox_delivered_total", "Decisions the relay inserted into the CRM database.")
 OUTBOX_ALREADY_IN_CRM = Counter(
@@ -243,73 +240,49 @@ RELAY_FAILURES = Counter(
 )
 
 # Health of what PredictionService depends on (health.py).
-DEPENDENCY_UP = Gauge(
-    "prediction_dependency_up", "1 when a dependency is healthy, else 0.", ["dependency"], multiprocess_mode="livemin"
+DEPENDENCY_UP = gauge(
+    "prediction_dependency_up", "1 when a dependency is healthy, else 0.", ["dependency"], workers="livemin"
 )
-DEGRADED = Gauge(
-    "prediction_degraded",
-    "1 when serving with a fallback (inference, CRM or cache unhealthy), else 0.",
-    multiprocess_mode="livemax",
-)
+DEGRADED = gauge("prediction_degraded", "1 when serving with a fallback (inference, CRM or cache unhealthy), else 0.")
 
 # -- Observability (issue 6): CRM write health, fallbacks, drift. -------------------------------
 CRM_WRITES = Counter("prediction_crm_writes_total", "CRM write attempts by outcome (ok, error).", ["model", "outcome"])
-DRIFT_STATISTIC = Gauge(
+DRIFT_STATISTIC = gauge(
     "prediction_drift_statistic",
     "Drift effect size per feature over the window: KS statistic (test=ks) or total variation distance (test=chi2).",
     ["model", "feature", "test"],
-    multiprocess_mode="livemax",
 )
-DRIFT_P_VALUE = Gauge(
+DRIFT_P_VALUE = gauge(
     "prediction_drift_p_value",
     "Drift test p-value per feature, before the Bonferroni correction.",
     ["model", "feature", "test"],
-    multiprocess_mode="livemin",
+    workers="livemin",
 )
-DRIFT_DETECTED = Gauge(
+DRIFT_DETECTED = gauge(
     "prediction_drift_detected",
     "1 when a feature drifted: effect size above its threshold and p-value below alpha / tests.",
     ["model", "feature"],
-    multiprocess_mode="livemax",
 )
-DRIFT_WINDOW_ROWS = Gauge(
-    "prediction_drift_window_rows", "Decisions in the drift window.", ["model"], multiprocess_mode="livemax"
+DRIFT_WINDOW_ROWS = gauge("prediction_drift_window_rows", "Decisions in the drift window.", ["model"])
+DRIFT_MIN_ROWS = gauge(
+    "prediction_drift_min_rows", "Fewest decisions in the window before drift is judged at all.", ["model"]
 )
-DRIFT_MIN_ROWS = Gauge(
-    "prediction_drift_min_rows",
-    "Fewest decisions in the window before drift is judged at all.",
-    ["model"],
-    multiprocess_mode="livemax",
-)
-SCORE_DRIFT_STATISTIC = Gauge(
+SCORE_DRIFT_STATISTIC = gauge(
     "prediction_score_drift_statistic",
     "KS statistic of the calibrated score over the window against training's.",
     ["model"],
-    multiprocess_mode="livemax",
 )
-SCORE_DRIFT_P_VALUE = Gauge(
-    "prediction_score_drift_p_value",
-    "KS p-value of the calibrated score drift test.",
-    ["model"],
-    multiprocess_mode="livemin",
+SCORE_DRIFT_P_VALUE = gauge(
+    "prediction_score_drift_p_value", "KS p-value of the calibrated score drift test.", ["model"], workers="livemin"
 )
-SCORE_DRIFT_DETECTED = Gauge(
-    "prediction_score_drift_detected",
-    "1 when the calibrated score distribution drifted.",
-    ["model"],
-    multiprocess_mode="livemax",
+SCORE_DRIFT_DETECTED = gauge(
+    "prediction_score_drift_detected", "1 when the calibrated score distribution drifted.", ["model"]
 )
-DRIFT_THRESHOLD = Gauge(
-    "prediction_drift_threshold",
-    "Effect-size threshold of each drift test (ks, chi2).",
-    ["model", "test"],
-    multiprocess_mode="livemax",
+DRIFT_THRESHOLD = gauge(
+    "prediction_drift_threshold", "Effect-size threshold of each drift test (ks, chi2).", ["model", "test"]
 )
-DRIFT_CORRECTED_ALPHA = Gauge(
-    "prediction_drift_corrected_alpha",
-    "Per-test significance level: alpha / number of tests (Bonferroni).",
-    ["model"],
-    multiprocess_mode="livemax",
+DRIFT_CORRECTED_ALPHA = gauge(
+    "prediction_drift_corrected_alpha", "Per-test significance level: alpha / number of tests (Bonferroni).", ["model"]
 )
 
 # -- Distribution signals every replica contributes to (signals.py): drift across replicas and
@@ -325,39 +298,39 @@ DRIFT_RANK = Histogram(
     ["model", "feature"],
     buckets=RANK_BUCKETS,
 )
-DRIFT_RANK_BASELINE = Gauge(
+DRIFT_RANK_BASELINE = gauge(
     "prediction_drift_rank_baseline",
     "Share of the training rows in each prediction_drift_rank bucket (cumulative, by le).",
     ["model", "feature", "le"],
-    multiprocess_mode="max",
+    workers="max",
 )
 DRIFT_CATEGORY = Counter(
     "prediction_drift_category_total",
     "Decisions by category of each categorical feature.",
     ["model", "feature", "category"],
 )
-DRIFT_CATEGORY_BASELINE = Gauge(
+DRIFT_CATEGORY_BASELINE = gauge(
     "prediction_drift_category_baseline",
     "Training frequency of each category of each categorical feature.",
     ["model", "feature", "category"],
-    multiprocess_mode="max",
+    workers="max",
 )
-DRIFT_BASELINE_ROWS = Gauge(
+DRIFT_BASELINE_ROWS = gauge(
     "prediction_drift_baseline_rows",
     "Rows behind each training baseline (training split; calibration split for the score).",
     ["model", "feature"],
-    multiprocess_mode="max",
+    workers="max",
 )
 NEAR_THRESHOLD = Counter(
     "prediction_near_threshold_total",
     "Decisions whose calibrated probability lies just below a decision threshold (within 0.02).",
     ["model", "threshold"],
 )
-NEAR_THRESHOLD_BASELINE = Gauge(
+NEAR_THRESHOLD_BASELINE = gauge(
     "prediction_near_threshold_baseline_ratio",
     "Share of calibration-split scores in the same band below each threshold.",
     ["model", "threshold"],
-    multiprocess_mode="max",
+    workers="max",
 )
 
 # Why inference was not used for a row (the reasons of errors.InferenceUnavailable and its subclasses).
