@@ -19,7 +19,7 @@ import numpy as np
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
 from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
-from mlpair.client.errors import status_fields
+from mlpair.client.errors import item_results
 from mlpair.client.outcomes import RecordsOutcomes, RecordsOutcomesAsync
 
 # What an attribute may be given as (the rules are in :func:`to_attributes`): a str, a bool, a real number
@@ -161,13 +161,7 @@ def _batch_request(items: Sequence[BatchItem]) -> pb.BatchPredictRequest:
 
 
 def _outcomes(reply: pb.BatchPredictResponse) -> list[pb.PredictResponse | ItemError]:
-    out: list[pb.PredictResponse | ItemError] = []
-    for result in reply.results:
-        if result.WhichOneof("outcome") == "prediction":
-            out.append(result.prediction)
-            continue
-        out.append(ItemError(*status_fields(result.error)))
-    return out
+    return item_results(reply.results, "outcome", "prediction", ItemError)
 
 
 class _Client:
