@@ -33,22 +33,33 @@ class FamilyReport:
 
 def write_report(families: list[FamilyReport], path: Path) -> Path:
     """Draws the report and writes it as PNG to ``path``; returns ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(families), 4, figsize=(18, 4.2 * len(families)), squeeze=False)
+    fig, axes = _pyplot().subplots(len(families), 4, figsize=(18, 4.2 * len(families)), squeeze=False)
     for row, fam in zip(axes, families):
         _roc(row[0], fam)
         _reliability(row[1], fam)
         _decisions(row[2], fam)
         _latency(row[3], fam)
-    fig.suptitle("mlpair demo: holdout scored through PredictionService", fontsize=14)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return _save(fig, "mlpair demo: holdout scored through PredictionService", 14, 0.97, path)
+
+
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only (the Agg backend: no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, title: str, fontsize: int, top: float, path: Path) -> Path:
+    """Titles ``fig`` (the plots below ``top``, a fraction of its height), writes it as PNG to
+    ``path`` and closes it; returns ``path``."""
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout(rect=(0, 0, 1, top))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -120,12 +131,7 @@ class OutcomeRow:
 
 def write_outcomes_report(rows: list[OutcomeRow], path: Path) -> Path:
     """Draws realised ROC and reliability curves, one row per family and version, as PNG to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 4.2 * len(rows)), squeeze=False)
+    fig, axes = _pyplot().subplots(len(rows), 2, figsize=(10, 4.2 * len(rows)), squeeze=False)
     for (roc_ax, rel_ax), row in zip(axes, rows):
         name = f"{row.family} v{row.model_version}"
         holdout = "" if row.holdout_roc_auc is None else f" (holdout {row.holdout_roc_auc:.3f})"
@@ -151,9 +157,4 @@ def write_outcomes_report(rows: list[OutcomeRow], path: Path) -> Path:
             rel_ax.axvline(t, c="tab:red", lw=0.8, ls=":")
         _unit_square(rel_ax, f"{name}: reliability on outcomes", "mean predicted probability", "observed frequency")
         rel_ax.legend(loc="upper left")
-    fig.suptitle("mlpair: realised performance on fed-back outcomes", fontsize=13)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, "mlpair: realised performance on fed-back outcomes", 13, 0.96, path)

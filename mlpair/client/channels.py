@@ -1,4 +1,4 @@
-"""The one way this client opens a blocking channel: plaintext, or TLS with the given credentials."""
+"""The one way this client opens a channel, blocking or ``grpc.aio``: plaintext, or TLS with the given credentials."""
 
 from __future__ import annotations
 
@@ -17,3 +17,12 @@ def open_channel(
     if credentials is not None:
         return grpc.secure_channel(target, credentials, options=list(options))
     return grpc.insecure_channel(target, options=list(options))
+
+
+def open_aio_channel(
+    target: str, credentials: grpc.ChannelCredentials | None, options: Sequence[tuple[str, int]]
+) -> grpc.aio.Channel:
+    """:func:`open_channel` for asyncio (``grpc.aio``); close it with ``await channel.close()``."""
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=list(options))
+    return grpc.aio.insecure_channel(target, options=list(options))

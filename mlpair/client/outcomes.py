@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
-from mlpair.client.errors import status_fields
+from mlpair.client.errors import item_results
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,7 @@ def outcomes_request(outcomes: Sequence[Outcome]) -> pb.RecordOutcomesRequest:
 def outcome_results(reply: pb.RecordOutcomesResponse) -> list[pb.OutcomeStored | OutcomeError]:
     """Per outcome, in order: ``OutcomeStored`` (``request_id``, ``duplicate``, ``decision_found``)
     or the :class:`OutcomeError` it alone met."""
-    out: list[pb.OutcomeStored | OutcomeError] = []
-    for result in reply.results:
-        if result.WhichOneof("result") == "stored":
-            out.append(result.stored)
-            continue
-        out.append(OutcomeError(*status_fields(result.error)))
-    return out
+    return item_results(reply.results, "result", "stored", OutcomeError)
 
 
 class RecordsOutcomes:

@@ -7,7 +7,7 @@ import math
 import numbers
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import TracebackType
@@ -18,8 +18,8 @@ import numpy as np
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.api.prediction.v1 import prediction_service_pb2_grpc as pb_grpc
-from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_channel
-from mlpair.client.errors import status_fields
+from mlpair.client.channels import DEFAULT_TIMEOUT_S, open_aio_channel, open_channel
+from mlpair.client.errors import item_results
 from mlpair.client.outcomes import RecordsOutcomes, RecordsOutcomesAsync
 
 # What an attribute may be given as (the rules are in :func:`to_attributes`): a str, a bool, a real number
@@ -161,22 +161,27 @@ def _batch_request(items: Sequence[BatchItem]) -> pb.BatchPredictRequest:
 
 
 def _outcomes(reply: pb.BatchPredictResponse) -> list[pb.PredictResponse | ItemError]:
-    out: list[pb.PredictResponse | ItemError] = []
-    for result in reply.results:
-        if result.WhichOneof("outcome") == "prediction":
-            out.append(result.prediction)
-            continue
-        out.append(ItemError(*status_fields(result.error)))
-    return out
+    return item_results(reply.results, "outcome", "prediction", ItemError)
 
 
 class _Client:
-    """What both clients share: the target, the default deadline, the stub over one channel."""
+    """What both clients share: their arguments, the target, the default deadline, the stub over one
+    channel (opened by the client's ``_open``: a blocking or a ``grpc.aio`` one)."""
 
-    def __init__(self, target: str, channel: grpc.Channel | grpc.aio.Channel, timeout_s: float) -> None:
+    _open: Callable[[str, grpc.ChannelCredentials | None, Sequence[tuple[str, int]]], grpc.Channel | grpc.aio.Channel]
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, int]] = (),
+    ) -> None:
+        self._channel = self._open(target, credentials, options)
         self.target = target
         self.timeout_s = timeout_s
-        self._stub = pb_grpc.PredictionServiceStub(channel)
+        self._stub = pb_grpc.PredictionServiceStub(self._channel)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -200,16 +205,8 @@ class PredictionClient(_Client, RecordsOutcomes):
     request id), DEADLINE_EXCEEDED, INTERNAL (a model failure).
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        credentials: grpc.ChannelCredentials | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        options: Sequence[tuple[str, int]] = (),
-    ) -> None:
-        self._channel = open_channel(target, credentials, options)
-        super().__init__(target, self._channel, timeout_s)
+    _channel: grpc.Channel
+    _open = staticmethod(open_channel)
 
     def predict(
         self,
@@ -320,19 +317,8 @@ class AsyncPredictionClient(_Client, RecordsOutcomesAsync):
     each call awaited; many may be in flight on the one channel. Use ``async with`` or ``await
     close()``."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        credentials: grpc.ChannelCredentials | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        options: Sequence[tuple[str, int]] = (),
-    ) -> None:
-        if credentials is not None:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=list(options))
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=list(options))
-        super().__init__(target, self._channel, timeout_s)
+    _channel: grpc.aio.Channel
+    _open = staticmethod(open_aio_channel)
 
     async def predict(
         self,

@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 import pyarrow as pa
@@ -31,8 +31,23 @@ from mlpair.jobs.progress import Progress
 from mlpair.jobs.sources import Source
 from mlpair.jobs.state import ChunkRecord, JobState, iso
 
+if TYPE_CHECKING:
+    from mlpair.client import PredictionClient
+
 MAX_MESSAGE_BYTES = 256 << 20
 """The largest chunk or answer the job's channel carries (a chunk of many wide rows)."""
+
+
+def job_client(target: str, credentials: grpc.ChannelCredentials | None, timeout_s: float) -> PredictionClient:
+    """The client a job sends its chunks through: ``timeout_s`` is each chunk's deadline, and its
+    channel carries chunks and answers of up to :data:`MAX_MESSAGE_BYTES`."""
+    from mlpair.client import PredictionClient
+
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+    return PredictionClient(target, credentials=credentials, timeout_s=timeout_s, options=options)
 
 
 class JobStopped(Exception):
@@ -139,7 +154,7 @@ def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
             message says what, and that a rerun resumes.
         InputError: a null or repeated key (nothing sent), or the input cannot be read on.
     """
-    from mlpair.client import PredictionClient, wait_until_serving
+    from mlpair.client import wait_until_serving
 
     state = open_state(spec, out)
     state_path = spec.job_dir / "state.json"
@@ -166,15 +181,9 @@ def run(spec: JobSpec, out: TextIO = sys.stderr) -> JobState:
     metrics = JobMetrics(state, spec.metrics_file, spec.pushgateway)
     state.save(state_path)
     metrics.report()
-    options = [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ]
     progress = Progress(spec.job_id, state, out)
     with (
-        PredictionClient(
-            spec.target, credentials=spec.credentials, timeout_s=spec.chunk_timeout_s, options=options
-        ) as client,
+        job_client(spec.target, spec.credentials, spec.chunk_timeout_s) as client,
         ThreadPoolExecutor(max_workers=spec.parallel, thread_name_prefix="score") as pool,
         progress,
     ):

@@ -34,7 +34,7 @@ import grpc
 import pyarrow as pa
 
 from mlpair.jobs.chunks import ChunkRefused, check_job_id, decide_chunk_retrying, describe_refusal
-from mlpair.jobs.local import MAX_MESSAGE_BYTES, JobStopped
+from mlpair.jobs.local import JobStopped, job_client
 
 DEFAULT_BATCH_ROWS = 10_000
 DEFAULT_ACTORS = 2
@@ -108,19 +108,11 @@ class DecideBatches:
     """
 
     def __init__(self, spec: RayJobSpec) -> None:
-        from mlpair.client import PredictionClient
-
         credentials = None
         if spec.tls_ca is not None:
             credentials = grpc.ssl_channel_credentials(spec.tls_ca, spec.tls_key, spec.tls_cert)
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
         self.spec = spec
-        self.client = PredictionClient(
-            spec.target, credentials=credentials, timeout_s=spec.chunk_timeout_s, options=options
-        )
+        self.client = job_client(spec.target, credentials, spec.chunk_timeout_s)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Decides one batch as one ``PredictColumns`` chunk and returns the key column followed by

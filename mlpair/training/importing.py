@@ -27,7 +27,6 @@ from mlpair.contracts.manifest import (
     TensorSpec,
     VersionTriple,
     file_sha256,
-    list_versions,
     load_entry,
     write_manifest,
 )
@@ -35,7 +34,14 @@ from mlpair.contracts.preprocessing import Preprocessing
 from mlpair.contracts.schema import FeatureSchema
 from mlpair.training.data import DataError, dataset_from_frame, read_table
 from mlpair.training.export import INPUT_NAME, OUTPUT_NAME
-from mlpair.training.pipeline import baselines, fit_calibration, load_train_config, score_baseline, staged_version
+from mlpair.training.pipeline import (
+    baselines,
+    fit_calibration,
+    load_train_config,
+    next_version_dir,
+    score_baseline,
+    staged_version,
+)
 
 MIN_CALIBRATION_ROWS = 50
 N_CLASSES = 2
@@ -263,9 +269,8 @@ def import_model(
     probabilities = cal.probabilities(logits, positive)
     fitted = metrics.summary(calib.labels, probabilities)
 
-    version = str((list_versions(root, schema.name) or [0])[-1] + 1)
-    target = root / schema.name / version
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = next_version_dir(root, schema.name)
+    version = target.name
     with staged_version(target) as staging:
         onnx.save_model(served, str(staging / "model.onnx"))
         preprocessing.save(staging / PREPROCESSING_FILE)

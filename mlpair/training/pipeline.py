@@ -202,9 +202,8 @@ def train_family(
         show_progress,
         validation=(x["calibration"], splits["calibration"].labels),
     )
-    version = str((list_versions(root, schema.name) or [0])[-1] + 1)
-    target = root / schema.name / version
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = next_version_dir(root, schema.name)
+    version = target.name
     with staged_version(target) as staging:
         export_onnx(model, preprocessing.n_features, staging / "model.onnx")
         parity = check_parity(model, staging / "model.onnx", x["holdout"])
@@ -255,6 +254,14 @@ def train_family(
     entry = load_entry(target)
     logger.info("wrote %s version %s to %s", schema.name, version, target)
     return entry, True
+
+
+def next_version_dir(root: Path, model_name: str) -> Path:
+    """The folder the family's next version goes to under ``root``, named by its number (the latest
+    version's + 1, or 1); the family's folder is made, the version's is left to :func:`staged_version`."""
+    target = root / model_name / str((list_versions(root, model_name) or [0])[-1] + 1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 @contextlib.contextmanager
