@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     tree = checkout(args.baseline)
     bench_args = [*bench_args, "--repeats", str(args.rounds)]  # enough payloads for every round's pass
     b_args = [*bench_args, *shlex.split(args.b_args)]
+    from bench import batch_cpu
+
+    # trained here, once: two sides finding no model would both train it into the same folder
+    batch_cpu.harness.trained_model(Path(batch_cpu.parse_args(bench_args).model_repository).resolve())
     sides = {"A": Side("A", tree, bench_args), "B": Side("B", None, b_args)}
     rounds = []
     try:
