@@ -78,7 +78,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy --config-file pyproject.toml
 
 test: $(STAMP) tools $(VENV)/bin/promtool $(VENV)/bin/prometheus $(VENV)/bin/pgbouncer lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Unit tests only (under a minute): the modules that start no process, no server and no database —
 # the contracts, the prediction wing's pure stages, job chunking and the structure checks. No lint.
