@@ -177,26 +177,17 @@ def oip_requested_outputs(request: oip.ModelInferRequest) -> tuple[str, ...]:
 def oip_infer_response(result: InferResult, request_id: str, raw: bool = True) -> oip.ModelInferResponse:
     """The logits as one FP32 output: raw little-endian bytes, or typed ``fp32_contents`` when not ``raw``."""
     logits = result.logits
-    if not raw:
-        contents = oip.InferTensorContents(fp32_contents=logits.ravel().tolist())
-        return oip.ModelInferResponse(
-            model_name=result.model_name,
-            model_version=result.model_version,
-            id=request_id,
-            outputs=[
-                oip.ModelInferResponse.InferOutputTensor(
-                    name=result.output_name, datatype="FP32", shape=logits.shape, contents=contents
-                )
-            ],
-        )
+    contents = None if raw else oip.InferTensorContents(fp32_contents=logits.ravel().tolist())
     return oip.ModelInferResponse(
         model_name=result.model_name,
         model_version=result.model_version,
         id=request_id,
         outputs=[
-            oip.ModelInferResponse.InferOutputTensor(name=result.output_name, datatype="FP32", shape=logits.shape)
+            oip.ModelInferResponse.InferOutputTensor(
+                name=result.output_name, datatype="FP32", shape=logits.shape, contents=contents
+            )
         ],
-        raw_output_contents=[_le_bytes(logits)],
+        raw_output_contents=[_le_bytes(logits)] if raw else [],
     )
 
 
