@@ -211,51 +211,63 @@ def _decided(d) -> list:
 
 
 @pytest.mark.parametrize("members", [1, 3, 8])
-def test_few_rows_decided_row_by_row_are_the_columnar_decisions_bit_for_bit(members, credit_entry, credit_holdout):
-    """Every holdout applicant's row decided alone (the row-wise path a Predict takes) gives the same
-    record, reason codes, probability bits, spread, explanation and errors as deciding them all at once."""
+def test_each_row_decided_alone_is_the_decision_made_for_the_whole_group_bit_for_bit(
+        members, credit_entry, credit_holdout):
+    """Every holdout applicant's row decided alone (a Predict's group of one) gives the same record,
+    reason codes, probability bits, spread, explanation and errors as deciding them all at once, and
+    the verdict of each row with model output is the one ``DecisionPolicy.decide`` gives row by row."""
     from datetime import datetime
 
-    from mlpair.prediction.deciding.decisions import decide_columns, decide_rows
+    from mlpair.prediction.deciding.decisions import STALE_REASON, decide
     from mlpair.prediction.preparing.batch import Group
-    from mlpair.prediction.preparing.columns import SMALL_BATCH
+    from mlpair.prediction.scoring.rows import Source
     from mlpair.prediction.scoring.scorer import GroupScores
 
     group, scores = _scored_group(credit_entry, credit_holdout.records, members, seed=members)
-    assert len(group) >= SMALL_BATCH
     at = datetime(2026, 1, 2, tzinfo=UTC)
-    columnar_ = decide_columns(group, scores, at, 3, {})
-    row_wise_ = decide_rows(group, scores, at, 3)
-    assert _decided(row_wise_) == _decided(columnar_)
-    assert {k: str(e) for k, e in row_wise_.errors.items()} == {k: str(e) for k, e in columnar_.errors.items()}
-    assert len(columnar_.errors) > 3 and columnar_.explanations and columnar_.without_model
-    probs = [p for p in columnar_.columns.probability if p is not None]
-    assert [p.hex() for p in probs] == [p.hex() for p in row_wise_.columns.probability if p is not None]
-    one = Group(group.family, [0], group.requests[:1], group.vectors[:1], group.guards[:1], group.fingerprints[:1])
-    one_scores = GroupScores(scores.served[:1], scores.probabilities[:, :1], scores.usable[:1], scores.margins[:1],
-                             scores.model_versions[:1], {k: v for k, v in scores.occluded.items() if k == 0})
-    assert _decided(decide_columns(one, one_scores, at, 3, {})) == _decided(columnar_)[:1]  # one row: row-wise path
+    whole = decide(group, scores, at, 3, {})
+    assert len(whole.errors) > 3 and whole.explanations and whole.without_model
+    alone: list = []
+    for k in range(len(group)):
+        one = Group(group.family, [k], group.requests[k:k + 1], group.vectors[k:k + 1], group.guards[k:k + 1],
+                    group.fingerprints[k:k + 1])
+        one_scores = GroupScores(scores.served[k:k + 1], scores.probabilities[:, k:k + 1], scores.usable[k:k + 1],
+                                 scores.margins[k:k + 1], scores.model_versions[k:k + 1],
+                                 {0: scores.occluded[k]} if k in scores.occluded else {},
+                                 {0: scores.errors[k]} if k in scores.errors else {})
+        d = decide(one, one_scores, at, 3, {})
+        assert [str(e) for e in d.errors.values()] == ([str(whole.errors[k])] if k in whole.errors else [])
+        alone += [(k, *row[1:]) for row in _decided(d)]
+    assert alone == _decided(whole)
+    policy, n_schema = group.family.policy, group.family.n_schema_features
+    for j, k in enumerate(whole.rows):
+        if j in whole.without_model:
+            continue
+        guards, served = group.guards[k], scores.served[k]
+        verdict = policy.decide(whole.columns.probability[j], whole.spread[j], guards.defaulted / n_schema,
+                                guards.defaulted_features)
+        stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
+        assert whole.columns.decision[j] == verdict.decision
+        assert whole.columns.reason_codes[j] == (*verdict.reason_codes, *stale, *guards.reason_codes)
 
 
 @pytest.mark.parametrize("members", [1, 3])
-def test_a_group_decided_with_model_output_on_every_row_is_recorded_as_the_general_path_records_it(
-        members, credit_entry, credit_holdout):
-    """A group whose every row has model output takes a column-at-once path to its records; one
-    failed row sends the same group through the general, row-by-row bookkeeping, and every other
-    row's record, probability bits, spread, source, calibration method and explanation are the same."""
+def test_a_failed_row_leaves_every_other_rows_record_as_it_is_without_it(members, credit_entry, credit_holdout):
+    """A group whose every row has model output, decided again with its last row's call failed: every
+    other row's record, probability bits, spread, source, calibration method and explanation are the same."""
     from dataclasses import replace
     from datetime import datetime
 
-    from mlpair.prediction.deciding.decisions import decide_columns
+    from mlpair.prediction.deciding.decisions import decide
     from mlpair.prediction.scoring.scorer import UnexpectedFailure
 
     group, scores = _scored_group(credit_entry, credit_holdout.records, members, seed=members, every_row_decided=True)
     at = datetime(2026, 1, 2, tzinfo=UTC)
-    whole = decide_columns(group, scores, at, 3, {})
+    whole = decide(group, scores, at, 3, {})
     assert len(whole.rows) == len(group) and not whole.errors and not whole.without_model
     assert whole.explanations and any(whole.from_cache) and not all(whole.from_cache)
     failed = replace(scores, errors={len(group) - 1: UnexpectedFailure("internal error")})
-    general = decide_columns(group, failed, at, 3, {})
+    general = decide(group, failed, at, 3, {})
     assert general.rows == whole.rows[:-1]
     assert _decided(general) == _decided(whole)[:-1]
     assert [p.hex() for p in general.columns.probability] == [p.hex() for p in whole.columns.probability[:-1]]

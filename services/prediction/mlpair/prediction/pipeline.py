@@ -43,7 +43,7 @@ from mlpair.prediction.deciding.decisions import (
     INVALID_OUTPUT_REASON,
     STALE_REASON,
     Decided,
-    decide_columns,
+    decide,
 )
 from mlpair.prediction.deciding.replays import recorded_maps, replayed
 from mlpair.prediction.errors import InvalidRequest, PredictionError, UnknownModel
@@ -221,7 +221,7 @@ class Predictor:
         if len(index) < len(requests):
             table = rows_of(table, index)
         group = prepare(family, assembler, requests, index, self.refuse_unknown_attributes, slots, table)
-        return await self._decide_groups(requests, [group] if group else [], slots, infer=self._infer_bulk)
+        return await self._run(requests, prepared=([group] if group else [], slots), infer=self._infer_bulk)
 
     async def drain_background(self) -> None:
         """Waits for merged Predict batches and background shadow comparisons still running
@@ -231,39 +231,38 @@ class Predictor:
 
     # -- the stages ------------------------------------------------------------------------
 
-    async def _run(self, requests: Sequence[PredictInput], callers: Sequence[MergedCall] | None = None) -> Outcomes:
-        """Decides ``requests`` as one batch; ``callers``: each item's caller when they are separate
-        Predicts decided together (:class:`PredictMerger`): each item is then scored in its caller's
-        context, and one whose caller has left is neither decided, recorded nor counted."""
-        slots: list[Slot] = [None] * len(requests)
-        groups = [
-            group
-            for family, index in admit(requests, self._family, slots).values()
-            if (
-                group := prepare(
-                    family, self._columns[family.name], requests, index, self.refuse_unknown_attributes, slots
-                )
-            )
-        ]
-        return await self._decide_groups(requests, groups, slots, callers)
-
-    async def _decide_groups(
+    async def _run(
         self,
         requests: Sequence[PredictInput],
-        groups: list[Group],
-        slots: list[Slot],
         callers: Sequence[MergedCall] | None = None,
+        prepared: tuple[list[Group], list[Slot]] | None = None,
         infer: Infer | None = None,
     ) -> Outcomes:
-        """Scores (through ``infer``, by default :meth:`_infer`), decides and records the prepared
-        ``groups`` of ``requests``; ``slots`` holds the errors of the items refused while
-        preparing, and gets every other item's outcome."""
+        """Decides ``requests`` as one batch, stage after stage: admit, prepare, score (through
+        ``infer``, by default :meth:`_infer`), decide, record (:meth:`_record`), then count.
+        ``callers``: each item's caller when they are separate Predicts decided together
+        (:class:`PredictMerger`): each item is then scored in its caller's context, and one whose
+        caller has left is neither decided, recorded nor counted. ``prepared``: the groups already
+        prepared (a table's chunk) with the slots holding the errors of the items refused so far."""
+        if prepared is None:
+            slots: list[Slot] = [None] * len(requests)
+            groups = [
+                group
+                for family, index in admit(requests, self._family, slots).values()
+                if (
+                    group := prepare(
+                        family, self._columns[family.name], requests, index, self.refuse_unknown_attributes, slots
+                    )
+                )
+            ]
+        else:
+            groups, slots = prepared
         every_scores = await score_groups(groups, infer or self._infer, self.max_inference_rows, callers)
         decided_at = datetime.now(UTC)
         decided: list[Decided] = []
         for group, scores in zip(groups, every_scores):
             try:
-                d = decide_columns(group, scores, decided_at, self.explain_top_k, self._verdicts[group.family.name])
+                d = decide(group, scores, decided_at, self.explain_top_k, self._verdicts[group.family.name])
             except Exception as exc:  # noqa: BLE001  (one family's failure must not fail the batch)
                 error = as_item_error(exc)
                 for index in group.index:

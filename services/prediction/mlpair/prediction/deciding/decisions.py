@@ -14,7 +14,7 @@ For each row of a :class:`~mlpair.prediction.preparing.batch.Group`, from its
 * output unusable for this row alone: the fallback decision with ``MODEL_OUTPUT_INVALID``.
 
 The decisions come out as :class:`~mlpair.prediction.records.DecisionColumns` (no object per
-row) plus, per row, what a response carries beside the record (:class:`Extras`).
+row) plus, per row, what a response carries beside the record (:class:`Decided`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import numpy as np
 
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.explain import Explanation, explain_rows
-from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA, DecisionPolicy
+from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA
 from mlpair.prediction.preparing.batch import Group
-from mlpair.prediction.preparing.columns import SMALL_BATCH
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
-from mlpair.prediction.scoring.rows import Source
+from mlpair.prediction.scoring.rows import Scored, Source
 from mlpair.prediction.scoring.scorer import GroupScores, as_item_error
 
 FALLBACK_REASON = "INFERENCE_UNAVAILABLE"
@@ -47,7 +46,7 @@ _MEMO_LIMIT = 4096
 Verdict = tuple[str, tuple[str, ...]]  # (decision, reason codes) of a row with model output
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Decided:
     """One group's decisions: the records of its decided rows and what responses add to them.
 
@@ -73,7 +72,7 @@ class Decided:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
-def decide_columns(
+def decide(
     group: Group,
     scores: GroupScores,
     decided_at: datetime,
@@ -82,27 +81,16 @@ def decide_columns(
 ) -> Decided:
     """Decides every row of ``group`` as ``scores`` say it was scored (see the module docstring); ``memo`` keeps the
     (verdict, stale, guards) → (decision, reason codes) pairs of the family between calls.
-    A group of fewer than ``SMALL_BATCH`` rows goes through :func:`decide_rows` (the same
-    decisions; NumPy's per-call cost would dominate)."""
-    if len(group) < SMALL_BATCH:
-        return decide_rows(group, scores, decided_at, explain_top_k)
-    family, policy = group.family, group.family.policy
-    n = len(group)
+
+    A row decided in a group of any size gets the decision, record and explanation it gets decided alone:
+    the mean and spread are the same float64 operations in the same order per row (members summed in
+    order and divided by their number, ``ndarray.mean`` from eight members on)."""
+    family, policy, n = group.family, group.family.policy, len(group)
+    probability, spread = _mean_and_spread(scores.probabilities)
     errors: dict[int, Exception] = dict(scores.errors)
     usable = scores.usable.copy()
     if errors:
         usable[list(errors)] = False
-    probs = scores.probabilities
-    if len(probs) == 1:
-        probability, spread = probs[0], np.zeros(n)
-    elif len(probs) < 8:
-        total = probs[0].copy()
-        for member in probs[1:]:
-            total += member
-        probability, spread = total / len(probs), probs.max(axis=0) - probs.min(axis=0)
-    else:  # ndarray.mean sums eight or more members pairwise: per row, as deciding alone does
-        probability = np.array([probs[:, k].mean() for k in range(n)])
-        spread = probs.max(axis=0) - probs.min(axis=0)
     defaulted = np.array([g.defaulted for g in group.guards], dtype=np.float64) / family.n_schema_features
     rows = np.flatnonzero(usable)
     band, route, valid = policy.decide_many(probability[rows], spread[rows], defaulted[rows])
@@ -116,197 +104,89 @@ def decide_columns(
             hist.observe(value)
         if n_uncertain := int(np.count_nonzero(route[valid] == 2)):
             metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
-    found: list[Verdict | None] = [None] * n
-    stale_cache, get = Source.STALE_CACHE, memo.get
+    # per decided row: (decision, reason codes) = the verdict's, STALE_CACHE_RESULT when served stale,
+    # each guard's once; a missing-data rule the row breaks makes its decision (insufficient data wins)
+    out = [k for k in range(n) if k not in errors] if errors else list(range(n))
+    pick = out if errors else slice(None)  # the decided rows of the group's columns
+    served = cast(list[Scored], [scores.served[k] for k in out] if errors else list(scores.served))  # all scored
+    found: list[Verdict | None] = []
+    stale_cache, get, guards_of = Source.STALE_CACHE, memo.get, group.guards
     requiring = policy.missing_data.decision if policy.missing_data is not None else None
-    for k, (verdict, served, guards) in enumerate(zip(verdicts.tolist(), scores.served, group.guards)):
-        if verdict >= 0:
-            assert served is not None  # a row with a verdict was scored (its call did not fail)
-            key = (verdict, served.source is stale_cache, guards.reason_codes)
-            hit = get(key)
-            if hit is None:
-                hit = _verdict(policy, *key)
-                if len(memo) < _MEMO_LIMIT:
-                    memo[key] = hit
-            # a missing-data rule the row breaks: its decision, as decide() makes it (insufficient data wins)
-            if (
-                guards.defaulted
-                and requiring is not None
-                and verdict % 3 != ROUTE_INSUFFICIENT_DATA
-                and (codes := policy.missing_codes(guards.defaulted_features))
-            ):
-                stale = (STALE_REASON,) if key[1] else ()
-                hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
-            found[k] = hit
-    return _records(group, scores, decided_at, explain_top_k, found, probability.tolist(), spread.tolist(), errors)
-
-
-def decide_rows(group: Group, scores: GroupScores, decided_at: datetime, explain_top_k: int) -> Decided:
-    """:func:`decide_columns` row by row, with :meth:`DecisionPolicy.decide
-    <mlpair.prediction.deciding.policy.DecisionPolicy.decide>` (the code a single Predict used before the
-    columnar path): the same decisions, records and metrics, for groups too small for NumPy to pay.
-    The mean and spread are the same float64 operations in the same order (members summed in order
-    and divided by their number, ``ndarray.mean`` from eight members on), so bit for bit the same."""
-    family, policy = group.family, group.family.policy
-    n, n_schema = len(group), family.n_schema_features
-    errors: dict[int, Exception] = dict(scores.errors)
-    found: list[Verdict | None] = [None] * n
-    probability, spread = [0.0] * n, [0.0] * n
-    columns, usable = scores.probabilities.T.tolist(), scores.usable.tolist()
-    for k, (members, ok, served, guards) in enumerate(zip(columns, usable, scores.served, group.guards)):
-        if not ok or k in errors:
+    for k, verdict, s in zip(out, verdicts[pick].tolist(), served):
+        if verdict < 0:
+            found.append(None)
             continue
-        assert served is not None  # a usable row was scored (its call did not fail)
-        if len(members) == 1:
-            p, s = members[0], 0.0
-        elif len(members) < 8:
-            p = members[0]
-            for member in members[1:]:  # not sum(): Python 3.12's sum() of floats is compensated
-                p += member
-            p, s = p / len(members), max(members) - min(members)
-        else:
-            p, s = float(scores.probabilities[:, k].mean()), max(members) - min(members)
-        try:
-            missing = guards.defaulted_features
-            verdict = policy.decide(p, s, guards.defaulted / n_schema, missing)
-        except ValueError:
-            errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
-            continue
-        if family.is_ensemble:
-            metrics.ENSEMBLE_SPREAD.labels(family.name).observe(s)
-            if verdict.uncertain:
-                metrics.UNCERTAIN_DECISIONS.labels(family.name).inc()
-        stale = (STALE_REASON,) if served.source is Source.STALE_CACHE else ()
-        found[k] = verdict.decision, (*verdict.reason_codes, *stale, *guards.reason_codes)
-        probability[k], spread[k] = p, s
-    return _records(group, scores, decided_at, explain_top_k, found, probability, spread, errors)
-
-
-def _records(
-    group: Group,
-    scores: GroupScores,
-    decided_at: datetime,
-    explain_top_k: int,
-    verdicts: list[Verdict | None],
-    probability_list: list[float],
-    spread_list: list[float],
-    errors: dict[int, Exception],
-) -> Decided:
-    """The decided rows' records: ``verdicts`` per row (decision, reason codes), None without model output."""
-    if verdicts and not errors and None not in verdicts:
-        every = cast(list[Verdict], verdicts)  # no None among them, just checked
-        return _records_all_scored(group, scores, decided_at, explain_top_k, every, probability_list, spread_list)
-    family, policy = group.family, group.family.policy
-    fallback_decision = policy.fallback_decision
-    out_rows: list[int] = []
-    decision: list[str] = []
-    reasons: list[tuple[str, ...]] = []
-    served_from: list[str] = []
-    age: list[int] = []
-    degraded: list[str] = []
-    prob: list[float | None] = []
-    spreads: list[float] = []
-    cached: list[bool] = []
-    methods: list[str] = []
+        guards = guards_of[k]
+        key = (verdict, s.source is stale_cache, guards.reason_codes)
+        hit = get(key)
+        if hit is None:
+            decision = policy.verdict(verdict // 3, verdict % 3)
+            hit = decision.decision, (*decision.reason_codes, *((STALE_REASON,) if key[1] else ()), *key[2])
+            if len(memo) < _MEMO_LIMIT:
+                memo[key] = hit
+        if (
+            guards.defaulted
+            and requiring is not None
+            and verdict % 3 != ROUTE_INSUFFICIENT_DATA
+            and (codes := policy.missing_codes(guards.defaulted_features))
+        ):
+            stale = (STALE_REASON,) if key[1] else ()
+            hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
+        found.append(hit)
+    # rows without model output: the policy's fallback decision, recorded as served by the fallback
+    p_list, s_list = probability[pick].tolist(), spread[pick].tolist()
+    methods = [family.calibration_method] * len(out)
     without_model: dict[int, str] = {}
-    method = family.calibration_method
-    for k, (found, served, guards) in enumerate(zip(verdicts, scores.served, group.guards)):
-        if k in errors:
-            continue
-        assert served is not None  # only a row whose call failed (in errors) was not scored
-        if found is not None:
-            decision.append(found[0])
-            reasons.append(found[1])
-            served_from.append(served.source.value)
-            age.append(served.age_ms)
-            degraded.append(served.degraded_reason)
-            prob.append(probability_list[k])
-            spreads.append(spread_list[k])
-            cached.append(served.source in _FROM_CACHE)
-            methods.append(method)
-        else:
-            invalid = served.source is not Source.FALLBACK
-            reason = INVALID_OUTPUT_REASON if invalid else FALLBACK_REASON
-            without_model[len(out_rows)] = INVALID_OUTPUT_REASON if invalid else served.degraded_reason
-            decision.append(fallback_decision)
-            reasons.append((reason, *guards.reason_codes))
-            served_from.append(Source.FALLBACK.value)
-            age.append(0)
-            degraded.append(without_model[len(out_rows)])
-            prob.append(None)
-            spreads.append(0.0)
-            cached.append(False)
-            methods.append("")
-        out_rows.append(k)
-    m = len(out_rows)
-    requests = group.requests
-    request_ids = [requests[k].request_id for k in out_rows]
-    versions = scores.model_versions
-    columns = DecisionColumns(
-        request_ids,
-        decision_ids_for(request_ids),
-        [requests[k].entity_id for k in out_rows],
-        [family.name] * m,
-        [versions[k] for k in out_rows],
-        [family.feature_version] * m,
-        [policy.version] * m,
-        prob,
-        decision,
-        reasons,
-        served_from,
-        age,
-        degraded,
-        [decided_at] * m,
-        [requests[k].caller for k in out_rows],
-        [group.fingerprints[k] for k in out_rows],
-    )
-    explanations = explain_rows(group.family, scores.occluded, out_rows, prob, explain_top_k)
-    return Decided(group, scores, out_rows, columns, spreads, cached, methods, explanations, without_model, errors)
-
-
-def _records_all_scored(
-    group: Group,
-    scores: GroupScores,
-    decided_at: datetime,
-    explain_top_k: int,
-    verdicts: list[Verdict],
-    probability: list[float],
-    spread: list[float],
-) -> Decided:
-    """:func:`_records` when every row was decided with model output (no error, no fallback): the
-    same records, each column built in one pass over the rows instead of ten appends per row."""
-    family, policy, n = group.family, group.family.policy, len(group)
-    _, _, sources, age, degraded = zip(*scores.served)
-    requests = group.requests
+    if None in found:
+        for j, (hit, s) in enumerate(zip(found, served)):
+            if hit is None:
+                invalid = s.source is not Source.FALLBACK
+                reason = without_model[j] = INVALID_OUTPUT_REASON if invalid else s.degraded_reason
+                code = INVALID_OUTPUT_REASON if invalid else FALLBACK_REASON
+                found[j] = policy.fallback_decision, (code, *guards_of[out[j]].reason_codes)
+                served[j] = s._replace(source=Source.FALLBACK, age_ms=0, degraded_reason=reason)
+                p_list[j], s_list[j], methods[j] = None, 0.0, ""
+    every = cast(list[Verdict], found)  # each row has its verdict now
+    _, _, sources, age, degraded = zip(*served) if served else ((),) * 5
+    requests = [group.requests[k] for k in out] if errors else group.requests
     request_ids = list(map(_REQUEST_ID, requests))  # map with a getter: no Python frame per row
+    m, versions = len(requests), scores.model_versions
     columns = DecisionColumns(
         request_ids,
         decision_ids_for(request_ids),
         list(map(_ENTITY_ID, requests)),
-        [family.name] * n,
-        list(scores.model_versions),
-        [family.feature_version] * n,
-        [policy.version] * n,
-        list(probability),
-        list(map(_DECISION, verdicts)),
-        list(map(_REASON_CODES, verdicts)),
+        [family.name] * m,
+        [versions[k] for k in out] if errors else list(versions),
+        [family.feature_version] * m,
+        [policy.version] * m,
+        cast(list[float | None], p_list),
+        list(map(_DECISION, every)),
+        list(map(_REASON_CODES, every)),
         list(map(_SERVED_FROM.__getitem__, sources)),
         list(age),
         list(degraded),
-        [decided_at] * n,
+        [decided_at] * m,
         list(map(_CALLER, requests)),
-        list(group.fingerprints),
+        [group.fingerprints[k] for k in out] if errors else list(group.fingerprints),
     )
-    rows = list(range(n))
     cached = [s in _FROM_CACHE for s in sources]
-    explanations = explain_rows(group.family, scores.occluded, rows, probability, explain_top_k)
-    return Decided(group, scores, rows, columns, spread, cached, [family.calibration_method] * n, explanations, {}, {})
+    explanations = explain_rows(family, scores.occluded, out, p_list, explain_top_k)
+    return Decided(group, scores, out, columns, s_list, cached, methods, explanations, without_model, errors)
 
 
-def _verdict(policy: DecisionPolicy, verdict: int, stale: bool, guard_codes: tuple[str, ...]) -> Verdict:
-    """(decision, reason codes) of a verdict code ``band * 3 + route`` (see ``DecisionPolicy.decide_many``)."""
-    found = policy.verdict(verdict // 3, verdict % 3)
-    return found.decision, (*found.reason_codes, *((STALE_REASON,) if stale else ()), *guard_codes)
+def _mean_and_spread(probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``[n_members, n] float64`` calibrated probabilities: the members' mean and spread (max − min)."""
+    n = probs.shape[1]
+    if len(probs) == 1:
+        return probs[0], np.zeros(n)
+    spread = probs.max(axis=0) - probs.min(axis=0)
+    if len(probs) < 8:
+        total = probs[0].copy()
+        for member in probs[1:]:
+            total += member
+        return total / len(probs), spread
+    # ndarray.mean sums eight or more members pairwise: per row, as deciding one row alone does
+    return np.array([probs[:, k].mean() for k in range(n)]), spread
 
 
 REPLAY_TOLERANCE = 1e-6  # probability units: one model's output for one row, in calls of other sizes
