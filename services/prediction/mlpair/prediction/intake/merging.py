@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from mlpair.prediction import metrics
 from mlpair.prediction.intake import priority
 from mlpair.prediction.outcomes import Outcome, Outcomes, PredictInput
+from mlpair.prediction.scoring.coalescer import settle
 
 
 class MergedCall:
@@ -252,16 +253,8 @@ class PredictMerger:
             self._send(queue)
 
     async def _decide(self, batch: list[MergedCall]) -> None:
-        try:
-            outcomes = await self._run([c.request for c in batch], batch if len(batch) > 1 else None)
-        except asyncio.CancelledError:
-            for call in batch:
-                call.future.cancel()
-            raise
-        except Exception as exc:  # noqa: BLE001  (every caller of the batch gets it)
-            for call in batch:
-                if not call.future.done():
-                    call.future.set_exception(exc)
+        run = self._run([c.request for c in batch], batch if len(batch) > 1 else None)
+        if (outcomes := await settle(run, (c.future for c in batch))) is None:
             return
         for i, call in enumerate(batch):
             if not call.future.done():  # done: the caller left

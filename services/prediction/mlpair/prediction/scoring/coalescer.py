@@ -43,9 +43,9 @@ import asyncio
 import contextvars
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,24 @@ from mlpair.prediction import metrics
 from mlpair.prediction.errors import InferenceTimeout
 from mlpair.prediction.intake import priority
 from mlpair.prediction.scoring.resilience import ResilientCaller
+
+T = TypeVar("T")
+
+
+async def settle(work: Awaitable[T], futures: Iterable[asyncio.Future]) -> T | None:
+    """``work``'s result for the callers waiting on ``futures``; when it fails, None, and each future not
+    done yet (its caller still waits) gets the exception; when it is cancelled, so is every future."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        for future in futures:
+            future.cancel()
+        raise
+    except Exception as exc:  # noqa: BLE001  (handed to every caller)
+        for future in futures:
+            if not future.done():
+                future.set_exception(exc)
+        return None
 
 
 class Infers(Protocol):
@@ -224,20 +242,14 @@ class InferenceCoalescer:
         callers = [p.caller for p in parts]
         started = time.perf_counter()
         try:
-            logits, version = await self.caller.call(
+            call = self.caller.call(
                 lambda timeout: self.client.infer(target, rows, timeout_s=timeout, callers=callers, priority=level),
                 deadline,
                 model=model_name,
             )
-        except asyncio.CancelledError:
-            for part in parts:
-                part.future.cancel()
-            raise
-        except Exception as exc:  # noqa: BLE001  (handed to every caller of the call)
-            for part in parts:
-                if not part.future.done():
-                    part.future.set_exception(exc)
-        else:
+            if (called := await settle(call, (p.future for p in parts))) is None:
+                return
+            logits, version = called
             metrics.labelled(metrics.INFERENCE_DURATION, model_name).observe(time.perf_counter() - started)
             metrics.labelled(metrics.COALESCED_CALL_ROWS, model_name).observe(len(rows))
             metrics.labelled(metrics.COALESCED_CALL_FLIGHTS, model_name).observe(len(parts))
