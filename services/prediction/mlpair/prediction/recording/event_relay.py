@@ -26,7 +26,9 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
+
+from mlpair.observability.metrics import gauge
 
 if TYPE_CHECKING:
     from mlpair.prediction.recording.events import JetStreamSink
@@ -42,15 +44,10 @@ EVENTS_DUPLICATE = Counter(
 EVENT_FAILURES = Counter(
     "prediction_event_publish_failures_total", "Failed claims of the event relay (broker or ledger unreachable)."
 )
-EVENT_BACKLOG = Gauge(
-    "prediction_event_backlog",
-    "Recorded decisions whose event the broker has not acknowledged yet.",
-    multiprocess_mode="livemax",
-)
-EVENT_LAG = Gauge(
+EVENT_BACKLOG = gauge("prediction_event_backlog", "Recorded decisions whose event the broker has not acknowledged yet.")
+EVENT_LAG = gauge(
     "prediction_event_lag_seconds",
     "Age of the oldest recorded decision whose event waits to be published (0 when none).",
-    multiprocess_mode="livemax",
 )
 BACKLOG_EVERY_S = 1.0  # how often the relay refreshes the two gauges
 
