@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from mlpair.prediction.recording.event_relay import EventRelay
 from mlpair.prediction.recording.ledger import DecisionLedger, open_ledger
 from mlpair.prediction.recording.migrate import CRM_BRANCH, SchemaNotReady, check_columns
-from mlpair.prediction.recording.relay import LedgerRelay
+from mlpair.prediction.recording.relay import LedgerRelay, all_delivered
 from mlpair.prediction.recording.store import CrmStore
 
 if TYPE_CHECKING:
@@ -174,11 +174,8 @@ class DecisionRecorder:
             return await self.relay.wait_delivered(timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                if (await self.ledger.backlog())[0] == 0:
-                    return True
-            except Exception:  # noqa: BLE001  (the ledger is unreachable: keep waiting)
-                logger.debug("ledger backlog unavailable", exc_info=True)
+            if await all_delivered(self.ledger):
+                return True
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(min(BACKLOG_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -34,6 +34,15 @@ from mlpair.prediction.recording.store import CrmStore
 logger = logging.getLogger(__name__)
 
 
+async def all_delivered(ledger: DecisionLedger) -> bool:
+    """Whether nothing on record in ``ledger`` waits for delivery; False while the ledger does not answer."""
+    try:
+        return (await ledger.backlog())[0] == 0
+    except Exception:  # noqa: BLE001  (the ledger is unreachable: keep waiting)
+        logger.debug("ledger backlog unavailable", exc_info=True)
+        return False
+
+
 class LedgerRelay:
     """Delivers the ledger to the CRM database in the background.
 
@@ -120,20 +129,14 @@ class LedgerRelay:
         while time.monotonic() < deadline:
             self._idle.clear()
             self.ledger.committed.set()  # wake the relay for a fresh look
-            try:
-                if (await self.ledger.backlog())[0] == 0:
-                    return True
-            except Exception:  # noqa: BLE001  (the ledger is unreachable: keep waiting)
-                logger.debug("ledger backlog unavailable", exc_info=True)
+            if await all_delivered(self.ledger):
+                return True
             try:
                 async with asyncio.timeout(max(0.0, min(self.poll_s, deadline - time.monotonic()))):
                     await self._idle.wait()
             except TimeoutError:
                 pass
-        try:
-            return (await self.ledger.backlog())[0] == 0
-        except Exception:  # noqa: BLE001
-            return False
+        return await all_delivered(self.ledger)
 
     async def _run(self) -> None:
         failures = 0
