@@ -1,8 +1,8 @@
-"""Columnar decisions are the row-wise ones: assembly, guards, policy and drift signals, bit for bit.
+"""Columnar decisions are the row-wise ones: assembly, guards, decisions and drift signals, bit for bit.
 
-The pipeline assembles and decides a batch column by column (``columns``, ``policy.decide_many``,
-``signals.observe_many``); these tests compare each with the row-wise code training and single
-requests use, on every real holdout record and on generated records full of what guards handle.
+The pipeline assembles and decides a batch column by column (``columns``, ``deciding.decisions.decide``,
+``signals.observe_many``); these tests compare each with the row-wise code training uses and with each
+row decided alone, on every real holdout record and on generated records full of what guards handle.
 """
 
 from __future__ import annotations
@@ -112,7 +112,10 @@ def test_fingerprints_of_a_batch_are_each_request_s_own(credit_holdout):
 
 
 @pytest.mark.parametrize("model", ["credit-risk", "churn"])
-def test_decide_many_gives_decide_s_verdict_for_every_row(model):
+def test_the_policy_routes_every_row_by_its_rules_in_their_order(model):
+    """``DecisionPolicy.decide`` against the policy file's rules written out here: the band whose
+    lower bound the probability meets, insufficient data first, then ensemble disagreement; a value
+    not finite or outside [0, 1] is refused."""
     policy = DecisionPolicy.from_toml(CONFIG_DIR / model / "policy.toml")
     edges = [b.min_probability for b in policy.bands]
     rng = np.random.default_rng(3)
@@ -120,14 +123,25 @@ def test_decide_many_gives_decide_s_verdict_for_every_row(model):
                         [0.0, 1.0, math.nan, -0.1, 1.5]])
     spread = np.concatenate([rng.uniform(0, 0.5, len(p) - 2), [math.nan, 2.0]])
     fraction = rng.choice([0.0, 0.1, 0.3, 0.5, 0.9, 1.0], len(p))
-    band, route, valid = policy.decide_many(p, spread, fraction)
-    for k in range(len(p)):
-        try:
-            expected = policy.decide(float(p[k]), float(spread[k]), float(fraction[k]))
-        except ValueError:
-            assert not valid[k]
+    scarce, uncertainty = policy.insufficient_data, policy.uncertainty
+    routed = set()
+    for pk, sk, fk in zip(p.tolist(), spread.tolist(), fraction.tolist()):
+        if not (0 <= pk <= 1 and 0 <= sk <= 1 and 0 <= fk <= 1):
+            with pytest.raises(ValueError):
+                policy.decide(pk, sk, fk)
             continue
-        assert valid[k] and policy.verdict(int(band[k]), int(route[k])) == expected
+        band = [b for b in policy.bands if (pk >= b.min_probability if policy.comparison == ">=" else
+                                            pk > b.min_probability or b.min_probability == 0.0)][-1]
+        if scarce is not None and fk > scarce.max_defaulted_fraction:
+            expected = (scarce.decision, (scarce.reason_code, band.reason_code))
+        elif uncertainty is not None and sk > uncertainty.max_spread:
+            expected = (uncertainty.decision, (uncertainty.reason_code, band.reason_code))
+        else:
+            expected = (band.decision, (band.reason_code,))
+        verdict = policy.decide(pk, sk, fk)
+        assert (verdict.decision, verdict.reason_codes, verdict.band) == (*expected, band)
+        routed.add(expected[0])
+    assert len(routed) >= 3  # several bands and at least one override were met
 
 
 def _samples(model: str) -> dict:

@@ -6,8 +6,8 @@ For each row of a :class:`~mlpair.prediction.preparing.batch.Group`, from its
 * a row with usable model output: the mean of the members' calibrated probabilities (summed in
   member order, as ``ndarray.mean`` does for fewer than eight members), the ensemble spread
   (max − min), the fraction of schema features that took their default, then the policy's band
-  and overrides (:meth:`DecisionPolicy.decide_many <mlpair.prediction.deciding.policy.DecisionPolicy.decide_many>`,
-  then the missing-data rule on the attributes that took their default);
+  and overrides (:meth:`DecisionPolicy.verdict_code <mlpair.prediction.deciding.policy.DecisionPolicy.verdict_code>`,
+  then the missing-data rule on the attributes that took their default), as ``DecisionPolicy.decide`` gives them;
   reason codes = the verdict's, ``STALE_CACHE_RESULT`` when served stale, then each guard's once;
 * no model output (inference unavailable, no stale entry): the policy's fallback decision with
   ``INFERENCE_UNAVAILABLE`` and no probability;
@@ -28,7 +28,7 @@ import numpy as np
 
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.explain import Explanation, explain_rows
-from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA
+from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA, ROUTE_UNCERTAIN
 from mlpair.prediction.preparing.batch import Group
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Scored, Source
@@ -86,38 +86,33 @@ def decide(
     the mean and spread are the same float64 operations in the same order per row (members summed in
     order and divided by their number, ``ndarray.mean`` from eight members on)."""
     family, policy, n = group.family, group.family.policy, len(group)
-    probability, spread = _mean_and_spread(scores.probabilities)
+    probability, spread = (a.tolist() for a in _mean_and_spread(scores.probabilities))
     errors: dict[int, Exception] = dict(scores.errors)
-    usable = scores.usable.copy()
-    if errors:
-        usable[list(errors)] = False
-    defaulted = np.array([g.defaulted for g in group.guards], dtype=np.float64) / family.n_schema_features
-    rows = np.flatnonzero(usable)
-    band, route, valid = policy.decide_many(probability[rows], spread[rows], defaulted[rows])
-    verdicts = np.full(n, -1, dtype=np.int64)
-    verdicts[rows] = np.where(valid, band * 3 + route, -2)
-    for k in np.flatnonzero(verdicts == -2).tolist():
-        errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
-    if family.is_ensemble and len(rows):
-        hist = metrics.ENSEMBLE_SPREAD.labels(family.name)
-        for value in spread[rows[valid]].tolist():
-            hist.observe(value)
-        if n_uncertain := int(np.count_nonzero(route[valid] == 2)):
-            metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
     # per decided row: (decision, reason codes) = the verdict's, STALE_CACHE_RESULT when served stale,
     # each guard's once; a missing-data rule the row breaks makes its decision (insufficient data wins)
-    out = [k for k in range(n) if k not in errors] if errors else list(range(n))
-    pick = out if errors else slice(None)  # the decided rows of the group's columns
-    served = cast(list[Scored], [scores.served[k] for k in out] if errors else list(scores.served))  # all scored
-    found: list[Verdict | None] = []
+    out: list[int] = []  # the decided rows
+    found: list[Verdict | None] = []  # None: no usable model output
+    code_of, n_schema, usable = policy.verdict_code, family.n_schema_features, scores.usable.tolist()
     stale_cache, get, guards_of = Source.STALE_CACHE, memo.get, group.guards
     requiring = policy.missing_data.decision if policy.missing_data is not None else None
-    for k, verdict, s in zip(out, verdicts[pick].tolist(), served):
-        if verdict < 0:
+    spreads: list[float] | None = [] if family.is_ensemble else None  # the ensemble spreads decided on
+    n_uncertain = 0
+    for k, (s, guards) in enumerate(zip(scores.served, guards_of)):
+        if k in errors:
+            continue
+        if not usable[k]:
+            out.append(k)
             found.append(None)
             continue
-        guards = guards_of[k]
-        key = (verdict, s.source is stale_cache, guards.reason_codes)
+        try:
+            verdict = code_of(probability[k], spread[k], guards.defaulted / n_schema)
+        except ValueError:
+            errors[k] = as_item_error(ValueError("the decision policy refused a calibrated probability"))
+            continue
+        if spreads is not None:
+            spreads.append(spread[k])
+            n_uncertain += verdict % 3 == ROUTE_UNCERTAIN
+        key = (verdict, s.source is stale_cache, guards.reason_codes)  # type: ignore[union-attr]  # usable: scored
         hit = get(key)
         if hit is None:
             decision = policy.verdict(verdict // 3, verdict % 3)
@@ -132,9 +127,18 @@ def decide(
         ):
             stale = (STALE_REASON,) if key[1] else ()
             hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
+        out.append(k)
         found.append(hit)
+    if spreads:
+        hist = metrics.ENSEMBLE_SPREAD.labels(family.name)
+        for value in spreads:
+            hist.observe(value)
+    if n_uncertain:
+        metrics.UNCERTAIN_DECISIONS.labels(family.name).inc(n_uncertain)
+    every_row = len(out) == n
+    served = cast(list[Scored], list(scores.served) if every_row else [scores.served[k] for k in out])  # scored
     # rows without model output: the policy's fallback decision, recorded as served by the fallback
-    p_list, s_list = probability[pick].tolist(), spread[pick].tolist()
+    p_list, s_list = (probability, spread) if every_row else ([probability[k] for k in out], [spread[k] for k in out])
     methods = [family.calibration_method] * len(out)
     without_model: dict[int, str] = {}
     if None in found:
@@ -148,7 +152,7 @@ def decide(
                 p_list[j], s_list[j], methods[j] = None, 0.0, ""
     every = cast(list[Verdict], found)  # each row has its verdict now
     _, _, sources, age, degraded = zip(*served) if served else ((),) * 5
-    requests = [group.requests[k] for k in out] if errors else group.requests
+    requests = group.requests if every_row else [group.requests[k] for k in out]
     request_ids = list(map(_REQUEST_ID, requests))  # map with a getter: no Python frame per row
     m, versions = len(requests), scores.model_versions
     columns = DecisionColumns(
@@ -156,7 +160,7 @@ def decide(
         decision_ids_for(request_ids),
         list(map(_ENTITY_ID, requests)),
         [family.name] * m,
-        [versions[k] for k in out] if errors else list(versions),
+        list(versions) if every_row else [versions[k] for k in out],
         [family.feature_version] * m,
         [policy.version] * m,
         cast(list[float | None], p_list),
@@ -167,7 +171,7 @@ def decide(
         list(degraded),
         [decided_at] * m,
         list(map(_CALLER, requests)),
-        [group.fingerprints[k] for k in out] if errors else list(group.fingerprints),
+        list(group.fingerprints) if every_row else [group.fingerprints[k] for k in out],
     )
     cached = [s in _FROM_CACHE for s in sources]
     explanations = explain_rows(family, scores.occluded, out, p_list, explain_top_k)

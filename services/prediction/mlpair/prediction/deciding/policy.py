@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from mlpair.contracts.schema import reason_prefix
@@ -25,7 +24,7 @@ Label = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,31}$")]
 Code = Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,63}$")]
 
 
-# How decide_many routed a row: by its band, or overridden by scarce data or ensemble disagreement.
+# How a row is routed: by its band, or overridden by scarce data or ensemble disagreement.
 ROUTE_BAND, ROUTE_INSUFFICIENT_DATA, ROUTE_UNCERTAIN = 0, 1, 2
 
 
@@ -181,12 +180,7 @@ class DecisionPolicy(_Frozen):
         Raises:
             ValueError: the probability is not finite or outside [0, 1] (never decided on).
         """
-        if not 0.0 <= probability <= 1.0:  # also false for NaN
-            raise ValueError(f"probability {probability!r} is outside [0, 1]")
-        starts = [b.min_probability for b in self.bands]
-        if self.comparison == ">=":
-            return self.bands[bisect.bisect_right(starts, probability) - 1]
-        return self.bands[max(bisect.bisect_left(starts, probability) - 1, 0)]
+        return self.bands[self.verdict_code(probability) // 3]
 
     def decide(
         self, probability: float, spread: float = 0.0, defaulted_fraction: float = 0.0, missing: Collection[str] = ()
@@ -199,20 +193,12 @@ class DecisionPolicy(_Frozen):
         Raises:
             ValueError: probability, spread or fraction not finite or outside [0, 1].
         """
-        band = self.band(probability)
-        if not 0.0 <= spread <= 1.0:
-            raise ValueError(f"spread {spread!r} is outside [0, 1]")
-        if not 0.0 <= defaulted_fraction <= 1.0:
-            raise ValueError(f"defaulted fraction {defaulted_fraction!r} is outside [0, 1]")
-        scarce = self.insufficient_data
-        if scarce is not None and defaulted_fraction > scarce.max_defaulted_fraction:
-            return Decision(scarce.decision, (scarce.reason_code, band.reason_code), band)
-        uncertain = self.uncertainty is not None and spread > self.uncertainty.max_spread
-        if (codes := self.missing_codes(missing)) and self.missing_data is not None:
-            return Decision(self.missing_data.decision, (*codes, band.reason_code), band, uncertain)
-        if self.uncertainty is not None and uncertain:
-            return Decision(self.uncertainty.decision, (self.uncertainty.reason_code, band.reason_code), band, True)
-        return Decision(band.decision, (band.reason_code,), band)
+        code = self.verdict_code(probability, spread, defaulted_fraction)
+        found = self.verdict(code // 3, code % 3)
+        if code % 3 != ROUTE_INSUFFICIENT_DATA and (codes := self.missing_codes(missing)):
+            assert self.missing_data is not None  # missing_codes() is empty without a rule
+            return Decision(self.missing_data.decision, (*codes, found.band.reason_code), found.band, found.uncertain)
+        return found
 
     def missing_codes(self, missing: Collection[str]) -> tuple[str, ...]:
         """The reason codes of the ``review`` missing-data rule ``missing`` breaks; empty when it
@@ -222,52 +208,42 @@ class DecisionPolicy(_Frozen):
             return ()
         return rule.reason_codes(missing)
 
-    # -- many rows at once (the same verdicts as decide(), row by row) --------------------------
+    def verdict_code(self, probability: float, spread: float = 0.0, defaulted_fraction: float = 0.0) -> int:
+        """The verdict before any missing-data rule, as one small integer ``band * 3 + route``: the
+        band's index and the route (:data:`ROUTE_BAND`; :data:`ROUTE_INSUFFICIENT_DATA`, which wins;
+        :data:`ROUTE_UNCERTAIN`). :meth:`verdict` turns it into the :class:`Decision`; a group's rows
+        share a few codes, so deciding many rows looks each code's decision up once.
 
-    def decide_many(
-        self, probability: np.ndarray, spread: np.ndarray, defaulted_fraction: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`decide` for many rows: ``[n] float64`` probabilities, spreads and defaulted fractions.
-
-        Returns:
-            Band index ``[n] int``, route ``[n] int`` (:data:`ROUTE_BAND`, :data:`ROUTE_INSUFFICIENT_DATA`,
-            :data:`ROUTE_UNCERTAIN`) and validity ``[n] bool``: False where :meth:`decide` would raise
-            (a value not finite or outside [0, 1]); :meth:`verdict` turns a (band, route) into the
-            :class:`Decision`. The band is found as :meth:`band` finds it (``searchsorted`` is
-            ``bisect`` over the same float64 values).
+        Raises:
+            ValueError: probability, spread or fraction not finite or outside [0, 1].
         """
-        p = np.asarray(probability, dtype=np.float64)
-        valid = (
-            (p >= 0.0)
-            & (p <= 1.0)
-            & (spread >= 0.0)
-            & (spread <= 1.0)
-            & (defaulted_fraction >= 0.0)
-            & (defaulted_fraction <= 1.0)
-        )
-        starts = self._starts
+        if not 0.0 <= probability <= 1.0:  # also false for NaN
+            raise ValueError(f"probability {probability!r} is outside [0, 1]")
+        if not 0.0 <= spread <= 1.0:
+            raise ValueError(f"spread {spread!r} is outside [0, 1]")
+        if not 0.0 <= defaulted_fraction <= 1.0:
+            raise ValueError(f"defaulted fraction {defaulted_fraction!r} is outside [0, 1]")
         if self.comparison == ">=":
-            band = np.searchsorted(starts, p, side="right") - 1
+            band = bisect.bisect_right(self._starts, probability) - 1
         else:
-            band = np.maximum(np.searchsorted(starts, p, side="left") - 1, 0)
-        band = np.clip(band, 0, len(self.bands) - 1)  # only rows refused as invalid fall outside
-        route = np.zeros(len(p), dtype=np.int64)
-        if self.uncertainty is not None:
-            route[spread > self.uncertainty.max_spread] = ROUTE_UNCERTAIN
-        if self.insufficient_data is not None:  # checked first by decide(): it wins
-            route[defaulted_fraction > self.insufficient_data.max_defaulted_fraction] = ROUTE_INSUFFICIENT_DATA
-        return band, route, valid
+            band = max(bisect.bisect_left(self._starts, probability) - 1, 0)
+        scarce, uncertainty = self.insufficient_data, self.uncertainty
+        if scarce is not None and defaulted_fraction > scarce.max_defaulted_fraction:
+            return band * 3 + ROUTE_INSUFFICIENT_DATA
+        if uncertainty is not None and spread > uncertainty.max_spread:
+            return band * 3 + ROUTE_UNCERTAIN
+        return band * 3 + ROUTE_BAND
 
     def verdict(self, band: int, route: int) -> Decision:
-        """The :class:`Decision` of a band index and route from :meth:`decide_many`."""
+        """The :class:`Decision` of a band index and route (:meth:`verdict_code`)."""
         found = self._verdicts[band][route]
-        if found is None:  # decide_many routes a row only to a rule the policy has
+        if found is None:  # verdict_code routes a row only to a rule the policy has
             raise ValueError(f"policy {self.version!r} has no rule for route {route}")
         return found
 
     @functools.cached_property
-    def _starts(self) -> np.ndarray:
-        return np.array([b.min_probability for b in self.bands], dtype=np.float64)
+    def _starts(self) -> list[float]:
+        return [b.min_probability for b in self.bands]
 
     @functools.cached_property
     def _verdicts(self) -> tuple[tuple[Decision | None, ...], ...]:
