@@ -197,3 +197,32 @@ def test_the_cli_names_an_unreachable_broker_in_one_line():
     assert done.returncode == 1
     assert len(done.stderr.strip().splitlines()) == 1
     assert "EventSinkUnavailable" in done.stderr
+
+
+async def test_the_event_relay_keeps_retrying_through_an_outage_of_any_length(monkeypatch):
+    """A broker down for thousands of claims in a row: each wait stays within the backoff's maximum
+    (2^failures uncapped overflows a float after about 1,024 failures and would end the relay)."""
+    from mlpair.prediction.recording.event_relay import EventRelay
+
+    class DownSink:
+        async def open(self):
+            raise OSError("broker down")
+
+        async def close(self):
+            pass
+
+    class Ledger:
+        async def event_backlog(self):
+            return 0, 0.0
+
+    relay = EventRelay(Ledger(), DownSink(), backoff_base_s=0.05, backoff_max_s=5.0)
+    waits: list[float] = []
+
+    async def sleep(seconds):
+        waits.append(seconds)
+        if len(waits) == 3000:
+            relay._stopping.set()
+
+    monkeypatch.setattr(relay, "_sleep", sleep)
+    await asyncio.wait_for(relay._run(), 30)
+    assert len(waits) == 3000 and all(0.0 <= w <= 5.0 for w in waits)

@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
+from mlpair.background import backoff_s
 from mlpair.observability.metrics import gauge
 
 if TYPE_CHECKING:
@@ -138,8 +138,7 @@ class EventRelay:
                 failures += 1
                 if failures == 1:
                     logger.warning("decision events not published (%s); retrying", type(exc).__name__)
-                delay = random.uniform(0, min(self.backoff_max_s, self.backoff_base_s * 2**failures))
-                await self._sleep(delay)
+                await self._sleep(backoff_s(failures, self.backoff_base_s, self.backoff_max_s))
                 continue
             if failures:
                 logger.info("decision events flowing again after %d failed attempt(s)", failures)

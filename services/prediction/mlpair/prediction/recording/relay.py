@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from mlpair.background import stop_task
+from mlpair.background import backoff_s, stop_task
 from mlpair.prediction import metrics
 from mlpair.prediction.recording.codecs import CRM_COLUMNS, CrmRow
 from mlpair.prediction.recording.ledger import DecisionLedger, Requeue
@@ -95,10 +94,8 @@ class LedgerRelay:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-relay")
 
     def backoff_s(self, failures: int) -> float:
-        """Seconds to wait after ``failures`` consecutive failed attempts: full jitter,
-        ``uniform(0, min(max, base·2^failures))``; the exponent is capped so an outage of any
-        length never overflows."""
-        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** min(failures, 30)))
+        """Seconds to wait after ``failures`` consecutive failed attempts (:func:`mlpair.background.backoff_s`)."""
+        return backoff_s(failures, self.backoff_base_s, self.backoff_max_s)
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Delivers what it can within ``drain_timeout_s``, then stops; the rest waits in the ledger."""
