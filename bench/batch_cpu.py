@@ -225,6 +225,8 @@ STAGES = (
     ("assembly and guards", "mlpair.contracts.assembly", "FeatureAssembler.assemble"),
     ("assembly and guards", "mlpair.prediction.preparing.columns", "ColumnAssembler.assemble"),
     ("assembly and guards", "mlpair.prediction.preparing.columns", "ColumnAssembler.guards"),
+    ("assembly and guards", "mlpair.contracts.columns", "ColumnAssembler.assemble"),
+    ("assembly and guards", "mlpair.contracts.columns", "ColumnAssembler.guards"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "request_fingerprint"),
     ("ids and fingerprints", "mlpair.prediction.preparing.batch", "request_fingerprint"),
     ("ids and fingerprints", "mlpair.prediction.pipeline", "Predictor._prepare"),

@@ -1,7 +1,9 @@
 """Feature assembly: raw business attributes → guarded ``[n_features] float32`` vectors.
 
-The one code path used by training (on the training split) and by PredictionService (on
-live requests), so there is no mlpair/training/serving skew. Each value is first converted by its
+The rules used by training (on the training split) and by PredictionService (on live requests),
+so there is no training/serving skew: :meth:`FeatureAssembler.assemble` is one record's path, and
+many records go through :class:`~mlpair.contracts.columns.ColumnAssembler` (the same rules a
+column at a time, this path inside it for a few records). Each value is first converted by its
 feature's explicit rules (:mod:`mlpair.contracts.conversion`); a value no rule converts is a
 :class:`ConversionError` and the whole request is refused with every such attribute named at
 once. Guards never raise for a convertible value: missing and sentinel values take the schema
@@ -148,15 +150,18 @@ class FeatureAssembler:
         return AssembledRow(np.array(out, dtype=np.float32), tuple(guards), unknown_attrs)
 
     def assemble_many(self, rows: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        """Assembles raw records into ``[len(rows), n_features] float32`` (training's path).
+        """Assembles raw records into ``[len(rows), n_features] float32`` (training's path) through
+        the assembler PredictionService uses for every call (:class:`~mlpair.contracts.columns.ColumnAssembler`).
 
         Raises:
             ConversionError: for the first row with an unconvertible value.
         """
-        matrix = np.zeros((len(rows), self.n_features), dtype=np.float32)
-        for k, row in enumerate(rows):
-            matrix[k] = self.assemble(row).vector
-        return matrix
+        from mlpair.contracts.columns import ColumnAssembler  # it builds on this class
+
+        assembled = ColumnAssembler(self).assemble(rows)
+        if assembled.problems:
+            raise ConversionError(assembled.problems[min(assembled.problems)])
+        return assembled.matrix
 
     def occlusions(self, vector: np.ndarray) -> np.ndarray:
         """One copy of ``vector`` per schema feature with that feature set to its schema default.

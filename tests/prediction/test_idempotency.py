@@ -155,7 +155,7 @@ def test_fingerprints_of_rows_with_different_attributes_are_each_rows_own(record
     """Rows lacking some attributes or holding others, fingerprinted from columns the caller read
     (names sorted: a missing name written as missing, a row with another name row by row) or
     from the first row's names: each row's own."""
-    from mlpair.prediction.preparing.columns import attribute_columns
+    from mlpair.contracts.columns import attribute_columns
 
     entity_ids = [f"e{k}" for k in range(len(records))]
     expected = [request_fingerprint("m", e, r) for e, r in zip(entity_ids, records)]

@@ -214,6 +214,19 @@ def test_each_stage_has_one_implementation_and_its_results_are_values():
     assert constructed("GroupScores") == {"mlpair.prediction.scoring.scorer"}
     assert _frozen("mlpair.prediction.preparing.batch", "Group")
     assert _frozen("mlpair.prediction.scoring.scorer", "GroupScores")
+    assert constructed("Decided") == {"mlpair.prediction.deciding.decisions"}  # deciding.decisions.decide alone
+    assert _frozen("mlpair.prediction.deciding.decisions", "Decided")
+    assemblers = {  # one assembler, shared by training and serving: its row path is its small-batch shortcut
+        (module, n.name)
+        for module in product_modules()
+        for n in tree(module).body
+        if isinstance(n, ast.ClassDef) and n.name.endswith("Assembler")
+    }
+    assert assemblers == {("mlpair.contracts.assembly", "FeatureAssembler"), ("mlpair.contracts.columns", "ColumnAssembler")}
+    (policy,) = [n for n in tree("mlpair.prediction.deciding.policy").body
+                 if isinstance(n, ast.ClassDef) and n.name == "DecisionPolicy"]
+    methods = {n.name for n in policy.body if isinstance(n, ast.FunctionDef)}
+    assert "decide_many" not in methods and {"decide", "verdict_code", "verdict"} <= methods  # one routing rule
     writers = {  # a response's decision fields are written in one place
         module
         for module in product_modules()

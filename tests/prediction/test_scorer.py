@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from mlpair.contracts.assembly import FeatureAssembler
+from mlpair.contracts.columns import ColumnAssembler
 from mlpair.prediction.errors import InferenceFailed
 from mlpair.prediction.intake.merging import MergedCall
 from mlpair.prediction.outcomes import PredictInput
 from mlpair.prediction.preparing.batch import Group
-from mlpair.prediction.preparing.columns import ColumnAssembler
 from mlpair.prediction.scoring.calibration import Calibrator
 from mlpair.prediction.scoring.rows import ScoredRows, Source
 from mlpair.prediction.scoring.scorer import score_groups

@@ -9,6 +9,7 @@ The package holds every helper more than one test module uses; a test module imp
 * :mod:`tests.support.source` — the product's modules and import graph, read with ``ast``.
 * :mod:`tests.support.inference` — InferenceService requests and replies, slow and broken models.
 * :mod:`tests.support.ledger` — decisions, opened ledgers, CRM rows and the relay as a process.
+* :mod:`tests.support.records` — what a client may send for an attribute (hypothesis strategies).
 * :mod:`tests.support.e2e` — Predict requests, expected probabilities, trace headers, worker listeners.
 * :mod:`tests.support.events` — a NATS server with JetStream of the test's own, stopped and restarted by PID.
 

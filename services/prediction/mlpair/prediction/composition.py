@@ -3,7 +3,7 @@ and closed.
 
 A call goes, in order: the servicer (:mod:`~mlpair.prediction.intake.servicer`: Predict, BatchPredict,
 PredictColumns) → the :class:`~mlpair.prediction.pipeline.Predictor`, which prepares the rows
-(:mod:`~mlpair.prediction.preparing.batch`, :mod:`~mlpair.prediction.preparing.columns`,
+(:mod:`~mlpair.prediction.preparing.batch`, :mod:`~mlpair.contracts.columns`,
 :mod:`~mlpair.prediction.preparing.idempotency`), scores them (:mod:`~mlpair.prediction.scoring`: cache →
 coalescer → resilience → the InferenceService client, then calibration), decides
 (:mod:`~mlpair.prediction.deciding.decisions`: policy, reason codes, explanations) and records

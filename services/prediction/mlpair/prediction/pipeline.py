@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mlpair import logs
+from mlpair.contracts.columns import ColumnAssembler
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.decisions import (
@@ -55,7 +56,6 @@ from mlpair.prediction.monitoring.drift import DriftMonitors
 from mlpair.prediction.monitoring.shadow import ServedRow, ShadowComparison
 from mlpair.prediction.outcomes import Outcomes, PredictInput, PredictionResult, RequestWarning, Slot
 from mlpair.prediction.preparing.batch import Group, prepare, rows_of
-from mlpair.prediction.preparing.columns import ColumnAssembler
 from mlpair.prediction.records import DecisionColumns
 from mlpair.prediction.scoring.cache import CachedInference
 from mlpair.prediction.scoring.coalescer import Infers

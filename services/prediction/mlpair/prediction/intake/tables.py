@@ -4,7 +4,7 @@ A request chunk (:func:`read_chunk`) is read column by column, never row by row:
 become two lists of strings, each attribute column of the family's schema one list of Python
 values — numbers as float64 (integer and decimal columns are widened, as every number on the
 wire is a double), strings, flags, None for a null — which the columnar assembler
-(:mod:`~mlpair.prediction.preparing.columns`) and the fingerprints (:mod:`~mlpair.prediction.preparing.idempotency`)
+(:mod:`~mlpair.contracts.columns`) and the fingerprints (:mod:`~mlpair.prediction.preparing.idempotency`)
 read as they read a BatchPredict's. A row is therefore decided, fingerprinted and recorded exactly
 as the same values sent as a Predict would be: a table's request id replays a BatchPredict's
 decision and the other way round.
@@ -33,13 +33,13 @@ import pyarrow.compute as pc
 
 from mlpair.api.prediction.v1 import prediction_service_pb2 as pb
 from mlpair.client.tables import DECISION_SCHEMA, ID_COLUMNS, from_ipc, to_ipc
+from mlpair.contracts.columns import AttributeColumns
 from mlpair.errors import ServiceError
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import InvalidRequest
 from mlpair.prediction.intake import converters
 from mlpair.prediction.intake.checks import MAX_ECHO
 from mlpair.prediction.outcomes import PredictionResult
-from mlpair.prediction.preparing.columns import AttributeColumns
 from mlpair.rpc.status import MalformedRequest
 from mlpair.wire import Refused
 

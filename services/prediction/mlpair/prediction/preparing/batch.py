@@ -2,7 +2,7 @@
 
 :func:`prepare` takes the items of one model family that intake admitted
 (:func:`~mlpair.prediction.intake.checks.admit`), assembles their rows into one guarded matrix
-(:mod:`~mlpair.prediction.preparing.columns`), refuses the items whose attributes cannot be used
+(:mod:`~mlpair.contracts.columns`), refuses the items whose attributes cannot be used
 (values no conversion rule accepts, attributes the schema does not know when the service is
 strict, attributes the policy requires that are missing), names unknown attributes in warnings
 otherwise, and fingerprints each request (:mod:`~mlpair.prediction.preparing.idempotency`). A
@@ -21,17 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mlpair.contracts.assembly import ConversionError
+from mlpair.contracts.columns import ACTION_BITS, SMALL_BATCH, AttributeColumns, ColumnAssembler, RowGuards
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import InvalidRequest, MissingRequiredAttribute, PredictionError, UnknownAttribute
 from mlpair.prediction.families import ModelFamily
 from mlpair.prediction.intake.checks import MAX_ECHO
 from mlpair.prediction.outcomes import RequestWarning
-from mlpair.prediction.preparing.columns import (
-    SMALL_BATCH,
-    AttributeColumns,
-    ColumnAssembler,
-    RowGuards,
-)
 from mlpair.prediction.preparing.idempotency import request_fingerprints
 
 if TYPE_CHECKING:
@@ -106,7 +101,7 @@ def prepare(
     if not keep:
         return None
     guards = [every_guards[k] for k in keep] if refused else every_guards
-    assembler.count_guards(family.name, assembled.actions[keep] if refused else assembled.actions, guards)
+    count_guards(assembler, family.name, assembled.actions[keep] if refused else assembled.actions, guards)
     kept = [items[k] for k in keep] if refused else items
     if table is not None:  # every row's, refused ones too (rare), rather than the columns read again
         every = request_fingerprints(family.name, [r.entity_id for r in items], attributes, table, family.reading)
@@ -121,6 +116,27 @@ def prepare(
     vectors = assembled.matrix if not refused else assembled.matrix[keep]
     occlusions = {j: family.assembler.occlusions(vectors[j]) for j, r in enumerate(kept) if r.explain}
     return Group(family, [index[k] for k in keep], kept, vectors, guards, fingerprints, warnings, occlusions)
+
+
+def count_guards(assembler: ColumnAssembler, family: str, actions: np.ndarray, guards: list[RowGuards]) -> None:
+    """``prediction_feature_guards_total`` per feature and action, one per (row, feature, action)
+    of rows with guard bits ``actions`` ``[rows, n_schema_features] uint8`` and their ``guards``:
+    from each row's decoded events for a few rows, else a column of guard bits at a time."""
+    if len(guards) < SMALL_BATCH:
+        for g in guards:
+            for event in g.events:
+                metrics.labelled(metrics.FEATURE_GUARDS, family, event.feature, event.action).inc()
+        return
+    if not actions.any():
+        return
+    for k, feat in enumerate(assembler.features):
+        column = actions[:, k]
+        if not column.any():
+            continue
+        for action, bit in ACTION_BITS.items():
+            n = int(np.count_nonzero(column & bit))
+            if n:
+                metrics.labelled(metrics.FEATURE_GUARDS, family, feat.name, action).inc(n)
 
 
 def rows_of(table: AttributeColumns, index: list[int]) -> AttributeColumns:

@@ -20,9 +20,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mlpair.contracts.columns import AttributeColumns, attribute_columns
 from mlpair.contracts.conversion import ConversionProblem, missing_values, to_category, to_number
 from mlpair.contracts.schema import FeatureSchema
-from mlpair.prediction.preparing.columns import AttributeColumns, attribute_columns
 
 _CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _NUMBER_TYPES = frozenset({float, type(None)})
@@ -180,7 +180,7 @@ def request_fingerprints(
 
     Args:
         columns: ``records``' values column by column, names sorted
-            (:meth:`~mlpair.prediction.preparing.columns.ColumnAssembler.columns`), when the caller has read
+            (:meth:`~mlpair.contracts.columns.ColumnAssembler.columns`), when the caller has read
             them; else the names of the first record are read.
         reading: the family's :class:`SchemaReading` (:meth:`SchemaReading.columns` reads the
             columns, :meth:`SchemaReading.record` a row fingerprinted by itself); None: as given.

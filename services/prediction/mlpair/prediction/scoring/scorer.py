@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from mlpair.contracts.columns import SMALL_BATCH
 from mlpair.errors import ServiceError
 from mlpair.prediction.errors import CallerLeft, PredictionError
 from mlpair.prediction.families import ModelFamily, ModelVersion
 from mlpair.prediction.preparing.batch import Group
-from mlpair.prediction.preparing.columns import SMALL_BATCH
 from mlpair.prediction.scoring.rows import Scored, ScoredRows, Source
 
 if TYPE_CHECKING:

@@ -1,11 +1,13 @@
-"""Columnar feature assembly: many requests' attributes → one guarded ``[rows, n_features] float32`` matrix.
+"""The feature assembler for many records: raw attributes → one guarded ``[rows, n_features] float32`` matrix.
 
-The same conversion rules, guards and arithmetic as :meth:`FeatureAssembler.assemble
-<mlpair.contracts.assembly.FeatureAssembler.assemble>` (the one training used), applied a
-feature at a time over every row instead of a row at a time over every feature, so the per-row
-Python of a BatchPredict shrinks to a few list operations. Bit-identical by construction, and
-checked against the row-wise assembler on the real holdout and on generated records
-(``tests/prediction/test_columns.py``):
+Training (:meth:`FeatureAssembler.assemble_many <mlpair.contracts.assembly.FeatureAssembler.assemble_many>`)
+and PredictionService (every call's rows) assemble through :class:`ColumnAssembler`; fewer than
+:data:`SMALL_BATCH` records go row by row inside it through :meth:`FeatureAssembler.assemble
+<mlpair.contracts.assembly.FeatureAssembler.assemble>` (NumPy's cost per call would outweigh a
+column's work). The same conversion rules, guards and arithmetic either way, applied a feature
+at a time over every row instead of a row at a time over every feature. Bit-identical by
+construction, and checked against the row-wise path on the real holdout and on generated records
+(``tests/contracts/test_columns.py``):
 
 * numbers: a column whose values are all wire numbers or missing is one float64 array (None
   and NaN are missing); any other column converts value by value with the shared
@@ -38,7 +40,6 @@ from mlpair.contracts.assembly import (
     GuardEvent,
 )
 from mlpair.contracts.conversion import ConversionProblem, to_category, to_number
-from mlpair.prediction import metrics
 
 # One bit per guard action; a feature's events are listed in this order (the row-wise order).
 ACTION_BITS = {MISSING_DEFAULTED: 1, SENTINEL_DEFAULTED: 2, CLAMPED_MIN: 4, CLAMPED_MAX: 8, UNKNOWN_CATEGORY: 16}
@@ -132,7 +133,7 @@ class ColumnAssembler:
 
     def columns(self, records: Sequence[Mapping[str, Any]]) -> AttributeColumns:
         """``records``' values of :attr:`attribute_names`, for :meth:`assemble` and
-        :func:`~mlpair.prediction.preparing.idempotency.request_fingerprints` to share."""
+        :func:`~mlpair.prediction.preparing.idempotency.request_fingerprints` (PredictionService) to share."""
         return attribute_columns(records, self.attribute_names)
 
     def assemble(
@@ -205,26 +206,6 @@ class ColumnAssembler:
                     memo[key] = found
             out[i] = found
         return out
-
-    def count_guards(self, family: str, actions: np.ndarray, guards: list[RowGuards]) -> None:
-        """``prediction_feature_guards_total`` per feature and action, one per (row, feature, action)
-        of rows with guard bits ``actions`` ``[rows, n_schema_features] uint8`` and their ``guards``:
-        from each row's decoded events for a few rows, else a column of guard bits at a time."""
-        if len(guards) < SMALL_BATCH:
-            for g in guards:
-                for event in g.events:
-                    metrics.labelled(metrics.FEATURE_GUARDS, family, event.feature, event.action).inc()
-            return
-        if not actions.any():
-            return
-        for k, feat in enumerate(self.features):
-            column = actions[:, k]
-            if not column.any():
-                continue
-            for action, bit in ACTION_BITS.items():
-                n = int(np.count_nonzero(column & bit))
-                if n:
-                    metrics.labelled(metrics.FEATURE_GUARDS, family, feat.name, action).inc(n)
 
     def _decode(self, bits: np.ndarray) -> RowGuards:
         events = tuple(
