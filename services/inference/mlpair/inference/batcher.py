@@ -35,6 +35,9 @@ Batch formation (Triton's dynamic-batcher semantics, counted in rows, never requ
   the first failure of a streak is logged (with its traceback), the rest are counted; while the
   version is unhealthy, a batch without its self-test is answered :class:`ModelUnhealthy`
   (UNAVAILABLE) and never run.
+
+Tuned by ``INFERENCE_MAX_BATCH_SIZE``, ``INFERENCE_MAX_QUEUE_DELAY_MS``, ``INFERENCE_PREFERRED_BATCH_SIZES``,
+``INFERENCE_BATCHING``, ``INFERENCE_MAX_QUEUE_ROWS`` and the priority settings (``settings.py``).
 """
 
 from __future__ import annotations

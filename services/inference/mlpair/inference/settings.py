@@ -1,4 +1,8 @@
-"""InferenceService settings, from ``INFERENCE_*`` environment variables or CLI flags."""
+"""InferenceService settings, from ``INFERENCE_*`` environment variables or CLI flags.
+
+In this order: network and process; TLS; model repository and versions; runtime; GPU signals;
+health after start; dynamic batching (``max_batch_size``, ``max_queue_delay_ms``, priorities); streaming.
+Each field's docstring says what it does and its unit."""
 
 from __future__ import annotations
 

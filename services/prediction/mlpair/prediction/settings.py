@@ -1,4 +1,11 @@
-"""PredictionService settings, from ``PREDICTION_*`` environment variables or CLI flags."""
+"""PredictionService settings, from ``PREDICTION_*`` environment variables or CLI flags.
+
+In this order: the process and its peers (ports, InferenceService, model source, families);
+batching (``inference_max_batch_rows``, ``coalesce_*``, ``merge_*``) and priorities; request limits
+(``max_batch_items``, ``max_chunk_rows``), workers, shutdown and logs; the cache; the
+deadline budget, retry budget (``inference_max_attempts``) and circuit breaker; callers and their
+limits; the decision ledger and its relay; observability; outcome feedback; audit records and
+decision events; TLS. Each field's docstring says what it does and its unit."""
 
 from __future__ import annotations
 

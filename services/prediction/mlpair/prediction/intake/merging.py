@@ -31,6 +31,9 @@ with, the online ones.
 
 What is shared: the batch's ledger commit, and the log lines and spans of the batch as a whole
 (a merged batch runs in a context of its own, not as any one of its callers).
+
+Tuned by ``PREDICTION_MERGE_MAX_CALLS`` (1 decides each call alone), ``PREDICTION_MERGE_MAX_DELAY_MS``
+and ``PREDICTION_MERGE_WAIT_FROM_CALLS`` (``settings.py``).
 """
 
 from __future__ import annotations

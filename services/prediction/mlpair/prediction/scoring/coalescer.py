@@ -35,6 +35,9 @@ sent is not included (:meth:`ResilientCaller.no_budget_error`: :class:`DeadlineT
 caller with a short or expired deadline can neither shorten the others' call nor make it a
 timeout that counts against the breaker. A caller that goes away is dropped from a batch not
 yet sent; a sent call is cancelled only when every caller in it has gone.
+
+Tuned by ``PREDICTION_COALESCE_MAX_DELAY_MS`` (``max_delay_s``) and ``PREDICTION_INFERENCE_MAX_BATCH_ROWS``
+(``max_rows``) (``settings.py``).
 """
 
 from __future__ import annotations

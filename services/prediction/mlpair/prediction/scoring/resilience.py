@@ -23,6 +23,12 @@
   shedding (:class:`InferenceOverloaded`: a full queue, the mesh's rate limit) counts as neither:
   a busy service is not a broken one, and opening the circuit would turn shed calls into
   fallback decisions (errors by cause: ``scoring.client.classify``).
+
+Tuned by (``settings.py``): the budget ``PREDICTION_INFERENCE_TIMEOUT_MS``, ``PREDICTION_CRM_RESERVE_MS``,
+``PREDICTION_INFERENCE_MIN_ATTEMPT_MS``; the retry budget ``PREDICTION_INFERENCE_MAX_ATTEMPTS`` (the first
+included) and ``PREDICTION_INFERENCE_RETRY_BACKOFF_MS``; the breaker ``PREDICTION_BREAKER_FAILURE_THRESHOLD``,
+``PREDICTION_BREAKER_OPEN_MS``, ``PREDICTION_BREAKER_HALF_OPEN_PROBES``. Istio's retries multiply these
+(``deploy/istio/``).
 """
 
 from __future__ import annotations
