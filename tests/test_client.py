@@ -167,6 +167,19 @@ async def test_a_request_without_an_id_gets_a_new_uuid(prediction_target, credit
     assert uuid.UUID(reply.request_id).version == 4 and not reply.replayed
 
 
+async def test_an_empty_request_id_is_refused_rather_than_replaced(prediction_target, credit_holdout):
+    """A caller whose id came out empty gets INVALID_ARGUMENT naming the field, never a decision under
+    a fresh id that a retry of the same code would make again."""
+    def refused():
+        with PredictionClient(prediction_target) as client:
+            client.predict("credit-risk", "empty-id", credit_holdout.records[2], request_id="")
+
+    with pytest.raises(grpc.RpcError) as excinfo:
+        await asyncio.to_thread(refused)
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info(excinfo.value).metadata["field"] == "request_id"
+
+
 async def test_a_bad_attribute_is_invalid_argument_and_names_it(prediction_target):
     def refused():
         with PredictionClient(prediction_target) as client:

@@ -116,13 +116,15 @@ def predict_request(
     request_id: str | None = None,
     explain: bool = False,
 ) -> pb.PredictRequest:
-    """One ``PredictRequest``; a new request id (UUID4) when ``request_id`` is None or empty.
+    """One ``PredictRequest``; a new request id (UUID4) when ``request_id`` is None. An empty id is
+    sent as it is, and PredictionService refuses it (INVALID_ARGUMENT): an id the caller meant to
+    give but lost must not become a new decision on every retry.
 
     Raises:
         TypeError: an attribute of a type that cannot be sent (:func:`to_attributes`).
     """
     return pb.PredictRequest(
-        request_id=request_id or str(uuid.uuid4()),
+        request_id=str(uuid.uuid4()) if request_id is None else request_id,
         entity_id=entity_id,
         model_name=family,
         attributes=to_attributes(attributes),
@@ -198,7 +200,7 @@ class PredictionClient(_Client, RecordsOutcomes):
         options: extra gRPC channel options (``(name, value)`` pairs).
 
     Every call raises ``grpc.RpcError`` when refused: INVALID_ARGUMENT (an attribute the family's
-    feature schema rejects, or an unknown one), NOT_FOUND (unknown family), ALREADY_EXISTS (the
+    feature schema rejects, or an unknown one; an empty or malformed id), NOT_FOUND (unknown family), ALREADY_EXISTS (the
     request id is on record for another payload), FAILED_PRECONDITION (the model and feature
     versions disagree), RESOURCE_EXHAUSTED (shedding load: retry later), UNAVAILABLE (the service,
     its model or its decision ledger cannot be reached; nothing was recorded: retry with the same
