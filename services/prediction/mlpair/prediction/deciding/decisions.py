@@ -28,7 +28,7 @@ import numpy as np
 
 from mlpair.prediction import metrics
 from mlpair.prediction.deciding.explain import Explanation, explain_rows
-from mlpair.prediction.deciding.policy import ROUTE_INSUFFICIENT_DATA, ROUTE_UNCERTAIN
+from mlpair.prediction.deciding.policy import ROUTE_UNCERTAIN
 from mlpair.prediction.preparing.batch import Group
 from mlpair.prediction.records import DecisionColumns, StoredDecision, decision_ids_for
 from mlpair.prediction.scoring.rows import Scored, Source
@@ -94,7 +94,6 @@ def decide(
     found: list[Verdict | None] = []  # None: no usable model output
     code_of, n_schema, usable = policy.verdict_code, family.n_schema_features, scores.usable.tolist()
     stale_cache, get, guards_of = Source.STALE_CACHE, memo.get, group.guards
-    requiring = policy.missing_data.decision if policy.missing_data is not None else None
     spreads: list[float] | None = [] if family.is_ensemble else None  # the ensemble spreads decided on
     n_uncertain = 0
     for k, (s, guards) in enumerate(zip(scores.served, guards_of)):
@@ -119,14 +118,8 @@ def decide(
             hit = decision.decision, (*decision.reason_codes, *((STALE_REASON,) if key[1] else ()), *key[2])
             if len(memo) < _MEMO_LIMIT:
                 memo[key] = hit
-        if (
-            guards.defaulted
-            and requiring is not None
-            and verdict % 3 != ROUTE_INSUFFICIENT_DATA
-            and (codes := policy.missing_codes(guards.defaulted_features))
-        ):
-            stale = (STALE_REASON,) if key[1] else ()
-            hit = requiring, (*codes, policy.bands[verdict // 3].reason_code, *stale, *guards.reason_codes)
+        if guards.defaulted and (override := policy.missing_override(verdict, guards.defaulted_features)):
+            hit = override.decision, (*override.reason_codes, *((STALE_REASON,) if key[1] else ()), *key[2])
         out.append(k)
         found.append(hit)
     if spreads:

@@ -194,19 +194,19 @@ class DecisionPolicy(_Frozen):
             ValueError: probability, spread or fraction not finite or outside [0, 1].
         """
         code = self.verdict_code(probability, spread, defaulted_fraction)
-        found = self.verdict(code // 3, code % 3)
-        if code % 3 != ROUTE_INSUFFICIENT_DATA and (codes := self.missing_codes(missing)):
-            assert self.missing_data is not None  # missing_codes() is empty without a rule
-            return Decision(self.missing_data.decision, (*codes, found.band.reason_code), found.band, found.uncertain)
-        return found
+        return self.missing_override(code, missing) or self.verdict(code // 3, code % 3)
 
-    def missing_codes(self, missing: Collection[str]) -> tuple[str, ...]:
-        """The reason codes of the ``review`` missing-data rule ``missing`` breaks; empty when it
-        holds, the policy has none, or it refuses instead (the request never reaches a decision)."""
+    def missing_override(self, code: int, missing: Collection[str]) -> Decision | None:
+        """The decision the ``review`` missing-data rule makes instead of verdict ``code``'s when the
+        attributes ``missing`` break it; None when it holds, the policy has none, it refuses instead
+        (the request never reaches a decision), or insufficient data already routed the row."""
         rule = self.missing_data
-        if rule is None or rule.action != "review":
-            return ()
-        return rule.reason_codes(missing)
+        if rule is None or rule.action != "review" or code % 3 == ROUTE_INSUFFICIENT_DATA:
+            return None
+        if not (codes := rule.reason_codes(missing)):
+            return None
+        found = self.verdict(code // 3, code % 3)
+        return Decision(rule.decision, (*codes, found.band.reason_code), found.band, found.uncertain)
 
     def verdict_code(self, probability: float, spread: float = 0.0, defaulted_fraction: float = 0.0) -> int:
         """The verdict before any missing-data rule, as one small integer ``band * 3 + route``: the

@@ -36,12 +36,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from mlpair import background
 from mlpair.prediction import metrics
 from mlpair.prediction.errors import (
     CircuitOpen,
@@ -155,7 +155,7 @@ class RetryPolicy:
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1)))
+        return background.backoff_s(attempt - 1, self.backoff_base_s, self.backoff_max_s)
 
 
 @dataclass(frozen=True)
